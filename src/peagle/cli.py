@@ -1,0 +1,39 @@
+"""The `peagle` command line. Each package owns its subcommands in a `cli.py` with `register(subparsers)`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# Packages that contribute subcommands, in the order `peagle --help` lists them.
+COMMAND_MODULES = [
+    "peagle.models.cli",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="peagle",
+        description="Parallel speculative decoding (P-EAGLE) for Llama/Qwen-family models.",
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"peagle {args.command}: error: {e}", file=sys.stderr)
+        return 1

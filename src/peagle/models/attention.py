@@ -1,0 +1,64 @@
+"""The attention interface between models and whoever owns the KV state.
+
+A model computes q, k, v (RoPE applied) for a flat batch of tokens and hands them to an `AttentionBackend`. The
+backend decides what the tokens may see: the engine's backend writes k/v into a paged cache and attends over it,
+training's backend applies a FlexAttention block mask, and `DenseAttention` here is the plain reference used by
+tests and by one-off forwards.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+class AttentionBackend(Protocol):
+    def __call__(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
+
+
+def _sdpa(q, k, v, mask=None, causal=False):
+    # q: [T, Hq, D], k/v: [S, Hkv, D] -> [T, Hq, D]
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=causal and mask is None
+    )
+    return out.transpose(0, 1)
+
+
+class DenseAttention:
+    """Reference attention without a cache.
+
+    With `seq_lens`, the flat token batch is a concatenation of independent sequences, each causal.
+    With `mask` ([num_tokens, num_tokens], True = may attend), the mask decides alone.
+    """
+
+    def __init__(self, seq_lens: Sequence[int] | None = None, mask: torch.Tensor | None = None):
+        if seq_lens is not None and mask is not None:
+            raise ValueError("give DenseAttention either seq_lens or mask, not both")
+        self.seq_lens = list(seq_lens) if seq_lens is not None else None
+        self.mask = mask
+
+    def __call__(self, layer_idx, q, k, v):
+        if self.mask is not None:
+            return _sdpa(q, k, v, mask=self.mask)
+        if self.seq_lens is None:
+            return _sdpa(q, k, v, causal=True)
+        outs, start = [], 0
+        for n in self.seq_lens:
+            outs.append(_sdpa(q[start:start + n], k[start:start + n], v[start:start + n], causal=True))
+            start += n
+        if start != q.shape[0]:
+            raise ValueError(f"seq_lens sum to {start} but the batch has {q.shape[0]} tokens")
+        return torch.cat(outs)

@@ -1,0 +1,174 @@
+"""ModelConfig: the target model's shape, read from and written to a Hugging Face config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# HF architecture name -> family. One model file (llama.py) serves them all; the family only switches small options.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+FAMILY_ARCHITECTURE = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
+FAMILY_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    torch_dtype: str = "bfloat16"
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        if self.family not in FAMILY_ARCHITECTURE:
+            raise UnsupportedModelError(
+                f"unsupported model family {self.family!r}; supported: {sorted(FAMILY_ARCHITECTURE)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"config field {name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            if kind not in ("default", "llama3"):
+                raise UnsupportedModelError(f"unsupported rope_scaling type {kind!r}; supported: default, llama3")
+
+    @property
+    def architecture(self) -> str:
+        return FAMILY_ARCHITECTURE[self.family]
+
+    @property
+    def default_aux_layer_ids(self) -> tuple[int, int, int]:
+        n = self.num_hidden_layers
+        return (2, n // 2, n - 3)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.eos_token_id is None:
+            return []
+        return list(self.eos_token_id) if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        archs = d.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            model_type = d.get("model_type")
+            family = model_type if model_type in FAMILY_ARCHITECTURE else None
+            if family is None:
+                raise UnsupportedModelError(
+                    f"unsupported architecture {archs or model_type!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+                )
+        else:
+            family = SUPPORTED_ARCHITECTURES[arch]
+        d = dict(d)
+        # transformers >= 5 folds rope_theta / rope_scaling into rope_parameters; accept both spellings.
+        rope = d.get("rope_parameters") or {}
+        rope_theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling = d.get("rope_scaling")
+        if scaling is None and rope.get("rope_type", "default") != "default":
+            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
+            scaling = None
+        if d.get("sliding_window") and d.get("use_sliding_window", family == "mistral"):
+            raise UnsupportedModelError(
+                f"sliding-window attention (sliding_window={d['sliding_window']}) is not supported; "
+                "only dense full-attention checkpoints are"
+            )
+        heads = d["num_attention_heads"]
+        hidden = d["hidden_size"]
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(
+            family=family,
+            vocab_size=d["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or hidden // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-5),
+            rope_theta=float(rope_theta),
+            rope_scaling=scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=True if family == "qwen2" else bool(d.get("attention_bias", False)),
+            o_bias=False if family == "qwen2" else bool(d.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
+            extra={k: v for k, v in d.items() if k not in known},
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": FAMILY_MODEL_TYPE[self.family],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "torch_dtype": self.torch_dtype,
+        }
+        if self.family in ("llama", "qwen3"):
+            d["attention_bias"] = self.qkv_bias
+        if self.family in ("qwen2", "qwen3", "mistral"):
+            d["sliding_window"] = None
+            d["use_sliding_window"] = False
+        return d
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"{path} has no config.json; is it a Hugging Face checkpoint directory?")
+        try:
+            d = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_file} is not valid JSON: {e}") from None
+        return cls.from_hf_dict(d)

@@ -1,0 +1,66 @@
+"""The Llama-family target model (Llama, Mistral dense, Qwen2, Qwen3): one file, read top to bottom."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from peagle.models.attention import AttentionBackend
+from peagle.models.config import ModelConfig
+from peagle.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+
+
+@dataclass
+class ModelOutput:
+    hidden: torch.Tensor  # [num_tokens, hidden], after the final norm
+    aux: torch.Tensor | None  # [num_tokens, len(aux_layer_ids) * hidden], residual streams entering those layers
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def check_aux_layer_ids(self, aux_layer_ids: Sequence[int]) -> None:
+        n = self.config.num_hidden_layers
+        bad = [i for i in aux_layer_ids if not 0 <= i <= n]
+        if bad:
+            raise ValueError(f"aux layer ids {bad} out of range for a {n}-layer model (allowed 0..{n})")
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        attn: AttentionBackend,
+        aux_layer_ids: Sequence[int] | None = None,
+    ) -> ModelOutput:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        wanted = tuple(aux_layer_ids or ())
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in wanted:
+                captured[i] = x
+            x = layer(x, positions, self.rope, attn)
+        if len(self.layers) in wanted:
+            captured[len(self.layers)] = x
+        aux = torch.cat([captured[i] for i in wanted], dim=-1) if wanted else None
+        return ModelOutput(hidden=self.norm(x), aux=aux)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [num_tokens, hidden] -> [num_tokens, vocab] in fp32
+        return torch.nn.functional.linear(hidden, self.output_weight).float()

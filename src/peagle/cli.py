@@ -9,7 +9,11 @@ import sys
 
 # Packages that contribute subcommands, in the order `peagle --help` lists them.
 COMMAND_MODULES = [
-    "peagle.models.cli",
+    "peagle.models.cli",  # convert
+    "peagle.drafters.cli",  # drafter, inspect, export
+    "peagle.training.cli",  # regenerate, train
+    "peagle.server.cli",  # serve
+    "peagle.bench.cli",  # bench, testbed, quickstart
 ]
 
 
@@ -21,7 +25,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            continue  # that package has no commands yet
+        module.register(sub)
     return parser
 
 

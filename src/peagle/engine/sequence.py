@@ -1,0 +1,163 @@
+"""Sequence: one request's tokens, KV bookkeeping, drafts and metrics, on the host.
+
+Vocabulary used throughout the engine:
+- `num_computed_tokens`: leading tokens whose TARGET KV is final. The last token is never computed: it was just
+  sampled and is fed to the target in the next step.
+- `draft_token_ids`: drafts proposed for the next verification (set by the proposer, cleared by `commit` and by
+  preemption).
+- A step feeds `token_ids[num_computed_tokens:] + draft_token_ids` (`num_new_tokens` of them) to the target; the
+  verifier answers with the accepted drafts plus one sampled token (recovered or bonus), which `commit` applies.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from peagle.engine.sampling_params import SamplingParams
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Sequence:
+    """One request. Times (`arrival_time`, `now`) are `time.monotonic()` seconds."""
+
+    __slots__ = (
+        "seq_id", "token_ids", "num_prompt_tokens", "sampling_params", "eos_token_ids", "max_model_len",
+        "status", "block_table", "num_computed_tokens", "draft_token_ids", "finish_reason", "error",
+        "arrival_time", "first_token_time", "last_token_time",
+        "num_drafting_rounds", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position",
+    )
+
+    def __init__(
+        self,
+        seq_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float,
+        eos_token_ids: frozenset[int] = frozenset(),
+        max_model_len: int | None = None,
+    ):
+        self.seq_id = seq_id
+        self.token_ids = list(prompt_token_ids)  # prompt + output, one list
+        self.num_prompt_tokens = len(self.token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = frozenset(eos_token_ids)
+        # None: no length cap of its own; the scheduler sets its max_model_len on admission.
+        self.max_model_len = max_model_len
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.draft_token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.arrival_time = arrival_time
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.num_drafting_rounds = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position: list[int] = []  # [i] = rounds whose draft i was accepted; grows to the K used
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, drafts={len(self.draft_token_ids)})")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens the target is fed this step: the uncomputed span plus the drafts to verify."""
+        return len(self.token_ids) - self.num_computed_tokens + len(self.draft_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def finish(self, reason: str, error: str | None = None):
+        """Mark finished. Only the scheduler frees blocks: call `Scheduler.finish` from engine code."""
+        assert reason in FINISH_REASONS, reason
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error
+
+    def append_tokens(self, new_token_ids: list[int], now: float | None = None) -> int:
+        """Append tokens one by one up to the first stop condition; return how many were kept.
+
+        Stops (and finishes the sequence) after an EOS id unless `ignore_eos`, after a `stop_token_ids` id, or when
+        `max_tokens` outputs or `max_model_len` total tokens are reached. The stopping token is kept.
+        """
+        assert not self.is_finished, f"{self.seq_id}: append to a finished sequence"
+        kept = 0
+        for token_id in new_token_ids:
+            self.token_ids.append(token_id)
+            kept += 1
+            reason = self._stop_reason(token_id)
+            if reason is not None:
+                self.finish(reason)
+                break
+        if kept:
+            now = time.monotonic() if now is None else now
+            if self.first_token_time is None:
+                self.first_token_time = now
+            self.last_token_time = now
+        return kept
+
+    def _stop_reason(self, token_id: int) -> str | None:
+        params = self.sampling_params
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            return "stop"
+        if self.num_output_tokens >= params.max_tokens:
+            return "length"
+        if self.max_model_len is not None and len(self.token_ids) >= self.max_model_len:
+            return "length"
+        return None
+
+    def commit(self, new_token_ids: list[int], now: float | None = None) -> int:
+        """Apply one step's verifier output: the accepted drafts followed by one sampled token.
+
+        Records the drafting-round metrics (from the verifier's answer, before any stop truncation), consumes the
+        drafts, appends via `append_tokens` and marks everything but the new last token as computed: the fed span
+        and the accepted drafts now have final target KV. Returns how many tokens were kept.
+        """
+        drafts = self.draft_token_ids
+        num_accepted = len(new_token_ids) - 1
+        assert 0 <= num_accepted <= len(drafts), (self.seq_id, new_token_ids, drafts)
+        assert new_token_ids[:num_accepted] == drafts[:num_accepted], "accepted tokens must be the drafts"
+        if drafts:
+            self._record_round(len(drafts), num_accepted)
+        self.draft_token_ids = []
+        kept = self.append_tokens(new_token_ids, now)
+        self.num_computed_tokens = len(self.token_ids) - 1
+        return kept
+
+    def _record_round(self, num_drafts: int, num_accepted: int):
+        self.num_drafting_rounds += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_drafts:
+            self.accepted_per_position.extend([0] * (num_drafts - len(self.accepted_per_position)))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    def reset_for_recompute(self):
+        """Preemption by recompute: drop all KV state; the whole sequence is prefilled again on re-admission."""
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.draft_token_ids = []

@@ -1,0 +1,48 @@
+"""The engine's attention backend: write k/v into the paged cache, then attend over it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from peagle import kernels
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-forward metadata for a flat batch of B requests and T query tokens."""
+
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, -1 = write nothing
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    max_query_len: int
+
+
+class PagedAttention:
+    """AttentionBackend over one model's paged KV cache (one (k, v) pair of tensors per layer)."""
+
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata, scale: float):
+        self.kv_caches = kv_caches
+        self.meta = meta
+        self.scale = scale
+
+    def __call__(self, layer_idx, q, k, v):
+        k_cache, v_cache = self.kv_caches[layer_idx]
+        m = self.meta
+        kernels.store_kv(k, v, k_cache, v_cache, m.slot_mapping)
+        return kernels.paged_attention(
+            q, k_cache, v_cache, m.block_tables, m.query_start_loc, m.positions, self.scale, m.max_query_len
+        )
+
+
+def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                      dtype: torch.dtype, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)]
+
+
+def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,133 @@
+"""Engine and speculative-decoding configuration."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AdaptivePolicy:
+    """How many drafts to verify per request, as a function of the number of running requests.
+
+    `thresholds` maps an upper bound on running requests to K: [(4, 7), (16, 5), (64, 3)] means up to 4 running
+    requests verify 7 drafts, up to 16 verify 5, up to 64 verify 3, and more than 64 verify `above` (>= 1).
+    Larger batches make verification compute-bound, where rejected drafts cost real time; fewer drafts then pay.
+    """
+
+    thresholds: tuple[tuple[int, int], ...] = ()
+    above: int | None = None
+
+    def __post_init__(self):
+        last = 0
+        for bound, k in self.thresholds:
+            if bound <= last:
+                raise ValueError("adaptive thresholds must have increasing running-request bounds")
+            if k < 1:
+                raise ValueError(f"adaptive K must be >= 1, got {k}")
+            last = bound
+        if self.above is not None and self.above < 1:
+            raise ValueError(f"adaptive 'above' K must be >= 1, got {self.above}")
+
+    def k_for(self, num_running: int, k_max: int) -> int:
+        for bound, k in self.thresholds:
+            if num_running <= bound:
+                return min(k, k_max)
+        return min(self.above if self.above is not None else k_max, k_max)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding, configured as vLLM takes it.
+
+    `{"method": "eagle3", "model": DIR, "num_speculative_tokens": 7, "parallel_drafting": true}` is P-EAGLE;
+    without `parallel_drafting` it is EAGLE-3 unless the head's own config says it was trained as P-EAGLE.
+    """
+
+    method: str
+    model: str
+    num_speculative_tokens: int
+    parallel_drafting: bool | None = None
+    adaptive: AdaptivePolicy = field(default_factory=AdaptivePolicy)
+
+    def __post_init__(self):
+        if self.method not in ("eagle3", "peagle", "eagle"):
+            raise ValueError(f"speculative_config.method must be 'eagle3' (or 'peagle'), got {self.method!r}")
+        if not self.model:
+            raise ValueError("speculative_config.model (the drafter checkpoint directory) is required")
+        if not 1 <= self.num_speculative_tokens <= 32:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens must be in 1..32, got {self.num_speculative_tokens}"
+            )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | str | None) -> "SpeculativeConfig | None":
+        if d is None or d == "" or d == {}:
+            return None
+        if isinstance(d, str):
+            try:
+                d = json.loads(d)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative config is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError("speculative config must be a JSON object")
+        known = {"method", "model", "num_speculative_tokens", "parallel_drafting", "adaptive"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config field(s) {unknown}; known: {sorted(known)}")
+        missing = [k for k in ("method", "model", "num_speculative_tokens") if k not in d]
+        if missing:
+            raise ValueError(f"speculative_config is missing {missing}")
+        adaptive = d.get("adaptive") or {}
+        policy = AdaptivePolicy(
+            thresholds=tuple(tuple(t) for t in adaptive.get("thresholds", ())),
+            above=adaptive.get("above"),
+        )
+        return cls(
+            method=d["method"],
+            model=str(d["model"]),
+            num_speculative_tokens=int(d["num_speculative_tokens"]),
+            parallel_drafting=d.get("parallel_drafting"),
+            adaptive=policy,
+        )
+
+    @classmethod
+    def from_env(cls) -> "SpeculativeConfig | None":
+        for var in ("PEAGLE_SPECULATIVE_CONFIG", "SM_VLLM_SPECULATIVE_CONFIG"):
+            if os.environ.get(var):
+                return cls.from_dict(os.environ[var])
+        return None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineConfig:
+    model: str
+    dtype: str = "bfloat16"
+    device: str = "cuda"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    gpu_memory_utilization: float = 0.9
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    enforce_eager: bool = False
+    seed: int = 0
+    speculative: SpeculativeConfig | None = None
+
+    def __post_init__(self):
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if not 0.05 <= self.gpu_memory_utilization <= 0.99:
+            raise ValueError(f"gpu_memory_utilization must be in [0.05, 0.99], got {self.gpu_memory_utilization}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.block_size not in (8, 16, 32, 64):
+            raise ValueError(f"block_size must be 8, 16, 32 or 64, got {self.block_size}")
+
+
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
+                 "auto": "bfloat16"}

@@ -1,0 +1,217 @@
+"""The engine loop: schedule, run, commit. Servers and benchmarks drive it step by step."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from peagle.engine.config import EngineConfig
+from peagle.engine.model_runner import ModelRunner
+from peagle.engine.outputs import RequestMetrics, StepOutput
+from peagle.engine.sampler import SamplingTensors
+from peagle.engine.sampling_params import SamplingParams
+from peagle.engine.scheduler import Scheduler, SchedulerConfig
+from peagle.engine.sequence import Sequence
+from peagle.engine.spec.proposer import Eagle3Proposer, ParallelDraftingProposer
+from peagle.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+_ACTIVATION_RESERVE = 2 << 30  # bytes kept free for activations, logits and graphs
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        from peagle.models.loader import load_model, load_tokenizer
+
+        self.config = config
+        self.device = _device(config.device)
+        self.dtype = getattr(torch, config.dtype)
+        torch.manual_seed(config.seed)
+        self.model_config = ModelConfig.from_dir(config.model)
+        has_tokenizer = (Path(config.model) / "tokenizer.json").is_file()
+        self.tokenizer = load_tokenizer(config.model) if has_tokenizer else None
+        self.target = load_model(config.model, dtype=self.dtype, device=self.device)
+        self.spec = config.speculative
+        drafter, proposer_cls = self._load_drafter()
+        self.k = self.spec.num_speculative_tokens if self.spec else 0
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        # MASK slots and verify rows run up to 2K positions past the last token.
+        need = self.max_model_len + 2 * self.k + 1
+        for m in (self.target, drafter):
+            if m is not None and m.rope.max_positions < need:
+                m.rope.max_positions = need
+        block_size = config.block_size
+        num_blocks = self._num_blocks(drafter)
+        self.runner = ModelRunner(self.target, drafter, proposer_cls, k=self.k, block_size=block_size,
+                                  num_blocks=num_blocks, max_model_len=self.max_model_len, device=self.device,
+                                  dtype=self.dtype)
+        max_batched = config.max_num_batched_tokens or max(self.max_model_len, config.max_num_seqs * (self.k + 1))
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=self.max_model_len,
+            block_size=block_size, num_blocks=num_blocks, num_lookahead_slots=2 * self.k,
+        ))
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer
+                                       else self.model_config.eos_token_ids)
+        self._generators: dict[str, torch.Generator] = {}
+        if self.device.type == "cuda" and not config.enforce_eager:
+            from peagle.engine.cuda_graph import CudaGraphs
+
+            ks = sorted({self.k} | {k for _, k in self.spec.adaptive.thresholds} if self.spec else {0})
+            self.runner.graphs = CudaGraphs(self.runner, config.max_num_seqs, [min(k, self.k) for k in ks])
+        logger.info("engine ready: %s, %d KV blocks of %d, K=%d", config.model, num_blocks, block_size, self.k)
+
+    # ---- construction ------------------------------------------------------------------------------------------
+
+    def _load_drafter(self):
+        if self.spec is None:
+            return None, None
+        from peagle.drafters import load_drafter
+
+        drafter = load_drafter(self.spec.model, self.model_config, device=self.device, dtype=self.dtype,
+                               target=self.target)
+        parallel = self.spec.parallel_drafting
+        if self.spec.method == "peagle":
+            parallel = True
+        if parallel is None:
+            parallel = drafter.config.method == "peagle"
+        if parallel and drafter.config.method != "peagle":
+            raise ValueError(
+                f"parallel_drafting needs a P-EAGLE head (mask token and mask_hidden); {self.spec.model} is an "
+                f"{drafter.config.method} head: drop parallel_drafting or use a P-EAGLE checkpoint"
+            )
+        return drafter, (ParallelDraftingProposer if parallel else Eagle3Proposer)
+
+    def _num_blocks(self, drafter) -> int:
+        cfg = self.config
+        per_block = ModelRunner.kv_block_bytes(self.target, drafter, cfg.block_size, self.dtype)
+        per_seq = -(-(self.max_model_len + 2 * self.k + 1) // cfg.block_size)
+        useful = cfg.max_num_seqs * per_seq
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if self.device.type != "cuda":
+            return min(useful, max(per_seq, (1 << 30) // per_block))
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = total * cfg.gpu_memory_utilization - (total - free) - _ACTIVATION_RESERVE
+        blocks = int(budget // per_block)
+        if blocks < per_seq:
+            raise ValueError(
+                f"not enough GPU memory for one {self.max_model_len}-token sequence's KV cache "
+                f"({blocks} blocks fit); raise gpu_memory_utilization or lower max_model_len"
+            )
+        return min(blocks, useful)
+
+    # ---- requests ----------------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                    arrival_time: float | None = None) -> Sequence:
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        seq = Sequence(request_id, prompt_token_ids, sampling_params,
+                       time.monotonic() if arrival_time is None else arrival_time, self.eos_token_ids)
+        self.scheduler.add(seq)
+        if sampling_params.seed is not None and not sampling_params.greedy:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(sampling_params.seed)
+            self._generators[request_id] = gen
+        return seq
+
+    def abort_request(self, request_id: str) -> bool:
+        self._generators.pop(request_id, None)
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        bm = self.scheduler.block_manager
+        return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.num_used_blocks,
+                           self.scheduler.config.num_blocks)
+
+    # ---- the loop ----------------------------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        k = self.spec.adaptive.k_for(self.scheduler.num_running, self.k) if self.spec else 0
+        for seq in self.scheduler.running:
+            room = self.max_model_len - seq.num_tokens  # verify positions must stay inside max_model_len
+            del seq.draft_token_ids[max(0, min(k, room)):]
+        sched = self.scheduler.schedule()
+        outputs: list[StepOutput] = []
+        if sched.seqs:
+            result = self.runner.execute(sched.seqs, [s.draft_token_ids for s in sched.seqs],
+                                         self._sampling_tensors(sched.seqs))
+            now = time.monotonic()
+            for seq, tokens, drafts in zip(sched.seqs, result.output_tokens, result.drafts):
+                before = seq.num_tokens
+                seq.commit(tokens, now)
+                self._check_stop_strings(seq, before)
+                if not seq.is_finished and self.k:
+                    seq.draft_token_ids = drafts
+                outputs.append(StepOutput(seq.seq_id, seq.token_ids[before:], seq.is_finished))
+        by_id = {o.request_id: o for o in outputs}
+        now = time.monotonic()
+        for seq in self.scheduler.release_finished():
+            self._generators.pop(seq.seq_id, None)
+            out = by_id.get(seq.seq_id)
+            if out is None:  # finished without running this step: refused prompt, out of KV
+                out = StepOutput(seq.seq_id, [], True)
+                outputs.append(out)
+            out.finished, out.finish_reason, out.error = True, seq.finish_reason, seq.error
+            out.metrics = RequestMetrics.of(seq, now)
+        return outputs
+
+    def _check_stop_strings(self, seq: Sequence, before: int):
+        stops = seq.sampling_params.stop
+        if not stops or self.tokenizer is None:
+            return
+        out_start = seq.num_prompt_tokens
+        # Find the first new token whose text completes a stop string; keep tokens up to it.
+        for end in range(max(before, out_start + 1), seq.num_tokens + 1):
+            text = self.tokenizer.decode(seq.token_ids[out_start:end])
+            if any(s in text for s in stops):
+                del seq.token_ids[end:]
+                self.scheduler.finish(seq, "stop")
+                return
+
+    def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+        params = [s.sampling_params for s in seqs]
+        all_greedy = all(p.greedy for p in params)
+        dev = self.device
+        if all_greedy:
+            z = torch.zeros(0, device=dev)
+            return SamplingTensors(z, z.long(), z, True, False, [])
+        temp = torch.tensor([0.0 if p.greedy else p.temperature for p in params], device=dev)
+        top_k = torch.tensor([max(p.top_k, 0) for p in params], device=dev)
+        top_p = torch.tensor([p.top_p for p in params], device=dev)
+        needs_filter = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
+        gens = [self._generators.get(s.seq_id) for s in seqs]
+        return SamplingTensors(temp, top_k, top_p, False, needs_filter, gens)
+
+    def text_of(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids) if self.tokenizer else ""
+
+
+def _device(name: str) -> torch.device:
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was requested but CUDA is not available; pass device='cpu'")
+    return dev

@@ -1,0 +1,199 @@
+"""The only place where scheduled sequences become tensors.
+
+One step: the target verifies every request's fed tokens (uncomputed tokens plus drafts) in one forward, the verifier
+accepts drafts losslessly, and the proposer drafts the next K tokens from the verified batch. Pure decode steps of
+the common shape replay CUDA graphs (cuda_graph.py); everything else runs eagerly through the same functions.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from peagle.engine.attention import AttentionMetadata, PagedAttention, allocate_kv_cache, kv_bytes_per_block
+from peagle.engine.sampler import SamplingTensors, exponential_like, target_probs, uniform_like
+from peagle.engine.spec.proposer import DraftInputs, Proposer
+from peagle.engine.spec.verifier import verify_greedy, verify_sampled
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInputs:
+    """Host-built arrays for one step of B requests and T fed tokens (padded to a graph bucket when graphed)."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [B + 1] int32
+    block_tables: np.ndarray  # [B, max_blocks] int32
+    logit_rows: np.ndarray  # [B, k + 1] rows whose target logits verify (the last num_drafts + 1 of each request)
+    drafts: np.ndarray  # [B, k] int64
+    num_drafts: np.ndarray  # [B] int64
+    max_query_len: int
+    num_real: int  # requests before padding
+
+
+@dataclass
+class StepResult:
+    output_tokens: list[list[int]]  # per request: accepted drafts then the next token
+    num_accepted: list[int]
+    drafts: list[list[int]]  # per request: the next round's K drafts ([] without speculation)
+
+
+class ModelRunner:
+    def __init__(self, target, drafter, proposer_cls, *, k: int, block_size: int, num_blocks: int,
+                 max_model_len: int, device: torch.device, dtype: torch.dtype):
+        self.target = target
+        self.drafter = drafter
+        self.k = k if drafter is not None else 0
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.scratch_block = num_blocks  # one extra block that padding requests of a graph bucket write into
+        self.device = device
+        self.dtype = dtype
+        self.max_blocks_per_seq = -(-(max_model_len + 2 * self.k + 1) // block_size)
+        tcfg = target.config
+        self.target_scale = tcfg.head_dim ** -0.5
+        self.target_kv = allocate_kv_cache(tcfg.num_hidden_layers, num_blocks + 1, block_size,
+                                           tcfg.num_key_value_heads, tcfg.head_dim, dtype, device)
+        self.aux_layer_ids = None
+        self.proposer: Proposer | None = None
+        if drafter is not None:
+            dcfg = drafter.config.transformer_layer_config
+            self.aux_layer_ids = tuple(drafter.config.aux_layer_ids)
+            draft_kv = allocate_kv_cache(drafter.config.num_layers, num_blocks + 1, block_size,
+                                         dcfg.num_key_value_heads, dcfg.head_dim, dtype, device)
+            self.proposer = proposer_cls(drafter, draft_kv, block_size, self.k)
+        self.graphs = None  # set by enable_cuda_graphs
+
+    # ---- sizing -------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def kv_block_bytes(target, drafter, block_size: int, dtype: torch.dtype) -> int:
+        t = target.config
+        n = kv_bytes_per_block(t.num_hidden_layers, block_size, t.num_key_value_heads, t.head_dim, dtype)
+        if drafter is not None:
+            d = drafter.config.transformer_layer_config
+            n += kv_bytes_per_block(drafter.config.num_layers, block_size, d.num_key_value_heads, d.head_dim, dtype)
+        return n
+
+    # ---- host side: sequences -> arrays -------------------------------------------------------------------------
+
+    def build_inputs(self, seqs, drafts: list[list[int]], k: int, pad_to: int | None = None) -> StepInputs:
+        bs = self.block_size
+        ids, pos, slots, lens = [], [], [], []
+        tables = np.full((pad_to or len(seqs), self.max_blocks_per_seq), self.scratch_block, dtype=np.int32)
+        for b, (seq, d) in enumerate(zip(seqs, drafts)):
+            nc = seq.num_computed_tokens
+            feed = seq.token_ids[nc:] + d
+            p = np.arange(nc, nc + len(feed), dtype=np.int64)
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            ids.append(np.asarray(feed, dtype=np.int64))
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            tables[b, :len(table)] = table
+            lens.append(len(feed))
+        num_drafts = [len(d) for d in drafts]
+        drafts_arr = np.zeros((len(tables), k), dtype=np.int64)
+        for b, d in enumerate(drafts):
+            drafts_arr[b, :len(d)] = d
+        for _ in range(len(tables) - len(seqs)):  # graph-bucket padding: k+1 rows writing the scratch block
+            ids.append(np.zeros(k + 1, dtype=np.int64))
+            pos.append(np.arange(k + 1, dtype=np.int64))
+            slots.append(self.scratch_block * bs + np.arange(k + 1, dtype=np.int64) % bs)
+            lens.append(k + 1)
+            num_drafts.append(k)
+        qsl = np.zeros(len(lens) + 1, dtype=np.int32)
+        np.cumsum(lens, out=qsl[1:])
+        nd = np.asarray(num_drafts, dtype=np.int64)
+        # The last num_drafts + 1 rows of each request verify; shorter requests repeat their last row.
+        j = np.arange(k + 1)[None, :]
+        first = qsl[1:, None] - (nd[:, None] + 1)
+        rows = np.minimum(first + j, qsl[1:, None] - 1)
+        return StepInputs(
+            input_ids=np.concatenate(ids), positions=np.concatenate(pos), slot_mapping=np.concatenate(slots),
+            query_start_loc=qsl, block_tables=tables, logit_rows=rows.astype(np.int64), drafts=drafts_arr,
+            num_drafts=nd, max_query_len=max(lens), num_real=len(seqs),
+        )
+
+    def to_device(self, inp: StepInputs) -> dict[str, torch.Tensor]:
+        dev = self.device
+        t = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
+        return {"input_ids": t(inp.input_ids), "positions": t(inp.positions), "slot_mapping": t(inp.slot_mapping),
+                "query_start_loc": t(inp.query_start_loc), "block_tables": t(inp.block_tables),
+                "logit_rows": t(inp.logit_rows.reshape(-1)), "drafts": t(inp.drafts),
+                "num_drafts": t(inp.num_drafts)}
+
+    # ---- device side --------------------------------------------------------------------------------------------
+
+    def target_forward(self, x: dict[str, torch.Tensor], max_query_len: int, all_rows: bool = False):
+        meta = AttentionMetadata(x["positions"], x["slot_mapping"], x["block_tables"], x["query_start_loc"],
+                                 max_query_len)
+        out = self.target(x["input_ids"], x["positions"], PagedAttention(self.target_kv, meta, self.target_scale),
+                          self.aux_layer_ids)
+        hidden = out.hidden if all_rows else out.hidden[x["logit_rows"]]
+        return self.target.compute_logits(hidden), out.aux  # [B*(k+1), V], [T, F]
+
+    def propose(self, x: dict[str, torch.Tensor], aux, num_rejected, next_tokens, max_query_len: int):
+        return self.proposer.propose(DraftInputs(
+            input_ids=x["input_ids"], positions=x["positions"], slot_mapping=x["slot_mapping"],
+            query_start_loc=x["query_start_loc"], block_tables=x["block_tables"], aux=aux,
+            num_rejected=num_rejected, next_tokens=next_tokens, max_query_len=max_query_len,
+        ))
+
+    def verify(self, logits, x, st: SamplingTensors, k: int, num_real: int):
+        logits = logits[: num_real * (k + 1)]
+        drafts, nd = x["drafts"][:num_real], x["num_drafts"][:num_real]
+        if st.all_greedy:
+            return verify_greedy(logits.argmax(-1).view(num_real, k + 1), drafts, nd)
+        probs = target_probs(logits, st, k + 1).view(num_real, k + 1, -1)
+        u = uniform_like((num_real, max(k, 1)), logits.device, st.generators)[:, :k]
+        noise = exponential_like(probs[:, 0], st.generators, 1)
+        return verify_sampled(probs, drafts, nd, u, noise)
+
+    @torch.inference_mode()
+    def execute(self, seqs, drafts: list[list[int]], st: SamplingTensors) -> StepResult:
+        k = max((len(d) for d in drafts), default=0)
+        graphed = self.graphs is not None and self.graphs.can_run(seqs, drafts, k)
+        if graphed:
+            inp = self.build_inputs(seqs, drafts, k, pad_to=self.graphs.bucket_for(len(seqs)))
+            x = self.graphs.load_inputs(inp)
+            logits, aux = self.graphs.run_target(len(inp.query_start_loc) - 1)
+        else:
+            inp = self.build_inputs(seqs, drafts, k)
+            x = self.to_device(inp)
+            logits, aux = self.target_forward(x, inp.max_query_len)
+        v = self.verify(logits, x, st, k, inp.num_real)
+        new_drafts = None
+        if self.proposer is not None:
+            pad = len(inp.query_start_loc) - 1 - inp.num_real
+            num_rejected = x["num_drafts"][: inp.num_real] - v.num_accepted
+            next_tokens = v.next_tokens
+            if pad:
+                num_rejected = torch.cat([num_rejected, num_rejected.new_zeros(pad)])
+                next_tokens = torch.cat([next_tokens, next_tokens.new_zeros(pad)])
+            if graphed:
+                new_drafts = self.graphs.run_proposer(len(inp.query_start_loc) - 1, num_rejected, next_tokens)
+            else:
+                new_drafts = self.propose(x, aux, num_rejected, next_tokens, inp.max_query_len)
+            new_drafts = new_drafts[: inp.num_real]
+        return self._to_host(v, new_drafts, inp.num_real)
+
+    def _to_host(self, v, new_drafts, b) -> StepResult:
+        parts = [v.output_tokens.long().reshape(b, -1), v.num_accepted.long().reshape(b, 1)]
+        if new_drafts is not None:
+            parts.append(new_drafts.long().reshape(b, -1))
+        packed = torch.cat(parts, dim=1).cpu().tolist()  # the step's one host synchronisation
+        width = parts[0].shape[1]
+        out, acc, drafts = [], [], []
+        for row in packed:
+            toks = row[:width]
+            a = row[width]
+            out.append(toks[: a + 1])
+            acc.append(a)
+            drafts.append(row[width + 1:])
+        return StepResult(out, acc, drafts)

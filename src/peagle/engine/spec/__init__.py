@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers draft, the verifier accepts losslessly."""

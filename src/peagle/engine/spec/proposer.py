@@ -1,0 +1,101 @@
+"""Proposers: turn the verified target batch into the next K drafts per request.
+
+EAGLE-3 and P-EAGLE share the first step, the fused expansion of the verified batch into the draft batch
+(`peagle.kernels.expand_draft_batch`). P-EAGLE appends K-1 MASK slots per request and drafts all K tokens in that
+one pass; EAGLE-3 drafts one token from it, then chains K-1 single-token passes on its own hidden state.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from peagle import kernels
+from peagle.engine.attention import AttentionMetadata, PagedAttention
+
+
+@dataclass
+class DraftInputs:
+    """The verified target batch, as the proposer sees it. All tensors live on the device."""
+
+    input_ids: torch.Tensor  # [T] target input ids of the step
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T]
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    aux: torch.Tensor  # [T, 3 * d_target] target features
+    num_rejected: torch.Tensor  # [B] trailing target rows that are not valid
+    next_tokens: torch.Tensor  # [B] the token sampled after the last valid row
+    max_query_len: int
+
+
+class Proposer(ABC):
+    """Drafts K tokens per request with a drafter that owns a paged KV cache of its own."""
+
+    def __init__(self, drafter, kv_caches, block_size: int, k: int):
+        self.drafter = drafter
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.k = k
+        cfg = drafter.config.transformer_layer_config
+        self.scale = cfg.head_dim ** -0.5
+
+    @abstractmethod
+    def propose(self, inp: DraftInputs) -> torch.Tensor:  # [B, K] target ids
+        ...
+
+    def _first_pass(self, inp: DraftInputs, num_mask_slots: int, mask_hidden: torch.Tensor | None):
+        e = kernels.expand_draft_batch(
+            inp.input_ids, inp.positions, inp.slot_mapping, inp.query_start_loc, inp.num_rejected,
+            inp.next_tokens, inp.block_tables, self.block_size, self.mask_token_id, num_mask_slots,
+        )
+        features = kernels.gather_draft_features(inp.aux, e.hidden_index, mask_hidden)  # [R, 3 * d_target]
+        meta = AttentionMetadata(e.positions, e.slot_mapping, inp.block_tables, e.query_start_loc,
+                                 inp.max_query_len + num_mask_slots)
+        hidden = self.drafter(e.input_ids, e.positions, PagedAttention(self.kv_caches, meta, self.scale),
+                              self.drafter.fc(features))  # [R, d]
+        return e, hidden
+
+    def _tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.drafter.to_target_ids(self.drafter.compute_logits(hidden).argmax(dim=-1))
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.drafter.config.mask_token_id if self.drafter.config.mask_token_id is not None else 0
+
+
+class ParallelDraftingProposer(Proposer):
+    """P-EAGLE: [shifted tokens..., next token, MASK x (K-1)] in ONE drafter pass."""
+
+    def propose(self, inp: DraftInputs) -> torch.Tensor:
+        e, hidden = self._first_pass(inp, self.k - 1, self.drafter.mask_hidden)
+        b = e.sample_rows.shape[0]
+        return self._tokens(hidden[e.sample_rows.reshape(-1)]).view(b, self.k)
+
+
+class Eagle3Proposer(Proposer):
+    """EAGLE-3: one pass over the verified rows, then K-1 chained passes fed the drafter's own argmax and hidden."""
+
+    def propose(self, inp: DraftInputs) -> torch.Tensor:
+        e, hidden = self._first_pass(inp, 0, None)
+        rows = e.sample_rows[:, 0]
+        h = hidden[rows]  # [B, d]
+        token = self._tokens(h)
+        drafts = [token]
+        b = rows.shape[0]
+        live = inp.query_start_loc[1:] > inp.query_start_loc[:-1]  # padding requests write nothing
+        pos = e.positions[rows]
+        qsl = torch.arange(b + 1, device=pos.device, dtype=inp.query_start_loc.dtype)
+        for _ in range(self.k - 1):
+            pos = pos + 1
+            block = inp.block_tables.gather(1, (pos // self.block_size).clamp(max=inp.block_tables.shape[1] - 1)
+                                            .long()[:, None]).squeeze(1)
+            slots = torch.where(live, block.long() * self.block_size + pos % self.block_size,
+                                torch.full_like(pos, -1, dtype=torch.long))
+            meta = AttentionMetadata(pos, slots, inp.block_tables, qsl, 1)
+            h = self.drafter(token, pos, PagedAttention(self.kv_caches, meta, self.scale), h)
+            token = self._tokens(h)
+            drafts.append(token)
+        return torch.stack(drafts, dim=1)

@@ -1,0 +1,249 @@
+"""Scheduler: continuous batching over the paged KV cache, with preemption by recompute.
+
+Each `schedule()` builds one step:
+1. Running sequences, oldest first, as decodes (`num_new_tokens` = 1 + drafts each) while the token budget
+   allows. Each gets blocks for `num_tokens + num_lookahead_slots` slots; when the cache runs out, the most
+   recently admitted running sequence not yet in this step is preempted by recompute (its blocks freed, back to
+   the front of the waiting queue). A sequence that has nobody left to preempt goes back to waiting itself, or,
+   when it runs alone and still does not fit, finishes with "length": the cache cannot hold it.
+2. Waiting sequences, in order, as prefills of their whole uncomputed span (no chunked prefill), while
+   `max_num_seqs`, the token budget and free blocks allow; none are admitted in a step that preempted.
+The batch is empty only when nothing is left waiting or running, so the engine loop cannot livelock.
+
+The engine's step: `out = schedule()`; run `out.seqs` (may be empty: skip the model); `seq.commit(new_token_ids)`
+for each; `scheduler.finish(seq, "stop")` on a stop string; set `seq.draft_token_ids` for the next verification
+of each unfinished sequence; `release_finished()` for the sequences to report as done (including requests
+refused by `add` and those the cache could not hold). Loop while `has_unfinished()`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from peagle.engine.block_manager import BlockManager
+from peagle.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SchedulerConfig:
+    """Scheduling limits. `num_lookahead_slots` is 2K with K speculative tokens (verify writes K+1 positions,
+    the drafter up to 2K-1 ahead of the sequence), 0 without speculation."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    num_lookahead_slots: int = 0
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.max_model_len, int) or self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be an int >= 2 (a prompt token and an output), "
+                             f"got {self.max_model_len!r}")
+        if not isinstance(self.num_lookahead_slots, int) or self.num_lookahead_slots < 0:
+            raise ValueError(f"num_lookahead_slots must be an int >= 0, got {self.num_lookahead_slots!r}")
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}): prompts and recomputed sequences are prefilled in one step"
+            )
+        if self.max_num_batched_tokens < 1 + self.num_lookahead_slots:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= 1 + num_lookahead_slots "
+                f"({self.num_lookahead_slots}) to verify one request's drafts"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    seqs: list[Sequence]  # the step's batch: the first num_prefill are prefills, the rest decodes
+    num_prefill: int
+    preempted: list[Sequence]  # preempted by recompute during this call (now waiting, without blocks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.waiting: deque[Sequence] = deque()  # no blocks; front is next to admit
+        self.running: list[Sequence] = []  # hold blocks; in admission order
+        self._finished: list[Sequence] = []  # finished, blocks freed, not yet released
+        self._seqs: dict[str, Sequence] = {}  # every sequence not yet released, by id
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        """Whether any sequence is waiting, running, or finished but not yet returned by `release_finished`."""
+        return bool(self._seqs)
+
+    def add(self, seq: Sequence):
+        """Queue a new sequence. A prompt that can never run finishes at once with "error" (see `seq.error`)."""
+        if seq.seq_id in self._seqs:
+            raise ValueError(f"request id {seq.seq_id!r} is already in use")
+        assert seq.status is SequenceStatus.WAITING and not seq.block_table and seq.num_computed_tokens == 0
+        cfg = self.config
+        seq.max_model_len = cfg.max_model_len if seq.max_model_len is None else min(seq.max_model_len,
+                                                                                     cfg.max_model_len)
+        self._seqs[seq.seq_id] = seq
+        error = self._prompt_error(seq)
+        if error is not None:
+            seq.finish("error", error)
+            self._finished.append(seq)
+            return
+        self.waiting.append(seq)
+
+    def _prompt_error(self, seq: Sequence) -> str | None:
+        n = seq.num_prompt_tokens
+        if n == 0:
+            return "the prompt is empty"
+        if n > seq.max_model_len - 1:
+            return (f"the prompt has {n} tokens; at most {seq.max_model_len - 1} fit "
+                    f"(max_model_len {seq.max_model_len} minus one output token)")
+        needed = self.block_manager.blocks_needed(n + self.config.num_lookahead_slots)
+        if needed > self.config.num_blocks:
+            return (f"the prompt needs {needed} KV blocks but the cache has {self.config.num_blocks} "
+                    f"(block_size {self.config.block_size})")
+        return None
+
+    def schedule(self) -> SchedulerOutput:
+        self._reap()
+        decodes, preempted, num_tokens = self._schedule_running()
+        prefills = [] if preempted else self._admit_waiting(num_tokens)
+        return SchedulerOutput(prefills + decodes, len(prefills), preempted)
+
+    def _schedule_running(self) -> tuple[list[Sequence], list[Sequence], int]:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[Sequence] = []
+        preempted: list[Sequence] = []
+        num_tokens = 0
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            assert len(seq.draft_token_ids) <= self.config.num_lookahead_slots, seq
+            n = seq.num_new_tokens
+            if num_tokens + n > budget:
+                continue
+            if self._reserve(seq, scheduled, preempted):
+                scheduled.append(seq)
+                num_tokens += n
+        return scheduled, preempted, num_tokens
+
+    def _reserve(self, seq: Sequence, scheduled: list[Sequence], preempted: list[Sequence]) -> bool:
+        """Give a running `seq` blocks for its next step, preempting younger sequences; False if it lost its place."""
+        num_slots = seq.num_tokens + self.config.num_lookahead_slots
+        while not self.block_manager.can_allocate(seq, num_slots):
+            victim = self._pick_victim(seq, scheduled)
+            if victim is None:
+                if not scheduled:  # alone in the cache and still too long
+                    self._finish_out_of_kv(seq, num_slots)
+                    return False
+                victim = seq
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        self.block_manager.allocate(seq, num_slots)
+        return True
+
+    def _pick_victim(self, seq: Sequence, scheduled: list[Sequence]) -> Sequence | None:
+        for candidate in reversed(self.running):
+            if candidate is not seq and candidate not in scheduled:
+                return candidate
+        return None
+
+    def _admit_waiting(self, num_tokens: int) -> list[Sequence]:
+        cfg = self.config
+        admitted: list[Sequence] = []
+        while self.waiting and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            num_slots = seq.num_tokens + cfg.num_lookahead_slots
+            if self.block_manager.blocks_needed(num_slots) > cfg.num_blocks:
+                self.waiting.popleft()
+                self._finish_out_of_kv(seq, num_slots)
+                continue
+            if num_tokens + seq.num_new_tokens > cfg.max_num_batched_tokens:
+                break
+            if not self.block_manager.can_allocate(seq, num_slots):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, num_slots)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            admitted.append(seq)
+            num_tokens += seq.num_new_tokens
+        return admitted
+
+    def _preempt(self, seq: Sequence):
+        logger.debug("preempting %s by recompute (%d blocks free)", seq, self.block_manager.num_free_blocks)
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+
+    def _finish_out_of_kv(self, seq: Sequence, num_slots: int):
+        message = (f"the KV cache ({self.config.num_blocks} blocks of {self.config.block_size}) cannot hold "
+                   f"{num_slots} slots for this request alone; stopped after {seq.num_output_tokens} output tokens")
+        logger.warning("request %s: %s", seq.seq_id, message)
+        if seq in self.running:
+            self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.finish("length", message)
+        self._finished.append(seq)
+
+    def finish(self, seq: Sequence, reason: str, error: str | None = None):
+        """Finish `seq` (e.g. "stop" on a stop string, "error" on a failure) and free its blocks now.
+
+        On a sequence that already finished (e.g. "length" in the same step) only the reason changes."""
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq in self.running:
+            self.running.remove(seq)
+        else:  # finished and reaped already
+            seq.finish(reason, error)
+            return
+        self.block_manager.free(seq)
+        seq.finish(reason, error)
+        self._finished.append(seq)
+
+    def abort(self, seq_id: str) -> Sequence | None:
+        """Finish an unfinished sequence with "abort" and free its blocks now. It is returned here and not again
+        by `release_finished`; None if the id is unknown or the sequence already finished."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.is_finished:
+            return None
+        self.finish(seq, "abort")
+        self._finished.remove(seq)
+        del self._seqs[seq_id]
+        return seq
+
+    def _reap(self):
+        """Move sequences that finished during a step out of `running`, freeing their blocks."""
+        if not any(seq.is_finished for seq in self.running):
+            return
+        for seq in self.running:
+            if seq.is_finished:
+                self.block_manager.free(seq)
+                self._finished.append(seq)
+        self.running = [seq for seq in self.running if not seq.is_finished]
+
+    def release_finished(self) -> list[Sequence]:
+        """Return every sequence finished since the last call (their blocks are free) and forget them."""
+        self._reap()
+        finished, self._finished = self._finished, []
+        for seq in finished:
+            del self._seqs[seq.seq_id]
+        return finished

@@ -28,13 +28,6 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One request. Times (`arrival_time`, `now`) are `time.monotonic()` seconds."""
 
-    __slots__ = (
-        "seq_id", "token_ids", "num_prompt_tokens", "sampling_params", "eos_token_ids", "max_model_len",
-        "status", "block_table", "num_computed_tokens", "draft_token_ids", "finish_reason", "error",
-        "arrival_time", "first_token_time", "last_token_time",
-        "num_drafting_rounds", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position",
-    )
-
     def __init__(
         self,
         seq_id: str,

@@ -95,9 +95,8 @@ class Scheduler:
         if seq.seq_id in self._seqs:
             raise ValueError(f"request id {seq.seq_id!r} is already in use")
         assert seq.status is SequenceStatus.WAITING and not seq.block_table and seq.num_computed_tokens == 0
-        cfg = self.config
-        seq.max_model_len = cfg.max_model_len if seq.max_model_len is None else min(seq.max_model_len,
-                                                                                     cfg.max_model_len)
+        limit = self.config.max_model_len
+        seq.max_model_len = limit if seq.max_model_len is None else min(seq.max_model_len, limit)
         self._seqs[seq.seq_id] = seq
         error = self._prompt_error(seq)
         if error is not None:

@@ -69,6 +69,6 @@ def verify_sampled(
 def _emit(drafts, num_accepted, next_tokens):
     b, k = drafts.shape
     j = torch.arange(k + 1, device=drafts.device)[None, :]
-    padded = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], dim=1)
+    padded = torch.cat([drafts, drafts.new_zeros(b, 1)], dim=1)
     out = torch.where(j < num_accepted[:, None], padded, torch.full_like(padded, -1))
     return torch.where(j == num_accepted[:, None], next_tokens[:, None].to(out.dtype), out)

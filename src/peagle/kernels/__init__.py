@@ -1,0 +1,118 @@
+"""The engine's Triton kernels, each with a PyTorch reference beside it, behind one small dispatch.
+
+Callers use the functions here (`store_kv`, `paged_attention`, `expand_draft_batch`, `gather_draft_features`);
+each runs the Triton kernel or the `*_ref` reference, chosen by the environment variable PEAGLE_KERNELS:
+- `auto` (default): Triton for CUDA tensors, the reference otherwise (the CPU path of the engine);
+- `triton`: Triton everywhere; for CPU tensors this needs TRITON_INTERPRET=1 (Triton's interpreter, for tests);
+- `torch`: the references everywhere (debugging on the GPU).
+
+Note: the function `peagle.kernels.paged_attention` shadows the submodule of the same name as an attribute of this
+package; reach the module with `from peagle.kernels.paged_attention import ...`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import sys
+from types import ModuleType
+
+import torch
+
+from peagle.kernels.draft_batch import DraftBatch, expand_draft_batch_ref, gather_draft_features_ref
+from peagle.kernels.kv_cache import PADDING_SLOT_ID, store_kv_ref
+from peagle.kernels.paged_attention import paged_attention_ref  # the function defined below replaces the module name
+
+BACKEND_ENV = "PEAGLE_KERNELS"
+_BACKENDS = ("auto", "triton", "torch")
+
+__all__ = [
+    "BACKEND_ENV", "PADDING_SLOT_ID", "DraftBatch", "use_triton", "triton_module",
+    "store_kv", "store_kv_ref", "paged_attention", "paged_attention_ref",
+    "expand_draft_batch", "expand_draft_batch_ref", "gather_draft_features", "gather_draft_features_ref",
+]
+
+
+def use_triton(device: torch.device) -> bool:
+    """Whether tensors on `device` go to the Triton kernels (see the module docstring)."""
+    backend = os.environ.get(BACKEND_ENV, "auto")
+    if backend not in _BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={backend!r}: expected one of {', '.join(_BACKENDS)}")
+    if backend == "torch":
+        return False
+    return device.type == "cuda" or backend == "triton"
+
+
+def triton_module(name: str, device: torch.device) -> ModuleType:
+    """The kernel module `peagle.kernels.<name>` whose Triton launchers run on `device` (tests, benchmarks)."""
+    if device.type == "cuda":
+        return sys.modules[f"peagle.kernels.{name}"]
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"Triton kernels on {device.type} tensors need TRITON_INTERPRET=1 (Triton's interpreter)")
+    return _interpreted(name)
+
+
+@functools.cache
+def _interpreted(name: str) -> ModuleType:
+    # Triton decides at decoration time whether a kernel runs in its interpreter, so a kernel module imported before
+    # TRITON_INTERPRET=1 was set holds compiled kernels. Load a private copy, decorated now, for CPU tensors.
+    origin = importlib.util.find_spec(f"peagle.kernels.{name}").origin
+    spec = importlib.util.spec_from_file_location(f"peagle.kernels._interpreted_{name}", origin)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def store_kv(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens], -1 = write nothing
+) -> None:
+    fn = triton_module("kv_cache", k.device).store_kv if use_triton(k.device) else store_kv_ref
+    fn(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_requests, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_requests + 1] int32
+    positions: torch.Tensor,  # [num_tokens]
+    scale: float,
+    max_query_len: int,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    fn = triton_module("paged_attention", q.device).paged_attention if use_triton(q.device) else paged_attention_ref
+    return fn(q, k_cache, v_cache, block_tables, query_start_loc, positions, scale, max_query_len)
+
+
+def expand_draft_batch(
+    target_input_ids: torch.Tensor,  # [T]
+    target_positions: torch.Tensor,  # [T]
+    target_slot_mapping: torch.Tensor,  # [T]
+    query_start_loc: torch.Tensor,  # [B + 1]
+    num_rejected: torch.Tensor,  # [B]
+    next_token_ids: torch.Tensor,  # [B]
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    block_size: int,
+    mask_token_id: int,
+    num_mask_slots: int,
+    padding_slot_id: int = PADDING_SLOT_ID,
+) -> DraftBatch:
+    device = target_input_ids.device
+    fn = triton_module("draft_batch", device).expand_draft_batch if use_triton(device) else expand_draft_batch_ref
+    return fn(target_input_ids, target_positions, target_slot_mapping, query_start_loc, num_rejected,
+              next_token_ids, block_tables, block_size, mask_token_id, num_mask_slots, padding_slot_id)
+
+
+def gather_draft_features(
+    aux: torch.Tensor,  # [T, F]
+    hidden_index: torch.Tensor,  # [R], -1 = mask_hidden
+    mask_hidden: torch.Tensor,  # [F]
+) -> torch.Tensor:  # [R, F]
+    if not use_triton(aux.device):
+        return gather_draft_features_ref(aux, hidden_index, mask_hidden)
+    return triton_module("draft_batch", aux.device).gather_draft_features(aux, hidden_index, mask_hidden)

@@ -1,0 +1,289 @@
+"""Attention of a flat batch of query rows over a paged KV cache (prefill, decode, verify and draft batches).
+
+Token t belongs to request b when `query_start_loc[b] <= t < query_start_loc[b + 1]`; it attends the cached keys of
+request b at positions `0 .. positions[t]` inclusive. Causality is by POSITION, not by row order: within a request
+the query rows' positions need not be increasing or distinct (the P-EAGLE draft batch repeats a rejected row's
+position in its first MASK row). Cache position j of request b lives at slot
+`block_tables[b, j // block_size] * block_size + j % block_size`; the keys of the current rows must already be in
+the cache (`store_kv` first). Rows that belong to no request (padding past `query_start_loc[-1]`) are not written
+by the Triton kernel and are zero in the reference.
+
+Tiling (Triton). The grid is `(num_requests * num_query_tiles, num_kv_heads, num_splits)`. A program owns up to
+BLOCK_Q query rows of one request and all GROUP = num_heads // num_kv_heads query heads of one KV head, flattened
+into BLOCK_M = BLOCK_Q * GROUP (query, head) pairs, so each KV tile is read once for the whole group rather than
+once per query head, and the pairs fill the MMA's rows even at one query row (decode with GQA). BLOCK_M is the next
+power of two of max_query_len * GROUP, at least 16 (the smallest MMA tile) and at most 128 (64 for head_dim > 64, to
+bound the fp32 accumulator's registers). The program walks the KV blocks up to the largest position in its tile with
+an online softmax in fp32 and masks per pair by position.
+
+Split KV. Decode and verify at small batch launch few programs (batch 1 of a 3-KV-head model: 3), and one program
+walking a 2K-token context alone is latency-bound. When the grid would fill less than half of the GPU, the context
+is split evenly into `num_splits` chunks (static per call, so a CUDA graph captures it); each split writes an
+unnormalised partial (acc, running max, running sum) and a second small kernel merges them. Both kernels take
+only tensors besides static Python ints, so the call can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_MAX_SPLITS = 16
+
+
+@triton.jit
+def _tile_rows(query_start_loc_ptr, tile, num_q_tiles, kv_head,
+               GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr):
+    # The (query row, query head) pairs of one program and whether each belongs to the request.
+    req = tile // num_q_tiles
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_end = tl.load(query_start_loc_ptr + req + 1)
+    pair = tl.arange(0, BLOCK_M)
+    row = q_start + (tile % num_q_tiles) * BLOCK_Q + pair // GROUP
+    head = kv_head * GROUP + pair % GROUP
+    row_ok = (pair < BLOCK_Q * GROUP) & (row < q_end)
+    return req, row, head, row_ok
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+    block_tables_ptr, query_start_loc_ptr, positions_ptr,
+    qk_scale, num_tokens, num_q_tiles,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    req, row, head, row_ok = _tile_rows(query_start_loc_ptr, tl.program_id(0), num_q_tiles, kv_head,
+                                        GROUP, BLOCK_M, BLOCK_Q)
+    pos = tl.load(positions_ptr + row, mask=row_ok, other=-1).to(tl.int32)  # [BLOCK_M]
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+
+    kv_len = tl.max(pos, axis=0) + 1  # keys 0 .. largest position in the tile; 0 for an empty tile
+    if NUM_SPLITS == 1:
+        lo = 0
+        hi = kv_len
+    else:
+        chunk = tl.cdiv(kv_len, NUM_SPLITS * BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, kv_len)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    block_table = block_tables_ptr + req * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        key = start + tl.arange(0, BLOCK_N)
+        key_ok = key < hi
+        block = tl.load(block_table + key // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+        in_page = key % PAGE_SIZE
+        k = tl.load(k_cache_ptr + (block * stride_kb + in_page * stride_ks + kv_head * stride_kh)[:, None] + d[None, :],
+                    mask=key_ok[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        s = tl.where((key[None, :] <= pos[:, None]) & key_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A pair may see no key of this tile (its position is below the tile): keep exp2 away from -inf - -inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + (block * stride_vb + in_page * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
+                    mask=key_ok[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        part = (split * num_tokens + row) * NUM_HEADS + head  # [BLOCK_M] index into [splits, tokens, heads]
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_max_ptr + part, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr,
+    num_tokens, num_q_tiles, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    # Same tiling as the attention kernel, so exactly the rows of requests are read and written.
+    req, row, head, row_ok = _tile_rows(query_start_loc_ptr, tl.program_id(0), num_q_tiles, tl.program_id(1),
+                                        GROUP, BLOCK_M, BLOCK_Q)
+    d = tl.arange(0, HEAD_DIM)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for split in range(NUM_SPLITS):
+        part = (split * num_tokens + row) * NUM_HEADS + head
+        m_s = tl.load(part_max_ptr + part, mask=row_ok, other=float("-inf"))
+        l_s = tl.load(part_sum_ptr + part, mask=row_ok, other=0.0)
+        acc_s = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None], other=0.0)
+        m_new = tl.maximum(m_i, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a split past the context saw no key
+        alpha = tl.exp2(m_i - m_safe)
+        beta = tl.exp2(m_s - m_safe)
+        l_i = l_i * alpha + l_s * beta
+        acc = acc * alpha[:, None] + acc_s * beta[:, None]
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _check_args(q, k_cache, v_cache, block_tables, query_start_loc, positions, max_query_len):
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"expected q [T, Hq, D] and caches [num_blocks, block_size, Hkv, D]; got q {tuple(q.shape)}, "
+            f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+        )
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
+        raise ValueError(
+            f"q has {num_heads} heads of dim {head_dim}, cache has {num_kv_heads} heads of dim {k_cache.shape[3]}: "
+            "head dims must match and num_heads must be a multiple of num_kv_heads"
+        )
+    if block_tables.dim() != 2 or query_start_loc.shape != (block_tables.shape[0] + 1,):
+        raise ValueError(
+            f"need block_tables [B, max_blocks] and query_start_loc [B + 1]; got {tuple(block_tables.shape)} and "
+            f"{tuple(query_start_loc.shape)}"
+        )
+    if positions.shape != (q.shape[0],):
+        raise ValueError(f"positions must be [{q.shape[0]}], got {tuple(positions.shape)}")
+    if max_query_len < 1:
+        raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
+
+
+def tile_config(max_query_len: int, group: int, head_dim: int) -> dict[str, int]:
+    """Static launch shape for one (max_query_len, GQA group, head_dim): see the module docstring."""
+    max_m = 128 if head_dim <= 64 else 64
+    block_m = max(16, triton.next_power_of_2(group), min(max_m, triton.next_power_of_2(max_query_len * group)))
+    return {
+        "BLOCK_M": block_m,
+        "BLOCK_Q": block_m // group,
+        "BLOCK_N": 64,
+        "num_warps": 4 if block_m <= 64 else 8,
+        "num_stages": 2,
+    }
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_num_splits(device: torch.device, num_programs: int) -> int:
+    """Split the context only when the grid would fill less than half of the GPU (decode/verify at small batch)."""
+    if device.type != "cuda":
+        return 1
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    if 2 * num_programs > sms:
+        return 1
+    return min(_MAX_SPLITS, sms // num_programs)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_requests, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_requests + 1] int32
+    positions: torch.Tensor,  # [num_tokens] int32/int64
+    scale: float,
+    max_query_len: int,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Triton paged attention; see the module docstring. `num_splits` overrides the split-KV heuristic."""
+    _check_args(q, k_cache, v_cache, block_tables, query_start_loc, positions, max_query_len)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"the Triton kernel needs a power-of-two head_dim >= 16, got {head_dim}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim (stride {t.stride(-1)})")
+    out = torch.empty_like(q)
+    num_requests = block_tables.shape[0]
+    if num_tokens == 0 or num_requests == 0:
+        return out
+    group = num_heads // num_kv_heads
+    cfg = tile_config(max_query_len, group, head_dim)
+    num_q_tiles = triton.cdiv(max_query_len, cfg["BLOCK_Q"])
+    num_programs = num_requests * num_q_tiles * num_kv_heads
+    splits = num_splits if num_splits is not None else default_num_splits(q.device, num_programs)
+    if splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {splits}")
+    if splits > 1:
+        part_acc = torch.empty((splits, num_tokens, num_heads, head_dim), dtype=torch.float32, device=q.device)
+        part_max = torch.empty((splits, num_tokens, num_heads), dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+    else:  # unused by the single-pass kernel
+        part_acc = part_max = part_sum = out
+    consts = dict(NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=cfg["BLOCK_M"],
+                  BLOCK_Q=cfg["BLOCK_Q"], NUM_SPLITS=splits)
+    _paged_attention_kernel[(num_requests * num_q_tiles, num_kv_heads, splits)](
+        q, k_cache, v_cache, out, part_acc, part_max, part_sum,
+        block_tables, query_start_loc, positions,
+        scale * _LOG2E, num_tokens, num_q_tiles,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        PAGE_SIZE=k_cache.shape[1], BLOCK_N=cfg["BLOCK_N"],
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **consts,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(num_requests * num_q_tiles, num_kv_heads)](
+            out, part_acc, part_max, part_sum, query_start_loc,
+            num_tokens, num_q_tiles, out.stride(0), out.stride(1),
+            num_warps=4, **consts,
+        )
+    return out
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_requests, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_requests + 1] int32
+    positions: torch.Tensor,  # [num_tokens] int32/int64
+    scale: float,
+    max_query_len: int,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """PyTorch reference of `paged_attention`: one request at a time, fp32 softmax (host-synchronising)."""
+    _check_args(q, k_cache, v_cache, block_tables, query_start_loc, positions, max_query_len)
+    block_size, num_kv_heads = k_cache.shape[1:3]
+    group = q.shape[1] // num_kv_heads
+    out = torch.zeros_like(q)
+    bounds = query_start_loc.tolist()
+    for req, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if end - start > max_query_len:
+            raise ValueError(f"request {req} has {end - start} query rows, more than max_query_len={max_query_len}")
+        if end == start:
+            continue
+        pos = positions[start:end].long()  # [n]
+        keys = torch.arange(int(pos.max()) + 1, device=q.device)  # [kv_len] cache positions
+        blocks = block_tables[req, keys // block_size].long()
+        k = k_cache[blocks, keys % block_size].repeat_interleave(group, dim=1).float()  # [kv_len, Hq, D]
+        v = v_cache[blocks, keys % block_size].repeat_interleave(group, dim=1).float()
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale  # [Hq, n, kv_len]
+        scores = scores.masked_fill(keys[None, None, :] > pos[None, :, None], -math.inf)
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
+    return out

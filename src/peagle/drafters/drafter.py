@@ -119,6 +119,7 @@ class Drafter(nn.Module):
         aux_layer_ids: Sequence[int] | None = None,
         mask_token_id: int | None = None,
         num_speculative_tokens: int | None = None,
+        norm_before_residual: bool = False,
         tokenizer: Tokenizer | None = None,
         seed: int = 0,
     ) -> "Drafter":
@@ -150,6 +151,7 @@ class Drafter(nn.Module):
             num_speculative_tokens=num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS.get(method, 1),
             aux_layer_ids=aux,
             mask_token_id=mask_token_id,
+            norm_before_residual=norm_before_residual,
             target_architecture=tcfg.architecture,
             target_name_or_path=parts.name_or_path,
         )

@@ -1,0 +1,149 @@
+"""Measuring a point against a running OpenAI-compatible server: concurrent streaming chat requests.
+
+Acceptance comes from the server's Prometheus counters at GET /metrics, read before and after the point:
+`peagle_spec_decode_num_drafts_total` (drafting rounds), `peagle_spec_decode_num_draft_tokens_total`,
+`peagle_spec_decode_num_accepted_tokens_total`, and, when exposed,
+`peagle_spec_decode_num_accepted_tokens_per_pos_total{position="i"}` (0-based). The server must run only this
+benchmark's requests during a point. A stream does not say how many tokens each chunk holds, so each chunk is taken
+to hold the request's average (usage.completion_tokens / content chunks) when computing inter-token latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, Sequence
+
+from peagle.bench.datasets import Prompt
+from peagle.bench.measurement import Measurement, RequestTrace, SpecCounts, summarize
+
+logger = logging.getLogger(__name__)
+
+COUNTER_ROUNDS = "peagle_spec_decode_num_drafts_total"
+COUNTER_DRAFTED = "peagle_spec_decode_num_draft_tokens_total"
+COUNTER_ACCEPTED = "peagle_spec_decode_num_accepted_tokens_total"
+COUNTER_PER_POSITION = "peagle_spec_decode_num_accepted_tokens_per_pos_total"
+WARMUP_MAX_TOKENS = 16
+
+
+def read_spec_counters(metrics_text: str) -> SpecCounts:
+    """The speculative counters of a Prometheus text exposition (summed over label sets; zeros when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = {}
+    per_position: dict[int, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == COUNTER_PER_POSITION:
+                pos = int(sample.labels["position"])
+                per_position[pos] = per_position.get(pos, 0.0) + sample.value
+            elif sample.name in (COUNTER_ROUNDS, COUNTER_DRAFTED, COUNTER_ACCEPTED):
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    positions = [int(per_position.get(i, 0)) for i in range(max(per_position, default=-1) + 1)]
+    return SpecCounts(rounds=int(totals.get(COUNTER_ROUNDS, 0)), drafted=int(totals.get(COUNTER_DRAFTED, 0)),
+                      accepted=int(totals.get(COUNTER_ACCEPTED, 0)), accepted_per_position=positions)
+
+
+def counter_delta(before: SpecCounts, after: SpecCounts) -> SpecCounts:
+    width = len(after.accepted_per_position)
+    prev = before.accepted_per_position + [0] * (width - len(before.accepted_per_position))
+    return SpecCounts(rounds=after.rounds - before.rounds, drafted=after.drafted - before.drafted,
+                      accepted=after.accepted - before.accepted,
+                      accepted_per_position=[a - b for a, b in zip(after.accepted_per_position, prev)])
+
+
+class HttpRunner:
+    """Measures points on a server at `url` (e.g. http://127.0.0.1:8000), whatever method and K it serves."""
+
+    def __init__(self, url: str, max_tokens: int, *, model: str | None = None, api_key: str | None = None,
+                 ignore_eos: bool = False, timeout_s: float = 600.0):
+        self.url = url.rstrip("/")
+        self.max_tokens = max_tokens
+        self.model = model
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.ignore_eos = ignore_eos
+        self.timeout_s = timeout_s
+
+    def measure(self, prompts: Sequence[Prompt], concurrency: int) -> Measurement:
+        return asyncio.run(self._measure(list(prompts), concurrency))
+
+    def close(self) -> None:
+        pass  # each point opens and closes its own connections
+
+    async def _measure(self, prompts: list[Prompt], concurrency: int) -> Measurement:
+        import httpx
+
+        limits = httpx.Limits(max_connections=concurrency + 2)
+        async with httpx.AsyncClient(timeout=self.timeout_s, headers=self.headers, limits=limits) as client:
+            model = self.model or await self._first_model(client)
+            await self._run_all(client, model, prompts[:concurrency], concurrency, WARMUP_MAX_TOKENS)
+            before = await self._counters(client)
+            start = time.perf_counter()
+            traces = await self._run_all(client, model, prompts, concurrency, self.max_tokens)
+            wall = time.perf_counter() - start
+            spec = counter_delta(before, await self._counters(client))
+        return summarize(traces, wall, spec)
+
+    async def _first_model(self, client) -> str:
+        resp = await client.get(f"{self.url}/v1/models")
+        resp.raise_for_status()
+        models = resp.json().get("data") or []
+        if not models:
+            raise ValueError(f"{self.url}/v1/models lists no model; pass the model name")
+        return models[0]["id"]
+
+    async def _counters(self, client) -> SpecCounts:
+        resp = await client.get(f"{self.url}/metrics")
+        resp.raise_for_status()
+        return read_spec_counters(resp.text)
+
+    async def _run_all(self, client, model: str, prompts: list[Prompt], concurrency: int,
+                       max_tokens: int) -> list[RequestTrace]:
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(prompt: Prompt) -> RequestTrace:
+            async with gate:
+                return await self._request(client, model, prompt, max_tokens)
+
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    async def _request(self, client, model: str, prompt: Prompt, max_tokens: int) -> RequestTrace:
+        import httpx
+
+        body: dict[str, Any] = {"model": model, "messages": list(prompt.messages), "max_tokens": max_tokens,
+                                "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        trace = RequestTrace(submitted=time.perf_counter())
+        arrivals: list[float] = []
+        completion_tokens = None
+        try:
+            async with client.stream("POST", f"{self.url}/v1/chat/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    trace.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
+                    return trace
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                        continue
+                    chunk = json.loads(line[5:])
+                    if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
+                        arrivals.append(time.perf_counter())
+                    if chunk.get("usage"):
+                        completion_tokens = chunk["usage"].get("completion_tokens")
+        except httpx.HTTPError as e:
+            trace.error = f"{type(e).__name__}: {e}"
+            return trace
+        _spread_tokens(trace, arrivals, completion_tokens)
+        return trace
+
+
+def _spread_tokens(trace: RequestTrace, arrivals: list[float], completion_tokens: int | None) -> None:
+    """Fills the trace's chunks: the usage total spread evenly over content chunks (one token each without usage)."""
+    if not arrivals:
+        return
+    total = completion_tokens if completion_tokens is not None else len(arrivals)
+    base, extra = divmod(total, len(arrivals))
+    for i, t in enumerate(arrivals):
+        trace.add_chunk(t, base + (1 if i < extra else 0))

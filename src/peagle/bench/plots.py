@@ -1,0 +1,116 @@
+"""PNG plots of a results file: throughput vs concurrency, P-EAGLE / EAGLE-3 speed-up, acceptance length vs K.
+
+Small figures (500x320 px) so that they can be committed next to BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+from peagle.bench.report import ENGINE_METHODS, HF_METHODS, METHOD_LABELS, best_points, datasets_of, speedups
+
+FIGSIZE = (5.0, 3.2)
+DPI = 100
+MARKERS = {"none": "o", "eagle3": "s", "peagle": "^", "hf_eager": "x", "hf_static_compile": "+", "hf_prompt_lookup": "1"}
+COLORS = {"none": "C0", "eagle3": "C1", "peagle": "C2", "hf_eager": "C3", "hf_static_compile": "C4",
+          "hf_prompt_lookup": "C5"}
+LINESTYLES = ("-", "--", ":", "-.")  # one per dataset where datasets share a figure
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display, safe on servers and in CI
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _log2_concurrency_axis(ax, concurrencies: list[int]) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(concurrencies)
+    ax.set_xticklabels([str(c) for c in concurrencies])
+    ax.set_xlabel("concurrency")
+    ax.grid(True, alpha=0.3)
+
+
+def plot_throughput(points: list[dict], dataset: str, path: Path) -> Path | None:
+    """Output tokens/s vs concurrency, one line per method at its best K (HF baselines as markers)."""
+    best = best_points(points, dataset)
+    if not best:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=FIGSIZE)
+    for method in (*ENGINE_METHODS, *HF_METHODS):
+        series = sorted((c, p["tokens_per_s"]) for (m, c), p in best.items() if m == method)
+        if series:
+            xs, ys = zip(*series)
+            style = "-" if method in ENGINE_METHODS else ""
+            ax.plot(xs, ys, style, marker=MARKERS[method], color=COLORS[method], label=METHOD_LABELS[method])
+    _log2_concurrency_axis(ax, sorted({c for _, c in best}))
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"{dataset}: throughput (best K per method)", fontsize=10)
+    ax.legend(fontsize=7)
+    return _save(plt, fig, path)
+
+
+def plot_speedup(points: list[dict], path: Path) -> Path | None:
+    """P-EAGLE / EAGLE-3 speed-up vs concurrency, one line per dataset, each method at its best K."""
+    curves = {d: speedups(points, d, "peagle", "eagle3") for d in datasets_of(points)}
+    curves = {d: c for d, c in curves.items() if c}
+    if not curves:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=FIGSIZE)
+    for (dataset, curve), linestyle in zip(curves.items(), itertools.cycle(LINESTYLES)):
+        ax.plot(list(curve), list(curve.values()), linestyle=linestyle, marker="o", label=dataset)
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    _log2_concurrency_axis(ax, sorted({c for curve in curves.values() for c in curve}))
+    ax.set_ylabel("speed-up (x)")
+    ax.set_title("P-EAGLE / EAGLE-3 output tokens/s", fontsize=10)
+    ax.legend(fontsize=7)
+    return _save(plt, fig, path)
+
+
+def plot_acceptance_vs_k(points: list[dict], path: Path) -> Path | None:
+    """Acceptance length vs K per method and dataset, at the lowest measured concurrency."""
+    spec = [p for p in points if p["acceptance_length"] is not None and p["k"] is not None]
+    if not spec:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=FIGSIZE)
+    for dataset, linestyle in zip(datasets_of(spec), itertools.cycle(LINESTYLES)):
+        for method in ENGINE_METHODS:
+            mine = [p for p in spec if p["dataset"] == dataset and p["method"] == method]
+            if not mine:
+                continue
+            c_min = min(p["concurrency"] for p in mine)
+            series = sorted((p["k"], p["acceptance_length"]) for p in mine if p["concurrency"] == c_min)
+            ax.plot(*zip(*series), linestyle=linestyle, marker=MARKERS[method], color=COLORS[method],
+                    label=f"{METHOD_LABELS[method]}, {dataset}")
+    ax.set_xticks(sorted({p["k"] for p in spec}))
+    ax.set_xlabel("K (draft tokens per round)")
+    ax.set_ylabel("acceptance length")
+    ax.grid(True, alpha=0.3)
+    ax.set_title("Acceptance length vs K", fontsize=10)
+    ax.legend(fontsize=7)
+    return _save(plt, fig, path)
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def plot_all(results: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Every plot the results support, written into out_dir; returns the files written."""
+    points = results["points"]
+    out_dir = Path(out_dir)
+    written = [plot_throughput(points, d, out_dir / f"throughput_{d}.png") for d in datasets_of(points)]
+    written.append(plot_speedup(points, out_dir / "speedup_peagle_vs_eagle3.png"))
+    written.append(plot_acceptance_vs_k(points, out_dir / "acceptance_vs_k.png"))
+    return [p for p in written if p is not None]

@@ -1,0 +1,216 @@
+"""The sweep runner on a fake engine with a fake clock: every measured number is known exactly."""
+
+import contextlib
+import json
+from dataclasses import dataclass, field
+
+import pytest
+
+from peagle.bench.datasets import Prompt
+from peagle.bench.engine_runner import EngineRunner
+from peagle.bench.report import POINT_KEYS
+from peagle.bench.sweep import SweepConfig, run_benchmark, run_sweep
+
+STEP_S = 0.010  # fixed cost of one engine step
+PER_SEQ_S = 0.001  # plus this per running sequence
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@dataclass
+class FakeParams:
+    max_tokens: int
+
+
+@dataclass
+class FakeMetrics:
+    num_drafting_rounds: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+
+@dataclass
+class FakeOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+    metrics: FakeMetrics | None = None
+
+
+class FakeEngine:
+    """Runs every request at once; after the prefill step, each round accepts `accepted` of `k` drafts.
+
+    A step costs STEP_S + PER_SEQ_S per running request (+ `draft_s` when speculating). Prompts whose first token
+    is -1 fail at their first step, as an over-long prompt does in the real engine.
+    """
+
+    def __init__(self, clock: FakeClock, k: int = 0, accepted: int = 0, draft_s: float = 0.0, lose: bool = False):
+        self.clock, self.k, self.accepted, self.draft_s, self.lose = clock, k, accepted, draft_s, lose
+        self.running: dict[str, dict] = {}
+        self.params_seen: list[int] = []
+
+    def add_request(self, request_id, prompt_token_ids, sampling_params):
+        self.params_seen.append(sampling_params.max_tokens)
+        self.running[request_id] = {"left": sampling_params.max_tokens, "prefilled": False,
+                                    "bad": prompt_token_ids[0] == -1, "m": FakeMetrics(accepted_per_position=[0] * self.k)}
+
+    def has_unfinished_requests(self):
+        return bool(self.running) and not self.lose
+
+    def abort_request(self, request_id):
+        return self.running.pop(request_id, None) is not None
+
+    def stats(self):
+        return {"running": len(self.running)}
+
+    def step(self):
+        self.clock.t += STEP_S + PER_SEQ_S * len(self.running) + (self.draft_s if self.k else 0.0)
+        outputs = []
+        for rid, r in list(self.running.items()):
+            if r["bad"]:
+                del self.running[rid]
+                outputs.append(FakeOutput(rid, [], True, "error", error="prompt too long"))
+                continue
+            if not r["prefilled"]:
+                n, r["prefilled"] = 1, True
+            else:
+                a = min(self.accepted, r["left"] - 1) if self.k else 0
+                n = 1 + a
+                if self.k:
+                    m = r["m"]
+                    m.num_drafting_rounds += 1
+                    m.num_draft_tokens += self.k
+                    m.num_accepted_tokens += a
+                    for i in range(a):
+                        m.accepted_per_position[i] += 1
+            r["left"] -= n
+            done = r["left"] == 0
+            if done:
+                del self.running[rid]
+            outputs.append(FakeOutput(rid, [7] * n, done, "length" if done else None,
+                                      metrics=r["m"] if done else None))
+        return outputs
+
+
+def prompts(n: int) -> list[Prompt]:
+    return [Prompt.user(f"p{i}", f"question {i}") for i in range(n)]
+
+
+def runner(engine: FakeEngine, clock: FakeClock, max_tokens: int, bad: set[str] = frozenset()) -> EngineRunner:
+    encode = lambda p: [-1] if p.id in bad else [1, 2, 3]  # noqa: E731
+    return EngineRunner(engine, encode, FakeParams(max_tokens), FakeParams(2), clock=clock)
+
+
+def test_concurrency_one_without_speculation():
+    clock = FakeClock()
+    engine = FakeEngine(clock)
+    m = runner(engine, clock, max_tokens=5).measure(prompts(3), 1)
+    step = STEP_S + PER_SEQ_S
+    assert m.num_prompts == 3 and m.num_failed == 0
+    assert m.output_tokens == 15  # the warm-up request's tokens are not counted
+    assert m.wall_s == pytest.approx(15 * step)
+    assert m.tokens_per_s == pytest.approx(15 / (15 * step))
+    assert m.ttft_p50_ms == pytest.approx(step * 1e3) and m.itl_p99_ms == pytest.approx(step * 1e3)
+    assert m.acceptance_length is None and m.per_position_acceptance == []
+    assert engine.params_seen == [2, 5, 5, 5]  # one warm-up request (concurrency 1) with the warm-up params first
+
+
+def test_concurrency_two_with_speculation():
+    clock = FakeClock()
+    engine = FakeEngine(clock, k=3, accepted=2, draft_s=0.004)
+    m = runner(engine, clock, max_tokens=7).measure(prompts(4), 2)
+    step = STEP_S + 2 * PER_SEQ_S + 0.004
+    # 7 tokens = prefill 1 + two rounds of 3: three steps per pair of requests, two pairs.
+    assert m.output_tokens == 28
+    assert m.wall_s == pytest.approx(6 * step)
+    assert m.acceptance_length == pytest.approx(3.0)
+    assert m.per_position_acceptance == pytest.approx([1.0, 1.0, 0.0])
+    assert m.draft_acceptance_rate == pytest.approx(2 / 3)
+    # A round's 3 tokens arrive together: each counts a third of the step as its inter-token latency.
+    assert m.itl_p50_ms == pytest.approx(step / 3 * 1e3)
+    assert engine.params_seen[:2] == [2, 2]  # warm-up fills the batch size being measured
+
+
+def test_failed_requests_are_counted_not_measured():
+    clock = FakeClock()
+    m = runner(FakeEngine(clock), clock, max_tokens=4, bad={"p1"}).measure(prompts(3), 3)
+    assert m.num_prompts == 2 and m.num_failed == 1 and m.output_tokens == 8
+
+
+def test_engine_that_drops_requests_is_an_error():
+    clock = FakeClock()
+    with pytest.raises(RuntimeError, match="lost"):
+        runner(FakeEngine(clock, lose=True), clock, max_tokens=4).measure(prompts(2), 2)
+
+
+def fake_open_runner(clock: FakeClock, max_tokens: int):
+    """(method, K) -> a runner on a fake engine where P-EAGLE drafts in one pass and EAGLE-3 in K passes."""
+
+    @contextlib.contextmanager
+    def open_runner(method, k):
+        if method == "none":
+            engine = FakeEngine(clock)
+        elif method == "eagle3":
+            engine = FakeEngine(clock, k=k, accepted=min(2, k), draft_s=0.002 * k)
+        else:
+            engine = FakeEngine(clock, k=k, accepted=k - 1, draft_s=0.002)
+        yield runner(engine, clock, max_tokens)
+
+    return open_runner
+
+
+def test_run_sweep_visits_every_point():
+    config = SweepConfig(model="unused", draft_eagle3="e", draft_peagle="p", ks=(3, 7), concurrency=(1, 2),
+                         datasets=("mtbench",), num_prompts=4, max_tokens=10)
+    seen = []
+    points = run_sweep(config, fake_open_runner(FakeClock(), 10), seen.append, {"mtbench": prompts(4)})
+    assert seen == points and len(points) == 10  # (none + 2 K x 2 methods) x 2 concurrencies
+    assert [(p["method"], p["k"], p["concurrency"]) for p in points[:3]] == [("none", None, 1), ("none", None, 2),
+                                                                           ("eagle3", 3, 1)]
+    assert all(list(p) == list(POINT_KEYS) for p in points)
+    peagle7 = next(p for p in points if p["method"] == "peagle" and p["k"] == 7)
+    # 10 tokens = prefill 1 + a round of 7 (6 accepted) + a round cut at max_tokens to 2 (1 accepted).
+    assert peagle7["acceptance_length"] == pytest.approx(1 + 7 / 2)
+    assert peagle7["per_position_acceptance"] == pytest.approx([1.0] + [0.5] * 5 + [0.0])
+
+
+def test_run_benchmark_writes_results_table_and_plots(tmp_path):
+    config = SweepConfig(model="unused", draft_eagle3="e", draft_peagle="p", ks=(3, 5), concurrency=(1, 4),
+                         datasets=("mtbench", "humaneval"), num_prompts=4, max_tokens=16)
+    results, files = run_benchmark(config, tmp_path, "peagle bench --test", fake_open_runner(FakeClock(), 16))
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved == json.loads(json.dumps(results)) and len(saved["points"]) == 20
+    assert saved["command"] == "peagle bench --test" and saved["config"]["ks"] == [3, 5]
+    table = (tmp_path / "results.md").read_text()
+    assert "## mtbench (4 prompts per point)" in table and "P-EAGLE / EAGLE-3" in table
+    assert {p.name for p in files["plots"]} == {"throughput_mtbench.png", "throughput_humaneval.png",
+                                                "speedup_peagle_vs_eagle3.png", "acceptance_vs_k.png"}
+    for plot in files["plots"]:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_config_refuses_bad_combinations():
+    with pytest.raises(ValueError, match="--draft-peagle"):
+        SweepConfig(model="m", methods=("peagle",))
+    with pytest.raises(ValueError, match="--model DIR"):
+        SweepConfig(methods=("none",))
+    with pytest.raises(ValueError, match="unknown method"):
+        SweepConfig(model="m", methods=("medusa",))
+    with pytest.raises(ValueError, match="server fixes method and K"):
+        SweepConfig(url="http://x", methods=("peagle",), ks=(3, 7))
+    assert SweepConfig(url="http://x", methods=("peagle",), ks=(7,)).groups() == [("peagle", 7)]
+    config = SweepConfig(model="m", draft_eagle3="e", draft_peagle="p", ks=(3,), api_key="secret")
+    assert config.speculative_config("eagle3", 3)["parallel_drafting"] is False
+    assert config.speculative_config("peagle", 3) == {"method": "eagle3", "model": "p", "num_speculative_tokens": 3,
+                                                       "parallel_drafting": True}
+    assert config.speculative_config("none", None) is None
+    assert config.to_json()["api_key"] == "(set)"

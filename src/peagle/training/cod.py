@@ -12,13 +12,14 @@ Vocabulary (used the same way in every file of this package):
   (token c, feature c-1) outputs draft 1 and the MASK slots at positions c..c+K-2 output drafts 2..K, i.e. the
   rollout of anchor c-1.
 
-COD (conditional drop, from PARD) bounds the n x K blow-up: depth d keeps about `n_loss * max(r^d, r_min)`
-elements, where n_loss counts the depth-0 elements that carry loss, and a depth-d element survives only if its
-depth d-1 parent (same anchor) did, so every kept rollout is a prefix of the inference-time rollout.
+COD (conditional drop, from PARD) bounds the n x K blow-up: depth d keeps about `n_roll * max(r^d, r_min)`
+elements, where n_roll counts the anchors whose rollout can carry loss at all, and a depth-d element survives only
+if its depth d-1 parent (same anchor) did, so every kept rollout is a prefix of the inference-time rollout.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -73,13 +74,14 @@ def cod_sample(
     """Samples the training elements of one packed sequence.
 
     Worked example: one document of 8 tokens whose response is tokens 4..7; K_train=3, r=0.5, r_min=0.
-    - Depth 0: anchors 0..6 (anchor 7 has no token 8 to pair with). Element a predicts token a+2, so the ones with
-      loss are a = 2..5 (anchor 6 would predict token 8, past the end): n_loss = 4.
-    - Depth 1 keeps round(4 * 0.5) = 2 elements. Candidates are anchors whose rollout still has a loss-carrying
-      element at depth >= 1 and whose depth-1 target token a+3 exists: a = 0..4 (a = 0 predicts the prompt token 3
-      at depth 1 but the response token 4 at depth 2, so it is kept as a candidate). Say {1, 4} are drawn.
-    - Depth 2 keeps round(4 * 0.25) = 1 element among the surviving parents whose token a+4 exists: only {1}.
-    - Layout (depth-major): (0,0) (1,0) ... (6,0) | (1,1) (4,1) | (1,2); element (1,2) sits at RoPE position 3,
+    - Depth 0: anchors 0..6 (anchor 7 has no token 8 to pair with), all kept. Element a predicts token a+2, so the
+      ones with loss are a = 2..5 (anchor 6 would predict token 8, past the end).
+    - Rollout candidates: anchors with an element at depth >= 1 that exists (token a+d+2 in the document) and
+      predicts a response token: a = 0..4 (a = 0 predicts the prompt token 3 at depth 1 but the response token 4 at
+      depth 2, so its rollout counts): n_roll = 5.
+    - Depth 1 keeps floor(5 * 0.5 + 0.5) = 3 of them, say {0, 1, 4}.
+    - Depth 2 keeps floor(5 * 0.25 + 0.5) = 1 among the surviving parents whose token a+4 exists ({0, 1}): say {1}.
+    - Layout (depth-major): (0,0) (1,0) ... (6,0) | (0,1) (1,1) (4,1) | (1,2); element (1,2) sits at RoPE position 3,
       has the mask token, is supervised by the target logits at position 4 and predicts token 5 (loss on).
     With r = 1 (or r_min = 1) every candidate is kept: the full expansion, used for evaluation.
     """
@@ -103,11 +105,12 @@ def cod_sample(
     useful = torch.flip(torch.cummax(torch.flip(charged.int(), [1]), 1).values, [1]).bool() & exists
 
     alive = anchors + 1 < end  # depth 0: every anchor with a next token in its document
-    n_loss = int(charged[:, 0].sum())
+    # Every later candidate set is a subset of the depth-1 one, so r = 1 keeps everything.
+    n_roll = int(useful[:, 1].sum()) if k_train > 1 else 0
     kept = [anchors[alive]]
     for d in range(1, k_train):
         candidates = torch.nonzero(alive & useful[:, d]).flatten()
-        quota = round(n_loss * max(r**d, r_min))
+        quota = math.floor(n_roll * max(r**d, r_min) + 0.5)
         if quota < candidates.numel():
             pick = torch.randperm(candidates.numel(), generator=generator)[:quota]
             candidates = candidates[pick].sort().values

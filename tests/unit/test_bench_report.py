@@ -1,0 +1,101 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from peagle.bench.measurement import Measurement
+from peagle.bench.plots import plot_all
+from peagle.bench.report import (
+    ENVIRONMENT_KEYS,
+    POINT_KEYS,
+    TOP_KEYS,
+    ResultsWriter,
+    load_results,
+    make_point,
+    markdown,
+    summary_line,
+)
+
+SCHEMA_DOC = Path(__file__).resolve().parents[2] / "docs" / "BENCH_SCHEMA.md"
+
+
+def measurement(tokens_per_s: float, al: float | None = None, num_prompts: int = 8) -> Measurement:
+    return Measurement(
+        num_prompts=num_prompts, num_failed=0, output_tokens=int(tokens_per_s * 10), wall_s=10.0,
+        tokens_per_s=tokens_per_s, acceptance_length=al, per_position_acceptance=[0.8, 0.5] if al else [],
+        draft_acceptance_rate=0.4 if al else None, ttft_p50_ms=5.0, ttft_p99_ms=9.0, itl_p50_ms=1.0, itl_p99_ms=2.0,
+    )
+
+
+def sample_points() -> list[dict]:
+    return [
+        make_point("mtbench", "none", None, 1, measurement(100.0)),
+        make_point("mtbench", "eagle3", 3, 1, measurement(200.0, 2.5)),
+        make_point("mtbench", "eagle3", 5, 1, measurement(180.0, 2.7)),
+        make_point("mtbench", "peagle", 3, 1, measurement(250.0, 2.9)),
+        make_point("mtbench", "peagle", 7, 1, measurement(330.0, 3.7)),
+        make_point("mtbench", "peagle", 7, 4, measurement(0.0, None, num_prompts=0)),  # every request failed
+        make_point("mtbench", "hf_static_compile", None, 1, measurement(30.0)),
+    ]
+
+
+def test_schema_keys_are_stable_and_documented(tmp_path):
+    # Changing any of these is a schema change: bump SCHEMA_VERSION and update docs/BENCH_SCHEMA.md.
+    assert TOP_KEYS == ("schema_version", "kind", "created_utc", "command", "config", "environment", "points")
+    assert POINT_KEYS == (
+        "dataset", "method", "k", "concurrency", "num_prompts", "num_failed", "output_tokens", "wall_s",
+        "tokens_per_s", "acceptance_length", "per_position_acceptance", "draft_acceptance_rate", "ttft_p50_ms",
+        "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+    )
+    writer = ResultsWriter(tmp_path, "peagle bench --model m", {"max_tokens": 256})
+    writer.add(sample_points()[1])
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert tuple(saved) == TOP_KEYS
+    assert tuple(saved["environment"]) == ENVIRONMENT_KEYS
+    assert saved["schema_version"] == 1 and saved["kind"] == "peagle-bench"
+    assert tuple(saved["points"][0]) == POINT_KEYS
+    assert load_results(tmp_path / "results.json") == saved
+    doc = SCHEMA_DOC.read_text()
+    for key in (*TOP_KEYS, *POINT_KEYS, *ENVIRONMENT_KEYS):
+        assert f"`{key}`" in doc, key
+
+
+def test_load_results_refuses_other_files(tmp_path):
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({"points": []}))
+    with pytest.raises(ValueError, match="not a peagle bench results file"):
+        load_results(path)
+
+
+def test_markdown_table_picks_best_k_and_speedups():
+    results = {"command": "peagle bench", "config": {"max_tokens": 256}, "environment": {"gpu": "NVIDIA H200"},
+               "points": sample_points()}
+    text = markdown(results)
+    assert text.startswith("# peagle bench: NVIDIA H200")
+    assert ("| concurrency | no speculation tok/s | EAGLE-3 tok/s | P-EAGLE tok/s | P-EAGLE / EAGLE-3 | "
+            "P-EAGLE / no speculation | EAGLE-3 / no speculation |") in text
+    # EAGLE-3 at its best K (3, not 5), P-EAGLE at its best K (7); concurrency 4 had only failures: no row.
+    assert "| 1 | 100.0 | 200.0 (K=3, AL 2.50) | 330.0 (K=7, AL 3.70) | 1.65x | 3.30x | 2.00x |" in text
+    assert "| 4 |" not in text
+    assert "| HF static cache + compile | 1 | 8 | 30.0 | 11.00x |" in text
+    assert "| P-EAGLE | 2.90 | - | 3.70 |" in text and "| EAGLE-3 | 2.50 | 2.70 | - |" in text
+
+
+def test_summary_line_is_one_json_object():
+    results = {"points": sample_points()}
+    line = summary_line(results, {"results": "r.json", "markdown": "r.md", "plots": ["a.png"]})
+    assert "\n" not in line
+    summary = json.loads(line)
+    assert summary["results"] == "r.json" and summary["num_points"] == 7
+    assert summary["speedup_peagle_vs_eagle3"] == {"mtbench": {"1": 1.65}}
+    assert summary["speedup_peagle_vs_none"] == {"mtbench": {"1": 3.3}}
+
+
+def test_plots_cover_what_was_measured(tmp_path):
+    points = [p for p in sample_points() if p["method"] != "eagle3"]
+    written = plot_all({"points": points}, tmp_path)
+    # No EAGLE-3 points: no P-EAGLE / EAGLE-3 speed-up plot.
+    assert [p.name for p in written] == ["throughput_mtbench.png", "acceptance_vs_k.png"]
+    for png in written:
+        data = png.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) < 100_000

@@ -31,7 +31,8 @@ def random_drafter(method: str, family: str = "llama", num_layers: int = 2, norm
                    seed: int = 1) -> Drafter:
     target = tiny_target(family)
     vocab = DraftVocab.from_target_ids(range(3, 64, 2), target.config.vocab_size)  # 31 odd ids: d2t is not zero
-    drafter = Drafter.for_target(target, method, num_layers, draft_vocab=vocab, mask_token_id=1,
+    drafter = Drafter.for_target(target, method, num_layers, draft_vocab=vocab,
+                                 mask_token_id=1 if method == "peagle" else None,
                                  norm_before_residual=norm_before_residual, seed=seed)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -98,7 +98,11 @@ def write_checkpoint(ckpt: DrafterCheckpoint, out: str | Path, format: str = "sp
 def save_drafter(drafter: Drafter, out: str | Path, format: str = "speculators", force: bool = False) -> Path:
     state = {name: t.detach().cpu() for name, t in drafter.state_dict().items()}
     tensors = speculators_format.tensors_from_state_dict(state, drafter.config)
-    return write_checkpoint(DrafterCheckpoint(drafter.config, tensors, format), out, format, force)
+    # config.json names the dtype the weights are stored in, whatever the module was built with.
+    layers = drafter.config.transformer_layer_config
+    stored = dataclasses.replace(layers, torch_dtype=str(drafter.fc.weight.dtype).removeprefix("torch."))
+    config = dataclasses.replace(drafter.config, transformer_layer_config=stored)
+    return write_checkpoint(DrafterCheckpoint(config, tensors, format), out, format, force)
 
 
 def export_drafter(src: str | Path, out: str | Path, format: str, force: bool = False) -> Path:

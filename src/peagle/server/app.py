@@ -1,0 +1,118 @@
+"""The FastAPI application: OpenAI routes under /v1, /health and /metrics, OpenAI-style error bodies."""
+
+from __future__ import annotations
+
+import hmac
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+
+from peagle.server.async_engine import AsyncEngine, RequestFailed
+from peagle.server.protocol import ApiError, ModelCard, ModelList
+from peagle.server.serving import ClientGone, Serving
+
+DEFAULT_MAX_QUEUE = 256
+
+
+def create_app(engine, served_model_name: str, api_key: str | None = None,
+               max_queue: int = DEFAULT_MAX_QUEUE) -> FastAPI:
+    """An app serving `engine` (an LLMEngine) as `served_model_name`.
+
+    The engine loop starts with the app (lifespan) and stops with it. At most `max_num_seqs + max_queue` requests
+    are in flight; beyond that requests get 503 with Retry-After. With `api_key`, /v1 routes need
+    `Authorization: Bearer <api_key>`; /health and /metrics stay open for probes and scrapers.
+    """
+    if max_queue < 0:
+        raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+    if not served_model_name:
+        raise ValueError("served_model_name must be a non-empty string")
+    async_engine = AsyncEngine(engine)
+    serving = Serving(async_engine, served_model_name, engine.config.max_num_seqs + max_queue)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        try:
+            yield
+        finally:
+            async_engine.shutdown()
+
+    app = FastAPI(title="peagle", lifespan=lifespan)
+    app.state.async_engine = async_engine
+    app.state.serving = serving
+    _add_error_handlers(app)
+    app.include_router(_v1_router(serving, engine, api_key))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_alive:
+            return JSONResponse(ApiError(503, "the engine loop is not running").body(), status_code=503)
+        return JSONResponse({})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(async_engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _v1_router(serving: Serving, engine, api_key: str | None) -> APIRouter:
+    router = APIRouter(prefix="/v1", dependencies=[Depends(_key_check(api_key))])
+    card = ModelCard(id=serving.model_name, root=str(engine.config.model), max_model_len=engine.max_model_len)
+
+    @router.get("/models")
+    async def models() -> dict:
+        return ModelList(data=[card]).model_dump()
+
+    @router.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serving.chat(request)
+
+    @router.post("/completions")
+    async def completions(request: Request) -> Response:
+        return await serving.completions(request)
+
+    return router
+
+
+def _key_check(api_key: str | None):
+    expected = api_key.encode() if api_key else None
+
+    async def check(request: Request):
+        if expected is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # compare_digest runs in time independent of where the strings differ.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+            raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    return check
+
+
+def _add_error_handlers(app: FastAPI):
+    async def api_error(request: Request, exc: ApiError) -> Response:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    async def request_failed(request: Request, exc: RequestFailed) -> Response:
+        return await api_error(request, ApiError(500, str(exc)))
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        # Unknown routes (404) and wrong methods (405) answer in the same format as everything else.
+        return await api_error(request, ApiError(exc.status_code, str(exc.detail), headers=exc.headers))
+
+    async def client_gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        # Starlette re-raises after answering, so the server logs the traceback.
+        return await api_error(request, ApiError(500, f"internal error: {type(exc).__name__}"))
+
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(RequestFailed, request_failed)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(ClientGone, client_gone)
+    app.add_exception_handler(Exception, internal_error)

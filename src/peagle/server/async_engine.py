@@ -1,0 +1,209 @@
+"""AsyncEngine: the engine loop in one dedicated thread, with an asyncio stream of step outputs per request.
+
+The engine is not thread-safe, so only its thread touches it. Handlers send commands (add, abort) through a
+thread-safe queue; the thread runs them between steps, so an abort frees the request's KV blocks before the next
+step. Outputs travel back to the event loop with `call_soon_threadsafe`, one batch per step.
+
+If a step raises, every request in the engine at that moment fails with `RequestFailed` (the server answers 500)
+and is aborted so its blocks are freed; the loop keeps serving new requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from functools import partial
+from typing import AsyncIterator, Callable
+
+from peagle.engine.outputs import StepOutput
+from peagle.engine.sampling_params import SamplingParams
+from peagle.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed while running this request; it was aborted."""
+
+
+class RequestStream:
+    """One request's step outputs, in order, ending with the finished one. Iterate it on the event loop."""
+
+    def __init__(self, request_id: str, num_prompt_tokens: int, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.done = False  # the finished output (or a failure) has been taken from the stream
+        self.accepted: asyncio.Future[None] = loop.create_future()
+        self.queue: asyncio.Queue[StepOutput | Exception] = asyncio.Queue()
+        self.last_token_time: float | None = None  # engine thread only, for the inter-token latency
+
+    async def next_output(self) -> StepOutput:
+        """The next output; raises RequestFailed if the engine failed. Not to be called once `done`."""
+        item = await self.queue.get()
+        if isinstance(item, Exception):
+            self.done = True
+            raise item
+        self.done = item.finished
+        return item
+
+    def __aiter__(self) -> AsyncIterator[StepOutput]:
+        return self._outputs()
+
+    async def _outputs(self) -> AsyncIterator[StepOutput]:
+        while not self.done:
+            yield await self.next_output()
+
+
+class AsyncEngine:
+    """Drives an `LLMEngine` from its own thread. `start()` and every coroutine run on one event loop."""
+
+    def __init__(self, engine, metrics: ServerMetrics | None = None):
+        self.engine = engine
+        self.metrics = metrics or ServerMetrics(engine.k)
+        self.stats = engine.stats()  # a snapshot, replaced by the engine thread after each iteration
+        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only: requests inside the engine
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- event-loop side -------------------------------------------------------------------------------------
+
+    def start(self):
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine.start() was called twice")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="peagle-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float | None = 30.0):
+        """Stops the engine thread after its current step; requests still inside fail with RequestFailed."""
+        if self._thread is None:
+            return
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def add_request(self, request_id: str, prompt_token_ids: list[int],
+                          sampling_params: SamplingParams) -> RequestStream:
+        """Queues the request and waits until the engine took it (ValueError if it refused it)."""
+        if not self.is_alive:
+            raise RequestFailed("the engine is not running")
+        stream = RequestStream(request_id, len(prompt_token_ids), self._loop)
+        self._commands.put(partial(self._add, stream, list(prompt_token_ids), sampling_params))
+        try:
+            await stream.accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the add may still run; the abort queued after it undoes it
+            raise
+        return stream
+
+    def abort(self, request_id: str):
+        """Aborts the request before the engine's next step (its blocks are freed then); unknown ids are ignored."""
+        self._commands.put(partial(self._abort, request_id))
+
+    # ---- engine thread ---------------------------------------------------------------------------------------
+
+    def _run(self):
+        while True:
+            for command in self._take_commands():
+                if command is None:
+                    self._fail_all("the server is shutting down")
+                    return
+                try:
+                    command()
+                except Exception:
+                    logger.exception("engine command failed")
+            if self.engine.has_unfinished_requests():
+                self._step()
+            self._publish_stats()
+
+    def _take_commands(self) -> list[Callable[[], None] | None]:
+        # Idle: sleep until a command comes. Busy: take what has arrived and step again.
+        commands = [] if self.engine.has_unfinished_requests() else [self._commands.get()]
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _add(self, stream: RequestStream, prompt_token_ids: list[int], params: SamplingParams):
+        try:
+            self.engine.add_request(stream.request_id, prompt_token_ids, params)
+        except Exception as e:  # ValueError: the request's fault (400); anything else reaches the caller as 500
+            self._loop.call_soon_threadsafe(_settle, stream.accepted, e)
+            return
+        self._streams[stream.request_id] = stream
+        self.metrics.prompt_tokens.inc(len(prompt_token_ids))
+        self._loop.call_soon_threadsafe(_settle, stream.accepted, None)
+
+    def _abort(self, request_id: str):
+        if self._streams.pop(request_id, None) is None:
+            return  # finished (or refused) already
+        self.engine.abort_request(request_id)
+        self.metrics.on_finished("abort", None)
+
+    def _step(self):
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            logger.exception("engine step failed; failing its %d requests", len(self._streams))
+            self._fail_all(f"the engine failed while running this request: {type(e).__name__}: {e}")
+            return
+        now = time.monotonic()
+        deliveries = []
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            self._record(stream, out, now)
+            if out.finished:
+                del self._streams[out.request_id]
+            deliveries.append((stream, out))
+        if deliveries:
+            self._loop.call_soon_threadsafe(_deliver, deliveries)
+
+    def _record(self, stream: RequestStream, out: StepOutput, now: float):
+        if out.new_token_ids:
+            last, stream.last_token_time = stream.last_token_time, now
+            self.metrics.on_tokens(len(out.new_token_ids), None if last is None else now - last)
+        if out.finished:
+            self.metrics.on_finished(out.finish_reason or "stop", out.metrics)
+
+    def _fail_all(self, message: str):
+        streams, self._streams = self._streams, {}
+        for request_id in streams:
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("could not abort request %s after an engine failure", request_id)
+            self.metrics.on_finished("error", None)
+        if streams:
+            self._loop.call_soon_threadsafe(_deliver, [(s, RequestFailed(message)) for s in streams.values()])
+
+    def _publish_stats(self):
+        try:
+            self.stats = stats = self.engine.stats()
+        except Exception:
+            logger.exception("engine stats failed")
+            return
+        self.metrics.set_engine_stats(stats.num_running, stats.num_waiting, stats.kv_usage)
+
+
+def _settle(future: asyncio.Future, error: Exception | None):
+    if future.done():  # the waiting handler was cancelled
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _deliver(deliveries: list[tuple[RequestStream, StepOutput | Exception]]):
+    for stream, item in deliveries:
+        stream.queue.put_nowait(item)

@@ -1,0 +1,78 @@
+"""`peagle serve`: an OpenAI-compatible HTTP server over the engine."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from peagle.server.app import DEFAULT_MAX_QUEUE
+
+logger = logging.getLogger(__name__)
+
+SPEC_ENV_VARS = ("PEAGLE_SPECULATIVE_CONFIG", "SM_VLLM_SPECULATIVE_CONFIG")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL_DIR at /v1/chat/completions, /v1/completions and /v1/models (streaming or not), "
+                    "with /health and Prometheus /metrics. Speculative decoding is configured as vLLM takes it: "
+                    "--speculative-config, else the PEAGLE_SPECULATIVE_CONFIG or SM_VLLM_SPECULATIVE_CONFIG "
+                    "environment variable.",
+    )
+    p.add_argument("model", metavar="MODEL_DIR", help="target checkpoint directory (Hugging Face layout)")
+    p.add_argument("--speculative-config", metavar="JSON",
+                   help='speculative decoding as JSON, e.g. \'{"method": "eagle3", "model": "DRAFTER_DIR", '
+                        '"num_speculative_tokens": 7, "parallel_drafting": true}\' (P-EAGLE); without it, the '
+                        f"{' or '.join(SPEC_ENV_VARS)} environment variable, else no speculation")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces)")
+    p.add_argument("--port", type=int, metavar="PORT", default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--api-key", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PEAGLE_API_KEY, else open)")
+    p.add_argument("--served-model-name", metavar="NAME", help="model name clients send and /v1/models lists (default: MODEL_DIR)")
+    p.add_argument("--max-model-len", type=int, metavar="N", help="longest prompt + output in tokens (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, metavar="N", default=64, help="requests decoded together in one batch (default 64)")
+    p.add_argument("--max-queue", type=int, metavar="N", default=DEFAULT_MAX_QUEUE,
+                   help="requests accepted beyond --max-num-seqs to wait for a slot; more get 503 with Retry-After "
+                        f"(default {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--gpu-memory-utilization", type=float, metavar="FRACTION", default=0.9,
+                   help="fraction of GPU memory the engine may use: weights, KV cache, activations (default 0.9)")
+    p.add_argument("--num-kv-blocks", type=int, metavar="N", help="KV-cache blocks (default: as many as memory allows)")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16 or float32 (aliases bf16, fp16, fp32)")
+    p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
+    p.add_argument("--seed", type=int, metavar="N", default=0, help="engine seed (default 0; requests may pass their own)")
+    p.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from peagle.engine.config import DTYPE_ALIASES, EngineConfig, SpeculativeConfig
+    from peagle.engine.llm_engine import LLMEngine
+    from peagle.server.app import create_app
+
+    spec = (SpeculativeConfig.from_dict(args.speculative_config) if args.speculative_config
+            else SpeculativeConfig.from_env())
+    config = EngineConfig(
+        model=args.model, dtype=DTYPE_ALIASES.get(args.dtype, args.dtype), device=args.device or _default_device(),
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
+        enforce_eager=args.enforce_eager, seed=args.seed, speculative=spec,
+    )
+    engine = LLMEngine(config)
+    name = args.served_model_name or args.model
+    api_key = args.api_key or os.environ.get("PEAGLE_API_KEY") or None
+    app = create_app(engine, name, api_key=api_key, max_queue=args.max_queue)
+    logger.info("serving %s as %r at http://%s:%d/v1 (speculation: %s)", args.model, name, args.host, args.port,
+                spec or "off")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=logging.getLogger().getEffectiveLevel())
+    return 0
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,84 @@
+"""Prometheus metrics with vLLM-like names under `peagle_`, in a registry owned by one server instance."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from peagle.engine.outputs import RequestMetrics
+
+# Latency buckets in seconds, as vLLM spaces them: fine below a second, coarse up to minutes.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+               0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+
+
+class ServerMetrics:
+    """Counters, histograms and gauges of one server. Thread-safe (prometheus-client locks each metric).
+
+    The speculative counters mirror vLLM's `spec_decode_*`: drafting rounds, proposed draft tokens, accepted draft
+    tokens and accepted tokens per draft position, so acceptance length = 1 + accepted / drafts.
+    """
+
+    def __init__(self, num_speculative_tokens: int = 0):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.num_drafts = Counter("peagle_spec_decode_num_drafts", "Drafting rounds verified.", registry=r)
+        self.num_draft_tokens = Counter("peagle_spec_decode_num_draft_tokens", "Draft tokens proposed.", registry=r)
+        self.num_accepted_tokens = Counter("peagle_spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                           registry=r)
+        self.accepted_per_pos = Counter("peagle_spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted at each draft position (0 = first draft).",
+                                        ["position"], registry=r)
+        self.prompt_tokens = Counter("peagle_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
+        self.generation_tokens = Counter("peagle_generation_tokens", "Tokens generated.", registry=r)
+        self.request_success = Counter("peagle_request_success", "Finished requests by finish reason.",
+                                       ["finished_reason"], registry=r)
+        self.ttft = Histogram("peagle_time_to_first_token_seconds", "Time from arrival to the first output token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("peagle_inter_token_latency_seconds",
+                             "Time per output token after the first (a step's interval shared by its tokens).",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("peagle_e2e_request_latency_seconds", "Time from arrival to the last output token.",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.num_running = Gauge("peagle_num_requests_running", "Requests in the running batch.", registry=r)
+        self.num_waiting = Gauge("peagle_num_requests_waiting", "Requests waiting for admission.", registry=r)
+        self.kv_usage = Gauge("peagle_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
+                              registry=r)
+        # Label values known up front are created now, so that a scrape before any traffic shows zeros.
+        for pos in range(num_speculative_tokens):
+            self.accepted_per_pos.labels(position=str(pos))
+        for reason in ("stop", "length"):
+            self.request_success.labels(finished_reason=reason)
+
+    def on_tokens(self, num_tokens: int, interval_s: float | None):
+        """One step's tokens for one request; `interval_s` is the time since its previous tokens (None: first)."""
+        self.generation_tokens.inc(num_tokens)
+        if interval_s is not None:
+            for _ in range(num_tokens):
+                self.itl.observe(interval_s / num_tokens)
+
+    def on_finished(self, finish_reason: str, metrics: RequestMetrics | None):
+        self.request_success.labels(finished_reason=finish_reason).inc()
+        if metrics is None:
+            return
+        if metrics.num_drafting_rounds:
+            self.num_drafts.inc(metrics.num_drafting_rounds)
+            self.num_draft_tokens.inc(metrics.num_draft_tokens)
+            self.num_accepted_tokens.inc(metrics.num_accepted_tokens)
+            for pos, n in enumerate(metrics.accepted_per_position):
+                self.accepted_per_pos.labels(position=str(pos)).inc(n)
+        if metrics.ttft_s is not None:
+            self.ttft.observe(metrics.ttft_s)
+        if metrics.e2e_s is not None:
+            self.e2e.observe(metrics.e2e_s)
+
+    def set_engine_stats(self, num_running: int, num_waiting: int, kv_usage: float):
+        self.num_running.set(num_running)
+        self.num_waiting.set(num_waiting)
+        self.kv_usage.set(kv_usage)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

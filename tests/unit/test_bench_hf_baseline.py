@@ -1,0 +1,38 @@
+import pytest
+
+from peagle.bench.hf_baseline import HfBaseline
+
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_hf_checkpoint):
+    return HfBaseline(str(tiny_hf_checkpoint("llama", num_layers=2)), dtype="float32", device="cpu",
+                      max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+PROMPTS = [[10, 11, 12, 13, 14, 15, 16], [20, 21, 22], [30, 31, 32, 33, 34]]
+
+
+def test_left_padded_batch_generates_what_each_prompt_generates_alone(baseline):
+    alone = [baseline._generate([p])[0] for p in PROMPTS]
+    assert baseline._generate(PROMPTS) == alone
+    assert all(len(row) == MAX_TOKENS for row in alone)
+
+
+def test_run_all_reports_every_cpu_baseline(baseline):
+    results = list(baseline.run_all(PROMPTS, num_prompts=2, batch_sizes=(1, 3)))
+    # Static cache + compile needs CUDA: on the CPU it is skipped, never reported under its name.
+    assert [(method, batch) for method, batch, _ in results] == [("hf_eager", 1), ("hf_eager", 3),
+                                                                 ("hf_prompt_lookup", 1)]
+    prompts_used = {(method, batch): m.num_prompts for method, batch, m in results}
+    assert prompts_used == {("hf_eager", 1): 2, ("hf_eager", 3): 3, ("hf_prompt_lookup", 1): 2}
+    for _, _, m in results:
+        assert m.output_tokens == m.num_prompts * MAX_TOKENS  # ignore_eos: every request runs to max_tokens
+        assert m.tokens_per_s > 0 and m.ttft_p50_ms is None and m.acceptance_length is None
+
+
+def test_output_counts_stop_at_the_first_eos(baseline):
+    eos = min(baseline.eos_ids)
+    assert baseline._count_output([5, 6, eos, eos, eos]) == 3
+    assert baseline._count_output([5, 6, 7]) == 3

@@ -51,6 +51,15 @@ def _tile_rows(query_start_loc_ptr, tile, num_q_tiles, kv_head,
 
 
 @triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # Triton's interpreter multiplies bf16 operands as raw 16-bit integers; there (UPCAST), multiply their exact fp32
+    # values instead, which is what the GPU's bf16 MMA with fp32 accumulation computes.
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     block_tables_ptr, query_start_loc_ptr, positions_ptr,
@@ -59,7 +68,7 @@ def _paged_attention_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -90,7 +99,7 @@ def _paged_attention_kernel(
         in_page = key % PAGE_SIZE
         k = tl.load(k_cache_ptr + (block * stride_kb + in_page * stride_ks + kv_head * stride_kh)[:, None] + d[None, :],
                     mask=key_ok[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N]
         s = tl.where((key[None, :] <= pos[:, None]) & key_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A pair may see no key of this tile (its position is below the tile): keep exp2 away from -inf - -inf.
@@ -100,7 +109,7 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + (block * stride_vb + in_page * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
                     mask=key_ok[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
 
     if NUM_SPLITS == 1:
@@ -245,7 +254,7 @@ def paged_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=cfg["BLOCK_N"],
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_UPCAST=q.device.type != "cuda",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **consts,
     )
     if splits > 1:

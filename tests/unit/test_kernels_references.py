@@ -1,0 +1,187 @@
+"""The PyTorch references of the kernels against independent definitions, and the backend dispatch.
+
+Paged attention is checked against plain causal attention over the contiguous sequences, the draft batch against
+the hand-written worked example of its docstring. The Triton kernels are compared with these references in
+test_kernels_triton.py.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import peagle.kernels as kernels
+from peagle.kernels import (
+    expand_draft_batch_ref,
+    gather_draft_features_ref,
+    paged_attention_ref,
+    store_kv_ref,
+)
+from peagle.models.attention import DenseAttention
+
+I32 = torch.int32
+
+
+def test_store_kv_ref_writes_slots_and_skips_padding():
+    k = torch.arange(3 * 2 * 4, dtype=torch.float32).view(3, 2, 4)  # [T, Hkv, D]
+    v = -k
+    k_cache = torch.zeros(3, 4, 2, 4)  # [num_blocks, block_size, Hkv, D]
+    v_cache = torch.zeros(3, 4, 2, 4)
+    store_kv_ref(k, v, k_cache, v_cache, torch.tensor([5, -1, 0]))
+    expected = torch.zeros(3, 4, 2, 4)
+    expected[1, 1] = k[0]  # slot 5 = block 1, offset 1
+    expected[0, 0] = k[2]
+    assert torch.equal(k_cache, expected)
+    assert torch.equal(v_cache, -expected)
+
+
+def paged_copy(seq_lens, k, v, block_size=16, seed=0):
+    """k/v of whole sequences stored into a paged cache through shuffled block tables."""
+    max_blocks = max(math.ceil(n / block_size) for n in seq_lens)
+    num_blocks = len(seq_lens) * max_blocks
+    gen = torch.Generator().manual_seed(seed)
+    block_tables = torch.randperm(num_blocks, generator=gen).view(len(seq_lens), max_blocks).to(I32)
+    positions = torch.cat([torch.arange(n) for n in seq_lens])
+    request = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens))
+    slots = block_tables[request, positions // block_size].long() * block_size + positions % block_size
+    k_cache = torch.zeros(num_blocks, block_size, *k.shape[1:])
+    v_cache = torch.zeros_like(k_cache)
+    store_kv_ref(k, v, k_cache, v_cache, slots)
+    return k_cache, v_cache, block_tables, positions
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_paged_attention_ref_equals_causal_attention(group):
+    seq_lens, num_kv_heads, head_dim = [7, 20, 33], 2, 16
+    gen = torch.Generator().manual_seed(group)
+    q = torch.randn(sum(seq_lens), num_kv_heads * group, head_dim, generator=gen)
+    k = torch.randn(sum(seq_lens), num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(sum(seq_lens), num_kv_heads, head_dim, generator=gen)
+    k_cache, v_cache, block_tables, positions = paged_copy(seq_lens, k, v)
+    qsl = torch.tensor([0, 7, 27, 60], dtype=I32)
+    out = paged_attention_ref(q, k_cache, v_cache, block_tables, qsl, positions, head_dim**-0.5, max(seq_lens))
+    torch.testing.assert_close(out, DenseAttention(seq_lens)(0, q, k, v), atol=1e-5, rtol=1e-5)
+
+
+def test_paged_attention_ref_is_causal_by_position_not_row_order():
+    # Rows at shuffled, repeated positions each see exactly the keys up to their own position.
+    seq_lens, head_dim = [12, 30], 32
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(42, 4, head_dim, generator=gen)
+    k = torch.randn(42, 1, head_dim, generator=gen)
+    v = torch.randn(42, 1, head_dim, generator=gen)
+    dense = DenseAttention(seq_lens)(0, q, k, v)
+    k_cache, v_cache, block_tables, positions = paged_copy(seq_lens, k, v)
+    rows = torch.cat([torch.randint(0, 12, (5,), generator=gen), 12 + torch.randint(0, 30, (9,), generator=gen)])
+    qsl = torch.tensor([0, 5, 14, 14], dtype=I32)  # the last request is padding: no rows
+    block_tables = torch.cat([block_tables, torch.zeros_like(block_tables[:1])])
+    out = paged_attention_ref(q[rows], k_cache, v_cache, block_tables, qsl, positions[rows], head_dim**-0.5, 9)
+    torch.testing.assert_close(out, dense[rows], atol=1e-5, rtol=1e-5)
+
+
+def test_paged_attention_ref_checks_max_query_len_and_heads():
+    q = torch.randn(3, 2, 16)
+    cache = torch.randn(1, 16, 2, 16)
+    args = (cache, cache, torch.zeros(1, 1, dtype=I32), torch.tensor([0, 3], dtype=I32), torch.arange(3), 0.25)
+    with pytest.raises(ValueError, match="max_query_len"):
+        paged_attention_ref(q, *args, 2)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        paged_attention_ref(q[:, :1], *args, 3)
+
+
+def worked_example(num_mask_slots):
+    """The inputs of draft_batch.py's worked example: three requests (verify with one rejection, prefill, padding)
+    and one bucket-padding row; block_size 4, mask_token_id 9."""
+    return dict(
+        target_input_ids=torch.tensor([100, 101, 102, 300, 301, 0]),
+        target_positions=torch.tensor([5, 6, 7, 0, 1, 0]),
+        target_slot_mapping=torch.tensor([13, 14, 15, 4, 5, -1]),
+        query_start_loc=torch.tensor([0, 3, 5, 5], dtype=I32),
+        num_rejected=torch.tensor([1, 0, 0], dtype=I32),
+        next_token_ids=torch.tensor([200, 400, 0]),
+        block_tables=torch.tensor([[2, 3, 5], [1, 4, 0], [0, 0, 0]], dtype=I32),
+        block_size=4,
+        mask_token_id=9,
+        num_mask_slots=num_mask_slots,
+    )
+
+
+def assert_batch(batch, **expected):
+    for name, values in expected.items():
+        assert getattr(batch, name).tolist() == values, name
+
+
+def test_expand_draft_batch_ref_worked_example():
+    assert_batch(
+        expand_draft_batch_ref(**worked_example(num_mask_slots=2)),
+        input_ids=[101, 200, 9, 9, 9, 301, 400, 9, 9, 9, 9, 9],
+        positions=[5, 6, 7, 7, 8, 0, 1, 2, 3, 0, 1, 0],
+        slot_mapping=[13, 14, -1, 15, 20, 4, 5, 6, 7, -1, -1, -1],
+        hidden_index=[0, 1, 2, -1, -1, 3, 4, -1, -1, -1, -1, -1],
+        query_start_loc=[0, 5, 9, 11],
+        seq_lens=[9, 4, 0],
+        sample_rows=[[1, 3, 4], [6, 7, 8], [9, 9, 10]],
+    )
+
+
+def test_expand_draft_batch_ref_without_mask_slots_is_the_eagle_shift():
+    # EAGLE-3's first pass: no MASK rows, the draft batch has the target batch's rows.
+    assert_batch(
+        expand_draft_batch_ref(**worked_example(num_mask_slots=0)),
+        input_ids=[101, 200, 9, 301, 400, 9],
+        positions=[5, 6, 7, 0, 1, 0],
+        slot_mapping=[13, 14, -1, 4, 5, -1],
+        hidden_index=[0, 1, 2, 3, 4, -1],
+        query_start_loc=[0, 3, 5, 5],
+        seq_lens=[7, 2, 0],
+        sample_rows=[[1], [4], [5]],
+    )
+
+
+def test_expand_draft_batch_ref_rejects_inconsistent_rejections():
+    example = worked_example(num_mask_slots=2)
+    example["num_rejected"] = torch.tensor([3, 0, 0], dtype=I32)  # all three rows of request 0 rejected
+    with pytest.raises(ValueError, match="num_rejected"):
+        expand_draft_batch_ref(**example)
+
+
+def test_gather_draft_features_ref():
+    aux = torch.arange(6.0).view(3, 2)
+    out = gather_draft_features_ref(aux, torch.tensor([1, -1, 0, -1]), torch.tensor([7.0, 8.0]))
+    assert out.tolist() == [[2.0, 3.0], [7.0, 8.0], [0.0, 1.0], [7.0, 8.0]]
+
+
+def test_backend_choice(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv(kernels.BACKEND_ENV, raising=False)
+    assert not kernels.use_triton(cpu) and kernels.use_triton(cuda)
+    monkeypatch.setenv(kernels.BACKEND_ENV, "torch")
+    assert not kernels.use_triton(cpu) and not kernels.use_triton(cuda)
+    monkeypatch.setenv(kernels.BACKEND_ENV, "triton")
+    assert kernels.use_triton(cpu) and kernels.use_triton(cuda)
+    monkeypatch.setenv(kernels.BACKEND_ENV, "fast")
+    with pytest.raises(ValueError, match="auto, triton, torch"):
+        kernels.use_triton(cpu)
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        kernels.triton_module("kv_cache", torch.device("cpu"))
+
+
+def test_dispatch_routes_to_triton_only_when_forced(monkeypatch):
+    calls = []
+    fake = SimpleNamespace(store_kv=lambda *args: calls.append("triton"))
+    monkeypatch.setattr(kernels, "triton_module", lambda name, device: fake)
+    k = torch.ones(1, 1, 16)
+    cache = torch.zeros(1, 4, 1, 16)
+    monkeypatch.delenv(kernels.BACKEND_ENV, raising=False)
+    kernels.store_kv(k, k, cache, cache.clone(), torch.tensor([2]))
+    assert calls == [] and torch.equal(cache[0, 2], k[0])  # the reference ran on the CPU
+    monkeypatch.setenv(kernels.BACKEND_ENV, "triton")
+    kernels.store_kv(k, k, cache, cache.clone(), torch.tensor([2]))
+    assert calls == ["triton"]

@@ -1,0 +1,226 @@
+"""Every Triton kernel equals its PyTorch reference on random inputs, run by Triton's interpreter on the CPU.
+
+The interpreter must be on before triton is first imported (triton's own library functions are decorated at import),
+and other test modules import triton early (through transformers). So unless this process already interprets, each
+check runs in one spawned worker process that turns TRITON_INTERPRET=1 on before importing anything.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+import torch
+
+import peagle.kernels as kernels
+
+CPU = torch.device("cpu")
+I32 = torch.int32
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+
+
+def _interpreter_on() -> bool:
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.max, InterpretedFunction)
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    """run(check, *args): call check(*args) where Triton's interpreter is on; its assertion errors come back."""
+    if _interpreter_on():
+        yield lambda check, *args: check(*args)
+        return
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        # Start the worker now, inheriting TRITON_INTERPRET=1; a builtin task imports nothing of ours (and no triton).
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("TRITON_INTERPRET", "1")
+            pool.submit(int).result()
+        yield lambda check, *args: pool.submit(check, *args).result()
+
+
+def triton_kernels(name):
+    os.environ["TRITON_INTERPRET"] = "1"  # a no-op where the interpreter is on, which `interpreted` ensures
+    return kernels.triton_module(name, CPU)
+
+
+# store_kv
+
+def check_store_kv(dtype, head_dim, seed):
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens, num_kv_heads, num_blocks, block_size = 7, 3, 4, 4
+    # k and v as views of a fused projection output, not contiguous across heads.
+    qkv = torch.randn(num_tokens, 3 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    k, v = qkv[:, num_kv_heads : 2 * num_kv_heads], qkv[:, 2 * num_kv_heads :]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[torch.tensor([1, 4])] = -1
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    triton_kernels("kv_cache").store_kv(k, v, k_cache, v_cache, slots.to(I32))
+    kernels.store_kv_ref(k, v, k_ref, v_ref, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 16), (torch.bfloat16, 64)])
+def test_store_kv(interpreted, dtype, head_dim):
+    interpreted(check_store_kv, dtype, head_dim, 0)
+
+
+# paged_attention
+
+def make_attention_batch(seed, query_lens, context_lens, *, num_kv_heads, group, head_dim, dtype, shuffle, tail,
+                         block_size=16):
+    """A random paged cache holding each request's context in scattered blocks, and query rows for it.
+
+    Request b has context_lens[b] cached positions; its query_lens[b] rows sit at the last positions in order, or,
+    with `shuffle`, at random positions of the context, repeats allowed. `tail` rows belong to no request.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_request = [math.ceil(n / block_size) for n in context_lens]
+    num_blocks = sum(blocks_per_request) + 2
+    owner = torch.randperm(num_blocks, generator=gen).tolist()
+    # Unused entries point at random blocks: the kernel must never read them.
+    block_tables = torch.randint(0, num_blocks, (len(context_lens), max(blocks_per_request) + 1), generator=gen)
+    for b, n in enumerate(blocks_per_request):
+        block_tables[b, :n] = torch.tensor(owner[:n])
+        owner = owner[n:]
+    positions = [
+        torch.randint(0, ctx, (n,), generator=gen) if shuffle else torch.arange(ctx - n, ctx)
+        for n, ctx in zip(query_lens, context_lens)
+    ]
+    positions.append(torch.randint(0, 4, (tail,), generator=gen))
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return dict(
+        q=torch.randn(sum(query_lens) + tail, num_kv_heads * group, head_dim, generator=gen).to(dtype),
+        k_cache=torch.randn(cache_shape, generator=gen).to(dtype),
+        v_cache=torch.randn(cache_shape, generator=gen).to(dtype),
+        block_tables=block_tables.to(I32),
+        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=I32),
+        positions=torch.cat(positions),
+        scale=head_dim**-0.5,
+        max_query_len=max(max(query_lens), 1),
+    )
+
+
+ATTENTION_CASES = {
+    # name: (query_lens, context_lens, num_kv_heads, group, head_dim, dtype, shuffle, tail)
+    "decode_gqa3": ([1, 1, 1], [5, 40, 17], 3, 3, 64, torch.float32, False, 0),
+    "verify_padding_request": ([4, 0, 3], [20, 10, 33], 2, 4, 32, torch.bfloat16, False, 2),
+    "draft_shuffled_positions": ([6, 5], [9, 30], 2, 1, 16, torch.float32, True, 0),
+    "prefill_multi_tile": ([40, 2], [40, 70], 1, 8, 16, torch.bfloat16, False, 0),
+    "head_dim_128_fp16": ([7, 1, 0], [7, 65, 1], 1, 2, 128, torch.float16, True, 1),
+}
+
+
+def check_paged_attention(case, num_splits):
+    query_lens, context_lens, num_kv_heads, group, head_dim, dtype, shuffle, tail = ATTENTION_CASES[case]
+    batch = make_attention_batch(len(case), query_lens, context_lens, num_kv_heads=num_kv_heads, group=group,
+                                 head_dim=head_dim, dtype=dtype, shuffle=shuffle, tail=tail)
+    out = triton_kernels("paged_attention").paged_attention(**batch, num_splits=num_splits)
+    expected = kernels.paged_attention_ref(**batch)
+    rows = sum(query_lens)  # rows past the last request are left unwritten by the kernel
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out[:rows].float(), expected[:rows].float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("case", sorted(ATTENTION_CASES))
+def test_paged_attention(interpreted, case, num_splits):
+    interpreted(check_paged_attention, case, num_splits)
+
+
+def check_dispatch_when_forced():
+    os.environ[kernels.BACKEND_ENV] = "triton"
+    try:
+        batch = make_attention_batch(0, [2, 1], [9, 20], num_kv_heads=2, group=2, head_dim=16, dtype=torch.float32,
+                                     shuffle=False, tail=0)
+        torch.testing.assert_close(kernels.paged_attention(**batch), kernels.paged_attention_ref(**batch))
+    finally:
+        del os.environ[kernels.BACKEND_ENV]
+
+
+def test_dispatch_when_forced(interpreted):
+    interpreted(check_dispatch_when_forced)
+
+
+# expand_draft_batch and gather_draft_features
+
+def make_draft_inputs(seed, kinds, num_mask_slots, tail, index_dtype):
+    """A verified target batch; kinds[b] is "pad" (no rows), "prefill" (up to 300 rows) or "verify" (K + 1 rows,
+    some rejected). Slots follow random block tables with room for the MASK positions."""
+    gen = torch.Generator().manual_seed(seed)
+    block_size, num_blocks = 4, 512
+
+    def draw(lo, hi):
+        return int(torch.randint(lo, hi, (1,), generator=gen))
+
+    ids, positions, slots, lens, rejected = [], [], [], [], []
+    max_blocks = 100
+    block_tables = torch.randperm(num_blocks, generator=gen)[: len(kinds) * max_blocks].view(len(kinds), max_blocks)
+    for b, kind in enumerate(kinds):
+        n = {"pad": 0, "prefill": draw(1, 300), "verify": num_mask_slots + 2}[kind]
+        start = draw(0, 40)
+        pos = torch.arange(start, start + n)
+        lens.append(n)
+        rejected.append(draw(0, n) if kind == "verify" else 0)
+        ids.append(torch.randint(10, 1000, (n,), generator=gen))
+        positions.append(pos)
+        slots.append(block_tables[b, pos // block_size] * block_size + pos % block_size)
+    ids.append(torch.randint(10, 1000, (tail,), generator=gen))
+    positions.append(torch.zeros(tail, dtype=torch.long))
+    slots.append(torch.full((tail,), -1))
+    return dict(
+        target_input_ids=torch.cat(ids).to(index_dtype),
+        target_positions=torch.cat(positions).to(index_dtype),
+        target_slot_mapping=torch.cat(slots).to(index_dtype),
+        query_start_loc=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=I32),
+        num_rejected=torch.tensor(rejected, dtype=I32),
+        next_token_ids=torch.randint(10, 1000, (len(kinds),), generator=gen),
+        block_tables=block_tables.to(I32),
+        block_size=block_size,
+        mask_token_id=3,
+        num_mask_slots=num_mask_slots,
+    )
+
+
+DRAFT_CASES = {
+    # name: (kinds, num_mask_slots, tail rows, index dtype)
+    "one_verify_k8": (["verify"], 7, 0, torch.int64),
+    "mixed_with_padding": (["verify", "pad", "prefill", "verify"], 3, 2, torch.int32),
+    "eagle3_first_pass": (["prefill", "verify", "pad"], 0, 1, torch.int64),
+    "single_mask_slot": (["verify", "verify", "pad", "pad", "verify"], 1, 0, torch.int32),
+}
+
+
+def check_expand_draft_batch(case):
+    kinds, num_mask_slots, tail, index_dtype = DRAFT_CASES[case]
+    inputs = make_draft_inputs(len(case), kinds, num_mask_slots, tail, index_dtype)
+    out = triton_kernels("draft_batch").expand_draft_batch(**inputs)
+    expected = kernels.expand_draft_batch_ref(**inputs)
+    for name, got, want in zip(expected._fields, out, expected):
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+
+
+@pytest.mark.parametrize("case", sorted(DRAFT_CASES))
+def test_expand_draft_batch(interpreted, case):
+    interpreted(check_expand_draft_batch, case)
+
+
+def check_gather_draft_features(dtype, num_features):
+    gen = torch.Generator().manual_seed(num_features)
+    aux = torch.randn(9, num_features, generator=gen).to(dtype)
+    hidden_index = torch.randint(-1, 9, (13,), generator=gen)
+    hidden_index[:2] = -1
+    mask_hidden = torch.randn(num_features, generator=gen)  # fp32 parameter, cast to the features' dtype
+    out = triton_kernels("draft_batch").gather_draft_features(aux, hidden_index, mask_hidden)
+    assert torch.equal(out, kernels.gather_draft_features_ref(aux, hidden_index, mask_hidden))
+
+
+@pytest.mark.parametrize("dtype,num_features", [(torch.float32, 24), (torch.bfloat16, 1100)])
+def test_gather_draft_features(interpreted, dtype, num_features):
+    interpreted(check_gather_draft_features, dtype, num_features)

@@ -10,7 +10,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from peagle.drafters import (DrafterMismatchError, export_drafter, load_drafter, read_checkpoint, read_config,
+from peagle.drafters import (Drafter, DrafterMismatchError, export_drafter, load_drafter, read_checkpoint, read_config,
                              save_drafter)
 from peagle.models.attention import DenseAttention
 from test_drafters_forward import K, random_drafter, tiny_target
@@ -253,3 +253,19 @@ def test_a_directory_that_is_no_drafter_is_refused(tmp_path):
         read_config(tmp_path)
     with pytest.raises(FileNotFoundError, match="config.json"):
         read_config(tmp_path / "missing")
+
+
+def test_vocabulary_maps_may_be_left_out_only_for_the_whole_vocabulary(tmp_path):
+    target = tiny_target()
+    full = Drafter.for_target(target, "eagle3", seed=0)  # draft vocabulary = every target id
+    for name, drafter in (("full", full), ("reduced", random_drafter("eagle3"))):
+        save_drafter(drafter, tmp_path / name)
+        file = tmp_path / name / "model.safetensors"
+        tensors = load_file(file)
+        del tensors["d2t"], tensors["t2d"]  # as speculators saves a head without a reduced vocabulary
+        save_file(tensors, str(file))
+    loaded = load_drafter(tmp_path / "full", target.config)
+    assert loaded.to_target_ids(torch.tensor([0, 5, 63])).tolist() == [0, 5, 63]
+    assert_same_state(full, loaded)
+    with pytest.raises(ValueError, match="lacks d2t / t2d"):
+        load_drafter(tmp_path / "reduced", target.config)

@@ -75,6 +75,10 @@ def read_checkpoint(path: str | Path) -> DrafterCheckpoint:
     tensors = {name: ckpt.get(name) for name in ckpt.file_of}
     if fmt == "aws":
         tensors = aws_format.from_aws_names(tensors)
+    if "d2t" not in tensors and config.draft_vocab_size == config.target_vocab_size:
+        # speculators leaves the maps out when the draft vocabulary is the whole target vocabulary.
+        identity = DraftVocab.identity(config.target_vocab_size)
+        tensors.update(d2t=identity.d2t, t2d=identity.t2d)
     return DrafterCheckpoint(config, tensors, fmt)
 
 
@@ -130,16 +134,9 @@ def load_drafter(
     if config.aux_layer_ids is None:
         config = dataclasses.replace(config, aux_layer_ids=target_config.default_aux_layer_ids)
     check_fits(config, target_config)
-    tensors = dict(ckpt.tensors)
-    if EMBEDDING not in tensors:
-        stored = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
-        tensors[EMBEDDING] = _shared_embedding(config, target, path).to(stored)
-    vocab = DraftVocab(d2t=tensors["d2t"].long(), t2d=tensors["t2d"].bool())
-    drafter = _empty_drafter(config, vocab)
+    tensors = _complete(ckpt.tensors, config, target, path)
+    drafter = _empty_drafter(config, DraftVocab(d2t=tensors["d2t"].long(), t2d=tensors["t2d"].bool()))
     state = speculators_format.state_dict_from_tensors(tensors, drafter.state_dict())
-    extra = sorted(set(tensors) - {n for name in state for n in speculators_format.disk_names(name)})
-    if extra:
-        logger.warning("ignoring %d tensor(s) of %s the drafter does not use: %s", len(extra), path, extra[:5])
     drafter.load_state_dict(state, strict=True, assign=True)
     drafter.to(device=device, dtype=parse_dtype(dtype) if dtype is not None else None)
     logger.info("loaded %s drafter (%d layers, draft vocab %d) from %s", config.method, config.num_layers,
@@ -158,6 +155,20 @@ def check_fits(config: DrafterConfig, target: ModelConfig) -> None:
         raise DrafterMismatchError("aux_layer_ids", f"ids in 0..{n}", list(config.aux_layer_ids))
     if config.target_architecture is not None and config.target_family != target.family:
         raise DrafterMismatchError("family", target.family, config.target_family or config.target_architecture)
+
+
+def _complete(tensors: dict[str, torch.Tensor], config: DrafterConfig, target: LlamaModel | None,
+              path) -> dict[str, torch.Tensor]:
+    """The stored tensors plus the target's embedding when the head shares it; refuses a head without its maps."""
+    if "d2t" not in tensors or "t2d" not in tensors:
+        raise ValueError(
+            f"the drafter at {path} has a draft vocabulary of {config.draft_vocab_size} ids but lacks d2t / t2d, "
+            "the maps between draft and target ids"
+        )
+    if EMBEDDING in tensors:
+        return tensors
+    stored = next(t.dtype for t in tensors.values() if t.is_floating_point())
+    return {**tensors, EMBEDDING: _shared_embedding(config, target, path).to(stored)}
 
 
 def _shared_embedding(config: DrafterConfig, target: LlamaModel | None, path) -> torch.Tensor:

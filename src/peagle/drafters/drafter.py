@@ -195,6 +195,8 @@ def _initialise(drafter: Drafter, parts: TargetParts, vocab: DraftVocab, seed: i
             module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * INIT_STD)
             if module.bias is not None:
                 module.bias.zero_()
+    if drafter.mask_hidden is not None:  # speculators starts it from a standard normal too
+        drafter.mask_hidden.copy_(torch.randn(drafter.mask_hidden.shape, generator=gen))
     drafter.embed_tokens.weight.copy_(parts.embedding)
     # As speculators does: start the draft lm_head from the target's own output rows.
     drafter.lm_head.weight.copy_(parts.output_weight[vocab.target_ids])

@@ -15,13 +15,16 @@ model.safetensors, HF names without a `model.` prefix:
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
 from peagle.drafters.config import DEFAULT_NUM_SPECULATIVE_TOKENS, METHODS, DrafterConfig
-from peagle.models.config import FAMILY_ARCHITECTURE, ModelConfig
+from peagle.models.config import ModelConfig
 from peagle.models.weights import hf_names, to_hf_state_dict
+
+logger = logging.getLogger(__name__)
 
 ARCHITECTURES = {"eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator"}
 # vLLM's translators fill these in when a config leaves them out; reading follows them so a head runs the same here.
@@ -37,7 +40,6 @@ def is_speculators_config(d: dict[str, Any]) -> bool:
 
 def config_to_dict(cfg: DrafterConfig) -> dict[str, Any]:
     layer = cfg.transformer_layer_config.to_hf_dict()
-    target_arch = cfg.target_architecture or FAMILY_ARCHITECTURE.get(cfg.target_family or "")
     d: dict[str, Any] = {
         "architectures": [ARCHITECTURES[cfg.method]],
         "speculators_model_type": cfg.method,
@@ -57,7 +59,10 @@ def config_to_dict(cfg: DrafterConfig) -> dict[str, Any]:
                 "accept_tolerance": 0.0,
             }],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": cfg.target_name_or_path, "architectures": [target_arch] if target_arch else []},
+            "verifier": {
+                "name_or_path": cfg.target_name_or_path,
+                "architectures": [cfg.target_architecture] if cfg.target_architecture else [],
+            },
         },
     }
     if cfg.mask_token_id is not None:
@@ -116,7 +121,9 @@ def disk_names(module_name: str) -> list[str]:
     return [n.removeprefix("model.") for n in hf_names(module_name)]
 
 
-def state_dict_from_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def state_dict_from_tensors(
+    tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """On-disk tensors -> the drafter module's state dict (`expected` gives its names and shapes).
 
     Raises ValueError naming the missing tensors or the first tensor of the wrong shape.
@@ -138,4 +145,7 @@ def state_dict_from_tensors(tensors: dict[str, torch.Tensor], expected: dict[str
         state[name] = tensor
     if missing:
         raise ValueError(f"the drafter checkpoint lacks {len(missing)} tensor(s): {', '.join(missing[:6])}")
+    extra = sorted(set(tensors) - {n for name in expected for n in disk_names(name)})
+    if extra:
+        logger.warning("ignoring %d checkpoint tensor(s) the drafter does not use: %s", len(extra), extra[:5])
     return state

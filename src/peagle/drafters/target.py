@@ -33,10 +33,11 @@ class TargetParts:
         if isinstance(target, LlamaModel):
             return cls(target.config, target.embed_tokens.weight.detach(), target.output_weight.detach(),
                        target.config.extra.get("_name_or_path"), tokenizer)
-        return cls.from_dir(Path(target), tokenizer)
+        return cls.from_dir(target, tokenizer)
 
     @classmethod
-    def from_dir(cls, path: Path, tokenizer: Tokenizer | None = None) -> "TargetParts":
+    def from_dir(cls, path: str | Path, tokenizer: Tokenizer | None = None) -> "TargetParts":
+        path = Path(path)
         config = ModelConfig.from_dir(path)
         ckpt = SafetensorsCheckpoint(path)
         embedding = ckpt.get("model.embed_tokens.weight")

@@ -51,7 +51,10 @@ class Proposer(ABC):
             inp.input_ids, inp.positions, inp.slot_mapping, inp.query_start_loc, inp.num_rejected,
             inp.next_tokens, inp.block_tables, self.block_size, self.mask_token_id, num_mask_slots,
         )
-        features = kernels.gather_draft_features(inp.aux, e.hidden_index, mask_hidden)  # [R, 3 * d_target]
+        if mask_hidden is None:  # no MASK rows: every row's feature is a target row
+            features = inp.aux.index_select(0, e.hidden_index.clamp(min=0))  # [R, 3 * d_target]
+        else:
+            features = kernels.gather_draft_features(inp.aux, e.hidden_index, mask_hidden)
         meta = AttentionMetadata(e.positions, e.slot_mapping, inp.block_tables, e.query_start_loc,
                                  inp.max_query_len + num_mask_slots)
         hidden = self.drafter(e.input_ids, e.positions, PagedAttention(self.kv_caches, meta, self.scale),

@@ -1,0 +1,166 @@
+"""End to end on the CPU: speculative greedy output equals plain greedy output, and the drafters' paged KV stays
+consistent with a from-scratch recomputation after every partial acceptance."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from peagle import LLM, SamplingParams
+from peagle.drafters import Drafter, save_drafter
+from peagle.models.attention import DenseAttention
+from peagle.models.loader import load_model
+
+PROMPTS = [[7, 20, 31, 40], [9, 15], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [30], [50, 60, 70], [80, 81, 82, 83]]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tiny_hf_checkpoint):
+    return tiny_hf_checkpoint("llama", num_layers=4)
+
+
+@pytest.fixture(scope="module")
+def heads(target_dir, tmp_path_factory):
+    out = {}
+    for method, layers in (("eagle3", 1), ("peagle", 2)):
+        d = tmp_path_factory.mktemp(method)
+        drafter = Drafter.for_target(target_dir, method, layers, seed=3)
+        save_drafter(drafter, d / "head")
+        out[method] = str(d / "head")
+    return out
+
+
+def make_llm(target_dir, head=None, k=3, parallel=False, **kw):
+    spec = None
+    if head is not None:
+        spec = {"method": "eagle3", "model": head, "num_speculative_tokens": k, "parallel_drafting": parallel}
+    kw.setdefault("max_num_seqs", 3)
+    return LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
+               **kw)
+
+
+def greedy(max_tokens=24, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(target_dir):
+    outs = make_llm(target_dir).generate(PROMPTS, greedy(40), use_tqdm=False)
+    return [p + o.token_ids for p, o in zip(PROMPTS, outs)]
+
+
+def test_plain_engine_equals_full_recompute_greedy(target_dir, reference):
+    model = load_model(target_dir, dtype="float32")
+    ids = list(PROMPTS[2])
+    for _ in range(40):
+        h = model(torch.tensor(ids), torch.arange(len(ids)), DenseAttention([len(ids)])).hidden
+        ids.append(int(model.compute_logits(h[-1:]).argmax()))
+    assert ids == reference[2]
+
+
+@pytest.mark.parametrize("method", ["eagle3", "peagle"])
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_speculative_greedy_equals_plain_greedy(target_dir, heads, reference, method, k):
+    llm = make_llm(target_dir, heads[method], k=k, parallel=method == "peagle")
+    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    for prompt, ref, out in zip(PROMPTS, reference, outs):
+        assert out.token_ids == ref[len(prompt):len(prompt) + 24]
+        assert out.metrics.num_drafting_rounds > 0
+
+
+def reference_drafts(model, drafter, ctx: list[int], k: int, parallel: bool) -> list[int]:
+    """The drafts for context `ctx` computed from scratch with dense causal attention (no cache)."""
+    m = len(ctx) - 1
+    ids = torch.tensor(ctx)
+    out = model(ids[:m], torch.arange(m), DenseAttention([m]), drafter.config.aux_layer_ids)
+    hidden = drafter.fc(out.aux)  # [m, d]
+    tokens = ids[1:]
+    if parallel:
+        n = m + k - 1
+        mask = drafter.fc(drafter.mask_hidden.expand(k - 1, -1))
+        h = drafter(torch.cat([tokens, torch.full((k - 1,), drafter.config.mask_token_id)]), torch.arange(n),
+                    DenseAttention([n]), torch.cat([hidden, mask]))
+        return drafter.to_target_ids(drafter.compute_logits(h[m - 1:]).argmax(-1)).tolist()
+    drafts = []
+    for _ in range(k):
+        n = len(tokens)
+        h = drafter(tokens, torch.arange(n), DenseAttention([n]), hidden)
+        tok = drafter.to_target_ids(drafter.compute_logits(h[-1:]).argmax(-1))
+        drafts.append(int(tok))
+        tokens = torch.cat([tokens, tok])
+        hidden = torch.cat([hidden, h[-1:]])
+    return drafts
+
+
+@pytest.mark.parametrize("method,k", [("peagle", 4), ("eagle3", 3)])
+def test_partial_acceptance_keeps_both_caches_consistent(target_dir, heads, reference, method, k):
+    """Drafts are replaced by the true continuation with random corruptions, so rounds accept 0..K drafts; the real
+    drafter still runs every round, and its proposals must equal a from-scratch recomputation."""
+    parallel = method == "peagle"
+    llm = make_llm(target_dir, heads[method], k=k, parallel=parallel)
+    engine = llm.engine
+    rng = random.Random(0)
+    by_seq: dict[str, list[int]] = {}
+    seen: list[tuple[list[int], list[int]]] = []
+    real_execute = engine.runner.execute
+
+    def execute(seqs, drafts, st):
+        result = real_execute(seqs, drafts, st)
+        for i, seq in enumerate(seqs):
+            ctx = seq.token_ids + result.output_tokens[i]
+            seen.append((ctx, list(result.drafts[i])))
+            ref = by_seq[seq.seq_id]
+            oracle = (ref[len(ctx):] + [0] * k)[:k]
+            cut = rng.randrange(k + 1)
+            if cut < k:
+                oracle[cut] = (oracle[cut] + 1) % 300
+            result.drafts[i] = oracle
+        return result
+
+    engine.runner.execute = execute
+    for i, prompt in enumerate(PROMPTS):
+        by_seq[str(i)] = reference[i]
+    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    for prompt, ref, out in zip(PROMPTS, reference, outs):
+        assert out.token_ids == ref[len(prompt):len(prompt) + 24]
+    accepted = {a for o in outs for a in range(len(o.metrics.accepted_per_position))
+                if o.metrics.accepted_per_position[a]}
+    assert max(accepted) == k - 1 and sum(o.metrics.num_accepted_tokens for o in outs) > 20
+    model = load_model(target_dir, dtype="float32")
+    drafter = engine.runner.drafter
+    with torch.inference_mode():
+        for ctx, drafts in seen[:: max(1, len(seen) // 40)]:
+            assert drafts == reference_drafts(model, drafter, ctx, k, parallel), ctx
+
+
+def test_requests_end_inside_a_round(target_dir, heads, reference):
+    llm = make_llm(target_dir, heads["peagle"], k=7, parallel=True)
+    eos = reference[0][len(PROMPTS[0]) + 5]
+    outs = llm.generate(PROMPTS[:3], [greedy(max_tokens=9), SamplingParams(temperature=0, max_tokens=30,
+                        stop_token_ids=[eos]), greedy(max_tokens=1)], use_tqdm=False)
+    assert outs[0].token_ids == reference[0][len(PROMPTS[0]):len(PROMPTS[0]) + 9]
+    assert outs[0].finish_reason == "length"
+    cont = reference[1][len(PROMPTS[1]):]
+    if eos in cont[:30]:
+        assert outs[1].token_ids == cont[:cont.index(eos) + 1] and outs[1].finish_reason == "stop"
+    assert len(outs[2].token_ids) == 1
+
+
+def test_preemption_under_a_tiny_kv_budget(target_dir, heads, reference):
+    llm = make_llm(target_dir, heads["peagle"], k=3, parallel=True, max_num_seqs=6, num_kv_blocks=12)
+    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    for prompt, ref, out in zip(PROMPTS, reference, outs):
+        assert out.token_ids == ref[len(prompt):len(prompt) + 24]
+    assert llm.engine.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_adaptive_k_keeps_output(target_dir, heads, reference):
+    spec = {"method": "eagle3", "model": heads["peagle"], "num_speculative_tokens": 5, "parallel_drafting": True,
+            "adaptive": {"thresholds": [[1, 5], [2, 3]], "above": 1}}
+    llm = LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
+              max_num_seqs=4)
+    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    for prompt, ref, out in zip(PROMPTS, reference, outs):
+        assert out.token_ids == ref[len(prompt):len(prompt) + 24]

@@ -164,8 +164,10 @@ SPEEDUP_PAIRS = (("peagle", "eagle3"), ("peagle", "none"), ("eagle3", "none"))
 def markdown(results: dict[str, Any]) -> str:
     points = results["points"]
     cfg = results.get("config", {})
-    lines = [f"# peagle bench: {results.get('environment', {}).get('gpu') or 'CPU'}", "",
-             f"`{results.get('command', '')}`", "",
+    lines = [f"# peagle bench: {results.get('environment', {}).get('gpu') or 'CPU'}", ""]
+    if cfg.get("note"):
+        lines += [f"**{cfg['note']}**", ""]
+    lines += [f"`{results.get('command', '')}`", "",
              f"Greedy, up to {cfg.get('max_tokens', '?')} output tokens per request. Output tokens/s at each "
              "concurrency; each speculative method at its best K (K and acceptance length in parentheses).", ""]
     for dataset in datasets_of(points):

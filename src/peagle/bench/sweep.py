@@ -53,6 +53,8 @@ class SweepConfig:
     hf_baselines: bool = False
     hf_num_prompts: int = 8
     hf_batch_sizes: tuple[int, ...] = (1, 16, 64)
+    # Shown above the results table and kept in results.json (e.g. "smoke scale: not a benchmark").
+    note: str | None = None
 
     def __post_init__(self):
         unknown = sorted(set(self.methods) - set(ENGINE_METHODS))

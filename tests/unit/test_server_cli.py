@@ -1,0 +1,76 @@
+"""`peagle serve`: options and the speculative config (flag or environment) reach the engine and the app."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+from server_fixtures import make_head
+
+from peagle.cli import main
+
+
+@pytest.fixture(scope="module")
+def target_dir(tiny_hf_checkpoint):
+    return tiny_hf_checkpoint("llama", num_layers=4)
+
+
+@pytest.fixture(scope="module")
+def head(target_dir, tmp_path_factory):
+    return make_head(target_dir, "peagle", tmp_path_factory.mktemp("peagle") / "head")
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """Captures what `peagle serve` would run instead of starting a server."""
+    runs = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: runs.append((app, kw)))
+    for var in ("PEAGLE_SPECULATIVE_CONFIG", "SM_VLLM_SPECULATIVE_CONFIG", "PEAGLE_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    return runs
+
+
+def _argv(target_dir, *extra):
+    return ["serve", str(target_dir), "--device", "cpu", "--dtype", "fp32", "--max-model-len", "128",
+            "--num-kv-blocks", "32", *extra]
+
+
+def test_help_explains_every_option(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--speculative-config", "--host", "--port", "--api-key", "--served-model-name", "--max-model-len",
+                   "--max-num-seqs", "--max-queue", "--gpu-memory-utilization", "--dtype", "--device",
+                   "--enforce-eager", "--num-kv-blocks", "SM_VLLM_SPECULATIVE_CONFIG", "PEAGLE_SPECULATIVE_CONFIG"):
+        assert option in text
+
+
+def test_sagemaker_style_environment_config(target_dir, head, served, monkeypatch):
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 2, "parallel_drafting": True}
+    monkeypatch.setenv("SM_VLLM_SPECULATIVE_CONFIG", json.dumps(spec))
+    monkeypatch.setenv("PEAGLE_API_KEY", "secret")
+    argv = _argv(target_dir, "--served-model-name", "tiny", "--max-num-seqs", "3", "--max-queue", "5",
+                 "--host", "127.0.0.1", "--port", "8123")
+    assert main(argv) == 0
+    (app, kw), = served
+    assert (kw["host"], kw["port"]) == ("127.0.0.1", 8123)
+    engine = app.state.async_engine.engine
+    assert engine.k == 2 and engine.spec.parallel_drafting is True and engine.max_model_len == 128
+    assert app.state.serving.model_name == "tiny" and app.state.serving.max_in_flight == 3 + 5
+    client = TestClient(app)  # no lifespan: the engine loop is not needed to check the key
+    assert client.get("/v1/models").status_code == 401
+    assert client.get("/v1/models", headers={"Authorization": "Bearer secret"}).json()["data"][0]["id"] == "tiny"
+
+
+def test_flag_overrides_environment_and_bad_json_is_a_clean_error(target_dir, head, served, monkeypatch, capsys):
+    monkeypatch.setenv("PEAGLE_SPECULATIVE_CONFIG", "{not json")
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 1}
+    assert main(_argv(target_dir, "--speculative-config", json.dumps(spec))) == 0
+    (app, _), = served
+    assert app.state.async_engine.engine.k == 1
+    assert app.state.serving.model_name == str(target_dir)
+    assert main(_argv(target_dir)) == 1
+    assert "speculative config is not valid JSON" in capsys.readouterr().err

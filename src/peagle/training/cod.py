@@ -49,6 +49,20 @@ class Layout:
     def to(self, device: torch.device | str) -> "Layout":
         return Layout(*(getattr(self, f.name).to(device) for f in fields(Layout)))
 
+    @staticmethod
+    def concat(layouts: "list[Layout]", lengths: list[int], num_docs: list[int]) -> "Layout":
+        """The layout of sequences laid side by side (as `PackedSequence.concat` does), depth-major again.
+
+        lengths / num_docs: tokens and documents of each sequence, to shift anchors and document ids.
+        """
+        shift = torch.cumsum(torch.tensor([0, *lengths[:-1]]), 0).tolist()
+        doc_shift = torch.cumsum(torch.tensor([0, *num_docs[:-1]]), 0).tolist()
+        parts = [Layout(lay.anchor + s, lay.depth, lay.doc + ds, lay.position, lay.target + s, lay.weight)
+                 for lay, s, ds in zip(layouts, shift, doc_shift)]
+        joined = Layout(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(Layout)))
+        # A stable sort by depth keeps anchors ascending within each depth (the sequences come in order).
+        return joined.select(torch.sort(joined.depth, stable=True).indices)
+
 
 def document_starts(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For each position, the start and end (exclusive) of its document. doc_ids: [n], non-decreasing."""

@@ -94,6 +94,7 @@ class Manifest:
     tokenizer_fingerprint: str
     vocab_size: int
     model: str
+    source: dict = field(default_factory=dict)  # what the documents were made from: prompts file, max tokens
     shards: list[dict] = field(default_factory=list)  # {file, first_prompt, num_prompts, num_documents, num_tokens}
 
     @property
@@ -102,7 +103,7 @@ class Manifest:
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "tokenizer_fingerprint": self.tokenizer_fingerprint,
-                "vocab_size": self.vocab_size, "model": self.model, "shards": self.shards}
+                "vocab_size": self.vocab_size, "model": self.model, "source": self.source, "shards": self.shards}
 
     @classmethod
     def read(cls, data_dir: Path) -> "Manifest":
@@ -112,7 +113,7 @@ class Manifest:
         d = json.loads(path.read_text())
         if d.get("format") != FORMAT or d.get("version") != VERSION:
             raise ValueError(f"{path} is not peagle training data of version {VERSION}")
-        return cls(d["tokenizer_fingerprint"], d["vocab_size"], d["model"], d["shards"])
+        return cls(d["tokenizer_fingerprint"], d["vocab_size"], d["model"], d.get("source", {}), d["shards"])
 
     def write(self, data_dir: Path) -> None:
         tmp = data_dir / (MANIFEST + ".tmp")
@@ -147,6 +148,8 @@ def read_documents(data_dir: str | Path, tokenizer: Tokenizer, vocab_size: int) 
         )
     documents = []
     for shard in manifest.shards:
+        if shard["file"] is None:
+            continue  # a batch whose prompts were all skipped
         tensors = load_file(str(data_dir / shard["file"]))
         ids, mask, offsets = tensors["token_ids"].long(), tensors["loss_mask"].bool(), tensors["doc_offsets"]
         if ids.numel() and int(ids.max()) >= vocab_size:

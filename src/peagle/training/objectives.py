@@ -75,13 +75,12 @@ class Objective(ABC):
 
     @torch.no_grad()
     def evaluate(self, drafter: Drafter, target: LlamaModel, teacher: TeacherPass) -> EvalStats:
-        """Every element to depth K on a held-out sequence; loss normalised by its own weight."""
+        """Every element to depth K on a held-out sequence; the loss is summed (denominator 1) for pooling."""
         seq = teacher.sequence
         layout = full_layout(seq.doc_ids.cpu(), seq.loss_mask.cpu(), self.k).to(seq.token_ids.device)
         hidden = self.forward(drafter, teacher, layout)
         everything = torch.ones(len(layout), dtype=torch.bool, device=hidden.device)
-        denominator = max(float(layout.weight.sum()), 1.0)
-        _, stats, correct = charged_loss(drafter, target, teacher, layout, hidden, everything, denominator, self.k,
+        _, stats, correct = charged_loss(drafter, target, teacher, layout, hidden, everything, 1.0, self.k,
                                          self.loss_chunk)
         return EvalStats(stats, _leading_matches(layout, correct, len(seq), self.k))
 

@@ -1,0 +1,122 @@
+"""`peagle regenerate` and `peagle train` (single process, or one process per GPU under torchrun)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from peagle.drafters.config import METHODS
+from peagle.training.config import SCHEDULES, TrainConfig
+
+
+def register(subparsers) -> None:
+    regen = subparsers.add_parser(
+        "regenerate", help="answer training prompts with the target (drafter training data)",
+        description="Render each prompt with the target's chat template, let the target answer it greedily through "
+                    "the engine, and write prompt + response shards for `peagle train`. Resumable: run the same "
+                    "command again to continue. Never use benchmark prompts here.",
+    )
+    regen.add_argument("--model", type=Path, required=True, help="target checkpoint directory")
+    regen.add_argument("--prompts", type=Path, required=True,
+                       help='JSON Lines ({"messages": [...]} or {"prompt": ...}) or ShareGPT JSON')
+    regen.add_argument("--out", type=Path, required=True, help="output data directory")
+    regen.add_argument("--max-tokens", type=int, default=1024, help="response length limit (default 1024)")
+    regen.add_argument("--batch-size", type=int, default=256, help="prompts per engine batch and shard")
+    regen.add_argument("--limit", type=int, help="use only the first N prompts")
+    regen.add_argument("--speculative-config", type=json.loads,
+                       help='speculate while generating (same output, faster), e.g. '
+                            '\'{"method": "eagle3", "model": "HEAD", "num_speculative_tokens": 7}\'')
+    regen.add_argument("--dtype", default="bfloat16", help="target dtype (default bfloat16)")
+    regen.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    regen.add_argument("--max-model-len", type=int, help="prompt + response limit (default: the model's)")
+    regen.set_defaults(func=_regenerate)
+
+    train = subparsers.add_parser(
+        "train", help="train a P-EAGLE or EAGLE-3 drafter",
+        description="Train a drafter head for --target on data from `peagle regenerate`. Several GPUs: "
+                    "torchrun --nproc-per-node N -m peagle train ... (same arguments).",
+    )
+    train.add_argument("--target", type=Path, required=True, help="target checkpoint directory")
+    train.add_argument("--data", type=Path, required=True, help="data directory written by `peagle regenerate`")
+    train.add_argument("--method", choices=METHODS, required=True)
+    train.add_argument("--out", type=Path, required=True, help="output directory (checkpoints, logs, final/)")
+    train.add_argument("--num-layers", type=int, help="drafter layers (default 4 for peagle, 1 for eagle3)")
+    train.add_argument("--k-train", type=int, default=8, help="drafting depth trained (default 8)")
+    train.add_argument("--cod-r", type=float, default=0.8, help="COD keep ratio per depth (default 0.8)")
+    train.add_argument("--cod-r-min", type=float, default=0.2, help="COD floor (default 0.2)")
+    train.add_argument("--num-segments", type=int, default=1,
+                       help="sequence partition segments: more segments, less memory (peagle; default 1)")
+    train.add_argument("--max-length", type=int, default=2048, help="tokens per packed sequence (default 2048)")
+    train.add_argument("--lr", type=float, default=1e-4)
+    train.add_argument("--weight-decay", type=float, default=0.0)
+    train.add_argument("--warmup-steps", type=int, help="linear warmup steps (default 2%% of the steps)")
+    length = train.add_mutually_exclusive_group(required=True)
+    length.add_argument("--steps", type=int, help="optimizer steps")
+    length.add_argument("--epochs", type=float, help="passes over the training data")
+    train.add_argument("--batch-size", type=int, default=1, help="packed sequences per micro-batch per process")
+    train.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    train.add_argument("--schedule", choices=SCHEDULES, default="linear", help="decay after warmup")
+    train.add_argument("--max-grad-norm", type=float, default=1.0)
+    train.add_argument("--save-every", type=int, default=1000, help="checkpoint every N steps")
+    train.add_argument("--eval-every", type=int, default=500, help="held-out evaluation every N steps")
+    train.add_argument("--keep-checkpoints", type=int, default=2, help="most recent checkpoints kept")
+    train.add_argument("--eval-fraction", type=float, default=0.01, help="documents held out (default 1%%)")
+    train.add_argument("--max-eval-documents", type=int, default=64)
+    train.add_argument("--loss-chunk", type=int, default=4096, help="positions per loss chunk (memory)")
+    train.add_argument("--aux-layer-ids", type=int, nargs=3, metavar="ID",
+                       help="target layers feeding the drafter (default 2, L/2, L-3)")
+    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--init", type=Path, metavar="DRAFTER_DIR", help="start from an existing head")
+    train.add_argument("--draft-vocab-size", type=int,
+                       help="restrict the head to the N most frequent response tokens (default: full vocabulary)")
+    train.set_defaults(func=_train)
+
+
+def _regenerate(args: argparse.Namespace) -> int:
+    from peagle.training.regenerate import regenerate
+
+    manifest = regenerate(
+        args.model, args.prompts, args.out, max_tokens=args.max_tokens, batch_size=args.batch_size,
+        limit=args.limit, speculative_config=args.speculative_config, dtype=args.dtype, device=args.device,
+        max_model_len=args.max_model_len,
+    )
+    docs = sum(s["num_documents"] for s in manifest.shards)
+    tokens = sum(s["num_tokens"] for s in manifest.shards)
+    print(f"{args.out}: {docs} documents, {tokens} tokens from {manifest.prompts_done} prompts")
+    return 0
+
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        target=args.target, data=args.data, out=args.out, method=args.method, num_layers=args.num_layers,
+        k_train=args.k_train, cod_r=args.cod_r, cod_r_min=args.cod_r_min, num_segments=args.num_segments,
+        max_length=args.max_length, lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
+        steps=args.steps, epochs=args.epochs, batch_size=args.batch_size, grad_accum=args.grad_accum,
+        schedule=args.schedule, max_grad_norm=args.max_grad_norm, save_every=args.save_every,
+        eval_every=args.eval_every, keep_checkpoints=args.keep_checkpoints, eval_fraction=args.eval_fraction,
+        max_eval_documents=args.max_eval_documents, loss_chunk=args.loss_chunk, seed=args.seed,
+        resume=args.resume, init=args.init, draft_vocab_size=args.draft_vocab_size,
+        aux_layer_ids=tuple(args.aux_layer_ids) if args.aux_layer_ids else None,
+    )
+
+
+def _train(args: argparse.Namespace) -> int:
+    import torch
+
+    from peagle.training.distributed import init_distributed, shutdown_distributed
+    from peagle.training.trainer import build_trainer
+
+    cfg = train_config(args)  # validate before touching devices
+    dist = init_distributed()
+    try:
+        return build_trainer(cfg, dist).train()
+    except torch.cuda.OutOfMemoryError:
+        raise ValueError(
+            f"out of GPU memory at --max-length {cfg.max_length} with --num-segments {cfg.num_segments}: use a "
+            f"larger --num-segments (e.g. {cfg.num_segments * 2}), a smaller --loss-chunk or --batch-size, or a "
+            "shorter --max-length"
+        ) from None
+    finally:
+        shutdown_distributed()

@@ -1,0 +1,88 @@
+"""TrainConfig: everything `peagle train` decides, validated up front."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from peagle.drafters.config import DEFAULT_NUM_LAYERS, METHODS
+
+SCHEDULES = ("linear", "cosine")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    target: Path
+    data: Path
+    out: Path
+    method: str
+    num_layers: int | None = None  # None: 4 for peagle, 1 for eagle3
+    k_train: int = 8
+    cod_r: float = 0.8
+    cod_r_min: float = 0.2
+    num_segments: int = 1
+    max_length: int = 2048
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    warmup_steps: int | None = None  # None: 2% of the steps
+    steps: int | None = None
+    epochs: float | None = None
+    batch_size: int = 1  # packed sequences per micro-batch per process
+    grad_accum: int = 1
+    schedule: str = "linear"
+    max_grad_norm: float = 1.0
+    save_every: int = 1000
+    eval_every: int = 500
+    keep_checkpoints: int = 2
+    eval_fraction: float = 0.01
+    max_eval_documents: int = 64
+    loss_chunk: int = 4096
+    seed: int = 0
+    resume: bool = False
+    init: Path | None = None
+    draft_vocab_size: int | None = None
+    aux_layer_ids: tuple[int, int, int] | None = None
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.k_train < 1:
+            raise ValueError(f"--k-train must be at least 1 (the number of tokens drafted per round), got {self.k_train}")
+        if not 0.0 < self.cod_r <= 1.0:
+            raise ValueError(f"--cod-r must be in (0, 1], got {self.cod_r}")
+        if not 0.0 <= self.cod_r_min <= 1.0:
+            raise ValueError(f"--cod-r-min must be in [0, 1], got {self.cod_r_min}")
+        if self.num_segments < 1:
+            raise ValueError(f"--num-segments must be at least 1, got {self.num_segments}")
+        if self.num_segments > 1 and self.method != "peagle":
+            raise ValueError("--num-segments (the sequence partition) applies to --method peagle only")
+        if self.max_length < 3:
+            raise ValueError(f"--max-length must be at least 3 tokens, got {self.max_length}")
+        if (self.steps is None) == (self.epochs is None):
+            raise ValueError("give exactly one of --steps and --epochs")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"--steps must be at least 1, got {self.steps}")
+        if self.epochs is not None and self.epochs <= 0:
+            raise ValueError(f"--epochs must be positive, got {self.epochs}")
+        for name in ("batch_size", "grad_accum", "save_every", "eval_every", "keep_checkpoints", "loss_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps must be non-negative, got {self.warmup_steps}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"--draft-vocab-size must be positive, got {self.draft_vocab_size}")
+        if self.init is not None and self.draft_vocab_size is not None:
+            raise ValueError("--draft-vocab-size builds a new head's vocabulary; --init brings its own")
+
+    @property
+    def layers(self) -> int:
+        return self.num_layers or DEFAULT_NUM_LAYERS[self.method]
+
+    def warmup(self, total_steps: int) -> int:
+        return self.warmup_steps if self.warmup_steps is not None else max(1, total_steps // 50)

@@ -1,0 +1,165 @@
+"""The trainer: exact resume after SIGTERM, data parallelism equals one process, the CLI end to end, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import peagle
+from peagle.cli import main
+from peagle.drafters import load_drafter
+from peagle.models.config import ModelConfig
+from peagle.models.loader import load_tokenizer
+from peagle.training.cli import train_config
+from peagle.training.config import TrainConfig
+from peagle.training.data import Document, Manifest, tokenizer_fingerprint, write_shard
+from peagle.training.distributed import DistContext
+from peagle.training.objectives import EvalStats
+from peagle.training.forward import StepStats
+from peagle.training.trainer import FINAL, LOG_FILE, build_trainer, lr_factor
+
+
+def write_dataset(out: Path, checkpoint: Path, num_docs: int = 24, seed: int = 0) -> Path:
+    """Documents with a learnable pattern (arithmetic runs of token ids), prompt tokens masked out."""
+    gen = torch.Generator().manual_seed(seed)
+    docs = []
+    for _ in range(num_docs):
+        n = int(torch.randint(12, 40, (1,), generator=gen))
+        prompt = int(torch.randint(2, 8, (1,), generator=gen))
+        start = int(torch.randint(0, 300, (1,), generator=gen))
+        docs.append(Document((torch.arange(n) * 3 + start) % 390 + 6, torch.arange(n) >= prompt))
+    out.mkdir(parents=True)
+    write_shard(out / "shard-00000.safetensors", docs)
+    tokenizer = load_tokenizer(checkpoint)
+    Manifest(tokenizer_fingerprint(tokenizer), ModelConfig.from_dir(checkpoint).vocab_size, "tiny", {},
+             [{"file": "shard-00000.safetensors", "first_prompt": 0, "num_prompts": num_docs,
+               "num_documents": num_docs, "num_tokens": sum(len(d) for d in docs)}]).write(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_hf_checkpoint, tmp_path_factory):
+    checkpoint = tiny_hf_checkpoint("llama", num_layers=6)
+    data = write_dataset(tmp_path_factory.mktemp("data") / "data", checkpoint)
+    return checkpoint, data
+
+
+def _args(checkpoint, data, out, *extra):
+    return ["train", "--target", str(checkpoint), "--data", str(data), "--out", str(out), "--method", "peagle",
+            "--num-layers", "1", "--k-train", "3", "--max-length", "64", "--lr", "3e-3", "--warmup-steps", "1",
+            "--eval-fraction", "0", "--aux-layer-ids", "1", "3", "4", *extra]
+
+
+def _losses(out: Path) -> list[tuple[int, float]]:
+    lines = [json.loads(line) for line in (out / LOG_FILE).read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in lines if r["kind"] == "train"]
+
+
+def _config(checkpoint, data, out, *extra) -> TrainConfig:
+    from peagle.cli import build_parser
+
+    return train_config(build_parser().parse_args(_args(checkpoint, data, out, *extra)))
+
+
+def test_sigterm_saves_and_resume_repeats_the_uninterrupted_run(setup, tmp_path):
+    checkpoint, data = setup
+    common = ("--steps", "4", "--num-segments", "2", "--save-every", "100", "--batch-size", "2")
+    cpu = DistContext(0, 1, torch.device("cpu"))
+    assert build_trainer(_config(checkpoint, data, tmp_path / "a", *common), cpu).train() == 0
+
+    trainer = build_trainer(_config(checkpoint, data, tmp_path / "b", *common), cpu)
+    step = trainer.train_step
+
+    def step_then_signal():
+        record = step()
+        if trainer.step == 1:  # during the second step
+            os.kill(os.getpid(), signal.SIGTERM)
+        return record
+
+    trainer.train_step = step_then_signal
+    assert trainer.train() == 143
+    assert not (tmp_path / "b" / FINAL).exists()
+    resumed = build_trainer(_config(checkpoint, data, tmp_path / "b", *common, "--resume"), cpu)
+    assert resumed.train() == 0
+    uninterrupted, interrupted = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    assert [s for s, _ in interrupted] == [1, 2, 3, 4]
+    assert interrupted == uninterrupted  # exactly, not approximately
+    a = load_drafter(tmp_path / "a" / FINAL, ModelConfig.from_dir(checkpoint))
+    b = load_drafter(tmp_path / "b" / FINAL, ModelConfig.from_dir(checkpoint))
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(pa, pb), name
+
+
+def test_two_gloo_processes_match_one_process_over_the_union_batch(setup, tmp_path):
+    checkpoint, data = setup
+    env = {**os.environ, "PYTHONPATH": str(Path(peagle.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    common = ("--steps", "2", "--save-every", "100")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "peagle",
+           *_args(checkpoint, data, tmp_path / "ddp", *common, "--batch-size", "1")]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert main(_args(checkpoint, data, tmp_path / "one", *common, "--batch-size", "1", "--grad-accum", "2")) == 0
+    # One process with half the batch must differ: the comparison is sensitive to what each process adds.
+    assert main(_args(checkpoint, data, tmp_path / "half", *common, "--batch-size", "1")) == 0
+    cfg = ModelConfig.from_dir(checkpoint)
+    ddp, one, half = (load_drafter(tmp_path / name / FINAL, cfg) for name in ("ddp", "one", "half"))
+    for (name, p), q in zip(ddp.state_dict().items(), one.state_dict().values()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    assert not torch.allclose(ddp.fc.weight, half.fc.weight, rtol=1e-5, atol=1e-6)
+    ddp_losses, one_losses = _losses(tmp_path / "ddp"), _losses(tmp_path / "one")
+    assert [s for s, _ in ddp_losses] == [s for s, _ in one_losses] == [1, 2]
+    assert [x for _, x in ddp_losses] == pytest.approx([x for _, x in one_losses], rel=1e-5)
+
+
+def test_cli_trains_both_methods_and_writes_loadable_heads(setup, tmp_path):
+    checkpoint, data = setup
+    for method in ("peagle", "eagle3"):
+        out = tmp_path / method
+        args = _args(checkpoint, data, out, "--steps", "3", "--eval-every", "2", "--eval-fraction", "0.2")
+        args[args.index("peagle")] = method
+        assert main(args + ["--draft-vocab-size", "64"]) == 0
+        head = load_drafter(out / FINAL, ModelConfig.from_dir(checkpoint))
+        assert head.config.method == method and head.config.draft_vocab_size == 64
+        assert head.config.aux_layer_ids == (1, 3, 4)
+        records = [json.loads(line) for line in (out / LOG_FILE).read_text().splitlines()]
+        train = [r for r in records if r["kind"] == "train"]
+        evals = [r for r in records if r["kind"] == "eval"]
+        assert [r["step"] for r in train] == [1, 2, 3] and [r["step"] for r in evals] == [2, 3]
+        assert all(len(r["acc"]) == 3 and r["positions_per_s"] > 0 and r["lr"] > 0 for r in train)
+        assert set(evals[-1]["sim_al"]) == {"1", "2", "3"} and evals[-1]["rollouts"] > 0
+        al = [evals[-1]["sim_al"][k] for k in ("1", "2", "3")]
+        assert 1.0 <= al[0] <= al[1] <= al[2] <= 4.0
+
+
+def test_clear_errors(setup, tmp_path, capsys):
+    checkpoint, data = setup
+    bad_data = tmp_path / "bad"
+    write_dataset(bad_data, checkpoint)
+    manifest = json.loads((bad_data / "manifest.json").read_text())
+    manifest["tokenizer_fingerprint"] = "0123456789abcdef"
+    (bad_data / "manifest.json").write_text(json.dumps(manifest))
+    assert main(_args(checkpoint, bad_data, tmp_path / "x", "--steps", "1")) == 1
+    assert "another tokenizer" in capsys.readouterr().err
+    assert main(_args(checkpoint, data, tmp_path / "y", "--steps", "1", "--max-length", "100000")) == 1
+    assert "longer than the target supports" in capsys.readouterr().err
+    assert main(_args(checkpoint, data, tmp_path / "z", "--steps", "1", "--k-train", "0")) == 1
+    assert "--k-train must be at least 1" in capsys.readouterr().err
+    assert main(_args(checkpoint, data, tmp_path / "w", "--steps", "1", "--resume")) == 1
+    assert "no complete checkpoint" in capsys.readouterr().err
+
+
+def test_schedule_and_simulated_acceptance_length():
+    assert [lr_factor(s, 2, 6, "linear") for s in range(6)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
+    assert lr_factor(2, 2, 6, "cosine") == pytest.approx(1.0) and lr_factor(4, 2, 6, "cosine") == pytest.approx(0.5)
+    # 10 rollouts at K=3: 4 miss draft 1, 3 match only draft 1, 2 match two, 1 matches all three.
+    stats = EvalStats(StepStats.zero(3), torch.tensor([4, 3, 2, 1]))
+    assert stats.acceptance_length(3) == pytest.approx(1 + (3 * 1 + 2 * 2 + 1 * 3) / 10)
+    assert stats.acceptance_length(1) == pytest.approx(1 + 6 / 10)
+    assert stats.conditional_accuracy() == pytest.approx([6 / 10, 3 / 6, 1 / 3])

@@ -154,13 +154,13 @@ def make_draft_inputs(seed, kinds, num_mask_slots, tail, index_dtype):
     """A verified target batch; kinds[b] is "pad" (no rows), "prefill" (up to 300 rows) or "verify" (K + 1 rows,
     some rejected). Slots follow random block tables with room for the MASK positions."""
     gen = torch.Generator().manual_seed(seed)
-    block_size, num_blocks = 4, 512
+    block_size, max_blocks = 4, 100
 
     def draw(lo, hi):
         return int(torch.randint(lo, hi, (1,), generator=gen))
 
     ids, positions, slots, lens, rejected = [], [], [], [], []
-    max_blocks = 100
+    num_blocks = len(kinds) * max_blocks + 8
     block_tables = torch.randperm(num_blocks, generator=gen)[: len(kinds) * max_blocks].view(len(kinds), max_blocks)
     for b, kind in enumerate(kinds):
         n = {"pad": 0, "prefill": draw(1, 300), "verify": num_mask_slots + 2}[kind]

@@ -1,0 +1,162 @@
+"""The Triton kernels on CUDA: equal to their PyTorch references (the unit tests' cases plus engine-sized ones),
+replayable from a CUDA graph, and timed (`pytest tests/gpu -s` prints the table)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import peagle.kernels as kernels
+from peagle.kernels import draft_batch, kv_cache
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# The random case builders are the unit tests' own, so both tiers check the same inputs.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+import test_kernels_triton as unit_cases  # noqa: E402
+
+# The module itself: the package attribute of the same name is the dispatch function.
+attention = importlib.import_module("peagle.kernels.paged_attention")
+CUDA = torch.device("cuda")
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+
+
+def to_cuda(inputs: dict) -> dict:
+    return {k: v.to(CUDA) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def engine_attention_batch(num_requests, query_len, context_len, *, dtype=torch.bfloat16, num_kv_heads=3, group=3,
+                           head_dim=64, shuffle=False, seed=0):
+    # The testbed model's attention shape (9 query heads, 3 KV heads, head_dim 64) at engine batch sizes.
+    return to_cuda(unit_cases.make_attention_batch(
+        seed, [query_len] * num_requests, [context_len] * num_requests, num_kv_heads=num_kv_heads, group=group,
+        head_dim=head_dim, dtype=dtype, shuffle=shuffle, tail=0,
+    ))
+
+
+def assert_attention_close(batch, num_splits=None):
+    out = attention.paged_attention(**batch, num_splits=num_splits)
+    expected = kernels.paged_attention_ref(**batch)
+    rows = int(batch["query_start_loc"][-1])
+    tol = TOLERANCE[batch["q"].dtype]
+    torch.testing.assert_close(out[:rows].float(), expected[:rows].float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize("case", sorted(unit_cases.ATTENTION_CASES))
+def test_paged_attention_unit_cases(case, num_splits):
+    query_lens, context_lens, num_kv_heads, group, head_dim, dtype, shuffle, tail = unit_cases.ATTENTION_CASES[case]
+    batch = unit_cases.make_attention_batch(len(case), query_lens, context_lens, num_kv_heads=num_kv_heads,
+                                            group=group, head_dim=head_dim, dtype=dtype, shuffle=shuffle, tail=tail)
+    assert_attention_close(to_cuda(batch), num_splits)
+
+
+@pytest.mark.parametrize("num_requests,query_len,context_len,shuffle", [
+    (1, 1, 2048, False),  # decode, split KV
+    (1, 8, 1500, False),  # verify
+    (64, 1, 700, False),  # decode at batch 64: no split
+    (16, 8, 1024, False),
+    (8, 16, 900, True),  # drafter batch: 2K rows per request at scattered positions
+    (2, 600, 600, False),  # prefill
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_engine_shapes(num_requests, query_len, context_len, shuffle, dtype):
+    assert_attention_close(engine_attention_batch(num_requests, query_len, context_len, dtype=dtype, shuffle=shuffle))
+
+
+def test_paged_attention_head_dim_128_gqa4():
+    assert_attention_close(engine_attention_batch(4, 8, 1000, num_kv_heads=8, group=4, head_dim=128))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv(dtype):
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(300, 3, 64, generator=gen).to(dtype).to(CUDA)
+    v = torch.randn(300, 3, 64, generator=gen).to(dtype).to(CUDA)
+    slots = torch.randperm(64 * 16, generator=gen)[:300].to(CUDA)
+    slots[::7] = -1
+    k_cache = torch.randn(64, 16, 3, 64, device=CUDA, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    kv_cache.store_kv(k, v, k_cache, v_cache, slots)
+    kernels.store_kv_ref(k, v, k_ref, v_ref, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.parametrize("case", sorted(unit_cases.DRAFT_CASES))
+def test_expand_draft_batch(case):
+    kinds, num_mask_slots, tail, index_dtype = unit_cases.DRAFT_CASES[case]
+    inputs = to_cuda(unit_cases.make_draft_inputs(len(case), kinds, num_mask_slots, tail, index_dtype))
+    out = draft_batch.expand_draft_batch(**inputs)
+    for name, got, want in zip(out._fields, out, kernels.expand_draft_batch_ref(**inputs)):
+        assert torch.equal(got, want), name
+
+
+def test_gather_draft_features():
+    aux = torch.randn(64, 3 * 576, device=CUDA, dtype=torch.bfloat16)
+    hidden_index = torch.randint(-1, 64, (200,), device=CUDA)
+    mask_hidden = torch.randn(3 * 576, device=CUDA)
+    out = draft_batch.gather_draft_features(aux, hidden_index, mask_hidden)
+    assert torch.equal(out, kernels.gather_draft_features_ref(aux, hidden_index, mask_hidden))
+
+
+def test_cuda_graph_replay_follows_new_inputs():
+    # Capture once; then new contexts, positions and rejections written into the same buffers must be honoured.
+    att = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in engine_attention_batch(4, 8, 300).items()}
+    draft = to_cuda(unit_cases.make_draft_inputs(1, ["verify"] * 4, 7, 0, torch.int64))
+
+    def step():
+        return attention.paged_attention(**att), draft_batch.expand_draft_batch(**draft)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, drafts = step()
+
+    new_att = engine_attention_batch(4, 8, 300, seed=2, shuffle=True)  # same shapes, new values
+    new_draft = to_cuda(unit_cases.make_draft_inputs(2, ["verify"] * 4, 7, 0, torch.int64))
+    for name in ("q", "k_cache", "v_cache", "block_tables", "positions"):
+        att[name].copy_(new_att[name])
+    for name in ("target_input_ids", "target_positions", "target_slot_mapping", "num_rejected", "next_token_ids",
+                 "block_tables"):
+        draft[name].copy_(new_draft[name])
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), kernels.paged_attention_ref(**new_att).float(), atol=2e-2, rtol=2e-2)
+    for name, got, want in zip(drafts._fields, drafts, kernels.expand_draft_batch_ref(**new_draft)):
+        assert torch.equal(got, want), name
+
+
+TIMING_CASES = [
+    # (label, num_requests, query_len, context_len, shuffle, graph-replay bound in microseconds)
+    ("decode b1 ctx1k", 1, 1, 1024, False, 15),
+    ("decode b1 ctx2k", 1, 1, 2048, False, 20),
+    ("verify b1 q8 ctx2k", 1, 8, 2048, False, 20),
+    ("draft b1 q16 ctx2k", 1, 16, 2048, True, 20),
+    ("decode b64 ctx1k", 64, 1, 1024, False, 60),
+    ("verify b64 q8 ctx1k", 64, 8, 1024, False, 100),
+    ("draft b64 q16 ctx1k", 64, 16, 1024, True, 150),
+]
+
+
+def test_timing():
+    from triton.testing import do_bench_cudagraph
+
+    rows = []
+    for label, num_requests, query_len, context_len, shuffle, bound_us in TIMING_CASES:
+        batch = engine_attention_batch(num_requests, query_len, context_len, shuffle=shuffle)
+        us = 1e3 * do_bench_cudagraph(lambda: attention.paged_attention(**batch))
+        rows.append((label, us, bound_us))
+    inputs = to_cuda(unit_cases.make_draft_inputs(0, ["verify"] * 64, 7, 0, torch.int64))
+    us = 1e3 * do_bench_cudagraph(lambda: draft_batch.expand_draft_batch(**inputs))
+    rows.append(("expand draft batch b64 K8", us, 10))
+    print(f"\n{'kernel (testbed shape, bf16)':32s} {'us':>8s} {'bound':>8s}")
+    for label, us, bound_us in rows:
+        print(f"{label:32s} {us:8.2f} {bound_us:8d}")
+    slow = [(label, round(us, 2)) for label, us, bound_us in rows if us > bound_us]
+    assert not slow, f"slower than the bounds: {slow}"

@@ -1,6 +1,7 @@
 """The engine's Triton kernels, each with a PyTorch reference beside it, behind one small dispatch.
 
-Callers use the functions here (`store_kv`, `paged_attention`, `expand_draft_batch`, `gather_draft_features`);
+Callers use the functions here (`store_kv`, `paged_attention`, `expand_draft_batch`, `gather_draft_features`,
+and the decoder layer's fused element-wise ops `rms_norm`, `fused_add_rms_norm`, `rotary`, `silu_and_mul`);
 each runs the Triton kernel or the `*_ref` reference, chosen by the environment variable PEAGLE_KERNELS:
 - `auto` (default): Triton for CUDA tensors, the reference otherwise (the CPU path of the engine);
 - `triton`: Triton everywhere; for CPU tensors this needs TRITON_INTERPRET=1 (Triton's interpreter, for tests);
@@ -21,6 +22,7 @@ from types import ModuleType
 import torch
 
 from peagle.kernels.draft_batch import DraftBatch, expand_draft_batch_ref, gather_draft_features_ref
+from peagle.kernels.fused import fused_add_rms_norm_ref, rms_norm_ref, rotary_ref, silu_and_mul_ref
 from peagle.kernels.kv_cache import PADDING_SLOT_ID, store_kv_ref
 from peagle.kernels.paged_attention import paged_attention_ref  # the function defined below replaces the module name
 
@@ -31,6 +33,8 @@ __all__ = [
     "BACKEND_ENV", "PADDING_SLOT_ID", "DraftBatch", "use_triton", "triton_module",
     "store_kv", "store_kv_ref", "paged_attention", "paged_attention_ref",
     "expand_draft_batch", "expand_draft_batch_ref", "gather_draft_features", "gather_draft_features_ref",
+    "rms_norm", "rms_norm_ref", "fused_add_rms_norm", "fused_add_rms_norm_ref", "rotary", "rotary_ref",
+    "silu_and_mul", "silu_and_mul_ref",
 ]
 
 
@@ -116,3 +120,40 @@ def gather_draft_features(
     if not use_triton(aux.device):
         return gather_draft_features_ref(aux, hidden_index, mask_hidden)
     return triton_module("draft_batch", aux.device).gather_draft_features(aux, hidden_index, mask_hidden)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, d] (or [T, heads, d] on the Triton path)
+    weight: torch.Tensor,  # [d]
+    eps: float,
+) -> torch.Tensor:  # [T, d]
+    fn = triton_module("fused", x.device).rms_norm if use_triton(x.device) else rms_norm_ref
+    return fn(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,  # [T, d]
+    residual: torch.Tensor,  # [T, d]
+    weight: torch.Tensor,  # [d]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # normed [T, d], summed = x + residual [T, d]
+    fn = triton_module("fused", x.device).fused_add_rms_norm if use_triton(x.device) else fused_add_rms_norm_ref
+    return fn(x, residual, weight, eps)
+
+
+def rotary(
+    positions: torch.Tensor,  # [T]
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    cos: torch.Tensor,  # [max_positions, D] fp32
+    sin: torch.Tensor,  # [max_positions, D] fp32
+) -> tuple[torch.Tensor, torch.Tensor]:  # [T, Hq, D], [T, Hkv, D]
+    fn = triton_module("fused", q.device).rotary if use_triton(q.device) else rotary_ref
+    return fn(positions, q, k, cos, sin)
+
+
+def silu_and_mul(
+    x: torch.Tensor,  # [T, 2 * I]
+) -> torch.Tensor:  # [T, I]
+    fn = triton_module("fused", x.device).silu_and_mul if use_triton(x.device) else silu_and_mul_ref
+    return fn(x)

@@ -98,7 +98,8 @@ def test_eos_ends_a_request_with_stop(server, client):
     # Without ignore_eos the request runs until the model's EOS or max_tokens; either way usage adds up.
     out = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=8)
     assert out.choices[0].finish_reason in ("stop", "length")
-    assert out.usage.completion_tokens <= 8
+    expected = range(8, 9) if out.choices[0].finish_reason == "length" else range(1, 9)
+    assert out.usage.completion_tokens in expected
     assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
 
 

@@ -146,3 +146,15 @@ def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(slow_eng
         wait_until(lambda: _idle(app), what="the failed requests' blocks to be freed")
         out = httpx.post(url + "/v1/chat/completions", json={**CHAT, "max_tokens": 3}, timeout=30)
         assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_stopped_engine_loop_fails_health_and_requests_cleanly(slow_engine):
+    engine, _ = slow_engine
+    app = create_app(engine, "tiny")
+    with serve(app) as url:
+        assert httpx.get(url + "/health").status_code == 200
+        app.state.async_engine.shutdown()
+        assert httpx.get(url + "/health").status_code == 503
+        response = httpx.post(url + "/v1/chat/completions", json={**CHAT, "max_tokens": 2}, timeout=30)
+        assert response.status_code == 500 and response.json()["error"]["type"] == "server_error"
+        assert app.state.serving.num_in_flight == 0

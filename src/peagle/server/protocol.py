@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ApiError(Exception):
@@ -38,6 +38,12 @@ class ApiError(Exception):
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data):
+        # Many clients send `"temperature": null` for "not given"; the default then applies.
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
 
 class StreamOptions(_Request):
     include_usage: bool = False
@@ -51,7 +57,7 @@ class SamplingFields(_Request):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
-    stop: str | list[str] | None = None
+    stop: list[str] = []
     seed: int | None = None
     n: int = 1
     stream: bool = False
@@ -65,12 +71,12 @@ class SamplingFields(_Request):
             raise ValueError("only n=1 is supported")
         return n
 
-    @field_validator("stop")
+    @field_validator("stop", mode="before")
     @classmethod
-    def _stop_strings(cls, stop: str | list[str] | None) -> list[str]:
-        stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
-        if any(not s for s in stops):
-            raise ValueError("stop strings must be non-empty")
+    def _stop_strings(cls, stop):
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise ValueError("stop must be a non-empty string or a list of them")
         return stops
 
     @property

@@ -115,8 +115,26 @@ class EngineConfig:
     enforce_eager: bool = False
     seed: int = 0
     speculative: SpeculativeConfig | None = None
+    load_format: str = "auto"
+    synthetic_acceptance: tuple[float, ...] | None = None
 
     def __post_init__(self):
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.synthetic_acceptance is not None:
+            # Benchmark-only: accepted drafts are decided by dice, not by the target, so outputs are meaningless.
+            if self.load_format != "dummy":
+                raise ValueError("synthetic_acceptance is for benchmarking random-weight models only: it needs "
+                                 "load_format='dummy'")
+            if self.speculative is None:
+                raise ValueError("synthetic_acceptance needs a speculative_config")
+            rates = self.synthetic_acceptance
+            if len(rates) != self.speculative.num_speculative_tokens:
+                raise ValueError(f"synthetic_acceptance needs one rate per draft position "
+                                 f"({self.speculative.num_speculative_tokens}), got {len(rates)}")
+            if any(not 0.0 <= r <= 1.0 for r in rates) or any(b > a for a, b in zip(rates, rates[1:])):
+                raise ValueError("synthetic_acceptance rates (accepted at position i / rounds) must lie in [0, 1] "
+                                 "and never increase with the position")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
         if self.max_num_seqs < 1:

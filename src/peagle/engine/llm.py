@@ -19,13 +19,20 @@ class LLM:
     >>> llm = LLM(model="ckpt", speculative_config={"method": "eagle3", "model": "head",
     ...           "num_speculative_tokens": 7, "parallel_drafting": True})
     >>> llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))[0].text
+
+    `load_format="dummy"` builds the model from config.json with random weights (no weights or tokenizer needed;
+    prompts as token ids); a speculative `model` of "dummy" then makes a random head of the default depth.
+    `synthetic_acceptance` (benchmarking only, needs load_format="dummy") accepts draft position i with the given
+    per-position rate instead of asking the target, so speculation's speed at real size can be measured without
+    trained weights.
     """
 
     def __init__(self, model: str, speculative_config: dict[str, Any] | str | None = None, *,
                  dtype: str = "bfloat16", device: str | None = None, max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
                  gpu_memory_utilization: float = 0.9, block_size: int = 16, num_kv_blocks: int | None = None,
-                 enforce_eager: bool = False, seed: int = 0):
+                 enforce_eager: bool = False, seed: int = 0, load_format: str = "auto",
+                 synthetic_acceptance: Sequence[float] | None = None):
         import torch
 
         if device is None:
@@ -35,6 +42,8 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             gpu_memory_utilization=gpu_memory_utilization, block_size=block_size, num_kv_blocks=num_kv_blocks,
             enforce_eager=enforce_eager, seed=seed, speculative=SpeculativeConfig.from_dict(speculative_config),
+            load_format=load_format,
+            synthetic_acceptance=tuple(synthetic_acceptance) if synthetic_acceptance is not None else None,
         )
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer

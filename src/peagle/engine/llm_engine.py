@@ -47,7 +47,10 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(config.model)
         has_tokenizer = (Path(config.model) / "tokenizer.json").is_file()
         self.tokenizer = load_tokenizer(config.model) if has_tokenizer else None
-        self.target = load_model(config.model, dtype=self.dtype, device=self.device)
+        if config.load_format == "dummy":
+            self.target = _random_model(self.model_config, self.dtype, self.device, config.seed)
+        else:
+            self.target = load_model(config.model, dtype=self.dtype, device=self.device)
         self.spec = config.speculative
         drafter, proposer_cls = self._load_drafter()
         self.k = self.spec.num_speculative_tokens if self.spec else 0
@@ -70,6 +73,10 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer
                                        else self.model_config.eos_token_ids)
         self._generators: dict[str, torch.Generator] = {}
+        if config.synthetic_acceptance is not None:
+            logger.warning("SYNTHETIC ACCEPTANCE IS ON: drafts are accepted by dice with per-position rates %s, not "
+                           "by the target; outputs are meaningless. Benchmarking only.", config.synthetic_acceptance)
+            self.runner.synthetic_acceptance = config.synthetic_acceptance
         if self.device.type == "cuda" and not config.enforce_eager:
             from peagle.engine.cuda_graph import CudaGraphs
 
@@ -82,10 +89,16 @@ class LLMEngine:
     def _load_drafter(self):
         if self.spec is None:
             return None, None
-        from peagle.drafters import load_drafter
+        from peagle.drafters import Drafter, load_drafter
 
-        drafter = load_drafter(self.spec.model, self.model_config, device=self.device, dtype=self.dtype,
-                               target=self.target)
+        if self.spec.model == "dummy" and self.config.load_format == "dummy":
+            method = "peagle" if self.spec.parallel_drafting or self.spec.method == "peagle" else "eagle3"
+            mask = self.model_config.vocab_size - 1 if method == "peagle" else None  # random weights: any id will do
+            drafter = Drafter.for_target(self.target, method, seed=self.config.seed, mask_token_id=mask)
+            drafter = drafter.to(self.device, self.dtype).eval().requires_grad_(False)
+        else:
+            drafter = load_drafter(self.spec.model, self.model_config, device=self.device, dtype=self.dtype,
+                                   target=self.target)
         parallel = self.spec.parallel_drafting
         if self.spec.method == "peagle":
             parallel = True
@@ -208,6 +221,24 @@ class LLMEngine:
 
     def text_of(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids) if self.tokenizer else ""
+
+
+def _random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int):
+    """A model of `cfg`'s shape with random weights, built directly on the device (like vLLM's dummy format)."""
+    from peagle.models.llama import LlamaModel
+
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaModel(cfg)
+            for name, p in model.named_parameters():
+                if p.dim() > 1:
+                    torch.nn.init.normal_(p, std=0.02)
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval().requires_grad_(False)
 
 
 def _device(name: str) -> torch.device:

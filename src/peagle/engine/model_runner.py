@@ -16,7 +16,7 @@ import torch
 from peagle.engine.attention import AttentionMetadata, PagedAttention, allocate_kv_cache, kv_bytes_per_block
 from peagle.engine.sampler import SamplingTensors, exponential_like, target_probs, uniform_like
 from peagle.engine.spec.proposer import DraftInputs, Proposer
-from peagle.engine.spec.verifier import verify_greedy, verify_sampled
+from peagle.engine.spec.verifier import verify_greedy, verify_sampled, verify_synthetic
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,8 @@ class ModelRunner:
             draft_kv = allocate_kv_cache(drafter.config.num_layers, num_blocks + 1, block_size,
                                          dcfg.num_key_value_heads, dcfg.head_dim, dtype, device)
             self.proposer = proposer_cls(drafter, draft_kv, block_size, self.k)
-        self.graphs = None  # set by enable_cuda_graphs
+        self.graphs = None  # CudaGraphs, set by the engine on CUDA
+        self.synthetic_acceptance: tuple[float, ...] | None = None  # benchmarking only (see EngineConfig)
 
     # ---- sizing -------------------------------------------------------------------------------------------------
 
@@ -148,6 +149,8 @@ class ModelRunner:
     def verify(self, logits, x, st: SamplingTensors, k: int, num_real: int):
         logits = logits[: num_real * (k + 1)]
         drafts, nd = x["drafts"][:num_real], x["num_drafts"][:num_real]
+        if self.synthetic_acceptance is not None:
+            return verify_synthetic(logits.argmax(-1).view(num_real, k + 1), drafts, nd, self.synthetic_acceptance)
         if st.all_greedy:
             return verify_greedy(logits.argmax(-1).view(num_real, k + 1), drafts, nd)
         probs = target_probs(logits, st, k + 1).view(num_real, k + 1, -1)

@@ -66,6 +66,28 @@ def verify_sampled(
     return VerifyOutput(_emit(drafts, num_accepted, next_tokens), num_accepted, next_tokens)
 
 
+def verify_synthetic(
+    target_argmax: torch.Tensor,  # [B, K+1]
+    drafts: torch.Tensor,  # [B, K]
+    num_drafts: torch.Tensor,  # [B]
+    rates: tuple[float, ...],  # accepted at position i / rounds, non-increasing
+) -> VerifyOutput:
+    """Benchmarking only: accept draft i with the measured per-position rate instead of asking the target.
+
+    rates[i] is unconditional (as the metrics report it), so draft i is accepted, given drafts 0..i-1 were, with
+    probability rates[i] / rates[i-1]. The emitted tokens are the accepted drafts and the target's argmax after them.
+    """
+    k = drafts.shape[1]
+    r = torch.tensor(rates[:k], dtype=torch.float32, device=drafts.device)
+    prev = torch.cat([r.new_ones(1), r[:-1]])
+    conditional = torch.where(prev > 0, r / prev.clamp(min=1e-12), torch.zeros_like(r))
+    in_range = torch.arange(k, device=drafts.device)[None, :] < num_drafts[:, None]
+    accepted = (torch.rand(drafts.shape, device=drafts.device) < conditional) & in_range
+    num_accepted = accepted.int().cumprod(dim=1).sum(dim=1)
+    next_tokens = target_argmax.gather(1, num_accepted[:, None].long()).squeeze(1)
+    return VerifyOutput(_emit(drafts, num_accepted, next_tokens), num_accepted, next_tokens)
+
+
 def _emit(drafts, num_accepted, next_tokens):
     b, k = drafts.shape
     j = torch.arange(k + 1, device=drafts.device)[None, :]

@@ -1,0 +1,65 @@
+"""Random-weight loading and synthetic acceptance (benchmarking at real size without trained weights)."""
+
+import json
+
+import pytest
+import torch
+
+from peagle import LLM, SamplingParams
+from peagle.engine.config import EngineConfig, SpeculativeConfig
+from peagle.engine.spec.verifier import verify_synthetic
+
+
+@pytest.fixture(scope="module")
+def config_only_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cfg")
+    cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 512, "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+           "tie_word_embeddings": False, "eos_token_id": 1}
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_dummy_load_runs_from_config_alone(config_only_dir):
+    llm = LLM(model=str(config_only_dir), load_format="dummy", device="cpu", dtype="float32", max_model_len=128)
+    assert llm.tokenizer is None
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 8 and out[0].text == ""
+    with pytest.raises(ValueError, match="token-id lists"):
+        llm.generate("text needs a tokenizer")
+
+
+def test_synthetic_acceptance_matches_rates(config_only_dir):
+    rates = [0.8, 0.6, 0.3]
+    llm = LLM(model=str(config_only_dir), load_format="dummy", device="cpu", dtype="float32", max_model_len=256,
+              speculative_config={"method": "eagle3", "model": "dummy", "num_speculative_tokens": 3,
+                                  "parallel_drafting": True}, synthetic_acceptance=rates, max_num_seqs=8)
+    outs = llm.generate([[i + 2, 5, 7] for i in range(8)],
+                        SamplingParams(temperature=0, max_tokens=150, ignore_eos=True), use_tqdm=False)
+    rounds = sum(o.metrics.num_drafting_rounds for o in outs)
+    per_pos = [sum(o.metrics.accepted_per_position[i] for o in outs) / rounds for i in range(3)]
+    assert rounds > 300
+    for got, want in zip(per_pos, rates):
+        assert abs(got - want) < 0.07, (per_pos, rates)
+
+
+def test_synthetic_verifier_statistics():
+    torch.manual_seed(0)
+    n, k = 100_000, 4
+    rates = (0.9, 0.7, 0.5, 0.2)
+    out = verify_synthetic(torch.zeros(n, k + 1, dtype=torch.long), torch.ones(n, k, dtype=torch.long),
+                           torch.full((n,), k), rates)
+    for i, r in enumerate(rates):
+        assert abs((out.num_accepted > i).float().mean().item() - r) < 0.01
+    assert torch.all(out.output_tokens[torch.arange(n), out.num_accepted] == 0)
+
+
+def test_synthetic_acceptance_cannot_be_enabled_by_accident(tmp_path):
+    spec = SpeculativeConfig.from_dict({"method": "eagle3", "model": "x", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="load_format='dummy'"):
+        EngineConfig(model="m", speculative=spec, synthetic_acceptance=(0.5, 0.4))
+    with pytest.raises(ValueError, match="never increase"):
+        EngineConfig(model="m", speculative=spec, load_format="dummy", synthetic_acceptance=(0.2, 0.4))
+    with pytest.raises(ValueError, match="one rate per draft position"):
+        EngineConfig(model="m", speculative=spec, load_format="dummy", synthetic_acceptance=(0.5,))

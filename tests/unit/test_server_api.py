@@ -104,7 +104,8 @@ def test_eos_ends_a_request_with_stop(server, client):
 
 
 def test_seeded_sampling_repeats(server, client):
-    kw = {"temperature": 1.0, "top_p": 0.9, "max_tokens": 16, "seed": 1234, "extra_body": {"ignore_eos": True, "top_k": 50}}
+    kw = {"temperature": 1.0, "top_p": 0.9, "max_tokens": 16, "seed": 1234,
+          "extra_body": {"ignore_eos": True, "top_k": 50}}
     a = client.completions.create(model="tiny", prompt=PROMPT, **kw).choices[0].text
     b = client.completions.create(model="tiny", prompt=PROMPT, **kw).choices[0].text
     assert a == b

@@ -71,8 +71,8 @@ def test_prompt_longer_than_max_model_len(http, server):
     engine = server[1]
     long_text = "The quick brown fox jumps over the lazy dog. " * 40
     assert len(engine.tokenizer.encode(long_text)) > engine.max_model_len
-    error = _error(http.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": long_text}]}),
-                   400)
+    messages = [{"role": "user", "content": long_text}]
+    error = _error(http.post("/v1/chat/completions", json={**CHAT, "messages": messages}), 400)
     assert error["param"] == "messages" and error["code"] == "context_length_exceeded"
     assert str(engine.max_model_len) in error["message"]
     error = _error(http.post("/v1/completions", json={**COMPLETION, "prompt": long_text, "stream": True}), 400)

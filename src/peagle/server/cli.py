@@ -31,19 +31,25 @@ def register(subparsers) -> None:
     p.add_argument("--port", type=int, metavar="PORT", default=8000, help="port to listen on (default 8000)")
     p.add_argument("--api-key", metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PEAGLE_API_KEY, else open)")
-    p.add_argument("--served-model-name", metavar="NAME", help="model name clients send and /v1/models lists (default: MODEL_DIR)")
-    p.add_argument("--max-model-len", type=int, metavar="N", help="longest prompt + output in tokens (default: the model's)")
-    p.add_argument("--max-num-seqs", type=int, metavar="N", default=64, help="requests decoded together in one batch (default 64)")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="model name clients send and /v1/models lists (default: MODEL_DIR)")
+    p.add_argument("--max-model-len", type=int, metavar="N",
+                   help="longest prompt + output in tokens (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, metavar="N", default=64,
+                   help="requests decoded together in one batch (default 64)")
     p.add_argument("--max-queue", type=int, metavar="N", default=DEFAULT_MAX_QUEUE,
                    help="requests accepted beyond --max-num-seqs to wait for a slot; more get 503 with Retry-After "
                         f"(default {DEFAULT_MAX_QUEUE})")
     p.add_argument("--gpu-memory-utilization", type=float, metavar="FRACTION", default=0.9,
                    help="fraction of GPU memory the engine may use: weights, KV cache, activations (default 0.9)")
-    p.add_argument("--num-kv-blocks", type=int, metavar="N", help="KV-cache blocks (default: as many as memory allows)")
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16 or float32 (aliases bf16, fp16, fp32)")
+    p.add_argument("--num-kv-blocks", type=int, metavar="N",
+                   help="KV-cache blocks (default: as many as memory allows)")
+    p.add_argument("--dtype", default="bfloat16",
+                   help="bfloat16 (default), float16 or float32 (aliases bf16, fp16, fp32)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
-    p.add_argument("--seed", type=int, metavar="N", default=0, help="engine seed (default 0; requests may pass their own)")
+    p.add_argument("--seed", type=int, metavar="N", default=0,
+                   help="engine seed (default 0; requests may pass their own)")
     p.set_defaults(func=_serve)
 
 

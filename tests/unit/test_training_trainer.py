@@ -163,3 +163,29 @@ def test_schedule_and_simulated_acceptance_length():
     assert stats.acceptance_length(3) == pytest.approx(1 + (3 * 1 + 2 * 2 + 1 * 3) / 10)
     assert stats.acceptance_length(1) == pytest.approx(1 + 6 / 10)
     assert stats.conditional_accuracy() == pytest.approx([6 / 10, 3 / 6, 1 / 3])
+
+
+def test_feature_cache_reuses_the_target_outputs(setup, tmp_path):
+    checkpoint, data = setup
+    cpu = DistContext(0, 1, torch.device("cpu"))
+    common = ("--steps", "3", "--batch-size", "2", "--save-every", "100")
+    plain = build_trainer(_config(checkpoint, data, tmp_path / "plain", *common), cpu)
+    assert plain.train() == 0
+    cache = tmp_path / "cache"
+    cached = build_trainer(_config(checkpoint, data, tmp_path / "cached", *common, "--feature-cache", str(cache)), cpu)
+    assert cached.train() == 0
+    files = sorted(cache.glob("doc-*.safetensors"))
+    assert len(files) >= 6  # every document of the 6 sequences trained
+    for (step_a, loss_a), (step_b, loss_b) in zip(_losses(tmp_path / "plain"), _losses(tmp_path / "cached")):
+        assert step_a == step_b and loss_a == pytest.approx(loss_b, rel=1e-5)
+    # Reading back: the cached pass equals the target's pass over the packed sequence.
+    seq = cached.data.epoch(0)[0]
+    from peagle.training.teacher import run_target
+
+    direct = run_target(cached.target, seq, cached.aux_layer_ids, "cpu")
+    again = cached.cache.run(seq, cached.aux_layer_ids, "cpu")
+    torch.testing.assert_close(again.features, direct.features, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(again.hidden, direct.hidden, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="another target"):
+        build_trainer(_config(checkpoint, data, tmp_path / "other", *common, "--feature-cache", str(cache),
+                              "--max-length", "48"), cpu)

@@ -66,6 +66,9 @@ def register(subparsers) -> None:
     train.add_argument("--loss-chunk", type=int, default=4096, help="positions per loss chunk (memory)")
     train.add_argument("--aux-layer-ids", type=int, nargs=3, metavar="ID",
                        help="target layers feeding the drafter (default 2, L/2, L-3)")
+    train.add_argument("--feature-cache", type=Path, metavar="DIR",
+                       help="keep the target's outputs per document on disk and reuse them in later epochs "
+                            "(8 x target hidden size bytes per token for bf16 targets)")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--init", type=Path, metavar="DRAFTER_DIR", help="start from an existing head")
@@ -98,7 +101,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         eval_every=args.eval_every, keep_checkpoints=args.keep_checkpoints, eval_fraction=args.eval_fraction,
         max_eval_documents=args.max_eval_documents, loss_chunk=args.loss_chunk, seed=args.seed,
         resume=args.resume, init=args.init, draft_vocab_size=args.draft_vocab_size,
-        aux_layer_ids=tuple(args.aux_layer_ids) if args.aux_layer_ids else None,
+        aux_layer_ids=tuple(args.aux_layer_ids) if args.aux_layer_ids else None, feature_cache=args.feature_cache,
     )
 
 

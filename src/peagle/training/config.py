@@ -42,6 +42,7 @@ class TrainConfig:
     init: Path | None = None
     draft_vocab_size: int | None = None
     aux_layer_ids: tuple[int, int, int] | None = None
+    feature_cache: Path | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:

@@ -54,9 +54,14 @@ class PackedSequence:
     token_ids: torch.Tensor  # [n] int64
     loss_mask: torch.Tensor  # [n] bool
     doc_ids: torch.Tensor  # [n] int64, non-decreasing from 0
+    sources: tuple[int, ...] = ()  # dataset index of each document (keys of the feature cache), if known
 
     def __len__(self) -> int:
         return self.token_ids.numel()
+
+    def to(self, device: torch.device | str) -> "PackedSequence":
+        return PackedSequence(self.token_ids.to(device), self.loss_mask.to(device), self.doc_ids.to(device),
+                              self.sources)
 
     @property
     def doc_lengths(self) -> list[int]:
@@ -69,12 +74,18 @@ class PackedSequence:
         return torch.arange(len(self)) - starts[self.doc_ids]
 
     @classmethod
-    def of(cls, documents: Sequence[Document]) -> "PackedSequence":
+    def of(cls, documents: Sequence[Document], sources: Sequence[int] = ()) -> "PackedSequence":
         return cls(
             token_ids=torch.cat([d.token_ids for d in documents]),
             loss_mask=torch.cat([d.loss_mask for d in documents]),
             doc_ids=torch.cat([torch.full((len(d),), i, dtype=torch.long) for i, d in enumerate(documents)]),
+            sources=tuple(sources),
         )
+
+    def document(self, i: int) -> Document:
+        lo = sum(self.doc_lengths[:i])
+        part = slice(lo, lo + self.doc_lengths[i])
+        return Document(self.token_ids[part], self.loss_mask[part])
 
     @classmethod
     def concat(cls, sequences: Sequence["PackedSequence"]) -> "PackedSequence":
@@ -83,8 +94,9 @@ class PackedSequence:
         for s in sequences:
             docs.append(s.doc_ids + offsets)
             offsets += int(s.doc_ids.max()) + 1 if len(s) else 0
+        sources = sum((s.sources for s in sequences), ()) if all(s.sources for s in sequences) else ()
         return cls(torch.cat([s.token_ids for s in sequences]), torch.cat([s.loss_mask for s in sequences]),
-                   torch.cat(docs))
+                   torch.cat(docs), sources)
 
 
 # ---- writing (regenerate) ----
@@ -186,18 +198,20 @@ def pack(documents: Sequence[Document], order: Iterable[int], max_length: int) -
     """
     packs: list[PackedSequence] = []
     current: list[Document] = []
+    sources: list[int] = []
     used = 0
     for i in order:
         doc = truncate(documents[i], max_length)
         if len(doc) < 3 or not doc.loss_mask[2:].any():
             continue  # nothing to predict: the first trainable prediction is token 2
         if used + len(doc) > max_length:
-            packs.append(PackedSequence.of(current))
-            current, used = [], 0
+            packs.append(PackedSequence.of(current, sources))
+            current, sources, used = [], [], 0
         current.append(doc)
+        sources.append(i)
         used += len(doc)
     if current:
-        packs.append(PackedSequence.of(current))
+        packs.append(PackedSequence.of(current, sources))
     return packs
 
 

@@ -1,15 +1,28 @@
-"""The frozen target's pass over a packed sequence: the drafter's input features and the teacher distribution."""
+"""The frozen target's pass over a packed sequence: the drafter's input features and the teacher distribution.
+
+The target attends within each document only and numbers positions from 0 in each, so its outputs for a packed
+sequence are the concatenation of its outputs for the documents alone. That is what lets `FeatureCache` keep them
+per document, for later epochs to read instead of running the target again.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from peagle.models.attention import DenseAttention
 from peagle.models.llama import LlamaModel
 from peagle.training.data import PackedSequence
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +40,57 @@ class TeacherPass:
 def run_target(target: LlamaModel, sequence: PackedSequence, aux_layer_ids: Sequence[int],
                device: torch.device | str) -> TeacherPass:
     """Runs the target over every document of the sequence (causal within a document, positions from 0)."""
-    seq = PackedSequence(*(t.to(device) for t in (sequence.token_ids, sequence.loss_mask, sequence.doc_ids)))
+    seq = sequence.to(device)
     positions = sequence.positions.to(device)
     out = target(seq.token_ids, positions, DenseAttention(seq_lens=sequence.doc_lengths), aux_layer_ids)
     return TeacherPass(seq, out.aux, out.hidden)
+
+
+class FeatureCache:
+    """The target's outputs per training document on disk (`--feature-cache DIR`).
+
+    The first epoch runs the target and writes each document's features and final hidden states; later epochs
+    read them. Costs 4 x d_target values per token of disk (bf16 targets: 8 x d_target bytes). The directory is
+    tied to one target, aux layer set, data directory and maximum length; another combination is refused.
+    """
+
+    def __init__(self, root: Path, target: LlamaModel, identity: dict):
+        self.root = root
+        self.target = target
+        key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+        meta = root / "cache.json"
+        if meta.is_file():
+            stored = json.loads(meta.read_text())
+            if stored.get("key") != key:
+                raise ValueError(
+                    f"the feature cache {root} was written for another target, data or --max-length "
+                    f"({stored.get('identity')}); point --feature-cache at a new directory"
+                )
+        else:
+            root.mkdir(parents=True, exist_ok=True)
+            meta.write_text(json.dumps({"key": key, "identity": identity}, indent=1))
+
+    def _file(self, source: int) -> Path:
+        return self.root / f"doc-{source:08d}.safetensors"
+
+    @torch.no_grad()
+    def run(self, sequence: PackedSequence, aux_layer_ids: Sequence[int], device: torch.device | str
+            ) -> TeacherPass:
+        if not sequence.sources:
+            return run_target(self.target, sequence, aux_layer_ids, device)
+        missing = [i for i, src in enumerate(sequence.sources) if not self._file(src).is_file()]
+        if missing:
+            fresh = run_target(self.target, PackedSequence.of([sequence.document(i) for i in missing]),
+                               aux_layer_ids, device)
+            starts = [0, *torch.cumsum(torch.tensor(fresh.sequence.doc_lengths), 0).tolist()]
+            for j, i in enumerate(missing):
+                part = slice(starts[j], starts[j + 1])
+                tmp = self._file(sequence.sources[i]).with_suffix(".tmp")
+                save_file({"features": fresh.features[part].cpu().contiguous(),
+                           "hidden": fresh.hidden[part].cpu().contiguous()}, str(tmp))
+                os.replace(tmp, self._file(sequence.sources[i]))
+        stored = [load_file(str(self._file(src)), device=str(device)) for src in sequence.sources]
+        if [t["hidden"].shape[0] for t in stored] != sequence.doc_lengths:
+            raise ValueError(f"the feature cache {self.root} does not match the documents; delete it and retry")
+        return TeacherPass(sequence.to(device), torch.cat([t["features"] for t in stored]),
+                           torch.cat([t["hidden"] for t in stored]))

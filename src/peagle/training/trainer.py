@@ -34,7 +34,7 @@ from peagle.training.data import Document, PackedSequence, TrainingData, pack, r
 from peagle.training.distributed import DistContext
 from peagle.training.forward import StepStats
 from peagle.training.objectives import Eagle3Objective, EvalStats, Objective, PEagleObjective
-from peagle.training.teacher import run_target
+from peagle.training.teacher import FeatureCache, TeacherPass, run_target
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,8 @@ class Trainer:
             self.optimizer, lambda s: lr_factor(s, warmup, self.total_steps, cfg.schedule))
         self.step, self.epoch, self.index = 0, 0, 0
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dist.device.type == "cuda")
+        self.cache = FeatureCache(cfg.feature_cache, target, _cache_identity(cfg, self.aux_layer_ids, target)
+                                  ) if cfg.feature_cache else None
         self._stop = False
         self._log_file = None
         self._tensorboard = None
@@ -146,7 +148,7 @@ class Trainer:
         weight, elements, tokens = self.dist.all_reduce(local.to(self.dist.device)).tolist()
         stats = StepStats.zero(self.cfg.k_train)
         for seq, layout in plans:
-            teacher = run_target(self.target, seq, self.aux_layer_ids, self.dist.device)
+            teacher = self._teacher(seq)
             with self.autocast:
                 stats = stats + self.objective.backward(self.drafter, self.target, teacher,
                                                         layout.to(self.dist.device), max(weight, 1.0))
@@ -163,6 +165,11 @@ class Trainer:
             "epoch": self.epoch, "positions_per_s": elements / elapsed, "tokens_per_s": tokens / elapsed,
             "peak_memory_gb": _peak_memory_gb(self.dist.device), "step_s": elapsed,
         }
+
+    def _teacher(self, seq: PackedSequence) -> TeacherPass:
+        if self.cache is not None:
+            return self.cache.run(seq, self.aux_layer_ids, self.dist.device)
+        return run_target(self.target, seq, self.aux_layer_ids, self.dist.device)
 
     def _plan(self, part: list[tuple[int, int, PackedSequence]]) -> tuple[PackedSequence, Layout]:
         layouts = []
@@ -289,6 +296,13 @@ class Trainer:
         if self._tensorboard is not None:
             for key, value in _scalars(record):
                 self._tensorboard.add_scalar(f"{kind}/{key}", value, step)
+
+
+def _cache_identity(cfg: TrainConfig, aux_layer_ids, target: LlamaModel) -> dict:
+    # Cached documents are keyed by their index among the training documents, which the split decides.
+    return {"target": str(cfg.target.resolve()), "dtype": str(target.embed_tokens.weight.dtype),
+            "aux_layer_ids": list(aux_layer_ids), "data": str(cfg.data.resolve()), "max_length": cfg.max_length,
+            "split": [cfg.seed, cfg.eval_fraction, cfg.max_eval_documents]}
 
 
 def complete_checkpoints(root: Path) -> list[Path]:

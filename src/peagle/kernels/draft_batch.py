@@ -16,9 +16,9 @@ R = T + B * M rows and request b occupies rows `[qsl[b] + b*M, qsl[b+1] + (b+1)*
 `hidden_index` says where a row's feature comes from: a target row, or `mask_hidden` for -1
 (`gather_draft_features`). `sample_rows[b]` lists the K = M + 1 rows whose outputs are the drafts: the last valid
 row, then the MASK rows. Requests with n_b == 0 (padding of a CUDA-graph bucket) still get their M MASK rows, at
-positions 0..M-1 with slot -1, seq_len 0, and sample rows inside their own rows (or the last row when they have
-none). Target rows past `qsl[B]` (bucket padding) become rows past the draft batch's `qsl[B]` with mask_token_id,
-position 0, slot -1 and hidden_index -1.
+positions 0..M-1 with slot -1 and seq_len 0; their sample rows are in range but meaningless (their own first row,
+clamped to R - 1): discard their drafts. Target rows past `qsl[B]` (bucket padding) become rows past the draft
+batch's `qsl[B]` with mask_token_id, position 0, slot -1 and hidden_index -1.
 
 Worked example: block_size 4, M = 2, mask_token_id 9, three requests and one padding row (T = 6).
 

@@ -1,15 +1,25 @@
-"""Building blocks of the Llama family. Every tensor is token-flat: [num_tokens, ...]."""
+"""Building blocks of the Llama family. Every tensor is token-flat: [num_tokens, ...].
+
+The element-wise steps (RMSNorm, add + RMSNorm, RoPE, SiLU-and-mul) go through `peagle.kernels`, which runs fused
+Triton kernels on the GPU and the PyTorch references elsewhere. The kernels have no backward, so whenever autograd
+is recording (training) the references run instead.
+"""
 
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from peagle import kernels
 from peagle.models.attention import AttentionBackend
 from peagle.models.config import ModelConfig
+
+
+def _op(name: str):
+    """The fused kernel dispatch when no gradient is needed, else the differentiable reference."""
+    return getattr(kernels, name if not torch.is_grad_enabled() else f"{name}_ref")
 
 
 class RMSNorm(nn.Module):
@@ -18,12 +28,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and cast back before the weight, as the reference implementations do.
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with `residual`, returns (norm(x + residual), x + residual) in one fused step."""
+        if residual is None:
+            return _op("rms_norm")(x, self.weight, self.eps)
+        return _op("fused_add_rms_norm")(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -63,15 +72,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]
-        cos_t, sin_t = self.tables(q.device)
-        cos = cos_t[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
-        sin = sin_t[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        cos_t, sin_t = self.tables(q.device)  # [max_positions, D] fp32
+        return _op("rotary")(positions, q, k, cos_t, sin_t)
 
 
 class Attention(nn.Module):
@@ -112,8 +114,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(_op("silu_and_mul")(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -126,5 +127,6 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, positions, rope, attn):
         # x: [T, hidden] -> [T, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), positions, rope, attn)
+        h, x = self.post_attention_layernorm(h, residual=x)  # h = norm(x + attn), x = x + attn
+        return x + self.mlp(h)

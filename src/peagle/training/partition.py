@@ -64,8 +64,13 @@ def partitioned_backward(
     """Runs `run_segment(sub_layout, owned) -> (loss, stats)` per segment and back-propagates each loss at once,
     so only one segment's activations are alive at a time. Gradients accumulate in the parameters' .grad."""
     total = StepStats.zero(k)
+    # A short sequence (the tail of a packing) may have fewer real slots than segments asked for.
+    num_segments = min(num_segments, max(1, int((layout.depth == 0).sum())))
     for segment in plan_partition(layout, num_segments):
-        loss, stats = run_segment(layout.select(segment.elements), segment.owned)
+        sub = layout.select(segment.elements)
+        if not bool((segment.owned & (sub.weight > 0)).any()):
+            continue  # nothing charged here: its forward would only produce zero gradients
+        loss, stats = run_segment(sub, segment.owned)
         if loss.requires_grad:
             loss.backward()
         total = total + stats

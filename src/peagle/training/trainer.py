@@ -142,9 +142,9 @@ class Trainer:
         mine = batch[self.dist.rank * per_rank:(self.dist.rank + 1) * per_rank]
         micro = [mine[i:i + self.cfg.batch_size] for i in range(0, per_rank, self.cfg.batch_size)]
         plans = [self._plan(part) for part in micro]
-        local = torch.tensor([sum(float(lay.weight.sum()) for _, lay in plans), 0.0, 0.0])
-        local[1] = sum(len(lay) for _, lay in plans)
-        local[2] = sum(len(seq) for seq, _ in plans)
+        # The loss denominator is the charged weight of the whole global batch, known before any forward.
+        local = torch.tensor([sum(float(lay.weight.sum()) for _, lay in plans), sum(len(lay) for _, lay in plans),
+                              sum(len(seq) for seq, _ in plans)], dtype=torch.float64)
         weight, elements, tokens = self.dist.all_reduce(local.to(self.dist.device)).tolist()
         stats = StepStats.zero(self.cfg.k_train)
         for seq, layout in plans:

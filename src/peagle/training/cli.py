@@ -24,7 +24,7 @@ def register(subparsers) -> None:
     regen.add_argument("--max-tokens", type=int, default=1024, help="response length limit (default 1024)")
     regen.add_argument("--batch-size", type=int, default=256, help="prompts per engine batch and shard")
     regen.add_argument("--limit", type=int, help="use only the first N prompts")
-    regen.add_argument("--speculative-config", type=json.loads,
+    regen.add_argument("--speculative-config", type=_json_object,
                        help='speculate while generating (same output, faster), e.g. '
                             '\'{"method": "eagle3", "model": "HEAD", "num_speculative_tokens": 7}\'')
     regen.add_argument("--dtype", default="bfloat16", help="target dtype (default bfloat16)")
@@ -75,6 +75,16 @@ def register(subparsers) -> None:
     train.add_argument("--draft-vocab-size", type=int,
                        help="restrict the head to the N most frequent response tokens (default: full vocabulary)")
     train.set_defaults(func=_train)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _regenerate(args: argparse.Namespace) -> int:

@@ -67,7 +67,8 @@ def test_flex_attention_and_cpu_path_equal_sdpa_with_the_dense_mask(seed):
     layout = _layout(seed, num_docs=4)
     n = len(layout)
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = torch.randn(4, n, 16, generator=gen), torch.randn(2, n, 16, generator=gen), torch.randn(2, n, 16, generator=gen)
+    q = torch.randn(4, n, 16, generator=gen)
+    k, v = torch.randn(2, n, 16, generator=gen), torch.randn(2, n, 16, generator=gen)
     expected = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 0), v.repeat_interleave(2, 0),
                                               attn_mask=dense_mask_reference(layout))
     block_mask = build_block_mask(layout)

@@ -21,8 +21,9 @@ from peagle.training.cli import train_config
 from peagle.training.config import TrainConfig
 from peagle.training.data import Document, Manifest, tokenizer_fingerprint, write_shard
 from peagle.training.distributed import DistContext
-from peagle.training.objectives import EvalStats
 from peagle.training.forward import StepStats
+from peagle.training.objectives import EvalStats
+from peagle.training.teacher import run_target
 from peagle.training.trainer import FINAL, LOG_FILE, build_trainer, lr_factor
 
 
@@ -180,8 +181,6 @@ def test_feature_cache_reuses_the_target_outputs(setup, tmp_path):
         assert step_a == step_b and loss_a == pytest.approx(loss_b, rel=1e-5)
     # Reading back: the cached pass equals the target's pass over the packed sequence.
     seq = cached.data.epoch(0)[0]
-    from peagle.training.teacher import run_target
-
     direct = run_target(cached.target, seq, cached.aux_layer_ids, "cpu")
     again = cached.cache.run(seq, cached.aux_layer_ids, "cpu")
     torch.testing.assert_close(again.features, direct.features, rtol=1e-5, atol=1e-5)

@@ -48,7 +48,7 @@ class TrainConfig:
         if self.method not in METHODS:
             raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.k_train < 1:
-            raise ValueError(f"--k-train must be at least 1 (the number of tokens drafted per round), got {self.k_train}")
+            raise ValueError(f"--k-train must be at least 1 (tokens drafted per round), got {self.k_train}")
         if not 0.0 < self.cod_r <= 1.0:
             raise ValueError(f"--cod-r must be in (0, 1], got {self.cod_r}")
         if not 0.0 <= self.cod_r_min <= 1.0:

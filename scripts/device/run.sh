@@ -42,16 +42,46 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 case "$stage" in
   stage_a)
     cp .stage_a/gguf.part.aa "$W/"
-    $py -m pytest tests/gpu -q -x 2>&1 | tee "$OUT/gpu_tests.log"
+    ;;
+  gpu_tests)
+    $py -m pytest tests/gpu -q 2>&1 | tee "$OUT/gpu_tests.log"
     ;;
   stage_b)
+    # Convert, then train heads in the background while the correctness checks run in the foreground.
     need_model
-    $py scripts/device/verify_target.py "$W/smollm2" "$OUT/verify_target.json" | tee "$OUT/verify_target.log"
     random_heads
-    $py scripts/device/engine_check.py "$W/smollm2" "$OUT/engine_check.json" \
-      --head eagle3="$W/heads/random-eagle3" --head peagle="$W/heads/random-peagle" | tee "$OUT/engine_check.log"
+    train_secs=${TRAIN_SECS:-270}
+    (
+      set +e
+      zcat .gpu/sharegpt_train.jsonl.gz > "$W/sharegpt_train.jsonl"
+      timeout -s TERM ${REGEN_SECS:-150} $py -m peagle regenerate --model "$W/smollm2" --prompts "$W/sharegpt_train.jsonl" \
+        --out "$W/data" --max-tokens 384 --batch-size 256 --max-model-len 2048 --limit ${REGEN_LIMIT:-6000}
+      for m in peagle eagle3; do
+        timeout -s TERM $train_secs $py -m peagle train --target "$W/smollm2" --data "$W/data" --method $m \
+          --out "$W/train-$m" --steps ${TRAIN_STEPS:-3000} --k-train 8 --max-length 2048 --lr 3e-4 \
+          --save-every 250 --eval-every 500 > "$W/train-$m.log" 2>&1 &
+      done
+      wait
+    ) > "$W/pipeline.log" 2>&1 &
+    pipeline=$!
+    $py scripts/device/verify_target.py "$W/smollm2" "$OUT/verify_target.json" 2>&1 | tail -20 | tee "$OUT/verify_target.log" || true
+    $py scripts/device/engine_check.py "$W/smollm2" "$OUT/engine_check.json" --num-prompts 32 \
+      --head eagle3="$W/heads/random-eagle3" --head peagle="$W/heads/random-peagle" 2>&1 | tail -30 | tee "$OUT/engine_check.log" || true
+    wait $pipeline || true
+    tail -5 "$W/pipeline.log"; for m in peagle eagle3; do tail -3 "$W/train-$m.log"; cp "$W/train-$m.log" "$OUT/"; \
+      cp "$W/train-$m/train_log.jsonl" "$OUT/train-$m.jsonl" 2>/dev/null || true; done
+    ;;
+  bench)
+    for m in peagle eagle3; do
+      if [ -f "$W/train-$m/final/config.json" ]; then ln -sfn "$W/train-$m/final" "$W/heads/$m"
+      else ln -sfn "$(ls -d "$W/train-$m/checkpoints/step-"* | tail -1)" "$W/heads/$m"; fi
+    done
     $py scripts/device/engine_timing.py "$W/smollm2" "$OUT/engine_timing.json" \
-      --head eagle3="$W/heads/random-eagle3" --head peagle="$W/heads/random-peagle" | tee "$OUT/engine_timing.log"
+      --head eagle3="$W/heads/eagle3" --head peagle="$W/heads/peagle" 2>&1 | tail -12 | tee "$OUT/engine_timing.log" || true
+    $py -m peagle bench --model "$W/smollm2" --draft-eagle3 "$W/heads/eagle3" --draft-peagle "$W/heads/peagle" \
+      --methods none,eagle3,peagle --k ${BENCH_K:-3,7} --concurrency ${BENCH_C:-1,4,16,64} \
+      --datasets mtbench,humaneval --num-prompts ${BENCH_N:-32} --max-tokens 128 --max-model-len 4096 \
+      --out "$OUT/bench" 2>&1 | tail -40
     ;;
   *)
     echo "unknown stage $stage"; exit 2 ;;

@@ -8,15 +8,33 @@ query tile only the key tiles the block mask lists are gathered, and mask_mod is
 from __future__ import annotations
 
 import functools
+import logging
+import os
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 
+logger = logging.getLogger(__name__)
+_FALLBACK = {"on": os.environ.get("PEAGLE_TRAIN_ATTENTION", "flex") == "blocksparse"}
+
+
 @functools.cache
 def _compiled_flex_attention():
     return torch.compile(flex_attention)
+
+
+def _cuda_attention(q, k, v, block_mask):
+    # Compiling FlexAttention can fail on a new torch/triton pair; training must not die for it.
+    if not _FALLBACK["on"]:
+        try:
+            return _compiled_flex_attention()(q[None], k[None], v[None], block_mask=block_mask, enable_gqa=True)[0]
+        except Exception as e:  # noqa: BLE001 - any compile failure means: use the unfused path
+            logger.warning("compiled flex_attention failed (%s: %s); using block-sparse attention instead",
+                           type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            _FALLBACK["on"] = True
+    return block_sparse_attention(q, k, v, block_mask)
 
 
 class KVChain:
@@ -52,7 +70,7 @@ class FlexAttention:
             k, v = self.kv_chain.extend(layer_idx, k, v)
         q, k, v = (x.transpose(0, 1) for x in (q, k, v))  # [H, T, D]
         if q.is_cuda:
-            out = _compiled_flex_attention()(q[None], k[None], v[None], block_mask=self.block_mask, enable_gqa=True)[0]
+            out = _cuda_attention(q, k, v, self.block_mask)
         else:
             out = block_sparse_attention(q, k, v, self.block_mask)
         return out.transpose(0, 1)

@@ -1,9 +1,10 @@
-"""Shared fixtures: tiny random Hugging Face checkpoints written the way real ones are.
+"""Shared fixtures: tiny random Hugging Face checkpoints written the way real ones are, and GGUF files made from them.
 
 `tiny_hf_checkpoint(family="llama", ...)` returns a directory holding config.json, safetensors weights (written by
 transformers' `save_pretrained`), generation_config.json, tokenizer.json and a hub-style tokenizer_config.json with a
-ChatML chat template and a few reserved special tokens. Checkpoints are built once per session and cached by their
-arguments, so treat the returned directory as read-only (copy it before damaging it).
+ChatML chat template and a few reserved special tokens. `tiny_gguf(family="llama", ...)` writes the same model as a
+GGUF file the way llama.cpp's converter does (Q/K rows permuted for llama, tokenizer metadata, optional Q8_0/F16).
+Both are built once per session and cached by their arguments: treat them as read-only (copy before damaging).
 """
 
 from __future__ import annotations
@@ -155,6 +156,131 @@ def tiny_hf_checkpoint(tmp_path_factory):
         if key not in cache:
             out = tmp_path_factory.mktemp(f"tiny-{family}")
             _write_checkpoint(out, family, num_layers, tie_word_embeddings, max_shard_size, seed)
+            cache[key] = out
+        return cache[key]
+
+    return make
+
+
+# HF module -> GGUF tensor stem, as llama.cpp names them.
+_GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+_GGUF_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                      "lm_head.weight": "output.weight"}
+GGUF_ARCH = {"llama": "llama", "llama3": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def _gguf_name(hf_name: str) -> str:
+    if hf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind}"
+
+
+def _llama_cpp_permute(w, n_head: int):
+    # llama.cpp's convert_hf_to_gguf `permute`: rotate-half rows -> interleaved pairs, per head.
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _llama3_rope_freqs(cfg: dict):
+    # What llama.cpp stores for llama3 RoPE scaling: one divisor per frequency.
+    import math
+
+    rope = cfg["rope_parameters"]
+    dim, theta = cfg["head_dim"], rope["rope_theta"]
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / dim)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def _write_gguf(hf_dir: Path, out: Path, family: str, quantize: bool) -> None:
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    arch = GGUF_ARCH[family]
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_name(f"tiny {family}")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    if cfg["rope_parameters"]["rope_type"] == "llama3":
+        w.add_rope_scaling_orig_ctx_len(cfg["rope_parameters"]["original_max_position_embeddings"])
+        w.add_tensor("rope_freqs.weight", np.array(_llama3_rope_freqs(cfg), dtype=np.float32))
+
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
+    w.add_token_merges(merges)
+    w.add_eos_token_id(EOS_TOKEN_ID)
+    w.add_pad_token_id(PAD_TOKEN_ID)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML_TEMPLATE)
+
+    for i, (name, tensor) in enumerate(sorted(load_file(str(hf_dir / "model.safetensors")).items())):
+        if arch == "llama" and ".q_proj." in name:
+            tensor = _llama_cpp_permute(tensor, cfg["num_attention_heads"])
+        elif arch == "llama" and ".k_proj." in name:
+            tensor = _llama_cpp_permute(tensor, cfg["num_key_value_heads"])
+        tensor = np.ascontiguousarray(tensor, dtype=np.float32)
+        if quantize and tensor.ndim == 2:
+            # Alternate Q8_0 and F16 over the matrices, like mixed-precision quantized files do.
+            qtype = gguf.GGMLQuantizationType.Q8_0 if i % 2 else gguf.GGMLQuantizationType.F16
+            w.add_tensor(_gguf_name(name), gguf.quants.quantize(tensor, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(_gguf_name(name), tensor)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tiny_hf_checkpoint, tmp_path_factory):
+    """Factory: `tiny_gguf(family="llama", *, quantize=True, tie_word_embeddings=False) -> Path` to a .gguf file.
+
+    The model and tokenizer of `tiny_hf_checkpoint(family, tie_word_embeddings=...)`, in llama.cpp's layout:
+    arch llama (for llama, llama3, mistral: Q/K permuted; llama3 adds rope_freqs), qwen2 or qwen3.
+    quantize=True stores the matrices alternately as Q8_0 and F16; norms and biases stay F32.
+    """
+    cache: dict[tuple, Path] = {}
+
+    def make(family: str = "llama", *, quantize: bool = True, tie_word_embeddings: bool = False) -> Path:
+        key = (family, quantize, tie_word_embeddings)
+        if key not in cache:
+            hf_dir = tiny_hf_checkpoint(family, tie_word_embeddings=tie_word_embeddings)
+            out = tmp_path_factory.mktemp(f"gguf-{family}") / f"tiny-{family}.gguf"
+            _write_gguf(hf_dir, out, family, quantize)
             cache[key] = out
         return cache[key]
 

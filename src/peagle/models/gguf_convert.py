@@ -1,0 +1,430 @@
+"""`peagle convert gguf`: a GGUF file (llama, qwen2, qwen3) -> a Hugging Face safetensors checkpoint directory.
+
+What the conversion undoes or rebuilds:
+- Quantized tensors are dequantized with the `gguf` library, then cast to the requested dtype.
+- llama.cpp's llama converter permutes the rows of attn_q / attn_k per head so that its interleaved-pair RoPE
+  equals the rotate-half RoPE of HF weights; the permutation is inverted here (qwen2/qwen3 files are not permuted).
+- config.json comes from the `<arch>.*` metadata (tie_word_embeddings when there is no output.weight; llama3 RoPE
+  scaling recovered from the rope_freqs tensor); tokenizer.json / tokenizer_config.json / generation_config.json
+  from the `tokenizer.*` metadata (byte-level BPE only).
+Everything is written into a temporary directory beside OUT_DIR and renamed at the end, so a failure leaves nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from peagle.models.config import FAMILY_ARCHITECTURE, ModelConfig, UnsupportedModelError
+from peagle.models.layers import rope_inv_freq
+from peagle.models.loader import empty_model, parse_dtype
+from peagle.models.weights import SafetensorsCheckpoint, check_checkpoint, save_safetensors
+
+logger = logging.getLogger(__name__)
+
+# GGUF general.architecture -> peagle family.
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# Architectures whose llama.cpp converter permutes Q/K rows for interleaved RoPE.
+PERMUTED_QK = {"llama"}
+
+GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE scaling factors, folded into config.json instead
+_REQUIRED = object()
+
+
+def convert_gguf(src: str | Path, out: str | Path, dtype: str | torch.dtype = "bfloat16", force: bool = False) -> Path:
+    """Converts SRC.gguf into the checkpoint directory OUT; returns OUT."""
+    src, out = Path(src), Path(out)
+    torch_dtype = parse_dtype(dtype)
+    _check_paths(src, out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        gguf = GGUFFile(src)
+        cfg = gguf.model_config(torch_dtype)
+        save_safetensors(gguf.hf_tensors(cfg, torch_dtype), tmp)
+        check_checkpoint(SafetensorsCheckpoint(tmp), empty_model(cfg))
+        _write_json(tmp / "config.json", cfg.to_hf_dict())
+        gguf.write_tokenizer(tmp)
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("converted %s -> %s (%s, %s)", src, out, cfg.architecture, torch_dtype)
+    return out
+
+
+def _check_paths(src: Path, out: Path, force: bool) -> None:
+    if not src.is_file():
+        raise FileNotFoundError(f"GGUF file {src} does not exist")
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"output {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise FileExistsError(f"output directory {out} is not empty; pass --force to replace its contents")
+        if out.resolve() in src.resolve().parents:
+            raise ValueError(f"refusing to replace {out}: it contains the source file {src}")
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    # mkdtemp made the directory private; the checkpoint should be as readable as any other directory.
+    tmp.chmod(0o755)
+    for file in tmp.iterdir():
+        file.chmod(0o644)
+    if not out.exists():
+        tmp.rename(out)
+        return
+    # Move the old directory aside first so that OUT is never missing for longer than two renames.
+    old = out.with_name(f".{out.name}.old-{tmp.name}")
+    out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old)
+
+
+def _write_json(file: Path, obj: Any) -> None:
+    file.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+class GGUFFile:
+    """A GGUF file opened with gguf.GGUFReader (memory-mapped), validated up front."""
+
+    def __init__(self, path: Path):
+        from gguf import GGUFReader
+
+        self.path = path
+        try:
+            self.reader = GGUFReader(path)
+        except Exception as e:  # the reader fails with whatever numpy raises on a cut-off or garbled file
+            raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupted?): {e}") from None
+        for t in self.reader.tensors:
+            if t.data.nbytes != int(t.n_bytes):
+                raise ValueError(f"{path} is truncated: tensor {t.name} has {t.data.nbytes} of {t.n_bytes} bytes")
+        self.arch = self.get("general.architecture")
+        if self.arch not in GGUF_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"{path}: unsupported GGUF architecture {self.arch!r}; supported: {sorted(GGUF_ARCHITECTURES)}"
+            )
+        self.tensors = {t.name: t for t in self.reader.tensors}
+
+    def get(self, key: str, default: Any = _REQUIRED) -> Any:
+        field = self.reader.fields.get(key)
+        if field is None:
+            if default is _REQUIRED:
+                raise ValueError(f"{self.path} lacks the metadata key {key!r}; is it a complete model GGUF?")
+            return default
+        return _field_value(field)
+
+    def arch_get(self, key: str, default: Any = _REQUIRED) -> Any:
+        return self.get(f"{self.arch}.{key}", default)
+
+    # -- config -------------------------------------------------------------------------------------------------
+
+    def model_config(self, dtype: torch.dtype) -> ModelConfig:
+        hidden = self.arch_get("embedding_length")
+        heads = self.arch_get("attention.head_count")
+        theta = _clean_float(self.arch_get("rope.freq_base", 10000.0))
+        head_dim = self.arch_get("attention.key_length", None) or self.arch_get("rope.dimension_count", None)
+        head_dim = head_dim or hidden // heads
+        scaling_type = self.arch_get("rope.scaling.type", "none")
+        if scaling_type not in ("none", "llama3"):
+            raise UnsupportedModelError(f"{self.path}: unsupported RoPE scaling {scaling_type!r}; supported: llama3")
+        d = {
+            "architectures": [FAMILY_ARCHITECTURE[GGUF_ARCHITECTURES[self.arch]]],
+            "vocab_size": int(self._shape("token_embd.weight")[0]),
+            "hidden_size": hidden,
+            "intermediate_size": self.arch_get("feed_forward_length"),
+            "num_hidden_layers": self.arch_get("block_count"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": self.arch_get("attention.head_count_kv", heads),
+            "head_dim": head_dim,
+            "rms_norm_eps": _clean_float(self.arch_get("attention.layer_norm_rms_epsilon", 1e-5)),
+            "rope_theta": theta,
+            "rope_scaling": self._llama3_scaling(head_dim, theta),
+            "max_position_embeddings": self.arch_get("context_length", 4096),
+            "tie_word_embeddings": "output.weight" not in self.tensors,
+            "attention_bias": "blk.0.attn_q.bias" in self.tensors,
+            "bos_token_id": self.get("tokenizer.ggml.bos_token_id", None),
+            "eos_token_id": self.get("tokenizer.ggml.eos_token_id", None),
+            "torch_dtype": str(dtype).removeprefix("torch."),
+        }
+        return ModelConfig.from_hf_dict(d)
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.tensors:
+            raise ValueError(f"{self.path} has no tensor {name!r}; is it a complete model GGUF?")
+        return tuple(reversed([int(n) for n in self.tensors[name].shape]))  # GGUF lists dims innermost first
+
+    def _llama3_scaling(self, head_dim: int, theta: float) -> dict[str, Any] | None:
+        """llama.cpp stores llama3 RoPE scaling as per-frequency divisors; recover the config that yields them."""
+        if ROPE_FREQS not in self.tensors:
+            return None
+        stored = _dequantize(self.tensors[ROPE_FREQS]).reshape(-1)
+        scaling = {
+            "rope_type": "llama3",
+            "factor": _clean_float(stored.max()),
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": int(self.arch_get("rope.scaling.original_context_length", 8192)),
+        }
+        implied = (rope_inv_freq(head_dim, theta, None) / rope_inv_freq(head_dim, theta, scaling)).numpy()
+        if implied.shape != stored.shape or not np.allclose(implied, stored, rtol=1e-3):
+            raise UnsupportedModelError(
+                f"{self.path}: its {ROPE_FREQS} matches no llama3 RoPE scaling with the usual low/high frequency "
+                "factors (1, 4); convert the original Hugging Face checkpoint instead"
+            )
+        return scaling
+
+    # -- tensors ------------------------------------------------------------------------------------------------
+
+    def hf_tensors(self, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) for every weight, dequantized and un-permuted, with a progress bar."""
+        for t in tqdm(self.reader.tensors, desc=f"converting {self.path.name}", unit="tensor"):
+            if t.name == ROPE_FREQS:
+                continue
+            hf_name = hf_tensor_name(t.name)
+            if hf_name is None:
+                raise ValueError(f"{self.path}: tensor {t.name!r} has no Hugging Face counterpart for {self.arch}")
+            weights = torch.from_numpy(_dequantize(t).reshape(self._shape(t.name)))
+            if self.arch in PERMUTED_QK and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+                weights = unpermute_qk(weights, cfg.num_attention_heads)
+            elif self.arch in PERMUTED_QK and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+                weights = unpermute_qk(weights, cfg.num_key_value_heads)
+            yield hf_name, weights.to(dtype)
+
+    # -- tokenizer ----------------------------------------------------------------------------------------------
+
+    def write_tokenizer(self, out: Path) -> None:
+        meta = {key: self.get(key, None) for key in TOKENIZER_KEYS}
+        backend, tokenizer_config, generation_config = build_tokenizer(meta, self.path)
+        backend.save(str(out / "tokenizer.json"))
+        tokenizer_config["model_max_length"] = self.arch_get("context_length", 4096)
+        _write_json(out / "tokenizer_config.json", tokenizer_config)
+        _write_json(out / "generation_config.json", generation_config)
+
+
+TOKENIZER_KEYS = (
+    "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id", "tokenizer.ggml.unknown_token_id",
+    "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token",
+    "tokenizer.chat_template",
+)
+
+
+# -- tokenizer metadata -> tokenizer.json ------------------------------------------------------------------------
+
+TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4  # llama.cpp token types; control tokens are special, user-defined are not
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PreTokenizer:
+    """How llama.cpp splits text before BPE for one `tokenizer.ggml.pre` value (see its llama-vocab.cpp)."""
+
+    split: str | None = None  # a regex applied before byte mapping; None: the GPT-2 regex of ByteLevel itself
+    individual_digits: bool = False
+    nfc: bool = False
+    ignore_merges: bool = False  # a word that is itself a token is taken whole
+    add_bos: bool = False  # default when the file does not say
+
+    def build(self):
+        from tokenizers import Regex, normalizers, pre_tokenizers
+
+        steps = [pre_tokenizers.Digits(individual_digits=True)] if self.individual_digits else []
+        if self.split is not None:
+            steps.append(pre_tokenizers.Split(Regex(self.split), behavior="isolated"))
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=self.split is None))
+        normalizer = normalizers.NFC() if self.nfc else None
+        return normalizer, pre_tokenizers.Sequence(steps) if len(steps) > 1 else steps[0]
+
+
+_GPT2 = PreTokenizer()
+_DIGITS = PreTokenizer(individual_digits=True)
+_LLAMA3 = PreTokenizer(split=_LLAMA3_SPLIT, ignore_merges=True, add_bos=True)
+_QWEN2 = PreTokenizer(split=_QWEN2_SPLIT, nfc=True)
+PRE_TOKENIZERS = {
+    "default": _GPT2, "gpt2": _GPT2, "gpt-2": _GPT2,
+    "smollm": _DIGITS, "starcoder": _DIGITS, "refact": _DIGITS, "codeshell": _DIGITS,
+    "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3,
+    "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2,
+}
+
+
+def build_tokenizer(meta: dict[str, Any], path: Path):
+    """(tokenizers.Tokenizer, tokenizer_config, generation_config) from a GGUF's `tokenizer.*` metadata."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    kind = meta["tokenizer.ggml.model"]
+    if kind != "gpt2":
+        raise UnsupportedModelError(f"{path}: tokenizer model {kind!r} is not supported; only byte-level BPE (gpt2)")
+    pre_name = meta["tokenizer.ggml.pre"] or "default"
+    if pre_name not in PRE_TOKENIZERS:
+        raise UnsupportedModelError(
+            f"{path}: pre-tokenizer {pre_name!r} is not supported; supported: {sorted(PRE_TOKENIZERS)}"
+        )
+    pre = PRE_TOKENIZERS[pre_name]
+    tokens = meta["tokenizer.ggml.tokens"]
+    if not tokens or meta["tokenizer.ggml.merges"] is None:
+        raise ValueError(f"{path} has no tokenizer.ggml.tokens / merges; it carries no usable tokenizer")
+    types = meta["tokenizer.ggml.token_type"] or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    backend = Tokenizer(models.BPE(vocab=_byte_level_vocab(tokens, types, path), merges=merges,
+                                   ignore_merges=pre.ignore_merges))
+    backend.normalizer, backend.pre_tokenizer = pre.build()
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, k in zip(tokens, types) if k == TOKEN_CONTROL])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, k in zip(tokens, types) if k == TOKEN_USER_DEFINED])
+
+    def token(key):
+        token_id = meta[f"tokenizer.ggml.{key}"]
+        return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
+
+    add_bos = meta["tokenizer.ggml.add_bos_token"]
+    add_bos = pre.add_bos if add_bos is None else bool(add_bos)
+    add_eos = bool(meta["tokenizer.ggml.add_eos_token"])
+    bos, eos = token("bos_token_id"), token("eos_token_id")
+    backend.post_processor = _post_processor(bos if add_bos else None, eos if add_eos else None, backend)
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "unk_token": token("unknown_token_id"),
+        "pad_token": token("padding_token_id"),
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "clean_up_tokenization_spaces": False,
+    }
+    if meta["tokenizer.chat_template"]:
+        tokenizer_config["chat_template"] = meta["tokenizer.chat_template"]
+    eos_ids = [meta[f"tokenizer.ggml.{k}"] for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    eos_ids = list(dict.fromkeys(i for i in eos_ids if i is not None))
+    generation_config = {
+        "bos_token_id": meta["tokenizer.ggml.bos_token_id"],
+        "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids,
+        "pad_token_id": meta["tokenizer.ggml.padding_token_id"],
+    }
+    return backend, tokenizer_config, generation_config
+
+
+def _byte_level_vocab(tokens: list[str], types: list[int], path: Path) -> dict[str, int]:
+    # Normal tokens are spelled in GPT-2's byte alphabet; one that is not (a llama.cpp mislabel) is respelled from
+    # its UTF-8 bytes. Control and user-defined tokens keep their literal text: they are matched whole.
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab: dict[str, int] = {}
+    for i, (token, kind) in enumerate(zip(tokens, types)):
+        if kind not in (TOKEN_CONTROL, TOKEN_USER_DEFINED) and not set(token) <= alphabet:
+            token = "".join(spelling[b] for b in token.encode("utf-8"))
+        if token in vocab:
+            raise ValueError(f"{path}: token {token!r} appears twice in the vocabulary (ids {vocab[token]} and {i})")
+        vocab[token] = i
+    return vocab
+
+
+def _post_processor(bos: str | None, eos: str | None, backend):
+    from tokenizers import processors
+
+    byte_level = processors.ByteLevel(trim_offsets=False)
+    if bos is None and eos is None:
+        return byte_level
+    pre, post = ([f"{bos}:0"] if bos else []), ([f"{eos}:0"] if eos else [])
+    template = processors.TemplateProcessing(
+        single=" ".join([*pre, "$A:0", *post]),
+        pair=" ".join([*pre, "$A:0", *post, *[p.replace(":0", ":1") for p in pre], "$B:1",
+                       *[p.replace(":0", ":1") for p in post]]),
+        special_tokens=[(t, backend.token_to_id(t)) for t in dict.fromkeys(x for x in (bos, eos) if x)],
+    )
+    return processors.Sequence([byte_level, template])
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table used by byte-level BPE vocabularies."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """GGUF tensor name -> HF name (None when it has none), e.g. blk.3.ffn_up.weight -> model.layers.3.mlp.up_proj.weight."""
+    stem, _, kind = gguf_name.rpartition(".")
+    if stem in GLOBAL_TENSORS:
+        return f"{GLOBAL_TENSORS[stem]}.{kind}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}.{kind}"
+    return None
+
+
+def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverts llama.cpp's `permute`: within each head, rows (pairs interleaved) -> (first halves, second halves).
+
+    w: [num_heads * head_dim, ...] (weight or bias) -> same shape.
+    """
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _dequantize(tensor) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    try:
+        return np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    except NotImplementedError:
+        raise ValueError(
+            f"tensor {tensor.name} uses quantization {tensor.tensor_type.name}, which this version of the gguf "
+            "library cannot dequantize; upgrade gguf or convert a differently quantized file"
+        ) from None
+
+
+def _clean_float(x: float) -> float:
+    # GGUF stores float32; print it at float32 precision so 1e-5 stays 1e-5 instead of 9.999999747378752e-06.
+    return float(str(np.float32(x)))
+
+
+def _field_value(field) -> Any:
+    from gguf import GGUFValueType
+
+    def scalar(part, vtype):
+        return bytes(part).decode("utf-8") if vtype == GGUFValueType.STRING else part[0].item()
+
+    if field.types[0] == GGUFValueType.ARRAY:
+        return [scalar(field.parts[i], field.types[-1]) for i in field.data]
+    return scalar(field.parts[field.data[0]], field.types[0])

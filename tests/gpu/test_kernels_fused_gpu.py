@@ -1,0 +1,141 @@
+"""The fused element-wise kernels on CUDA at SmolLM2-135M and Llama-3.1-8B sizes: equal to their references (rotary
+and the residual sum bit for bit), replayable from a CUDA graph, and timed against the PyTorch ops they replace
+(`pytest tests/gpu -s` prints the table)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import peagle.kernels as kernels
+from peagle.kernels import fused
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# The case builders and tolerances are the unit tests' own, so both tiers check the same way.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from test_kernels_fused import assert_matches, qkv_views, rope_tables  # noqa: E402
+
+CUDA = torch.device("cuda")
+MODELS = {
+    # name: (hidden, heads, kv_heads, head_dim, intermediate)
+    "smollm2-135m": (576, 9, 3, 64, 1536),
+    "llama-3.1-8b": (4096, 32, 8, 128, 14336),
+}
+NUM_TOKENS = [1, 8, 64, 512]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def layer_inputs(model, num_tokens, dtype, seed=0):
+    """One decoder layer's element-wise inputs on CUDA, q and k as strided views of a fused projection."""
+    hidden, heads, kv_heads, head_dim, inter = MODELS[model]
+    gen = torch.Generator().manual_seed(seed)
+    q, k = qkv_views(gen, num_tokens, heads, kv_heads, head_dim, dtype)
+    cos, sin = rope_tables(head_dim, max_positions=4096)
+    inputs = dict(
+        x=torch.randn(num_tokens, hidden, generator=gen).to(dtype),
+        residual=torch.randn(num_tokens, hidden, generator=gen).to(dtype),
+        weight=(1 + 0.3 * torch.randn(hidden, generator=gen)).to(dtype),
+        positions=torch.randint(0, 4096, (num_tokens,), generator=gen),
+        cos=cos, sin=sin,
+        gate_up=torch.randn(num_tokens, 2 * inter, generator=gen).to(dtype),
+    )
+    moved = {name: t.to(CUDA) for name, t in inputs.items()}
+    qkv = q._base.to(CUDA)  # the projection output both views share; .to() on a view would copy it contiguous
+    moved["q"], moved["k"] = (qkv.as_strided(t.shape, t.stride(), t.storage_offset()) for t in (q, k))
+    return moved
+
+
+def run_fused(inp):
+    normed, summed = fused.fused_add_rms_norm(inp["x"], inp["residual"], inp["weight"], 1e-5)
+    q_out, k_out = fused.rotary(inp["positions"], inp["q"], inp["k"], inp["cos"], inp["sin"])
+    return (fused.rms_norm(inp["x"], inp["weight"], 1e-5), normed, summed, q_out, k_out,
+            fused.silu_and_mul(inp["gate_up"]))
+
+
+def run_reference(inp):
+    normed, summed = kernels.fused_add_rms_norm_ref(inp["x"], inp["residual"], inp["weight"], 1e-5)
+    q_out, k_out = kernels.rotary_ref(inp["positions"], inp["q"], inp["k"], inp["cos"], inp["sin"])
+    return (kernels.rms_norm_ref(inp["x"], inp["weight"], 1e-5), normed, summed, q_out, k_out,
+            kernels.silu_and_mul_ref(inp["gate_up"]))
+
+
+def assert_all_match(got, want):
+    rms, normed, summed, q_out, k_out, act = got
+    rms_ref, normed_ref, summed_ref, q_ref, k_ref, act_ref = want
+    # Sums and rotations are single correctly rounded operations on both sides: exact.
+    assert torch.equal(summed, summed_ref)
+    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+    for out, ref in ((rms, rms_ref), (normed, normed_ref), (act, act_ref)):
+        assert_matches(out, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_kernels_equal_references(model, num_tokens, dtype):
+    inp = layer_inputs(model, num_tokens, dtype)
+    assert inp["q"].untyped_storage().data_ptr() == inp["k"].untyped_storage().data_ptr()  # views of one qkv
+    assert_all_match(run_fused(inp), run_reference(inp))
+
+
+def test_per_head_rms_norm():
+    inp = layer_inputs("smollm2-135m", 64, torch.bfloat16)
+    weight = inp["weight"][:64]
+    assert_matches(fused.rms_norm(inp["q"], weight, 1e-6), kernels.rms_norm_ref(inp["q"], weight, 1e-6))
+
+
+def test_empty_batch():
+    out = run_fused(layer_inputs("smollm2-135m", 0, torch.bfloat16))
+    assert [t.shape[0] for t in out] == [0] * len(out)
+
+
+def test_cuda_graph_replay_follows_new_inputs():
+    inp = layer_inputs("smollm2-135m", 8, torch.bfloat16)
+    run_fused(inp)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run_fused(inp)
+    new = layer_inputs("smollm2-135m", 8, torch.bfloat16, seed=1)
+    for name in ("x", "residual", "weight", "positions", "gate_up"):
+        inp[name].copy_(new[name])
+    inp["q"].copy_(new["q"])
+    inp["k"].copy_(new["k"])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_all_match(out, run_reference(inp))
+
+
+def single_ops(inp):
+    """(name, fused launch, the reference ops it replaces) for each kernel."""
+    x, residual, weight = inp["x"], inp["residual"], inp["weight"]
+    rope = (inp["positions"], inp["q"], inp["k"], inp["cos"], inp["sin"])
+    return [
+        ("rms_norm", lambda: fused.rms_norm(x, weight, 1e-5), lambda: kernels.rms_norm_ref(x, weight, 1e-5)),
+        ("add_rms_norm", lambda: fused.fused_add_rms_norm(x, residual, weight, 1e-5),
+         lambda: kernels.fused_add_rms_norm_ref(x, residual, weight, 1e-5)),
+        ("rotary", lambda: fused.rotary(*rope), lambda: kernels.rotary_ref(*rope)),
+        ("silu_and_mul", lambda: fused.silu_and_mul(inp["gate_up"]),
+         lambda: kernels.silu_and_mul_ref(inp["gate_up"])),
+    ]
+
+
+def test_timing():
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    rows = []
+    for model in sorted(MODELS):
+        for num_tokens in NUM_TOKENS:
+            for name, fn, ref in single_ops(layer_inputs(model, num_tokens, torch.bfloat16)):
+                rows.append((model, num_tokens, name, 1e3 * do_bench_cudagraph(fn), 1e3 * do_bench_cudagraph(ref),
+                             1e3 * do_bench(fn)))
+    print(f"\n{'model (bf16)':14s} {'T':>4s} {'kernel':14s} {'graph us':>9s} {'torch ops':>9s} {'eager us':>9s}")
+    for model, num_tokens, name, us, ref_us, eager_us in rows:
+        print(f"{model:14s} {num_tokens:4d} {name:14s} {us:9.2f} {ref_us:9.2f} {eager_us:9.2f}")
+    # One launch must beat the several it replaces, inside a graph too.
+    slow = [(m, t, n, round(us, 2), round(ref_us, 2)) for m, t, n, us, ref_us, _ in rows if us > ref_us]
+    assert not slow, f"slower than the PyTorch ops they replace: {slow}"

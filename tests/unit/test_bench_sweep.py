@@ -214,3 +214,27 @@ def test_sweep_config_refuses_bad_combinations():
                                                        "parallel_drafting": True}
     assert config.speculative_config("none", None) is None
     assert config.to_json()["api_key"] == "(set)"
+
+
+def test_sweep_on_the_real_engine_with_random_heads(tiny_hf_checkpoint, tmp_path):
+    pytest.importorskip("peagle.engine.llm_engine")
+    from peagle.cli import main
+
+    model = tiny_hf_checkpoint("llama")
+    for method in ("eagle3", "peagle"):
+        assert main(["drafter", "init", "--target", str(model), "--method", method, "--num-layers", "1",
+                     "--out", str(tmp_path / method)]) == 0
+    config = SweepConfig(model=str(model), draft_eagle3=str(tmp_path / "eagle3"), draft_peagle=str(tmp_path / "peagle"),
+                         ks=(2,), concurrency=(2,), datasets=("mtbench",), num_prompts=2, max_tokens=4,
+                         ignore_eos=True, dtype="float32", device="cpu", max_model_len=256)
+    results, files = run_benchmark(config, tmp_path / "out", "peagle bench --test")
+    points = {p["method"]: p for p in results["points"]}
+    assert set(points) == {"none", "eagle3", "peagle"}
+    for method, p in points.items():
+        assert p["num_prompts"] == 2 and p["num_failed"] == 0 and p["output_tokens"] == 8, method
+        assert p["ttft_p50_ms"] > 0 and p["tokens_per_s"] > 0
+    assert points["none"]["acceptance_length"] is None
+    for method in ("eagle3", "peagle"):
+        assert 1.0 <= points[method]["acceptance_length"] <= 3.0
+        assert len(points[method]["per_position_acceptance"]) == 2
+    assert files["results"].is_file() and files["markdown"].is_file()

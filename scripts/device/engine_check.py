@@ -22,6 +22,7 @@ from peagle.models.attention import DenseAttention
 from peagle.models.loader import load_model, load_tokenizer
 
 METHODS = {"eagle3": (3, False), "peagle": (7, True)}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for dry runs of this script
 
 
 def run(target, prompts, max_tokens, dtype, head=None, k=0, parallel=False, eager=False):
@@ -33,15 +34,16 @@ def run(target, prompts, max_tokens, dtype, head=None, k=0, parallel=False, eage
                         use_tqdm=False)
     del llm
     gc.collect()
-    torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
     return [o.token_ids for o in outs], outs
 
 
 @torch.inference_mode()
 def near_tie(model, prompt, base, spec):
     i = next(j for j, (a, b) in enumerate(zip(base, spec)) if a != b)
-    ids = torch.tensor(prompt + base[:i], device="cuda")
-    h = model(ids, torch.arange(len(ids), device="cuda"), DenseAttention([len(ids)])).hidden
+    ids = torch.tensor(prompt + base[:i], device=DEVICE)
+    h = model(ids, torch.arange(len(ids), device=DEVICE), DenseAttention([len(ids)])).hidden
     top = model.compute_logits(h[-1:])[0].topk(2)
     return {"position": i, "base_token": base[i], "spec_token": spec[i],
             "top2_gap_fp32": float(top.values[0] - top.values[1]),
@@ -59,9 +61,9 @@ def main(argv=None) -> int:
     heads = dict(h.split("=", 1) for h in args.head)
     tok = load_tokenizer(args.target)
     prompts = [tok.encode_chat(p.messages) for p in load_prompts("mtbench", limit=args.num_prompts)]
-    report = {"num_prompts": len(prompts), "max_tokens": args.max_tokens, "gpu": torch.cuda.get_device_name(),
+    report = {"num_prompts": len(prompts), "max_tokens": args.max_tokens, "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
               "checks": []}
-    fp32_model = load_model(args.target, dtype="float32", device="cuda")
+    fp32_model = load_model(args.target, dtype="float32", device=DEVICE)
     for dtype in ("float32", "bfloat16"):
         base, _ = run(args.target, prompts, args.max_tokens, dtype)
         for method, head in heads.items():

@@ -17,26 +17,27 @@ from transformers import AutoModelForCausalLM
 from peagle.bench.datasets import load_prompts
 from peagle.models.attention import DenseAttention
 from peagle.models.loader import load_model, load_tokenizer
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for dry runs of this script
 
 
 @torch.inference_mode()
 def greedy_peagle(model, ids: list[int], n: int) -> list[int]:
     out = list(ids)
     for _ in range(n):
-        t = torch.tensor(out, device="cuda")
-        h = model(t, torch.arange(len(out), device="cuda"), DenseAttention([len(out)])).hidden
+        t = torch.tensor(out, device=DEVICE)
+        h = model(t, torch.arange(len(out), device=DEVICE), DenseAttention([len(out)])).hidden
         out.append(int(model.compute_logits(h[-1:]).argmax(-1)))
     return out[len(ids):]
 
 
 @torch.inference_mode()
 def compare(ckpt: str, dtype: torch.dtype, prompts: list[list[int]], new_tokens: int) -> dict:
-    ours = load_model(ckpt, dtype=dtype, device="cuda")
-    ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).cuda().eval()
+    ours = load_model(ckpt, dtype=dtype, device=DEVICE)
+    ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).to(DEVICE).eval()
     rows = []
     for ids in prompts:
-        t = torch.tensor(ids, device="cuda")
-        a = ours.compute_logits(ours(t, torch.arange(len(ids), device="cuda"), DenseAttention([len(ids)])).hidden)
+        t = torch.tensor(ids, device=DEVICE)
+        a = ours.compute_logits(ours(t, torch.arange(len(ids), device=DEVICE), DenseAttention([len(ids)])).hidden)
         b = ref(t[None]).logits[0].float()
         g_ours = greedy_peagle(ours, ids, new_tokens)
         g_ref = ref.generate(t[None], max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens,
@@ -46,7 +47,8 @@ def compare(ckpt: str, dtype: torch.dtype, prompts: list[list[int]], new_tokens:
                      "argmax_agree": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
                      "greedy_identical": g_ours == g_ref, "first_divergence": first_diff})
     del ours, ref
-    torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
     return {"dtype": str(dtype), "rows": rows,
             "max_abs_logit_diff": max(r["max_abs_logit_diff"] for r in rows),
             "greedy_identical": sum(r["greedy_identical"] for r in rows)}
@@ -62,7 +64,7 @@ def main(argv=None) -> int:
     tok = load_tokenizer(args.ckpt)
     prompts = [tok.encode_chat(p.messages) for p in load_prompts("mtbench", limit=args.num_prompts)]
     result = {"num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
               "results": [compare(args.ckpt, d, prompts, args.max_new_tokens) for d in (torch.bfloat16, torch.float32)]}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -1,4 +1,4 @@
-"""Build the vendored long-context code set (src/peagle/bench/data/longcode.jsonl.gz). Run once; the output is committed.
+"""Build the vendored long-context code set (src/peagle/bench/data/longcode.jsonl.gz) once; the output is committed.
 
 Each prompt is one real Python standard-library file followed by an instruction about one of its functions, e.g.
 "Explain what the function `scanstring` above does and write a unit test for it". Files are picked so that prompt
@@ -38,7 +38,8 @@ TEMPLATE = (
 def load_counter(tokenizer: str | None):
     """(count(text) -> int, description) for the tokenizer, or the character estimate."""
     if tokenizer is None:
-        return (lambda text: round(len(text) / CHARS_PER_TOKEN_ESTIMATE)), f"estimate: characters / {CHARS_PER_TOKEN_ESTIMATE}"
+        how = f"estimate: characters / {CHARS_PER_TOKEN_ESTIMATE}"
+        return (lambda text: round(len(text) / CHARS_PER_TOKEN_ESTIMATE)), how
     from transformers import AutoTokenizer
 
     path = Path(tokenizer)

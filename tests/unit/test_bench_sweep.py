@@ -61,7 +61,8 @@ class FakeEngine:
     def add_request(self, request_id, prompt_token_ids, sampling_params):
         self.params_seen.append(sampling_params.max_tokens)
         self.running[request_id] = {"left": sampling_params.max_tokens, "prefilled": False,
-                                    "bad": prompt_token_ids[0] == -1, "m": FakeMetrics(accepted_per_position=[0] * self.k)}
+                                    "bad": prompt_token_ids[0] == -1,
+                                    "m": FakeMetrics(accepted_per_position=[0] * self.k)}
 
     def has_unfinished_requests(self):
         return bool(self.running) and not self.lose

@@ -55,7 +55,8 @@ class Prompt:
                     f"prompt {self.id!r}: each message must be {{'role': one of {ROLES}, 'content': str}}, got {m!r}"
                 )
         if self.messages[-1]["role"] != "user":
-            raise ValueError(f"prompt {self.id!r} must end with a user message, ends with {self.messages[-1]['role']!r}")
+            last = self.messages[-1]["role"]
+            raise ValueError(f"prompt {self.id!r} must end with a user message, ends with {last!r}")
 
     @classmethod
     def user(cls, id: str, text: str) -> Prompt:
@@ -70,7 +71,8 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("PEAGLE_CACHE", Path.home() / ".cache" / "peagle" / "testbed"))
 
 
-def load_prompts(name: str, limit: int | None = None, split: str = "test", cache_dir: Path | None = None) -> list[Prompt]:
+def load_prompts(name: str, limit: int | None = None, split: str = "test",
+                 cache_dir: Path | None = None) -> list[Prompt]:
     """Prompts of a built-in dataset (`BUILTIN_DATASETS`) or of a JSONL file given by path.
 
     `split` only matters for sharegpt ("test" is the held-out part, "train" the rest); the other built-in sets are
@@ -211,7 +213,8 @@ def sharegpt_prompts(records: list[dict], split: str) -> list[Prompt]:
 def load_sharegpt(split: str = "test", cache_dir: Path | None = None) -> list[Prompt]:
     path = sharegpt_file(cache_dir or default_cache_dir())
     if not path.is_file():
-        raise FileNotFoundError(f"ShareGPT is not in {path.parent}; run `peagle testbed --dir {path.parent.parent}` first")
+        raise FileNotFoundError(
+            f"ShareGPT is not in {path.parent}; run `peagle testbed --dir {path.parent.parent}` first")
     return sharegpt_prompts(read_sharegpt(path), split)
 
 

@@ -51,7 +51,8 @@ class EngineRunner:
             self._encoded[prompt.id] = self.encode(prompt)
         return self._encoded[prompt.id]
 
-    def _drive(self, token_ids: list[list[int]], concurrency: int, params: Any) -> tuple[list[RequestTrace], SpecCounts]:
+    def _drive(self, token_ids: list[list[int]], concurrency: int,
+               params: Any) -> tuple[list[RequestTrace], SpecCounts]:
         """Runs every prompt to completion with at most `concurrency` in flight; per-request traces + spec counts."""
         pending = deque(enumerate(token_ids))
         traces: list[RequestTrace] = [RequestTrace(submitted=0.0) for _ in token_ids]

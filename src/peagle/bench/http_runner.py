@@ -69,9 +69,6 @@ class HttpRunner:
     def measure(self, prompts: Sequence[Prompt], concurrency: int) -> Measurement:
         return asyncio.run(self._measure(list(prompts), concurrency))
 
-    def close(self) -> None:
-        pass  # each point opens and closes its own connections
-
     async def _measure(self, prompts: list[Prompt], concurrency: int) -> Measurement:
         import httpx
 

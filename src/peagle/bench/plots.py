@@ -13,7 +13,8 @@ from peagle.bench.report import ENGINE_METHODS, HF_METHODS, METHOD_LABELS, best_
 
 FIGSIZE = (5.0, 3.2)
 DPI = 100
-MARKERS = {"none": "o", "eagle3": "s", "peagle": "^", "hf_eager": "x", "hf_static_compile": "+", "hf_prompt_lookup": "1"}
+MARKERS = {"none": "o", "eagle3": "s", "peagle": "^", "hf_eager": "x", "hf_static_compile": "+",
+           "hf_prompt_lookup": "1"}
 COLORS = {"none": "C0", "eagle3": "C1", "peagle": "C2", "hf_eager": "C3", "hf_static_compile": "C4",
           "hf_prompt_lookup": "C5"}
 LINESTYLES = ("-", "--", ":", "-.")  # one per dataset where datasets share a figure

@@ -242,7 +242,8 @@ def summary_line(results: dict[str, Any], files: dict[str, Any]) -> str:
     summary: dict[str, Any] = {"results": str(files.get("results")), "markdown": str(files.get("markdown")),
                                "plots": [str(p) for p in files.get("plots", [])], "num_points": len(points)}
     for a, b in SPEEDUP_PAIRS:
-        by_dataset = {d: {str(c): round(r, 3) for c, r in speedups(points, d, a, b).items()} for d in datasets_of(points)}
+        by_dataset = {d: {str(c): round(r, 3) for c, r in speedups(points, d, a, b).items()}
+                      for d in datasets_of(points)}
         if any(by_dataset.values()):
             summary[f"speedup_{a}_vs_{b}"] = by_dataset
     return json.dumps(summary, separators=(",", ":"))

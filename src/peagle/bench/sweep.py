@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence
 
+from tqdm import tqdm
+
 from peagle.bench.datasets import Prompt, load_prompts
 from peagle.bench.measurement import Measurement
 from peagle.bench.report import ENGINE_METHODS, ResultsWriter, make_point, markdown
@@ -84,7 +86,8 @@ class SweepConfig:
 
     def groups(self) -> list[tuple[str, int | None]]:
         """(method, K) pairs, one engine each; K is None for no speculation."""
-        return [(m, None) if m == "none" else (m, k) for m in self.methods for k in (self.ks if m != "none" else [None])]
+        return [(m, None) if m == "none" else (m, k)
+                for m in self.methods for k in (self.ks if m != "none" else [None])]
 
     def speculative_config(self, method: str, k: int | None) -> dict[str, Any] | None:
         if method == "none":
@@ -104,10 +107,8 @@ class SweepConfig:
 class Runner(Protocol):
     def measure(self, prompts: Sequence[Prompt], concurrency: int) -> Measurement: ...
 
-    def close(self) -> None: ...
 
-
-OpenRunner = Callable[[str, "int | None"], ContextManager[Runner]]
+OpenRunner = Callable[[str, int | None], ContextManager[Runner]]  # (method, K) -> a runner, released on exit
 
 
 def dataset_label(name: str) -> str:
@@ -125,16 +126,19 @@ def run_sweep(config: SweepConfig, open_runner: OpenRunner, on_point: Callable[[
     """Measures every (method, K) x dataset x concurrency point; `on_point` sees each point as it is measured."""
     prompts = load_datasets(config) if prompts is None else prompts
     points = []
+    bar = tqdm(total=len(config.groups()) * len(prompts) * len(config.concurrency), desc="bench", unit="point")
     for method, k in config.groups():
         with open_runner(method, k) as runner:
             for dataset, dataset_prompts in prompts.items():
                 for c in config.concurrency:
-                    logger.info("measuring %s K=%s on %s at concurrency %d", method, k, dataset, c)
+                    bar.set_postfix_str(f"{method} K={k} {dataset} c={c}")
                     point = make_point(dataset, method, k, c, runner.measure(dataset_prompts, c))
                     logger.info("%s K=%s %s c=%d: %.1f tok/s, AL %s", method, k, dataset, c, point["tokens_per_s"],
                                 point["acceptance_length"])
                     points.append(point)
                     on_point(point)
+                    bar.update()
+    bar.close()
     return points
 
 

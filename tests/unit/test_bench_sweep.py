@@ -239,3 +239,18 @@ def test_sweep_on_the_real_engine_with_random_heads(tiny_hf_checkpoint, tmp_path
         assert 1.0 <= points[method]["acceptance_length"] <= 3.0
         assert len(points[method]["per_position_acceptance"]) == 2
     assert files["results"].is_file() and files["markdown"].is_file()
+
+
+def test_bench_command_line_builds_the_config():
+    from peagle.bench.cli import sweep_config_from_args
+    from peagle.cli import build_parser
+
+    args = build_parser().parse_args([
+        "bench", "--model", "m", "--draft-peagle", "p", "--methods", "none,peagle", "--k", "5,7",
+        "--concurrency", "1,64", "--datasets", "humaneval,mine.jsonl", "--llm-option", "num_kv_blocks=512",
+        "--llm-option", "load_format=dummy", "--note", "testbed v1"])
+    config = sweep_config_from_args(args)
+    assert config.methods == ("none", "peagle") and config.ks == (5, 7) and config.concurrency == (1, 64)
+    assert config.datasets == ("humaneval", "mine.jsonl") and config.note == "testbed v1"
+    assert config.llm_options == {"num_kv_blocks": 512, "load_format": "dummy"}
+    assert config.groups() == [("none", None), ("peagle", 5), ("peagle", 7)]

@@ -89,6 +89,7 @@ def _register_bench(subparsers) -> None:
                     help="prompts per HF point (a batch of B uses at least B; default 8)")
     hf.add_argument("--hf-batch-sizes", type=_ints, default=(1, 16, 64), help="HF eager batch sizes (default 1,16,64)")
     p.add_argument("--out", type=Path, help="output directory (default: runs/bench-<UTC time>)")
+    p.add_argument("--note", help="a line shown above the results table and kept in results.json")
     p.set_defaults(func=run_bench)
 
 
@@ -103,6 +104,7 @@ def sweep_config_from_args(args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         llm_options=dict(args.llm_option), served_model=args.served_model, api_key=args.api_key,
         hf_baselines=args.hf_baselines, hf_num_prompts=args.hf_num_prompts, hf_batch_sizes=args.hf_batch_sizes,
+        note=args.note,
     )
 
 

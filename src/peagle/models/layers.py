@@ -65,7 +65,7 @@ class RotaryEmbedding(nn.Module):
     def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._tables:
             pos = torch.arange(self.max_positions, dtype=torch.float32)
-            freqs = torch.outer(pos, self.inv_freq)
+            freqs = torch.outer(pos, self.inv_freq.cpu())
             emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
             self._tables[device] = (emb.cos().to(device), emb.sin().to(device))
         return self._tables[device]

@@ -121,14 +121,15 @@ def test_unsupported_gguf_architecture_lists_supported_and_leaves_nothing(tiny_g
 
 
 def test_failure_after_writing_started_leaves_nothing(tiny_gguf, tmp_path, monkeypatch):
-    # A failure late in the conversion (here: while writing the tokenizer) removes the temporary directory.
+    # A failure late in the conversion (here: while writing the tokenizer files) removes the temporary directory.
     from peagle.models import gguf_convert
 
     def fail(self, out):
-        raise ValueError("tokenizer exploded")
+        assert (out / "model.safetensors").is_file()  # the weights were already written
+        raise OSError("disk full")
 
-    monkeypatch.setattr(gguf_convert.GGUFFile, "write_tokenizer", fail)
-    with pytest.raises(ValueError, match="tokenizer exploded"):
+    monkeypatch.setattr(gguf_convert.TokenizerFiles, "write", fail)
+    with pytest.raises(OSError, match="disk full"):
         convert_gguf(tiny_gguf("llama"), tmp_path / "out")
     assert _listing(tmp_path) == []
 

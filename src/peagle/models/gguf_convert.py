@@ -59,15 +59,17 @@ def convert_gguf(src: str | Path, out: str | Path, dtype: str | torch.dtype = "b
     src, out = Path(src), Path(out)
     torch_dtype = parse_dtype(dtype)
     _check_paths(src, out, force)
+    # Everything that only reads metadata comes first, so an unsupported file fails before any slow work.
+    gguf = GGUFFile(src)
+    cfg = gguf.model_config(torch_dtype)
+    tokenizer = gguf.tokenizer()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
-        gguf = GGUFFile(src)
-        cfg = gguf.model_config(torch_dtype)
         save_safetensors(gguf.hf_tensors(cfg, torch_dtype), tmp)
         check_checkpoint(SafetensorsCheckpoint(tmp), empty_model(cfg))
         _write_json(tmp / "config.json", cfg.to_hf_dict())
-        gguf.write_tokenizer(tmp)
+        tokenizer.write(tmp)
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -215,13 +217,11 @@ class GGUFFile:
 
     # -- tokenizer ----------------------------------------------------------------------------------------------
 
-    def write_tokenizer(self, out: Path) -> None:
+    def tokenizer(self) -> "TokenizerFiles":
         meta = {key: self.get(key, None) for key in TOKENIZER_KEYS}
-        backend, tokenizer_config, generation_config = build_tokenizer(meta, self.path)
-        backend.save(str(out / "tokenizer.json"))
-        tokenizer_config["model_max_length"] = self.arch_get("context_length", 4096)
-        _write_json(out / "tokenizer_config.json", tokenizer_config)
-        _write_json(out / "generation_config.json", generation_config)
+        files = build_tokenizer(meta, self.path)
+        files.tokenizer_config["model_max_length"] = self.arch_get("context_length", 4096)
+        return files
 
 
 TOKENIZER_KEYS = (
@@ -280,8 +280,20 @@ PRE_TOKENIZERS = {
 }
 
 
-def build_tokenizer(meta: dict[str, Any], path: Path):
-    """(tokenizers.Tokenizer, tokenizer_config, generation_config) from a GGUF's `tokenizer.*` metadata."""
+@dataclass(frozen=True, slots=True)
+class TokenizerFiles:
+    backend: Any  # tokenizers.Tokenizer
+    tokenizer_config: dict[str, Any]
+    generation_config: dict[str, Any]
+
+    def write(self, out: Path) -> None:
+        self.backend.save(str(out / "tokenizer.json"))
+        _write_json(out / "tokenizer_config.json", self.tokenizer_config)
+        _write_json(out / "generation_config.json", self.generation_config)
+
+
+def build_tokenizer(meta: dict[str, Any], path: Path) -> TokenizerFiles:
+    """tokenizer.json, tokenizer_config.json and generation_config.json from a GGUF's `tokenizer.*` metadata."""
     from tokenizers import AddedToken, Tokenizer, decoders, models
 
     kind = meta["tokenizer.ggml.model"]
@@ -335,7 +347,7 @@ def build_tokenizer(meta: dict[str, Any], path: Path):
         "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids,
         "pad_token_id": meta["tokenizer.ggml.padding_token_id"],
     }
-    return backend, tokenizer_config, generation_config
+    return TokenizerFiles(backend, tokenizer_config, generation_config)
 
 
 def _byte_level_vocab(tokens: list[str], types: list[int], path: Path) -> dict[str, int]:

@@ -32,8 +32,8 @@ class Tokenizer:
         self.backend = backend
         self.chat_template = chat_template
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
-        ids = [self.token_to_id(t) for k, t in self.special_tokens.items() if k == "eos_token"]
-        self.eos_token_ids = list(dict.fromkeys([*ids, *eos_token_ids]))
+        eos = self.special_tokens.get("eos_token")
+        self.eos_token_ids = list(dict.fromkeys([*([self.token_to_id(eos)] if eos else []), *eos_token_ids]))
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":

@@ -115,7 +115,8 @@ def test_unsupported_gguf_architecture_lists_supported_and_leaves_nothing(tiny_g
     assert data[start:start + 5] == b"llama"
     src = tmp_path / "gemma.gguf"
     src.write_bytes(data[:start] + b"gemma" + data[start + 5:])
-    with pytest.raises(UnsupportedModelError, match=r"unsupported GGUF architecture 'gemma'.*'llama', 'qwen2', 'qwen3'"):
+    with pytest.raises(UnsupportedModelError,
+                       match=r"unsupported GGUF architecture 'gemma'.*'llama', 'qwen2', 'qwen3'"):
         convert_gguf(src, tmp_path / "out")
     assert _listing(tmp_path) == ["gemma.gguf"]
 

@@ -135,3 +135,16 @@ def test_incremental_detokenizer_skips_special_tokens(both):
     assert detok.feed(ids) == "hi"
     detok = IncrementalDetokenizer(ours, skip_special_tokens=False)
     assert detok.feed(ids) == "hi<|im_end|>"
+
+
+def test_added_tokens_declared_only_in_tokenizer_config(tokenizer_dir, tmp_path):
+    shutil.copytree(tokenizer_dir, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"]["400"] = {"content": "<|tool|>", "special": True, "normalized": False,
+                                             "lstrip": False, "rstrip": False, "single_word": False}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, ref = load_tokenizer(tmp_path), transformers.AutoTokenizer.from_pretrained(tmp_path)
+    text = "call <|tool|> now"
+    assert ours.encode(text) == ref.encode(text, add_special_tokens=False)
+    assert 400 in ours.encode(text) and ours.vocab_size == 401
+    assert 400 in ours.reserved_token_ids()

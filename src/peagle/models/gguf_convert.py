@@ -395,7 +395,10 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
-    """GGUF tensor name -> HF name (None when it has none), e.g. blk.3.ffn_up.weight -> model.layers.3.mlp.up_proj.weight."""
+    """GGUF tensor name -> HF name, or None when it has none.
+
+    e.g. blk.3.ffn_up.weight -> model.layers.3.mlp.up_proj.weight
+    """
     stem, _, kind = gguf_name.rpartition(".")
     if stem in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[stem]}.{kind}"

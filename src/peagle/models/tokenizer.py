@@ -189,9 +189,8 @@ def _add_missing_tokens(backend: BackendTokenizer, added: dict[str, dict]) -> No
     for _, spec in sorted(added.items(), key=lambda kv: int(kv[0])):
         if spec["content"] in known:
             continue
-        token = AddedToken(spec["content"], single_word=spec.get("single_word", False), lstrip=spec.get("lstrip", False),
-                           rstrip=spec.get("rstrip", False), normalized=spec.get("normalized", False),
-                           special=spec.get("special", False))
+        flags = ("single_word", "lstrip", "rstrip", "normalized", "special")
+        token = AddedToken(spec["content"], **{flag: bool(spec.get(flag, False)) for flag in flags})
         (backend.add_special_tokens if token.special else backend.add_tokens)([token])
 
 

@@ -118,7 +118,8 @@ class SafetensorsCheckpoint:
             return safe_open(str(file), framework="pt", device="cpu")
         except SafetensorError as e:
             raise ValueError(
-                f"{file} is not a readable safetensors file (truncated or corrupted?): {e}; re-download or re-convert it"
+                f"{file} is not a readable safetensors file (truncated or corrupted?): {e}; "
+                "re-download or re-convert it"
             ) from None
 
     def shape(self, name: str) -> tuple[int, ...]:

@@ -120,5 +120,5 @@ def test_http_runner_measures_streams_and_counter_deltas(fake_server):
     assert m.draft_acceptance_rate == pytest.approx(1 / 3)
     assert m.ttft_p50_ms > 0 and m.itl_p50_ms > 0
     warmup, measured = state["requests"][:2], state["requests"][2:]
-    assert all(r["max_tokens"] == 16 for r in warmup) and all(r["max_tokens"] == 64 for r in measured)
+    assert all(r["max_tokens"] == 8 for r in warmup) and all(r["max_tokens"] == 64 for r in measured)
     assert all(r["model"] == "fake-model" and r["stream"] and r["temperature"] == 0.0 for r in measured)

@@ -17,7 +17,7 @@ import time
 from typing import Any, Sequence
 
 from peagle.bench.datasets import Prompt
-from peagle.bench.measurement import Measurement, RequestTrace, SpecCounts, summarize
+from peagle.bench.measurement import WARMUP_MAX_TOKENS, Measurement, RequestTrace, SpecCounts, summarize
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,6 @@ COUNTER_ROUNDS = "peagle_spec_decode_num_drafts_total"
 COUNTER_DRAFTED = "peagle_spec_decode_num_draft_tokens_total"
 COUNTER_ACCEPTED = "peagle_spec_decode_num_accepted_tokens_total"
 COUNTER_PER_POSITION = "peagle_spec_decode_num_accepted_tokens_per_pos_total"
-WARMUP_MAX_TOKENS = 16
 
 
 def read_spec_counters(metrics_text: str) -> SpecCounts:

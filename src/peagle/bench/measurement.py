@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+# Output tokens of the untimed warm-up requests before each point: a prefill and a few decode or drafting rounds at
+# the point's batch size, so that allocation, compilation and graph capture for it are not measured.
+WARMUP_MAX_TOKENS = 8
+
 
 @dataclass
 class RequestTrace:

@@ -34,8 +34,8 @@ def gpu_config(paths: dict[str, Path]) -> SweepConfig:
 def smoke_config(paths: dict[str, Path]) -> SweepConfig:
     return SweepConfig(model=str(paths["model"]), draft_eagle3=str(paths["eagle3"]),
                        draft_peagle=str(paths["peagle"]), cache_dir=str(paths["cache"]), ks=(3,),
-                       concurrency=(1, 4), datasets=("mtbench",), num_prompts=4, max_tokens=12, dtype="float32",
-                       device="cpu", max_model_len=512, hf_baselines=True, hf_num_prompts=2, hf_batch_sizes=(1, 4),
+                       concurrency=(1, 3), datasets=("mtbench",), num_prompts=3, max_tokens=8, dtype="float32",
+                       device="cpu", max_model_len=512, hf_baselines=True, hf_num_prompts=2, hf_batch_sizes=(1, 3),
                        note=SMOKE_NOTE)
 
 

@@ -126,7 +126,8 @@ def load_results(path: Path) -> dict[str, Any]:
         results = json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not a JSON file ({e})") from None
-    if not isinstance(results, dict) or results.get("kind") != RESULTS_KIND or results.get("schema_version") != SCHEMA_VERSION:
+    ours = isinstance(results, dict) and results.get("kind") == RESULTS_KIND
+    if not ours or results.get("schema_version") != SCHEMA_VERSION:
         raise ValueError(f"{path} is not a peagle bench results file of schema version {SCHEMA_VERSION}")
     return results
 

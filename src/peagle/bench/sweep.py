@@ -19,12 +19,10 @@ from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence
 from tqdm import tqdm
 
 from peagle.bench.datasets import Prompt, load_prompts
-from peagle.bench.measurement import Measurement
+from peagle.bench.measurement import WARMUP_MAX_TOKENS, Measurement
 from peagle.bench.report import ENGINE_METHODS, ResultsWriter, make_point, markdown
 
 logger = logging.getLogger(__name__)
-
-WARMUP_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

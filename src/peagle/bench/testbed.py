@@ -71,9 +71,9 @@ def h200_scale() -> Scale:
 
 
 def smoke_scale() -> Scale:
-    """About a minute on two CPU cores: a tiny model, 16 short prompts, 24-token responses, 2 training steps."""
+    """About a minute on two CPU cores: a tiny model, 16 short prompts, 16-token responses, 2 training steps."""
     return Scale(name="smoke", target="tiny", train_prompts=16, max_prompt_chars=1000,
-                 regenerate_args=("--max-tokens", "24", "--batch-size", "16", "--dtype", "float32", "--device", "cpu",
+                 regenerate_args=("--max-tokens", "16", "--batch-size", "16", "--dtype", "float32", "--device", "cpu",
                                   "--max-model-len", "512"),
                  train_args=("--steps", "2", "--max-length", "256"))
 

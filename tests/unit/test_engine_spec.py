@@ -164,3 +164,16 @@ def test_adaptive_k_keeps_output(target_dir, heads, reference):
     outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
     for prompt, ref, out in zip(PROMPTS, reference, outs):
         assert out.token_ids == ref[len(prompt):len(prompt) + 24]
+
+
+def test_stop_string_ends_a_speculative_request(target_dir, heads, reference):
+    llm = make_llm(target_dir, heads["peagle"], k=3, parallel=True)
+    cont = reference[2][len(PROMPTS[2]):len(PROMPTS[2]) + 24]
+    text = llm.tokenizer.decode(cont)
+    stop = next(text[i:i + 3] for i in range(len(text) // 2, len(text) - 3) if text[i:i + 3].strip())
+    out = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=24, stop=[stop]), use_tqdm=False)[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[:text.index(stop)]
+    assert out.token_ids == cont[:len(out.token_ids)]
+    assert stop in llm.tokenizer.decode(out.token_ids)
+    assert stop not in llm.tokenizer.decode(out.token_ids[:-1])

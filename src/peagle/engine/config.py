@@ -73,6 +73,8 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative config is not valid JSON: {e}") from None
         if not isinstance(d, dict):
             raise ValueError("speculative config must be a JSON object")
+        if not d:  # '{}' says: no speculation (overrides a config from the environment)
+            return None
         known = {"method", "model", "num_speculative_tokens", "parallel_drafting", "adaptive"}
         unknown = sorted(set(d) - known)
         if unknown:

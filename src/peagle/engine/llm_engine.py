@@ -197,9 +197,11 @@ class LLMEngine:
         if not stops or self.tokenizer is None:
             return
         out_start = seq.num_prompt_tokens
-        # Find the first new token whose text completes a stop string; keep tokens up to it.
+        # A stop string completed by a new token lies within the last few tokens: every token decodes to at least
+        # one character except byte pieces of one character (at most 4), so decode only that window.
+        window = 4 * max(len(s) for s in stops) + 8
         for end in range(max(before, out_start + 1), seq.num_tokens + 1):
-            text = self.tokenizer.decode(seq.token_ids[out_start:end])
+            text = self.tokenizer.decode(seq.token_ids[max(out_start, end - window):end])
             if any(s in text for s in stops):
                 del seq.token_ids[end:]
                 self.scheduler.finish(seq, "stop")

@@ -69,7 +69,10 @@ class HttpRunner:
         return asyncio.run(self._measure(list(prompts), concurrency))
 
     async def _measure(self, prompts: list[Prompt], concurrency: int) -> Measurement:
-        import httpx
+        try:
+            import httpx
+        except ImportError:
+            raise ValueError("benchmarking a server (--url) needs httpx: pip install httpx") from None
 
         limits = httpx.Limits(max_connections=concurrency + 2)
         async with httpx.AsyncClient(timeout=self.timeout_s, headers=self.headers, limits=limits) as client:

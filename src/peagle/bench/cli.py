@@ -79,6 +79,15 @@ def _register_bench(subparsers) -> None:
     engine.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    engine.add_argument("--tokenizer", help="tokenize prompts with this directory's tokenizer (default: --model's; "
+                        "needed with --load-format dummy when the model directory holds only config.json)")
+    engine.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                        help="dummy: random weights from config.json alone (real-size speed without the weights); "
+                             "with dummy, --draft-eagle3/--draft-peagle may be 'dummy' for random heads")
+    engine.add_argument("--synthetic-acceptance", type=_floats, metavar="R1,R2,...",
+                        help="BENCHMARKING ONLY, needs --load-format dummy: accept draft position i with rate Ri "
+                             "(accepted at position i / rounds, as measured on a real model) instead of asking the "
+                             "target; every result of such a run is marked synthetic")
     engine.add_argument("--llm-option", type=_llm_option, action="append", default=[], metavar="KEY=VALUE",
                         help="any further LLM(...) keyword, VALUE as JSON (repeatable; recorded in the results)")
     hf = p.add_argument_group("Hugging Face transformers baselines")
@@ -93,6 +102,13 @@ def _register_bench(subparsers) -> None:
     p.set_defaults(func=run_bench)
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of numbers, got {text!r}") from None
+
+
 def sweep_config_from_args(args: argparse.Namespace):
     from peagle.bench.sweep import SweepConfig
 
@@ -104,8 +120,19 @@ def sweep_config_from_args(args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         llm_options=dict(args.llm_option), served_model=args.served_model, api_key=args.api_key,
         hf_baselines=args.hf_baselines, hf_num_prompts=args.hf_num_prompts, hf_batch_sizes=args.hf_batch_sizes,
-        note=args.note,
+        note=_note(args), tokenizer=args.tokenizer, load_format=args.load_format,
+        synthetic_acceptance=args.synthetic_acceptance,
     )
+
+
+def _note(args: argparse.Namespace) -> str | None:
+    parts = [args.note] if args.note else []
+    if args.load_format == "dummy":
+        parts.append("RANDOM WEIGHTS (--load-format dummy): speed only, outputs are meaningless")
+    if args.synthetic_acceptance:
+        rates = ", ".join(f"{r:g}" for r in args.synthetic_acceptance)
+        parts.append(f"SYNTHETIC ACCEPTANCE ({rates}): drafts accepted by dice, not by the target")
+    return "; ".join(parts) or None
 
 
 def default_out_dir(kind: str) -> Path:

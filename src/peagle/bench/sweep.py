@@ -55,6 +55,11 @@ class SweepConfig:
     hf_batch_sizes: tuple[int, ...] = (1, 16, 64)
     # Shown above the results table and kept in results.json (e.g. "smoke scale: not a benchmark").
     note: str | None = None
+    # Real-size runs without weights: random weights from config.json, prompts tokenized with another tokenizer,
+    # and (benchmarking only) drafts accepted with fixed per-position rates instead of by the target.
+    tokenizer: str | None = None
+    load_format: str = "auto"
+    synthetic_acceptance: tuple[float, ...] | None = None
 
     def __post_init__(self):
         unknown = sorted(set(self.methods) - set(ENGINE_METHODS))
@@ -68,6 +73,13 @@ class SweepConfig:
                 raise ValueError(f"{name} must be a non-empty list of positive integers, got {values}")
         if self.num_prompts < 1 or self.max_tokens < 1 or self.hf_num_prompts < 1:
             raise ValueError("num_prompts, max_tokens and hf_num_prompts must be >= 1")
+        if self.synthetic_acceptance is not None:
+            if self.load_format != "dummy":
+                raise ValueError("--synthetic-acceptance is for random-weight benchmarks only: add --load-format dummy")
+            if len(self.synthetic_acceptance) < max(self.ks):
+                raise ValueError(f"--synthetic-acceptance needs a rate for each of the {max(self.ks)} draft positions")
+        if self.load_format == "dummy" and self.hf_baselines:
+            raise ValueError("the Hugging Face baselines need real weights: drop --hf-baselines with --load-format dummy")
         if not self.datasets:
             raise ValueError("give at least one dataset")
         if self.url:
@@ -147,11 +159,14 @@ def open_engine_runner(config: SweepConfig, method: str, k: int | None) -> Itera
     from peagle.bench.engine_runner import EngineRunner
     from peagle.models.loader import load_tokenizer
 
-    tokenizer = load_tokenizer(config.model)
+    tokenizer = load_tokenizer(config.tokenizer or config.model)
+    synthetic = None
+    if config.synthetic_acceptance is not None and method != "none":
+        synthetic = config.synthetic_acceptance[:k]
     llm = LLM(model=config.model, speculative_config=config.speculative_config(method, k), dtype=config.dtype,
               device=config.device, max_model_len=config.max_model_len, max_num_seqs=max(config.concurrency),
               gpu_memory_utilization=config.gpu_memory_utilization, enforce_eager=config.enforce_eager,
-              **config.llm_options)
+              load_format=config.load_format, synthetic_acceptance=synthetic, **config.llm_options)
     params = SamplingParams(temperature=0.0, max_tokens=config.max_tokens, ignore_eos=config.ignore_eos)
     warmup = SamplingParams(temperature=0.0, max_tokens=min(WARMUP_MAX_TOKENS, config.max_tokens))
     runner = EngineRunner(llm.engine, lambda p: tokenizer.encode_chat(list(p.messages)), params, warmup)

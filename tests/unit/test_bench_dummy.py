@@ -1,0 +1,41 @@
+"""`peagle bench` at real size without weights: random weights and (benchmark-only) synthetic acceptance."""
+
+import json
+
+import pytest
+
+from peagle.cli import main
+
+
+@pytest.fixture(scope="module")
+def config_only_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cfg-only")
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+           "tie_word_embeddings": False, "eos_token_id": 2}
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_dummy_weights_with_synthetic_acceptance(config_only_dir, tiny_hf_checkpoint, tmp_path):
+    out = tmp_path / "bench"
+    rc = main(["bench", "--model", str(config_only_dir), "--tokenizer", str(tiny_hf_checkpoint("llama")),
+               "--load-format", "dummy", "--draft-eagle3", "dummy", "--draft-peagle", "dummy",
+               "--methods", "none,eagle3,peagle", "--k", "2", "--concurrency", "2", "--datasets", "mtbench",
+               "--num-prompts", "2", "--max-tokens", "24", "--ignore-eos", "--synthetic-acceptance", "0.9,0.6",
+               "--device", "cpu", "--dtype", "float32", "--max-model-len", "1024", "--out", str(out)])
+    assert rc == 0
+    results = json.loads((out / "results.json").read_text())
+    assert "SYNTHETIC ACCEPTANCE" in results["config"]["note"] and "RANDOM WEIGHTS" in results["config"]["note"]
+    spec = [p for p in results["points"] if p["method"] != "none"]
+    assert {p["method"] for p in spec} == {"eagle3", "peagle"}
+    for p in spec:  # AL = 1 + 0.9 + 0.6 in expectation; random weights alone would give about 1.0
+        assert 1.8 < p["acceptance_length"] < 3.0
+
+
+def test_synthetic_acceptance_needs_dummy_weights(tiny_hf_checkpoint, tmp_path, capsys):
+    rc = main(["bench", "--model", str(tiny_hf_checkpoint("llama")), "--methods", "peagle", "--k", "2",
+               "--synthetic-acceptance", "0.9,0.6", "--device", "cpu", "--out", str(tmp_path / "x")])
+    assert rc != 0
+    assert "--load-format dummy" in capsys.readouterr().err

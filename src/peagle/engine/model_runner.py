@@ -85,6 +85,12 @@ class ModelRunner:
     # ---- host side: sequences -> arrays -------------------------------------------------------------------------
 
     def build_inputs(self, seqs, drafts: list[list[int]], k: int, pad_to: int | None = None) -> StepInputs:
+        if all(s.num_tokens - s.num_computed_tokens == 1 and len(d) == k for s, d in zip(seqs, drafts)):
+            return self._build_decode_inputs(seqs, drafts, k, pad_to or len(seqs))
+        return self._build_general_inputs(seqs, drafts, k, pad_to)
+
+    def _build_general_inputs(self, seqs, drafts: list[list[int]], k: int, pad_to: int | None) -> StepInputs:
+        """Any mix of prefills (whole uncomputed spans) and decodes with up to k drafts."""
         bs = self.block_size
         ids, pos, slots, lens = [], [], [], []
         tables = np.full((pad_to or len(seqs), self.max_blocks_per_seq), self.scratch_block, dtype=np.int32)
@@ -119,6 +125,31 @@ class ModelRunner:
             input_ids=np.concatenate(ids), positions=np.concatenate(pos), slot_mapping=np.concatenate(slots),
             query_start_loc=qsl, block_tables=tables, logit_rows=rows.astype(np.int64), drafts=drafts_arr,
             num_drafts=nd, max_query_len=max(lens), num_real=len(seqs),
+        )
+
+    def _build_decode_inputs(self, seqs, drafts: list[list[int]], k: int, b: int) -> StepInputs:
+        """The common decode step, vectorised: every request feeds its last token and k drafts (k + 1 rows)."""
+        n, bs = len(seqs), self.block_size
+        tables = np.full((b, self.max_blocks_per_seq), self.scratch_block, dtype=np.int32)
+        ids = np.zeros((b, k + 1), dtype=np.int64)
+        start = np.zeros(b, dtype=np.int64)  # padding requests sit at positions 0..k of the scratch block
+        for i, seq in enumerate(seqs):
+            table = seq.block_table
+            tables[i, :len(table)] = table
+            ids[i, 0] = seq.token_ids[-1]
+            start[i] = seq.num_computed_tokens
+        drafts_arr = np.zeros((b, k), dtype=np.int64)
+        if k and n:
+            drafts_arr[:n] = drafts
+            ids[:n, 1:] = drafts_arr[:n]
+        pos = start[:, None] + np.arange(k + 1)  # [b, k + 1]
+        slots = tables[np.arange(b)[:, None], pos // bs].astype(np.int64) * bs + pos % bs
+        qsl = np.arange(b + 1, dtype=np.int32) * (k + 1)
+        rows = np.arange(b * (k + 1), dtype=np.int64).reshape(b, k + 1)
+        return StepInputs(
+            input_ids=ids.reshape(-1), positions=pos.reshape(-1), slot_mapping=slots.reshape(-1),
+            query_start_loc=qsl, block_tables=tables, logit_rows=rows, drafts=drafts_arr,
+            num_drafts=np.full(b, k, dtype=np.int64), max_query_len=k + 1, num_real=n,
         )
 
     def to_device(self, inp: StepInputs) -> dict[str, torch.Tensor]:

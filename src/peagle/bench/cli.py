@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import shlex
-import sys
 from pathlib import Path
 
 BENCH_EPILOG = """\
@@ -139,30 +137,14 @@ def default_out_dir(kind: str) -> Path:
     return Path("runs") / f"{kind}-{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%d-%H%M%S')}"
 
 
-def command_line() -> str:
-    return shlex.join(["peagle", *sys.argv[1:]])
-
-
 def run_bench(args: argparse.Namespace) -> int:
+    from peagle.bench.report import command_line, print_outcome
     from peagle.bench.sweep import run_benchmark
 
     config = sweep_config_from_args(args)
     results, files = run_benchmark(config, args.out or default_out_dir("bench"), command_line())
     print_outcome(results, files)
     return 0
-
-
-def print_outcome(results: dict, files: dict, banner: str | None = None) -> None:
-    """The table, where the files are, an optional banner, and last the one-line JSON summary."""
-    from peagle.bench.report import markdown, summary_line
-
-    print(markdown(results))
-    print(f"results: {files['results']}\ntable:   {files['markdown']}")
-    for plot in files["plots"]:
-        print(f"plot:    {plot}")
-    if banner:
-        print(banner)
-    print(summary_line(results, files))
 
 
 def _register_bench_report(subparsers) -> None:
@@ -174,7 +156,7 @@ def _register_bench_report(subparsers) -> None:
 
 
 def run_bench_report(args: argparse.Namespace) -> int:
-    from peagle.bench.report import load_results
+    from peagle.bench.report import load_results, print_outcome
     from peagle.bench.sweep import write_summaries
 
     results = load_results(args.results)

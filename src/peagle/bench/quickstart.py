@@ -42,7 +42,7 @@ def smoke_config(paths: dict[str, Path]) -> SweepConfig:
 def quickstart(cache_dir: Path | None, out_dir: Path, force_smoke: bool = False) -> int:
     import torch
 
-    from peagle.bench.cli import command_line, print_outcome
+    from peagle.bench.report import command_line, print_outcome
 
     smoke = force_smoke or not torch.cuda.is_available()
     if smoke:

@@ -26,6 +26,9 @@ The file is rewritten after every point, so an interrupted run keeps what it mea
 
 from __future__ import annotations
 
+import shlex
+import sys
+
 import datetime as dt
 import json
 import os
@@ -251,3 +254,18 @@ def summary_line(results: dict[str, Any], files: dict[str, Any]) -> str:
         if any(by_dataset.values()):
             summary[f"speedup_{a}_vs_{b}"] = by_dataset
     return json.dumps(summary, separators=(",", ":"))
+
+
+def command_line() -> str:
+    return shlex.join(["peagle", *sys.argv[1:]])
+
+
+def print_outcome(results: dict, files: dict, banner: str | None = None) -> None:
+    """The table, where the files are, an optional banner, and last the one-line JSON summary."""
+    print(markdown(results))
+    print(f"results: {files['results']}\ntable:   {files['markdown']}")
+    for plot in files["plots"]:
+        print(f"plot:    {plot}")
+    if banner:
+        print(banner)
+    print(summary_line(results, files))

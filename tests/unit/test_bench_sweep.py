@@ -122,7 +122,7 @@ def test_concurrency_one_without_speculation():
     assert m.tokens_per_s == pytest.approx(15 / (15 * step))
     assert m.ttft_p50_ms == pytest.approx(step * 1e3) and m.itl_p99_ms == pytest.approx(step * 1e3)
     assert m.acceptance_length is None and m.per_position_acceptance == []
-    assert engine.params_seen == [2, 5, 5, 5]  # one warm-up request (concurrency 1) with the warm-up params first
+    assert engine.params_seen == [2, 2, 2, 5, 5, 5]  # every prompt warmed with the warm-up params first
 
 
 def test_concurrency_two_with_speculation():

@@ -23,7 +23,8 @@ class EngineRunner:
 
     `params` are the measured requests' sampling parameters; `warmup_params` those of the warm-up requests (the
     same prompts, fewer tokens) that run before each point so that lazy allocation, compilation and CUDA-graph
-    capture for that batch size are not timed.
+    capture for that batch size are not timed. Every prompt of the point is warmed: each new prompt length can
+    need a kernel variant of its own, and compiling one inside the measurement costs seconds.
     """
 
     def __init__(self, engine: Any, encode: Callable[[Prompt], list[int]], params: Any, warmup_params: Any,
@@ -38,7 +39,7 @@ class EngineRunner:
 
     def measure(self, prompts: Sequence[Prompt], concurrency: int) -> Measurement:
         token_ids = [self._encode(p) for p in prompts]
-        self._drive(token_ids[:concurrency], concurrency, self.warmup_params)
+        self._drive(token_ids, concurrency, self.warmup_params)
         start = self.clock()
         traces, spec = self._drive(token_ids, concurrency, self.params)
         return summarize(traces, self.clock() - start, spec)

@@ -97,30 +97,29 @@ class Sequence:
         `max_tokens` outputs or `max_model_len` total tokens are reached. The stopping token is kept.
         """
         assert not self.is_finished, f"{self.seq_id}: append to a finished sequence"
-        kept = 0
-        for token_id in new_token_ids:
-            self.token_ids.append(token_id)
-            kept += 1
-            reason = self._stop_reason(token_id)
-            if reason is not None:
-                self.finish(reason)
+        params = self.sampling_params
+        # Tokens until a length limit: max_tokens outputs or max_model_len tokens in all.
+        room = params.max_tokens - self.num_output_tokens
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - len(self.token_ids))
+        kept, reason = len(new_token_ids), None
+        if kept >= room:
+            kept, reason = room, "length"
+        # A stop token at or before that point wins (it is kept, and checked before the length).
+        stop_ids = params.stop_token_ids
+        for i, token_id in enumerate(new_token_ids[:kept]):
+            if token_id in stop_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+                kept, reason = i + 1, "stop"
                 break
+        self.token_ids.extend(new_token_ids[:kept])
+        if reason is not None:
+            self.finish(reason)
         if kept:
             now = time.monotonic() if now is None else now
             if self.first_token_time is None:
                 self.first_token_time = now
             self.last_token_time = now
         return kept
-
-    def _stop_reason(self, token_id: int) -> str | None:
-        params = self.sampling_params
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
-            return "stop"
-        if self.num_output_tokens >= params.max_tokens:
-            return "length"
-        if self.max_model_len is not None and len(self.token_ids) >= self.max_model_len:
-            return "length"
-        return None
 
     def commit(self, new_token_ids: list[int], now: float | None = None) -> int:
         """Apply one step's verifier output: the accepted drafts followed by one sampled token.

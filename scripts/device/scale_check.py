@@ -40,7 +40,8 @@ def run(d, spec, rates, conc):
     for c in conc:
         prompts = [[1000 + i, 2000, 3000 + i] for i in range(c)]
         p = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
-        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        # Warm this concurrency's shapes (Triton variants compile on first use), then time.
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         t = time.perf_counter()
         outs = llm.generate(prompts, p, use_tqdm=False)
         wall = time.perf_counter() - t

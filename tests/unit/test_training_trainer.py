@@ -188,3 +188,12 @@ def test_feature_cache_reuses_the_target_outputs(setup, tmp_path):
     with pytest.raises(ValueError, match="another target"):
         build_trainer(_config(checkpoint, data, tmp_path / "other", *common, "--feature-cache", str(cache),
                               "--max-length", "48"), cpu)
+
+
+def test_time_limit_finishes_with_a_final_head(setup, tmp_path):
+    checkpoint, data = setup
+    out = tmp_path / "timed"
+    assert main(_args(checkpoint, data, out, "--steps", "500", "--time-limit", "0.0001")) == 0
+    assert load_drafter(out / FINAL, ModelConfig.from_dir(checkpoint)).config.method == "peagle"
+    steps = [step for step, _ in _losses(out)]
+    assert steps == [1]  # the deadline had passed after the first step; the run still ended cleanly

@@ -70,6 +70,9 @@ def register(subparsers) -> None:
                        help="keep the target's outputs per document on disk and reuse them in later epochs "
                             "(8 x target hidden size bytes per token for bf16 targets)")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    train.add_argument("--time-limit", type=float, metavar="MINUTES",
+                       help="stop after this much wall time as if the steps had run out: evaluate and save final/ "
+                            "(the learning-rate schedule still spans --steps/--epochs; size them to fit)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--init", type=Path, metavar="DRAFTER_DIR", help="start from an existing head")
     train.add_argument("--draft-vocab-size", type=int,
@@ -112,6 +115,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         max_eval_documents=args.max_eval_documents, loss_chunk=args.loss_chunk, seed=args.seed,
         resume=args.resume, init=args.init, draft_vocab_size=args.draft_vocab_size,
         aux_layer_ids=tuple(args.aux_layer_ids) if args.aux_layer_ids else None, feature_cache=args.feature_cache,
+        time_limit_minutes=args.time_limit,
     )
 
 

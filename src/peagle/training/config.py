@@ -43,8 +43,11 @@ class TrainConfig:
     draft_vocab_size: int | None = None
     aux_layer_ids: tuple[int, int, int] | None = None
     feature_cache: Path | None = None
+    time_limit_minutes: float | None = None  # finish (evaluate, save final/) once this much wall time has passed
 
     def __post_init__(self):
+        if self.time_limit_minutes is not None and self.time_limit_minutes <= 0:
+            raise ValueError(f"--time-limit must be positive (minutes), got {self.time_limit_minutes}")
         if self.method not in METHODS:
             raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.k_train < 1:

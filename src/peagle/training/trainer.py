@@ -98,6 +98,8 @@ class Trainer:
             self._load_latest()
         self._open_logs()
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        limit = self.cfg.time_limit_minutes
+        deadline = time.monotonic() + 60 * limit if limit is not None else None
         logger.info("training %s drafter: steps %d..%d of %d, global batch %d sequences",
                     self.cfg.method, self.step + 1, self.total_steps, self.total_steps, self.global_batch)
         try:
@@ -107,12 +109,16 @@ class Trainer:
                 self._log({"kind": "train", "step": self.step, **record})
                 if self.step % self.cfg.eval_every == 0 and self.held_out:
                     self._log({"kind": "eval", "step": self.step, **self.evaluate()})
-                stop = self._agreed_stop()
+                stop, out_of_time = self._agreed_stop(deadline)
                 if self.step % self.cfg.save_every == 0 or stop:
                     self.save_checkpoint()
                 if stop:
                     logger.warning("SIGTERM: saved step %d; resume with --resume", self.step)
                     return 143
+                if out_of_time:
+                    logger.warning("time limit of %g minutes reached after step %d of %d; finishing", limit,
+                                   self.step, self.total_steps)
+                    break
             if self.held_out and self.step % self.cfg.eval_every:
                 self._log({"kind": "eval", "step": self.step, **self.evaluate()})
             if self.dist.is_main:
@@ -258,10 +264,12 @@ class Trainer:
     def _on_sigterm(self, signum, frame) -> None:
         self._stop = True
 
-    def _agreed_stop(self) -> bool:
+    def _agreed_stop(self, deadline: float | None) -> tuple[bool, bool]:
         # Every process must stop after the same step, or the next all-reduce would hang.
-        flag = torch.tensor([float(self._stop)], device=self.dist.device)
-        return bool(self.dist.all_reduce(flag).item() > 0)
+        out_of_time = deadline is not None and time.monotonic() > deadline
+        flags = torch.tensor([float(self._stop), float(out_of_time)], device=self.dist.device)
+        sigterm, timeout = (self.dist.all_reduce(flags) > 0).tolist()
+        return sigterm, timeout
 
     def _open_logs(self) -> None:
         if not self.dist.is_main:

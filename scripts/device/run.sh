@@ -57,9 +57,10 @@ case "$stage" in
       timeout -s TERM ${REGEN_SECS:-150} $py -m peagle regenerate --model "$W/smollm2" --prompts "$W/sharegpt_train.jsonl" \
         --out "$W/data" --max-tokens 384 --batch-size 256 --max-model-len 2048 --limit ${REGEN_LIMIT:-6000}
       for m in peagle eagle3; do
-        timeout -s TERM $train_secs $py -m peagle train --target "$W/smollm2" --data "$W/data" --method $m \
+        $py -m peagle train --target "$W/smollm2" --data "$W/data" --method $m \
           --out "$W/train-$m" --steps ${TRAIN_STEPS:-3000} --k-train 8 --max-length 2048 --lr 3e-4 \
-          --save-every 250 --eval-every 500 > "$W/train-$m.log" 2>&1 &
+          --save-every 250 --eval-every 500 --time-limit $(python3 -c "print($train_secs / 60)") \
+          > "$W/train-$m.log" 2>&1 &
       done
       wait
     ) > "$W/pipeline.log" 2>&1 &

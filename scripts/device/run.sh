@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One script for the GPU machine: builds, checks and times peagle in stages that fit one call each.
-#   bash scripts/device/run.sh STAGE      (STAGE: stage_a | stage_b | regen | train | bench | serve | scale)
+#   bash scripts/device/run.sh STAGE      (STAGE: stage_a | gpu_tests | stage_b | bench | serve | scale)
 # Large inputs travel in ignored folders named by the caller (.stage_a, .stage_b: halves of the testbed GGUF;
 # .whl: wheels missing on the machine; .gpu: prompt files). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
@@ -83,6 +83,13 @@ case "$stage" in
       --methods none,eagle3,peagle --k ${BENCH_K:-3,7} --concurrency ${BENCH_C:-1,4,16,64} \
       --datasets mtbench,humaneval --num-prompts ${BENCH_N:-32} --max-tokens 128 --max-model-len 4096 \
       --out "$OUT/bench" 2>&1 | tail -40
+    ;;
+  serve)
+    $py scripts/device/server_soak.py "$W/smollm2" "$OUT/server_soak.json" --head "$W/heads/peagle" --k 7 \
+      --clients 64 --seconds ${SOAK_SECS:-120} 2>&1 | grep -v -E " INFO " | tail -20
+    ;;
+  scale)
+    $py scripts/device/scale_check.py "$OUT/scale.json" 2>&1 | tail -5
     ;;
   *)
     echo "unknown stage $stage"; exit 2 ;;

@@ -63,3 +63,11 @@ def test_synthetic_acceptance_cannot_be_enabled_by_accident(tmp_path):
         EngineConfig(model="m", speculative=spec, load_format="dummy", synthetic_acceptance=(0.2, 0.4))
     with pytest.raises(ValueError, match="one rate per draft position"):
         EngineConfig(model="m", speculative=spec, load_format="dummy", synthetic_acceptance=(0.5,))
+
+
+def test_cuda_graphs_cover_every_k_the_adaptive_policy_picks(config_only_dir):
+    llm = LLM(model=str(config_only_dir), load_format="dummy", device="cpu", dtype="float32", max_model_len=128,
+              speculative_config={"method": "eagle3", "model": "dummy", "num_speculative_tokens": 7,
+                                  "parallel_drafting": True,
+                                  "adaptive": {"thresholds": [[4, 7], [16, 5], [64, 9]], "above": 2}})
+    assert llm.engine._graph_ks() == [2, 5, 7]

@@ -80,11 +80,18 @@ class LLMEngine:
         if self.device.type == "cuda" and not config.enforce_eager:
             from peagle.engine.cuda_graph import CudaGraphs
 
-            ks = sorted({self.k} | {k for _, k in self.spec.adaptive.thresholds} if self.spec else {0})
-            self.runner.graphs = CudaGraphs(self.runner, config.max_num_seqs, [min(k, self.k) for k in ks])
+            self.runner.graphs = CudaGraphs(self.runner, config.max_num_seqs, self._graph_ks())
         logger.info("engine ready: %s, %d KV blocks of %d, K=%d", config.model, num_blocks, block_size, self.k)
 
     # ---- construction ------------------------------------------------------------------------------------------
+
+    def _graph_ks(self) -> list[int]:
+        """Every K a decode step can verify: the configured one and each K the adaptive policy may pick."""
+        if self.spec is None:
+            return [0]
+        policy = self.spec.adaptive
+        ks = {self.k} | {k for _, k in policy.thresholds} | ({policy.above} if policy.above is not None else set())
+        return sorted({min(k, self.k) for k in ks})
 
     def _load_drafter(self):
         if self.spec is None:

@@ -5,7 +5,7 @@
 # .whl: wheels missing on the machine; .gpu: prompt files). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
 set -euo pipefail
-W=${PEAGLE_WORK:-/tmp/pg}
+W=${PEAGLE_WORK:-${TMPDIR:-/tmp}/peagle-device}
 OUT=${OUT:-$W/out}
 mkdir -p "$W" "$OUT" "$W/results"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"

@@ -285,3 +285,21 @@ def tiny_gguf(tiny_hf_checkpoint, tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def config_only_checkpoint(tmp_path_factory):
+    """Factory: `config_only_checkpoint(architecture="LlamaForCausalLM", **overrides) -> Path`, a directory holding
+    only a small config.json (no weights, no tokenizer), for random-weight (load_format="dummy") runs."""
+
+    def make(architecture: str = "LlamaForCausalLM", **overrides) -> Path:
+        cfg = {"architectures": [architecture], "model_type": architecture.removesuffix("ForCausalLM").lower(),
+               "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 1024,
+               "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False, "eos_token_id": 2,
+               **overrides}
+        d = tmp_path_factory.mktemp("config-only")
+        (d / "config.json").write_text(json.dumps(cfg))
+        return d
+
+    return make

@@ -8,14 +8,8 @@ from peagle.cli import main
 
 
 @pytest.fixture(scope="module")
-def config_only_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("cfg-only")
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 64,
-           "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "head_dim": 16, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-           "tie_word_embeddings": False, "eos_token_id": 2}
-    (d / "config.json").write_text(json.dumps(cfg))
-    return d
+def config_only_dir(config_only_checkpoint):
+    return config_only_checkpoint()
 
 
 def test_dummy_weights_with_synthetic_acceptance(config_only_dir, tiny_hf_checkpoint, tmp_path):

@@ -1,6 +1,5 @@
 """Random-weight loading and synthetic acceptance (benchmarking at real size without trained weights)."""
 
-import json
 
 import pytest
 import torch
@@ -11,14 +10,8 @@ from peagle.engine.spec.verifier import verify_synthetic
 
 
 @pytest.fixture(scope="module")
-def config_only_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("cfg")
-    cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 512, "hidden_size": 64,
-           "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "head_dim": 16, "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
-           "tie_word_embeddings": False, "eos_token_id": 1}
-    (d / "config.json").write_text(json.dumps(cfg))
-    return d
+def config_only_dir(config_only_checkpoint):
+    return config_only_checkpoint("Qwen3ForCausalLM", max_position_embeddings=512, rope_theta=1e6, eos_token_id=1)
 
 
 def test_dummy_load_runs_from_config_alone(config_only_dir):

@@ -60,7 +60,8 @@ class DraftBatch(NamedTuple):
     sample_rows: torch.Tensor  # [B, M + 1] int64, rows whose outputs are the K drafts
 
 
-@triton.jit
+# Batch-dependent integers are not specialised: no new compile when the batch size changes.
+@triton.jit(do_not_specialize=["num_requests", "num_target_rows", "stride_bt"])
 def _expand_draft_batch_kernel(
     target_ids_ptr, target_pos_ptr, target_slot_ptr, qsl_ptr, num_rejected_ptr, next_ids_ptr, block_tables_ptr,
     ids_ptr, pos_ptr, slot_ptr, hidden_index_ptr, draft_qsl_ptr, seq_lens_ptr, sample_rows_ptr,

@@ -69,7 +69,9 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision=PRECISION)
 
 
-@triton.jit
+# Batch-dependent integers are not specialised (Triton would compile a variant per value class: == 1,
+# divisible by 16, other), so a new batch shape never compiles a kernel inside a serving step.
+@triton.jit(do_not_specialize=["num_tokens", "num_q_tiles", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     block_tables_ptr, query_start_loc_ptr, positions_ptr,
@@ -139,7 +141,7 @@ def _paged_attention_kernel(
         tl.store(part_sum_ptr + part, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_q_tiles"])
 def _merge_splits_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr,
     num_tokens, num_q_tiles, stride_ot, stride_oh,

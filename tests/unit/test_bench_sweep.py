@@ -8,7 +8,7 @@ import pytest
 
 from peagle.bench.datasets import Prompt
 from peagle.bench.engine_runner import EngineRunner
-from peagle.bench.report import POINT_KEYS
+from peagle.bench.report import POINT_KEYS, markdown
 from peagle.bench.sweep import SweepConfig, run_benchmark, run_sweep
 
 STEP_S = 0.010  # fixed cost of one engine step
@@ -182,6 +182,15 @@ def test_run_sweep_visits_every_point():
     # 10 tokens = prefill 1 + a round of 7 (6 accepted) + a round cut at max_tokens to 2 (1 accepted).
     assert peagle7["acceptance_length"] == pytest.approx(1 + 7 / 2)
     assert peagle7["per_position_acceptance"] == pytest.approx([1.0] + [0.5] * 5 + [0.0])
+
+
+def test_every_point_has_at_least_its_concurrency_in_prompts():
+    config = SweepConfig(model="unused", methods=("none",), concurrency=(1, 2, 8), datasets=("mtbench",),
+                         num_prompts=3, max_tokens=4)
+    points = run_sweep(config, fake_open_runner(FakeClock(), 4), lambda p: None, {"mtbench": prompts(10)})
+    assert [(p["concurrency"], p["num_prompts"]) for p in points] == [(1, 3), (2, 3), (8, 8)]
+    table = markdown({"points": points, "config": config.to_json()})
+    assert "## mtbench (3-8 prompts per point)" in table
 
 
 def test_run_benchmark_writes_results_table_and_plots(tmp_path):

@@ -188,7 +188,8 @@ def _engine_table(points: list[dict], dataset: str) -> list[str]:
     if not methods:
         return []
     pairs = [(a, b) for a, b in SPEEDUP_PAIRS if a in methods and b in methods]
-    prompts = max(p["num_prompts"] for (m, _), p in best.items() if m in methods)
+    counts = sorted({p["num_prompts"] for (m, _), p in best.items() if m in methods})
+    prompts = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     header = ["concurrency", *(f"{METHOD_LABELS[m]} tok/s" for m in methods),
               *(f"{METHOD_LABELS[a]} / {METHOD_LABELS[b]}" for a, b in pairs)]
     rows = [f"## {dataset} ({prompts} prompts per point)", "", _row(header), _row(["---"] * len(header))]

@@ -127,8 +127,14 @@ def dataset_label(name: str) -> str:
 
 def load_datasets(config: SweepConfig) -> dict[str, list[Prompt]]:
     cache = Path(config.cache_dir) if config.cache_dir else None
-    return {dataset_label(name): load_prompts(name, limit=config.num_prompts, cache_dir=cache)
-            for name in config.datasets}
+    limit = points_prompts(config.num_prompts, max(config.concurrency))
+    return {dataset_label(name): load_prompts(name, limit=limit, cache_dir=cache) for name in config.datasets}
+
+
+def points_prompts(num_prompts: int, concurrency: int) -> int:
+    """How many prompts a point runs: `num_prompts`, and never fewer than its concurrency, so that a point at
+    concurrency c really has c requests in flight (a dataset with fewer prompts runs all it has)."""
+    return max(num_prompts, concurrency)
 
 
 def run_sweep(config: SweepConfig, open_runner: OpenRunner, on_point: Callable[[dict], None],
@@ -142,7 +148,8 @@ def run_sweep(config: SweepConfig, open_runner: OpenRunner, on_point: Callable[[
             for dataset, dataset_prompts in prompts.items():
                 for c in config.concurrency:
                     bar.set_postfix_str(f"{method} K={k} {dataset} c={c}")
-                    point = make_point(dataset, method, k, c, runner.measure(dataset_prompts, c))
+                    measured = runner.measure(dataset_prompts[:points_prompts(config.num_prompts, c)], c)
+                    point = make_point(dataset, method, k, c, measured)
                     logger.info("%s K=%s %s c=%d: %.1f tok/s, AL %s", method, k, dataset, c, point["tokens_per_s"],
                                 point["acceptance_length"])
                     points.append(point)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import peagle
-from peagle.cli import main
+from peagle.cli import build_parser, main
 from peagle.drafters import load_drafter
 from peagle.models.config import ModelConfig
 from peagle.models.loader import load_tokenizer
@@ -197,3 +197,16 @@ def test_time_limit_finishes_with_a_final_head(setup, tmp_path):
     assert load_drafter(out / FINAL, ModelConfig.from_dir(checkpoint)).config.method == "peagle"
     steps = [step for step, _ in _losses(out)]
     assert steps == [1]  # the deadline had passed after the first step; the run still ended cleanly
+
+
+def test_several_data_directories_are_mixed(setup, tmp_path):
+    checkpoint, data = setup
+    other = write_dataset(tmp_path / "other", checkpoint, num_docs=10, seed=1)
+    cpu = DistContext(0, 1, torch.device("cpu"))
+    cfg = _config(checkpoint, data, tmp_path / "out", "--steps", "1")
+    both = train_config(build_parser().parse_args([*_args(checkpoint, data, tmp_path / "out2", "--steps", "1"),
+                                                   "--data", str(data), str(other)]))
+    assert cfg.data == (data,) and both.data == (data, other)
+    one, two = build_trainer(cfg, cpu), build_trainer(both, cpu)
+    assert len(two.data.documents) == len(one.data.documents) + 10
+    assert json.loads((tmp_path / "out2" / "train_config.json").read_text())["data"] == [str(data), str(other)]

@@ -38,7 +38,8 @@ def register(subparsers) -> None:
                     "torchrun --nproc-per-node N -m peagle train ... (same arguments).",
     )
     train.add_argument("--target", type=Path, required=True, help="target checkpoint directory")
-    train.add_argument("--data", type=Path, required=True, help="data directory written by `peagle regenerate`")
+    train.add_argument("--data", type=Path, nargs="+", required=True, metavar="DIR",
+                       help="data directories written by `peagle regenerate` (several are mixed)")
     train.add_argument("--method", choices=METHODS, required=True)
     train.add_argument("--out", type=Path, required=True, help="output directory (checkpoints, logs, final/)")
     train.add_argument("--num-layers", type=int, help="drafter layers (default 4 for peagle, 1 for eagle3)")

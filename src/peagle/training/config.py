@@ -13,7 +13,7 @@ SCHEDULES = ("linear", "cosine")
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     target: Path
-    data: Path
+    data: Path | tuple[Path, ...]  # one or more data directories; kept as a tuple
     out: Path
     method: str
     num_layers: int | None = None  # None: 4 for peagle, 1 for eagle3
@@ -46,6 +46,10 @@ class TrainConfig:
     time_limit_minutes: float | None = None  # finish (evaluate, save final/) once this much wall time has passed
 
     def __post_init__(self):
+        dirs = (self.data,) if isinstance(self.data, (str, Path)) else tuple(self.data)
+        if not dirs:
+            raise ValueError("--data needs at least one data directory")
+        object.__setattr__(self, "data", tuple(Path(d) for d in dirs))
         if self.time_limit_minutes is not None and self.time_limit_minutes <= 0:
             raise ValueError(f"--time-limit must be positive (minutes), got {self.time_limit_minutes}")
         if self.method not in METHODS:

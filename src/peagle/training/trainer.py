@@ -309,7 +309,8 @@ class Trainer:
 def _cache_identity(cfg: TrainConfig, aux_layer_ids, target: LlamaModel) -> dict:
     # Cached documents are keyed by their index among the training documents, which the split decides.
     return {"target": str(cfg.target.resolve()), "dtype": str(target.embed_tokens.weight.dtype),
-            "aux_layer_ids": list(aux_layer_ids), "data": str(cfg.data.resolve()), "max_length": cfg.max_length,
+            "aux_layer_ids": list(aux_layer_ids), "data": [str(d.resolve()) for d in cfg.data],
+            "max_length": cfg.max_length,
             "split": [cfg.seed, cfg.eval_fraction, cfg.max_eval_documents]}
 
 
@@ -346,7 +347,12 @@ def _scalars(record: dict):
 
 
 def config_record(cfg: TrainConfig) -> dict:
-    return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
+    def plain(v):
+        if isinstance(v, Path):
+            return str(v)
+        return [plain(x) for x in v] if isinstance(v, (tuple, list)) else v
+
+    return {k: plain(v) for k, v in asdict(cfg).items()}
 
 
 def build_trainer(cfg: TrainConfig, dist: DistContext) -> Trainer:
@@ -360,7 +366,8 @@ def build_trainer(cfg: TrainConfig, dist: DistContext) -> Trainer:
     if not cfg.resume and complete_checkpoints(cfg.out / CHECKPOINTS):
         raise FileExistsError(f"{cfg.out} already holds checkpoints; pass --resume to continue or choose another --out")
     tokenizer = load_tokenizer(cfg.target)
-    documents = read_documents(cfg.data, tokenizer, target_config.vocab_size)
+    documents = [doc for data_dir in cfg.data
+                 for doc in read_documents(data_dir, tokenizer, target_config.vocab_size)]
     train_docs, held_docs = split_documents(documents, cfg.eval_fraction, cfg.max_eval_documents, cfg.seed)
     logger.info("%d training documents, %d held out", len(train_docs), len(held_docs))
     target = load_model(cfg.target, "bfloat16" if dist.device.type == "cuda" else "float32", dist.device)

@@ -24,7 +24,7 @@ from peagle.training.distributed import DistContext
 from peagle.training.forward import StepStats
 from peagle.training.objectives import EvalStats
 from peagle.training.teacher import run_target
-from peagle.training.trainer import FINAL, LOG_FILE, build_trainer, lr_factor
+from peagle.training.trainer import FINAL, LOG_FILE, build_trainer, fitted_total_steps, lr_factor
 
 
 def write_dataset(out: Path, checkpoint: Path, num_docs: int = 24, seed: int = 0) -> Path:
@@ -197,6 +197,28 @@ def test_time_limit_finishes_with_a_final_head(setup, tmp_path):
     assert load_drafter(out / FINAL, ModelConfig.from_dir(checkpoint)).config.method == "peagle"
     steps = [step for step, _ in _losses(out)]
     assert steps == [1]  # the deadline had passed after the first step; the run still ended cleanly
+
+
+def test_time_limit_fits_the_schedule_to_the_time():
+    # 100 s left at 0.5 s per step: 190 more steps fit (5% is kept for evaluation and saving).
+    assert fitted_total_steps(30, 100_000, 0.5, 100.0) == 220
+    assert fitted_total_steps(30, 100, 0.5, 100.0) == 100  # never more than asked for
+    assert fitted_total_steps(30, 100_000, 5.0, 1.0) == 31  # at least one more step
+
+
+def test_time_limited_run_ends_its_schedule_when_time_runs_out(setup, tmp_path):
+    checkpoint, data = setup
+    out = tmp_path / "fitted"
+    assert main(_args(checkpoint, data, out, "--steps", "100000", "--time-limit", "0.15")) == 0
+    records = [json.loads(line) for line in (out / LOG_FILE).read_text().splitlines()]
+    fitted = [r for r in records if r["kind"] == "schedule"]
+    assert len(fitted) == 1 and fitted[0]["step"] == 30 and fitted[0]["requested_steps"] == 100_000
+    horizon = fitted[0]["total_steps"]
+    train = [r for r in records if r["kind"] == "train"]
+    assert 30 < horizon < 100_000 and train[-1]["step"] <= horizon
+    peak = max(r["lr"] for r in train)
+    if train[-1]["step"] == horizon:  # ended by the fitted horizon (not the deadline): the lr has decayed
+        assert train[-1]["lr"] < 0.1 * peak
 
 
 def test_several_data_directories_are_mixed(setup, tmp_path):

@@ -72,8 +72,9 @@ def register(subparsers) -> None:
                             "(8 x target hidden size bytes per token for bf16 targets)")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     train.add_argument("--time-limit", type=float, metavar="MINUTES",
-                       help="stop after this much wall time as if the steps had run out: evaluate and save final/ "
-                            "(the learning-rate schedule still spans --steps/--epochs; size them to fit)")
+                       help="stop after this much wall time as if the steps had run out: evaluate and save final/. "
+                            "The schedule is fitted to it: after 30 steps the step rate is measured and, if "
+                            "--steps/--epochs would not fit, the learning rate decays to zero when time runs out")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--init", type=Path, metavar="DRAFTER_DIR", help="start from an existing head")
     train.add_argument("--draft-vocab-size", type=int,

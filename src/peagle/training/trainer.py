@@ -58,6 +58,17 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
     return 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+FIT_FROM, FIT_TO = 10, 30  # with --time-limit, the step rate is measured over these steps (after compilation)
+FIT_RESERVE = 0.05  # share of the remaining time kept for evaluation and saving
+
+
+def fitted_total_steps(step: int, total: int, seconds_per_step: float, seconds_left: float) -> int:
+    """The schedule's horizon under a time limit: the steps that fit in the time left at the measured rate, never
+    more than asked for. The learning rate then decays to zero when the time runs out, not at a step never reached."""
+    reachable = step + int(seconds_left * (1.0 - FIT_RESERVE) / max(seconds_per_step, 1e-9))
+    return max(step + 1, min(total, reachable))
+
+
 def sequence_seed(seed: int, epoch: int, index: int) -> int:
     return (seed * 1_000_003 + epoch * 998_244_353 + index) % (1 << 62)
 
@@ -83,6 +94,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, warmup, self.total_steps, cfg.schedule))
         self.step, self.epoch, self.index = 0, 0, 0
+        self.schedule_fitted = False
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dist.device.type == "cuda")
         self.cache = FeatureCache(cfg.feature_cache, target, _cache_identity(cfg, self.aux_layer_ids, target)
                                   ) if cfg.feature_cache else None
@@ -102,11 +114,17 @@ class Trainer:
         deadline = time.monotonic() + 60 * limit if limit is not None else None
         logger.info("training %s drafter: steps %d..%d of %d, global batch %d sequences",
                     self.cfg.method, self.step + 1, self.total_steps, self.total_steps, self.global_batch)
+        first_step, fit_start = self.step, None
         try:
             while self.step < self.total_steps:
                 record = self.train_step()
                 self.step += 1
                 self._log({"kind": "train", "step": self.step, **record})
+                if deadline is not None and not self.schedule_fitted:
+                    if self.step - first_step == FIT_FROM:
+                        fit_start = time.monotonic()
+                    elif self.step - first_step == FIT_TO and fit_start is not None:
+                        self._fit_schedule((time.monotonic() - fit_start) / (FIT_TO - FIT_FROM), deadline)
                 if self.step % self.cfg.eval_every == 0 and self.held_out:
                     self._log({"kind": "eval", "step": self.step, **self.evaluate()})
                 stop, out_of_time = self._agreed_stop(deadline)
@@ -226,6 +244,7 @@ class Trainer:
         save_drafter(self.drafter, path, force=True)
         state = {
             "step": self.step, "epoch": self.epoch, "index": self.index, "total_steps": self.total_steps,
+            "schedule_fitted": self.schedule_fitted,
             "global_batch": self.global_batch,
             "drafter": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
@@ -253,6 +272,8 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.epoch, self.index = state["step"], state["epoch"], state["index"]
+        if state.get("schedule_fitted"):  # a horizon fitted to an earlier run's time limit stays
+            self.total_steps, self.schedule_fitted = state["total_steps"], True
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():
@@ -263,6 +284,17 @@ class Trainer:
 
     def _on_sigterm(self, signum, frame) -> None:
         self._stop = True
+
+    def _fit_schedule(self, seconds_per_step: float, deadline: float) -> None:
+        # Every process takes the main process's horizon, so that all run the same number of steps.
+        mine = fitted_total_steps(self.step, self.total_steps, seconds_per_step, deadline - time.monotonic())
+        value = torch.tensor([float(mine if self.dist.is_main else 0)], device=self.dist.device)
+        fitted = int(self.dist.all_reduce(value).item())
+        self.schedule_fitted = True
+        if fitted < self.total_steps:
+            self._log({"kind": "schedule", "step": self.step, "total_steps": fitted,
+                       "requested_steps": self.total_steps, "seconds_per_step": seconds_per_step})
+            self.total_steps = fitted
 
     def _agreed_stop(self, deadline: float | None) -> tuple[bool, bool]:
         # Every process must stop after the same step, or the next all-reduce would hang.
@@ -295,10 +327,13 @@ class Trainer:
         self._log_file.write(json.dumps(record) + "\n")
         self._log_file.flush()
         kind, step = record["kind"], record["step"]
-        if kind == "train":
+        if kind == "schedule":
+            logger.info("--time-limit: %.3f s per step, so the schedule ends at step %d instead of %d",
+                        record["seconds_per_step"], record["total_steps"], record["requested_steps"])
+        elif kind == "train":
             logger.info("step %d/%d loss %.4f acc %s lr %.2e %.0f positions/s", step, self.total_steps,
                         record["loss"], record["acc"][:4], record["lr"], record["positions_per_s"])
-        else:
+        elif kind == "eval":
             logger.info("eval at step %d: loss %.4f acc %s simulated AL@%d %.3f", step, record["loss"],
                         record["acc"][:4], self.cfg.k_train, record["sim_al"][str(self.cfg.k_train)])
         if self._tensorboard is not None:

@@ -10,6 +10,12 @@ file, loaded with transformers); otherwise they are estimated as characters / 3.
 about 3.5-3.8 characters per token on Python code). Each record says which of the two was used.
 
     python scripts/build_longcode.py --tokenizer MODEL_DIR_OR_GGUF --out src/peagle/bench/data/longcode.jsonl.gz
+
+With --train, it writes instead every other qualifying file (--min-tokens up to 7.9K tokens) whose module is not in
+the vendored benchmark set, as `{"prompt": ...}` lines for `peagle regenerate`: the long training documents of a
+head trained at 8K, never overlapping the set it is measured on.
+
+    python scripts/build_longcode.py --train --min-tokens 1024 --tokenizer MODEL_DIR --out longcode_train.jsonl.gz
 """
 
 from __future__ import annotations
@@ -71,7 +77,7 @@ def pick_function(source: str) -> tuple[str, str] | None:
     return None
 
 
-def candidates(stdlib: Path, count) -> list[dict]:
+def candidates(stdlib: Path, count, min_tokens: int = MIN_TOKENS) -> list[dict]:
     records = []
     for path in sorted(stdlib.rglob("*.py")):
         rel = path.relative_to(stdlib)
@@ -82,12 +88,12 @@ def candidates(stdlib: Path, count) -> list[dict]:
             picked = pick_function(code)
         except (UnicodeDecodeError, SyntaxError):
             continue
-        if picked is None or len(code) < MIN_TOKENS * 2.5 or len(code) > MAX_TOKENS * 6:
+        if picked is None or len(code) < min_tokens * 2.5 or len(code) > MAX_TOKENS * 6:
             continue  # cheap pre-filter before tokenizing
         kind, name = picked
         prompt = TEMPLATE.format(module=rel.as_posix(), code=code.rstrip("\n"), kind=kind, name=name)
         num_tokens = count(prompt)
-        if MIN_TOKENS <= num_tokens <= MAX_TOKENS:
+        if min_tokens <= num_tokens <= MAX_TOKENS:
             records.append({"module": rel.as_posix(), "kind": kind, "function": name, "prompt": prompt,
                             "num_tokens": num_tokens})
     return records
@@ -115,9 +121,17 @@ def main() -> None:
     parser.add_argument("--stdlib", type=Path, default=Path(sysconfig.get_paths()["stdlib"]))
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--out", type=Path, default=Path("src/peagle/bench/data/longcode.jsonl.gz"))
+    parser.add_argument("--train", action="store_true",
+                        help="write training prompts: every qualifying module not in --exclude")
+    parser.add_argument("--min-tokens", type=int, default=MIN_TOKENS, help="shortest prompt with --train")
+    parser.add_argument("--exclude", type=Path, default=Path("src/peagle/bench/data/longcode.jsonl.gz"),
+                        help="with --train: the benchmark set whose modules are left out")
     args = parser.parse_args()
 
     count, how = load_counter(args.tokenizer)
+    if args.train:
+        write_train(args, count)
+        return
     chosen = select(candidates(args.stdlib, count), args.num_prompts)
     version = f"cpython-{platform.python_version()}"
     # No name and mtime 0 in the gzip header: rebuilding gives identical bytes wherever the file is written.
@@ -130,6 +144,18 @@ def main() -> None:
     sizes = [r["num_tokens"] for r in chosen]
     print(f"wrote {len(chosen)} prompts ({min(sizes)}-{max(sizes)} tokens, {how}) to {args.out} "
           f"({args.out.stat().st_size / 1e3:.0f} kB)")
+
+
+def write_train(args, count) -> None:
+    with gzip.open(args.exclude, "rt", encoding="utf-8") as f:
+        held_out = {json.loads(line)["source"].split("/Lib/", 1)[1] for line in f if line.strip()}
+    records = [r for r in candidates(args.stdlib, count, args.min_tokens) if r["module"] not in held_out]
+    with open(args.out, "wb") as f, gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) as raw:
+        for r in records:
+            raw.write((json.dumps({"id": r["module"], "prompt": r["prompt"]}, ensure_ascii=False) + "\n").encode())
+    sizes = [r["num_tokens"] for r in records]
+    print(f"wrote {len(records)} training prompts ({min(sizes)}-{max(sizes)} tokens, {sum(sizes)} in all), "
+          f"{len(held_out)} benchmark modules left out, to {args.out}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One script for the GPU machine: builds, checks and times peagle in stages that fit one call each.
-#   bash scripts/device/run.sh STAGE      (STAGE: stage_a | gpu_tests | stage_b | bench | serve | scale)
+#   bash scripts/device/run.sh STAGE      (STAGE: stage_a | gpu_tests | stage_b | bench | final | scale)
 # Large inputs travel in ignored folders named by the caller (.stage_a, .stage_b: halves of the testbed GGUF;
 # .whl: wheels missing on the machine; .gpu: prompt files). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
@@ -10,7 +10,7 @@ OUT=${OUT:-$W/out}
 mkdir -p "$W" "$OUT" "$W/results"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 export PEAGLE_CACHE="$W/cache"
-py=python3
+py=${PYTHON:-python3}
 
 install_wheels() {
   if [ ! -f /tmp/site/.done ] && [ -d .whl ]; then
@@ -36,9 +36,19 @@ random_heads() {
   done
 }
 
+link_heads() {  # the newest complete head of each training run under $W/heads/NAME
+  mkdir -p "$W/heads"
+  for m in peagle eagle3 peagle2k; do
+    if [ -f "$W/train-$m/final/config.json" ]; then ln -sfn "$W/train-$m/final" "$W/heads/$m"
+    elif ls -d "$W/train-$m/checkpoints/step-"* > /dev/null 2>&1; then
+      ln -sfn "$(ls -d "$W/train-$m/checkpoints/step-"* | tail -1)" "$W/heads/$m"
+    else echo "no trained $m head under $W/train-$m"; fi
+  done
+}
+
 stage=${1:?stage}
 install_wheels
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true
 case "$stage" in
   stage_a)
     cp .stage_a/gguf.part.aa "$W/"
@@ -47,49 +57,67 @@ case "$stage" in
     $py -m pytest tests/gpu -q 2>&1 | tee "$OUT/gpu_tests.log"
     ;;
   stage_b)
-    # Convert, then train heads in the background while the correctness checks run in the foreground.
+    # Convert; answer the training prompts (ShareGPT, and long standard-library code prompts); train three heads at
+    # once on the one GPU: P-EAGLE and EAGLE-3 at 8K (the benchmark pair) and P-EAGLE at 2K (the long-context
+    # comparison). The GPU kernel tests run alongside.
     need_model
-    random_heads
-    train_secs=${TRAIN_SECS:-270}
-    (
-      set +e
-      zcat .gpu/sharegpt_train.jsonl.gz > "$W/sharegpt_train.jsonl"
-      timeout -s TERM ${REGEN_SECS:-150} $py -m peagle regenerate --model "$W/smollm2" --prompts "$W/sharegpt_train.jsonl" \
-        --out "$W/data" --max-tokens 384 --batch-size 256 --max-model-len 2048 --limit ${REGEN_LIMIT:-6000}
-      for m in peagle eagle3; do
-        $py -m peagle train --target "$W/smollm2" --data "$W/data" --method $m \
-          --out "$W/train-$m" --steps ${TRAIN_STEPS:-3000} --k-train 8 --max-length 2048 --lr 3e-4 \
-          --save-every 250 --eval-every 500 --time-limit $(python3 -c "print($train_secs / 60)") \
-          > "$W/train-$m.log" 2>&1 &
-      done
-      wait
-    ) > "$W/pipeline.log" 2>&1 &
-    pipeline=$!
-    $py scripts/device/verify_target.py "$W/smollm2" "$OUT/verify_target.json" 2>&1 | tail -20 | tee "$OUT/verify_target.log" || true
-    $py scripts/device/engine_check.py "$W/smollm2" "$OUT/engine_check.json" --num-prompts 32 \
-      --head eagle3="$W/heads/random-eagle3" --head peagle="$W/heads/random-peagle" 2>&1 | tail -30 | tee "$OUT/engine_check.log" || true
-    wait $pipeline || true
-    tail -5 "$W/pipeline.log"; for m in peagle eagle3; do tail -3 "$W/train-$m.log"; cp "$W/train-$m.log" "$OUT/"; \
-      cp "$W/train-$m/train_log.jsonl" "$OUT/train-$m.jsonl" 2>/dev/null || true; done
+    zcat .gpu/sharegpt_train.jsonl.gz > "$W/sharegpt_train.jsonl"
+    zcat .gpu/longcode_train.jsonl.gz > "$W/longcode_train.jsonl"
+    timeout -s TERM ${REGEN_SECS:-110} $py -m peagle regenerate --model "$W/smollm2" --prompts "$W/sharegpt_train.jsonl" \
+      --out "$W/data" --max-tokens 384 --batch-size 256 --max-model-len 2048 --limit ${REGEN_LIMIT:-6000} \
+      2>&1 | tail -3 || true
+    timeout -s TERM ${LONG_REGEN_SECS:-60} $py -m peagle regenerate --model "$W/smollm2" \
+      --prompts "$W/longcode_train.jsonl" --out "$W/data-long" --max-tokens 256 --batch-size 64 --max-model-len 8192 \
+      --limit ${LONG_LIMIT:-1000} 2>&1 | tail -3 || true
+    train_min=$($py -c "print(${TRAIN_SECS:-400} / 60)")
+    data=("$W/data")
+    $py -c "import json,sys; sys.exit(not any(s['file'] for s in json.load(open('$W/data-long/manifest.json'))['shards']))" \
+      2>/dev/null && data+=("$W/data-long") || echo "no long documents: training on ShareGPT answers only"
+    train() {  # name method max_length batch_size
+      $py -m peagle train --target "$W/smollm2" --data "${data[@]}" --method $2 --out "$W/train-$1" \
+        --steps 100000 --k-train 8 --max-length $3 --batch-size $4 --lr ${TRAIN_LR:-5e-4} --schedule cosine \
+        --save-every 200 --eval-every 400 --time-limit "$train_min" > "$W/train-$1.log" 2>&1
+    }
+    train peagle peagle 8192 1 & p1=$!
+    train eagle3 eagle3 8192 1 & p2=$!
+    train peagle2k peagle 2048 4 & p3=$!
+    $py -m pytest tests/gpu -q > "$OUT/gpu_tests.log" 2>&1 || true
+    wait $p1 $p2 $p3 || true
+    tail -2 "$OUT/gpu_tests.log"
+    for m in peagle eagle3 peagle2k; do
+      grep -E "schedule ends|eval at|Error|error" "$W/train-$m.log" | tail -4 || true
+      cp "$W/train-$m.log" "$OUT/"
+      cp "$W/train-$m/train_log.jsonl" "$OUT/train-$m.jsonl" 2>/dev/null || true
+    done
     ;;
   bench)
-    for m in peagle eagle3; do
-      if [ -f "$W/train-$m/final/config.json" ]; then ln -sfn "$W/train-$m/final" "$W/heads/$m"
-      else ln -sfn "$(ls -d "$W/train-$m/checkpoints/step-"* | tail -1)" "$W/heads/$m"; fi
-    done
-    $py scripts/device/engine_timing.py "$W/smollm2" "$OUT/engine_timing.json" \
-      --head eagle3="$W/heads/eagle3" --head peagle="$W/heads/peagle" 2>&1 | tail -12 | tee "$OUT/engine_timing.log" || true
-    $py -m peagle bench --model "$W/smollm2" --draft-eagle3 "$W/heads/eagle3" --draft-peagle "$W/heads/peagle" \
-      --methods none,eagle3,peagle --k ${BENCH_K:-3,7} --concurrency ${BENCH_C:-1,4,16,64} \
-      --datasets mtbench,humaneval --num-prompts ${BENCH_N:-32} --max-tokens 128 --max-model-len 4096 \
-      --out "$OUT/bench" 2>&1 | tail -40
+    # The seeds' experiment: methods x K x concurrency on MT-Bench and HumanEval, then the HF baselines on the same
+    # prompts. results.json is rewritten after every point, so a run cut by the time limit keeps what it measured.
+    link_heads
+    timeout -s INT ${BENCH_SECS:-540} $py -m peagle bench --model "$W/smollm2" --draft-eagle3 "$W/heads/eagle3" \
+      --draft-peagle "$W/heads/peagle" --methods none,eagle3,peagle --k ${BENCH_K:-3,5,7} \
+      --concurrency ${BENCH_C:-1,2,4,8,16,32,64} --datasets mtbench,humaneval --num-prompts ${BENCH_N:-24} \
+      --max-tokens 128 --max-model-len 4096 --hf-baselines --hf-num-prompts ${HF_N:-4} --hf-batch-sizes 1,64 \
+      --out "$OUT/bench" 2>&1 | grep -v -E "^\s*$|it/s\]|point/s\]" | tail -60 || true
     ;;
-  serve)
-    $py scripts/device/server_soak.py "$W/smollm2" "$OUT/server_soak.json" --head "$W/heads/peagle" --k 7 \
-      --clients 64 --seconds ${SOAK_SECS:-120} 2>&1 | grep -v -E " INFO " | tail -20
+  final)
+    # Long-context acceptance (heads trained at 8K vs 2K), the server soak, training memory, the 8B shape.
+    link_heads
+    for h in peagle peagle2k; do
+      timeout 120 $py -m peagle bench --model "$W/smollm2" --draft-peagle "$W/heads/$h" --methods peagle --k 7 \
+        --concurrency 8 --datasets longcode --num-prompts 32 --max-tokens 128 --max-model-len 8192 \
+        --out "$OUT/longcode-$h" 2>&1 | tail -8 || true
+    done
+    timeout 200 $py scripts/device/server_soak.py "$W/smollm2" "$OUT/server_soak.json" --head "$W/heads/peagle" \
+      --k 7 --clients 64 --seconds ${SOAK_SECS:-120} 2>&1 | grep -v -E " INFO " | tail -20 || true
+    timeout 90 $py scripts/device/engine_check.py "$W/smollm2" "$OUT/engine_sampling.json" --sampling \
+      --num-prompts 16 --max-tokens 64 --head eagle3="$W/heads/eagle3" --head peagle="$W/heads/peagle" 2>&1 \
+      | grep -E "^\{|Error" || true
+    timeout 150 $py scripts/device/train_memory.py "$W/smollm2" "$OUT/train_memory.json" \
+      --data "$W/data" "$W/data-long" 2>&1 | grep -E "^\{|Error" | tail -14 || true
     ;;
   scale)
-    $py scripts/device/scale_check.py "$OUT/scale.json" 2>&1 | tail -5
+    timeout ${SCALE_SECS:-330} $py scripts/device/scale_check.py "$OUT/scale.json" --hf 2>&1 | tail -5 || true
     ;;
   *)
     echo "unknown stage $stage"; exit 2 ;;

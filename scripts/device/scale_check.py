@@ -1,6 +1,10 @@
 """Device check at real size: Llama-3.1-8B-shaped random weights (no checkpoint), decode speed vs the bandwidth floor.
 
-Usage: python scripts/device/scale_check.py OUT.json
+Usage: python scripts/device/scale_check.py OUT.json [--hf]
+Each concurrency is warmed (its shapes compiled and captured) before it is timed. The batch-1 decode step time is
+(time for 136 tokens - time for 8 tokens) / 128, so the prompt's prefill is not in it. With --hf, transformers
+(static cache, torch.compile) runs the same shape at batch 1 last, timed the same way. The JSON is rewritten after
+every run, so a run cut short keeps what it measured.
 """
 
 import json
@@ -17,6 +21,7 @@ LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab
             "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
             "head_dim": 128, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
             "tie_word_embeddings": False, "eos_token_id": 128009}
+CONCURRENCY = [1, 2, 4, 8, 16, 32, 64]
 RATES = [0.75, 0.55, 0.42, 0.33, 0.26, 0.2, 0.15]  # per-position acceptance used for the synthetic runs
 
 
@@ -33,6 +38,17 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 10 / (time.perf_counter() - t)
 
 
+def decode_ms(generate) -> float:
+    """Per-token decode time at batch 1: generate(n) runs one request for n tokens; prefill cancels out."""
+    generate(8)
+    times = {}
+    for n in (8, 136):
+        start = time.perf_counter()
+        generate(n)
+        times[n] = time.perf_counter() - start
+    return 1e3 * (times[136] - times[8]) / 128
+
+
 def run(d, spec, rates, conc):
     llm = LLM(model=d, load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=max(conc),
               speculative_config=spec, synthetic_acceptance=rates)
@@ -47,30 +63,69 @@ def run(d, spec, rates, conc):
         wall = time.perf_counter() - t
         rows.append({"concurrency": c, "tokens_per_s": sum(len(o.token_ids) for o in outs) / wall})
     weights = sum(p.numel() * p.element_size() for p in llm.engine.target.parameters())
+    step_ms = decode_ms(lambda n: llm.generate([[1000, 2000, 3000]], SamplingParams(temperature=0, max_tokens=n,
+                                                                                   ignore_eos=True), use_tqdm=False))
     del llm
     torch.cuda.empty_cache()
-    return rows, weights
+    return rows, weights, step_ms
 
 
-def main(out: str) -> int:
+def hf_static_compile(d) -> dict:
+    """transformers on the same random-weight shape: static cache, its own torch.compile of the forward, batch 1."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(d)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    ids = torch.tensor([[1000, 2000, 3000]], device="cuda")
+
+    def generate(n):
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static",
+                           max_cache_len=256, pad_token_id=0)
+        torch.cuda.synchronize()
+
+    start = time.perf_counter()
+    generate(8)  # compiles
+    compile_s = time.perf_counter() - start
+    step_ms = decode_ms(generate)
+    del model
+    torch.cuda.empty_cache()
+    return {"transformers": transformers.__version__, "compile_s": compile_s, "decode_ms_batch1": step_ms}
+
+
+def main(out: str, hf: bool) -> int:
     d = tempfile.mkdtemp()
     (Path(d) / "config.json").write_text(json.dumps(LLAMA_8B))
     bw = copy_bandwidth()
-    result = {"gpu": torch.cuda.get_device_name(), "copy_bandwidth_Bps": bw, "synthetic_rates": RATES, "runs": {}}
-    none, weights = run(d, None, None, [1, 8, 64])
-    result["weight_bytes"] = weights
-    result["floor_ms"] = 1e3 * weights / bw
+    result = {"gpu": torch.cuda.get_device_name(), "copy_bandwidth_Bps": bw, "synthetic_rates": RATES,
+              "concurrency": CONCURRENCY, "runs": {}}
+
+    def save():
+        Path(out).write_text(json.dumps(result, indent=1))
+
+    none, weights, step_ms = run(d, None, None, CONCURRENCY)
+    result.update(weight_bytes=weights, floor_ms=1e3 * weights / bw, decode_ms_batch1=step_ms)
+    result["decode_vs_floor"] = step_ms / result["floor_ms"]
     result["runs"]["none"] = none
-    for name, par in (("eagle3", False), ("peagle", True)):
-        spec = {"method": "eagle3", "model": "dummy", "num_speculative_tokens": 7 if par else 3,
-                "parallel_drafting": par}
-        result["runs"][name] = run(d, spec, RATES if par else RATES[:3], [1, 8, 64])[0]
-    b1 = none[0]["tokens_per_s"]
-    result["decode_ms_batch1"] = 1e3 / b1
+    save()
+    for name, k, par in (("eagle3", 3, False), ("eagle3", 7, False), ("peagle", 7, True)):
+        spec = {"method": "eagle3", "model": "dummy", "num_speculative_tokens": k, "parallel_drafting": par}
+        rows, _, ms = run(d, spec, RATES[:k], CONCURRENCY)
+        result["runs"][f"{name}-k{k}"] = rows
+        result.setdefault("ms_per_token_batch1", {})[f"{name}-k{k}"] = ms
+        save()
+    if hf:
+        try:
+            result["hf_static_compile"] = hf_static_compile(d)
+            result["ours_vs_hf_batch1"] = result["hf_static_compile"]["decode_ms_batch1"] / step_ms
+        except Exception as e:  # noqa: BLE001 - the baseline failing must not lose the engine's numbers
+            result["hf_static_compile"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        save()
     print(json.dumps(result))
-    Path(out).write_text(json.dumps(result, indent=1))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], "--hf" in sys.argv[2:]))

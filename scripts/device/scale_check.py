@@ -110,7 +110,7 @@ def main(out: str, hf: bool) -> int:
     result["decode_vs_floor"] = step_ms / result["floor_ms"]
     result["runs"]["none"] = none
     save()
-    for name, k, par in (("eagle3", 3, False), ("eagle3", 7, False), ("peagle", 7, True)):
+    for name, k, par in (("eagle3", 3, False), ("peagle", 7, True)):
         spec = {"method": "eagle3", "model": "dummy", "num_speculative_tokens": k, "parallel_drafting": par}
         rows, _, ms = run(d, spec, RATES[:k], CONCURRENCY)
         result["runs"][f"{name}-k{k}"] = rows

@@ -130,7 +130,9 @@ def test_timing():
     rows = []
     for model in sorted(MODELS):
         for num_tokens in NUM_TOKENS:
-            for name, fn, ref in single_ops(layer_inputs(model, num_tokens, torch.bfloat16)):
+            inputs = layer_inputs(model, num_tokens, torch.bfloat16)
+            torch.cuda.synchronize()  # do_bench_cudagraph's side stream does not wait for the inputs' stream
+            for name, fn, ref in single_ops(inputs):
                 rows.append((model, num_tokens, name, 1e3 * do_bench_cudagraph(fn), 1e3 * do_bench_cudagraph(ref),
                              1e3 * do_bench(fn)))
     print(f"\n{'model (bf16)':14s} {'T':>4s} {'kernel':14s} {'graph us':>9s} {'torch ops':>9s} {'eager us':>9s}")

@@ -150,6 +150,9 @@ def test_timing():
     from triton.testing import do_bench_cudagraph
 
     def bench_us(fn):
+        # do_bench_cudagraph runs fn on a side stream that does not wait for the default stream: inputs made on
+        # the GPU just before (torch.randint) must be complete, or the kernel reads uninitialised indices.
+        torch.cuda.synchronize()
         return 1e3 * do_bench_cudagraph(fn)
 
     rows = []

@@ -199,6 +199,16 @@ def test_time_limit_finishes_with_a_final_head(setup, tmp_path):
     assert steps == [1]  # the deadline had passed after the first step; the run still ended cleanly
 
 
+def test_default_warmup_is_short_under_a_time_limit(setup, tmp_path):
+    checkpoint, data = setup
+    plain = TrainConfig(target=checkpoint, data=data, out=tmp_path, method="peagle", steps=100_000)
+    timed = TrainConfig(target=checkpoint, data=data, out=tmp_path, method="peagle", steps=100_000,
+                        time_limit_minutes=5)
+    assert plain.warmup(100_000) == 2000 and timed.warmup(100_000) == 30 and timed.warmup(500) == 10
+    assert TrainConfig(target=checkpoint, data=data, out=tmp_path, method="peagle", steps=10, warmup_steps=7,
+                       time_limit_minutes=5).warmup(100_000) == 7
+
+
 def test_time_limit_fits_the_schedule_to_the_time():
     # 100 s left at 0.5 s per step: 190 more steps fit (5% is kept for evaluation and saving).
     assert fitted_total_steps(30, 100_000, 0.5, 100.0) == 220
@@ -209,7 +219,9 @@ def test_time_limit_fits_the_schedule_to_the_time():
 def test_time_limited_run_ends_its_schedule_when_time_runs_out(setup, tmp_path):
     checkpoint, data = setup
     out = tmp_path / "fitted"
-    assert main(_args(checkpoint, data, out, "--steps", "100000", "--time-limit", "0.15")) == 0
+    args = _args(checkpoint, data, out, "--steps", "100000", "--time-limit", "0.15")
+    at = args.index("--warmup-steps")
+    assert main(args[:at] + args[at + 2:]) == 0  # the default warmup
     records = [json.loads(line) for line in (out / LOG_FILE).read_text().splitlines()]
     fitted = [r for r in records if r["kind"] == "schedule"]
     assert len(fitted) == 1 and fitted[0]["step"] == 30 and fitted[0]["requested_steps"] == 100_000
@@ -217,6 +229,8 @@ def test_time_limited_run_ends_its_schedule_when_time_runs_out(setup, tmp_path):
     train = [r for r in records if r["kind"] == "train"]
     assert 30 < horizon < 100_000 and train[-1]["step"] <= horizon
     peak = max(r["lr"] for r in train)
+    # The warmup is not 2% of --steps (2,000 steps, longer than the run) but 30 steps: the peak is reached.
+    assert peak == pytest.approx(3e-3) and train[29]["lr"] == pytest.approx(3e-3)
     if train[-1]["step"] == horizon:  # ended by the fitted horizon (not the deadline): the lr has decayed
         assert train[-1]["lr"] < 0.1 * peak
 

@@ -51,7 +51,7 @@ def register(subparsers) -> None:
     train.add_argument("--max-length", type=int, default=2048, help="tokens per packed sequence (default 2048)")
     train.add_argument("--lr", type=float, default=1e-4)
     train.add_argument("--weight-decay", type=float, default=0.0)
-    train.add_argument("--warmup-steps", type=int, help="linear warmup steps (default 2%% of the steps)")
+    train.add_argument("--warmup-steps", type=int, help="linear warmup steps (default 2%% of the steps; with --time-limit at most 30)")
     length = train.add_mutually_exclusive_group(required=True)
     length.add_argument("--steps", type=int, help="optimizer steps")
     length.add_argument("--epochs", type=float, help="passes over the training data")

@@ -8,6 +8,7 @@ from pathlib import Path
 from peagle.drafters.config import DEFAULT_NUM_LAYERS, METHODS
 
 SCHEDULES = ("linear", "cosine")
+TIME_LIMITED_WARMUP = 30  # default warmup steps under --time-limit (the steps over which the rate is measured)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -93,4 +94,10 @@ class TrainConfig:
         return self.num_layers or DEFAULT_NUM_LAYERS[self.method]
 
     def warmup(self, total_steps: int) -> int:
-        return self.warmup_steps if self.warmup_steps is not None else max(1, total_steps // 50)
+        """--warmup-steps, else 2% of the steps; under --time-limit at most TIME_LIMITED_WARMUP steps, because the
+        schedule's end is then fitted to the time and --steps is only an upper bound (2% of it could be the whole
+        run, spent below the peak learning rate)."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        default = max(1, total_steps // 50)
+        return min(default, TIME_LIMITED_WARMUP) if self.time_limit_minutes is not None else default

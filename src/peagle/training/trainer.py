@@ -29,7 +29,7 @@ from peagle.models.llama import LlamaModel
 from peagle.models.loader import load_model, load_tokenizer
 from peagle.models.tokenizer import Tokenizer
 from peagle.training.cod import Layout
-from peagle.training.config import TrainConfig
+from peagle.training.config import TIME_LIMITED_WARMUP, TrainConfig
 from peagle.training.data import Document, PackedSequence, TrainingData, pack, read_documents, split_documents
 from peagle.training.distributed import DistContext
 from peagle.training.forward import StepStats
@@ -58,7 +58,8 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
     return 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-FIT_FROM, FIT_TO = 10, 30  # with --time-limit, the step rate is measured over these steps (after compilation)
+# With --time-limit, the step rate is measured over these steps (after compilation), during the default warmup.
+FIT_FROM, FIT_TO = 10, TIME_LIMITED_WARMUP
 FIT_RESERVE = 0.05  # share of the remaining time kept for evaluation and saving
 
 

@@ -188,7 +188,8 @@ def test_every_point_has_at_least_its_concurrency_in_prompts():
     config = SweepConfig(model="unused", methods=("none",), concurrency=(1, 2, 8), datasets=("mtbench",),
                          num_prompts=3, max_tokens=4)
     points = run_sweep(config, fake_open_runner(FakeClock(), 4), lambda p: None, {"mtbench": prompts(10)})
-    assert [(p["concurrency"], p["num_prompts"]) for p in points] == [(1, 3), (2, 3), (8, 8)]
+    # Rounded up to full waves: 3 at c=1, 4 at c=2, 8 at c=8.
+    assert [(p["concurrency"], p["num_prompts"]) for p in points] == [(1, 3), (2, 4), (8, 8)]
     table = markdown({"points": points, "config": config.to_json()})
     assert "## mtbench (3-8 prompts per point)" in table
 

@@ -68,7 +68,7 @@ def _register_bench(subparsers) -> None:
     sweep.add_argument("--datasets", type=_names, default=("mtbench", "humaneval"),
                        help="comma list of mtbench, humaneval, sharegpt (held-out split), longcode, or .jsonl paths")
     sweep.add_argument("--num-prompts", type=int, default=80,
-                       help="prompts per point (default 80); a point at concurrency c runs at least c of them")
+                       help="prompts per point (default 80), rounded up to a multiple of the point's concurrency")
     sweep.add_argument("--max-tokens", type=int, default=256, help="output tokens per request (default 256)")
     sweep.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     sweep.add_argument("--cache-dir", help="testbed cache holding ShareGPT (default: peagle testbed's)")

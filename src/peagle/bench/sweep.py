@@ -127,14 +127,15 @@ def dataset_label(name: str) -> str:
 
 def load_datasets(config: SweepConfig) -> dict[str, list[Prompt]]:
     cache = Path(config.cache_dir) if config.cache_dir else None
-    limit = points_prompts(config.num_prompts, max(config.concurrency))
+    limit = max(points_prompts(config.num_prompts, c) for c in config.concurrency)
     return {dataset_label(name): load_prompts(name, limit=limit, cache_dir=cache) for name in config.datasets}
 
 
 def points_prompts(num_prompts: int, concurrency: int) -> int:
-    """How many prompts a point runs: `num_prompts`, and never fewer than its concurrency, so that a point at
-    concurrency c really has c requests in flight (a dataset with fewer prompts runs all it has)."""
-    return max(num_prompts, concurrency)
+    """How many prompts a point runs: `num_prompts` rounded up to a multiple of the concurrency, so that a point at
+    concurrency c really has c requests in flight and ends in a full wave, not a tail of a few requests that would
+    measure a lower concurrency (a dataset with fewer prompts runs all it has)."""
+    return -(-num_prompts // concurrency) * concurrency
 
 
 def run_sweep(config: SweepConfig, open_runner: OpenRunner, on_point: Callable[[dict], None],

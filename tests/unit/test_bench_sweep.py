@@ -251,6 +251,26 @@ def test_sweep_on_the_real_engine_with_random_heads(tiny_hf_checkpoint, tmp_path
     assert files["results"].is_file() and files["markdown"].is_file()
 
 
+def test_adaptive_policy_reaches_the_speculative_config():
+    from peagle.bench.cli import sweep_config_from_args
+    from peagle.cli import build_parser
+    from peagle.engine.config import SpeculativeConfig
+
+    args = build_parser().parse_args(["bench", "--model", "m", "--draft-peagle", "p", "--methods", "peagle",
+                                      "--k", "7", "--adaptive", "8:7,32:5,above:3"])
+    config = sweep_config_from_args(args)
+    spec = SpeculativeConfig.from_dict(config.speculative_config("peagle", 7))
+    assert [spec.adaptive.k_for(n, 7) for n in (1, 8, 9, 32, 33, 64)] == [7, 7, 5, 5, 3, 3]
+    assert json.loads(json.dumps(config.to_json()))["adaptive"] == [[8, 7], [32, 5]]  # kept in results.json
+    plain = sweep_config_from_args(build_parser().parse_args(["bench", "--model", "m", "--draft-peagle", "p",
+                                                              "--methods", "peagle"]))
+    assert "adaptive" not in plain.speculative_config("peagle", 7)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--model", "m", "--adaptive", "8-7"])
+    with pytest.raises(ValueError, match="increasing"):
+        SweepConfig(model="m", draft_peagle="p", methods=("peagle",), adaptive=((32, 5), (8, 7)))
+
+
 def test_bench_command_line_builds_the_config():
     from peagle.bench.cli import sweep_config_from_args
     from peagle.cli import build_parser

@@ -87,6 +87,9 @@ def _register_bench(subparsers) -> None:
                         help="BENCHMARKING ONLY, needs --load-format dummy: accept draft position i with rate Ri "
                              "(accepted at position i / rounds, as measured on a real model) instead of asking the "
                              "target; every result of such a run is marked synthetic")
+    engine.add_argument("--adaptive", type=_adaptive, metavar="BOUND:K,...[,above:K]",
+                        help="adaptive speculation for eagle3/peagle: e.g. 8:7,32:5,above:3 verifies 7 drafts while "
+                             "at most 8 requests run, 5 up to 32, 3 beyond (never more than the point's K)")
     engine.add_argument("--llm-option", type=_llm_option, action="append", default=[], metavar="KEY=VALUE",
                         help="any further LLM(...) keyword, VALUE as JSON (repeatable; recorded in the results)")
     hf = p.add_argument_group("Hugging Face transformers baselines")
@@ -99,6 +102,21 @@ def _register_bench(subparsers) -> None:
     p.add_argument("--out", type=Path, help="output directory (default: runs/bench-<UTC time>)")
     p.add_argument("--note", help="a line shown above the results table and kept in results.json")
     p.set_defaults(func=run_bench)
+
+
+def _adaptive(text: str) -> tuple[tuple[tuple[int, int], ...], int | None]:
+    thresholds, above = [], None
+    try:
+        for item in text.split(","):
+            bound, k = item.split(":")
+            if bound.strip() == "above":
+                above = int(k)
+            else:
+                thresholds.append((int(bound), int(k)))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected BOUND:K,...[,above:K], e.g. 8:7,32:5,above:3; got {text!r}") from None
+    return tuple(thresholds), above
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -121,6 +139,8 @@ def sweep_config_from_args(args: argparse.Namespace):
         hf_baselines=args.hf_baselines, hf_num_prompts=args.hf_num_prompts, hf_batch_sizes=args.hf_batch_sizes,
         note=_note(args), tokenizer=args.tokenizer, load_format=args.load_format,
         synthetic_acceptance=args.synthetic_acceptance,
+        adaptive=args.adaptive[0] if args.adaptive else (),
+        adaptive_above=args.adaptive[1] if args.adaptive else None,
     )
 
 

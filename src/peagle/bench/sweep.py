@@ -60,8 +60,14 @@ class SweepConfig:
     tokenizer: str | None = None
     load_format: str = "auto"
     synthetic_acceptance: tuple[float, ...] | None = None
+    # Adaptive speculation for eagle3/peagle points: ((running-request bound, K), ...) and K above the last bound.
+    adaptive: tuple[tuple[int, int], ...] = ()
+    adaptive_above: int | None = None
 
     def __post_init__(self):
+        from peagle.engine.config import AdaptivePolicy
+
+        AdaptivePolicy(thresholds=self.adaptive, above=self.adaptive_above)  # raises on a bad policy
         unknown = sorted(set(self.methods) - set(ENGINE_METHODS))
         if unknown or not self.methods:
             raise ValueError(f"unknown method(s) {unknown}; --methods takes a comma list of {ENGINE_METHODS}")
@@ -104,8 +110,11 @@ class SweepConfig:
             return None
         # EAGLE-3 is asked for explicitly (parallel_drafting False) so that a P-EAGLE head is never upgraded.
         draft = self.draft_peagle if method == "peagle" else self.draft_eagle3
-        return {"method": "eagle3", "model": draft, "num_speculative_tokens": k,
+        spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": k,
                 "parallel_drafting": method == "peagle"}
+        if self.adaptive or self.adaptive_above is not None:
+            spec["adaptive"] = {"thresholds": [list(t) for t in self.adaptive], "above": self.adaptive_above}
+        return spec
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -22,6 +22,9 @@ LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab
             "head_dim": 128, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
             "tie_word_embeddings": False, "eos_token_id": 128009}
 CONCURRENCY = [1, 2, 4, 8, 16, 32, 64]
+# The adaptive run: K=7 while at most 8 requests run, 5 up to 16, 3 beyond (deep speculation where the target pass is
+# bandwidth-bound, shallower where verifying 8 tokens per request makes it compute-bound).
+ADAPTIVE = {"thresholds": [[8, 7], [16, 5]], "above": 3}
 RATES = [0.75, 0.55, 0.42, 0.33, 0.26, 0.2, 0.15]  # per-position acceptance used for the synthetic runs
 
 
@@ -110,11 +113,15 @@ def main(out: str, hf: bool) -> int:
     result["decode_vs_floor"] = step_ms / result["floor_ms"]
     result["runs"]["none"] = none
     save()
-    for name, k, par in (("eagle3", 3, False), ("peagle", 7, True)):
+    for name, k, par, adaptive in (("eagle3", 3, False, None), ("peagle", 7, True, None),
+                                   ("peagle", 7, True, ADAPTIVE)):
         spec = {"method": "eagle3", "model": "dummy", "num_speculative_tokens": k, "parallel_drafting": par}
+        label = f"{name}-k{k}"
+        if adaptive:
+            spec["adaptive"], label = adaptive, f"{label}-adaptive"
         rows, _, ms = run(d, spec, RATES[:k], CONCURRENCY)
-        result["runs"][f"{name}-k{k}"] = rows
-        result.setdefault("ms_per_token_batch1", {})[f"{name}-k{k}"] = ms
+        result["runs"][label] = rows
+        result.setdefault("ms_per_token_batch1", {})[label] = ms
         save()
     if hf:
         try:

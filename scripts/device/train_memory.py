@@ -42,12 +42,14 @@ def target_for(target: Path, length: int, scratch: Path) -> Path:
     return copy
 
 
-def measure(target: Path, data: list[Path], length: int, segments: int, steps: int, scratch: Path) -> dict:
+def measure(target: Path, data: list[Path], length: int, segments: int, steps: int, scratch: Path,
+            loss_chunk: int = 4096) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = TrainConfig(target=target_for(target, length, scratch), data=tuple(data),
                       out=scratch / f"run-{length}-{segments}", method="peagle", k_train=8, num_segments=segments,
-                      max_length=length, steps=steps, save_every=10 ** 9, eval_every=10 ** 9, eval_fraction=0.0)
-    point = {"max_length": length, "num_segments": segments}
+                      max_length=length, steps=steps, save_every=10 ** 9, eval_every=10 ** 9, eval_fraction=0.0,
+                      loss_chunk=loss_chunk)
+    point = {"max_length": length, "num_segments": segments, "loss_chunk": loss_chunk}
     try:
         trainer = build_trainer(cfg, DistContext(0, 1, device))
         records = []
@@ -80,12 +82,15 @@ def main() -> int:
     parser.add_argument("--lengths", default="2048,8192,16384")
     parser.add_argument("--segments", default="1,2,4,8")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--loss-chunk", type=int, default=4096,
+                        help="elements per loss chunk: its full-vocabulary logits are a fixed share of the peak")
     args = parser.parse_args()
     points = []
     with tempfile.TemporaryDirectory() as scratch:
         for length in map(int, args.lengths.split(",")):
             for segments in map(int, args.segments.split(",")):
-                point = measure(args.target, args.data, length, segments, args.steps, Path(scratch))
+                point = measure(args.target, args.data, length, segments, args.steps, Path(scratch),
+                                args.loss_chunk)
                 print(json.dumps(point), flush=True)
                 points.append(point)
                 args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name() if torch.cuda.is_available()

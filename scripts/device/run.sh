@@ -76,7 +76,7 @@ case "$stage" in
     train() {  # name method max_length batch_size
       $py -m peagle train --target "$W/smollm2" --data "${data[@]}" --method $2 --out "$W/train-$1" \
         --steps 100000 --k-train 8 --max-length $3 --batch-size $4 --lr ${TRAIN_LR:-5e-4} --schedule cosine \
-        --save-every 200 --eval-every 400 --time-limit "$train_min" > "$W/train-$1.log" 2>&1
+        --save-every 200 --eval-every 400 --time-limit "$train_min" --profile-steps 3 > "$W/train-$1.log" 2>&1
     }
     train peagle peagle 8192 1 & p1=$!
     train eagle3 eagle3 8192 1 & p2=$!
@@ -88,6 +88,7 @@ case "$stage" in
       grep -E "schedule ends|eval at|Error|error" "$W/train-$m.log" | tail -4 || true
       cp "$W/train-$m.log" "$OUT/"
       cp "$W/train-$m/train_log.jsonl" "$OUT/train-$m.jsonl" 2>/dev/null || true
+      cp "$W/train-$m/profile.txt" "$OUT/profile-$m.txt" 2>/dev/null || true
     done
     ;;
   bench)

@@ -235,6 +235,15 @@ def test_time_limited_run_ends_its_schedule_when_time_runs_out(setup, tmp_path):
         assert train[-1]["lr"] < 0.1 * peak
 
 
+def test_profile_steps_write_an_operator_table(setup, tmp_path):
+    checkpoint, data = setup
+    out = tmp_path / "profiled"
+    assert main(_args(checkpoint, data, out, "--steps", "8", "--profile-steps", "2")) == 0
+    text = (out / "profile.txt").read_text()
+    assert text.startswith("torch.profiler over steps 6..7 of a peagle run") and "aten::" in text
+    assert main(_args(checkpoint, data, tmp_path / "bad", "--steps", "1", "--profile-steps", "-1")) == 1
+
+
 def test_several_data_directories_are_mixed(setup, tmp_path):
     checkpoint, data = setup
     other = write_dataset(tmp_path / "other", checkpoint, num_docs=10, seed=1)

@@ -75,6 +75,9 @@ def register(subparsers) -> None:
                        help="stop after this much wall time as if the steps had run out: evaluate and save final/. "
                             "The schedule is fitted to it: after 30 steps the step rate is measured and, if "
                             "--steps/--epochs would not fit, the learning rate decays to zero when time runs out")
+    train.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                       help="profile N steps after the first 5 (compilation) with torch.profiler: a table of the "
+                            "most expensive operators in OUT/profile.txt")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--init", type=Path, metavar="DRAFTER_DIR", help="start from an existing head")
     train.add_argument("--draft-vocab-size", type=int,
@@ -117,7 +120,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         max_eval_documents=args.max_eval_documents, loss_chunk=args.loss_chunk, seed=args.seed,
         resume=args.resume, init=args.init, draft_vocab_size=args.draft_vocab_size,
         aux_layer_ids=tuple(args.aux_layer_ids) if args.aux_layer_ids else None, feature_cache=args.feature_cache,
-        time_limit_minutes=args.time_limit,
+        time_limit_minutes=args.time_limit, profile_steps=args.profile_steps,
     )
 
 

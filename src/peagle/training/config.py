@@ -45,12 +45,15 @@ class TrainConfig:
     aux_layer_ids: tuple[int, int, int] | None = None
     feature_cache: Path | None = None
     time_limit_minutes: float | None = None  # finish (evaluate, save final/) once this much wall time has passed
+    profile_steps: int = 0  # profile this many steps (after the first PROFILE_FROM) into out/profile.txt
 
     def __post_init__(self):
         dirs = (self.data,) if isinstance(self.data, (str, Path)) else tuple(self.data)
         if not dirs:
             raise ValueError("--data needs at least one data directory")
         object.__setattr__(self, "data", tuple(Path(d) for d in dirs))
+        if self.profile_steps < 0:
+            raise ValueError(f"--profile-steps must be non-negative, got {self.profile_steps}")
         if self.time_limit_minutes is not None and self.time_limit_minutes <= 0:
             raise ValueError(f"--time-limit must be positive (minutes), got {self.time_limit_minutes}")
         if self.method not in METHODS:

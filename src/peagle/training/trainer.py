@@ -60,6 +60,8 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
 
 # With --time-limit, the step rate is measured over these steps (after compilation), during the default warmup.
 FIT_FROM, FIT_TO = 10, TIME_LIMITED_WARMUP
+PROFILE_FROM = 5  # --profile-steps starts after this many steps (first-step compilation is not what to profile)
+PROFILE_FILE = "profile.txt"
 FIT_RESERVE = 0.05  # share of the remaining time kept for evaluation and saving
 
 
@@ -100,6 +102,7 @@ class Trainer:
         self.cache = FeatureCache(cfg.feature_cache, target, _cache_identity(cfg, self.aux_layer_ids, target)
                                   ) if cfg.feature_cache else None
         self._stop = False
+        self._profiler = None
         self._log_file = None
         self._tensorboard = None
 
@@ -118,8 +121,12 @@ class Trainer:
         first_step, fit_start = self.step, None
         try:
             while self.step < self.total_steps:
+                if self.cfg.profile_steps and self.step - first_step == PROFILE_FROM:
+                    self._start_profile()
                 record = self.train_step()
                 self.step += 1
+                if self._profiler is not None and self.step - first_step == PROFILE_FROM + self.cfg.profile_steps:
+                    self._finish_profile()
                 self._log({"kind": "train", "step": self.step, **record})
                 if deadline is not None and not self.schedule_fitted:
                     if self.step - first_step == FIT_FROM:
@@ -145,6 +152,8 @@ class Trainer:
                 logger.info("saved the trained drafter to %s", self.cfg.out / FINAL)
             return 0
         finally:
+            if self._profiler is not None:
+                self._finish_profile()
             signal.signal(signal.SIGTERM, previous)
             self._close_logs()
 
@@ -285,6 +294,28 @@ class Trainer:
 
     def _on_sigterm(self, signum, frame) -> None:
         self._stop = True
+
+    def _start_profile(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.dist.device.type == "cuda" else [])
+        self._profiler = profile(activities=activities, record_shapes=False)
+        self._profiler.__enter__()
+        self._profiled_from = self.step + 1
+
+    def _finish_profile(self) -> None:
+        prof, self._profiler = self._profiler, None
+        prof.__exit__(None, None, None)
+        if not self.dist.is_main:
+            return
+        device_time = "self_device_time_total" if self.dist.device.type == "cuda" else "self_cpu_time_total"
+        header = (f"torch.profiler over steps {self._profiled_from}..{self.step} of a {self.cfg.method} run "
+                  f"(max length {self.cfg.max_length}, batch {self.cfg.batch_size}), sorted by {device_time}\n\n")
+        table = prof.key_averages().table(sort_by=device_time, row_limit=40, max_name_column_width=60)
+        self.cfg.out.mkdir(parents=True, exist_ok=True)
+        (self.cfg.out / PROFILE_FILE).write_text(header + table + "\n")
+        logger.info("profile of steps %d..%d written to %s", self._profiled_from, self.step,
+                    self.cfg.out / PROFILE_FILE)
 
     def _fit_schedule(self, seconds_per_step: float, deadline: float) -> None:
         # Every process takes the main process's horizon, so that all run the same number of steps.

@@ -7,6 +7,8 @@ For each method and batch size (1 and 64) it runs real requests to a steady deco
   the target's verify forward and the drafting pass (their own graphs); verification = the remainder,
 - the host-side input building (perf_counter),
 and reports "other" = round wall time - the round's GPU time: what the host adds.
+With --profile DIR, 10 more rounds per method and batch run under torch.profiler and their operator table (CPU and
+CUDA time) is written to DIR/profile-METHOD-kK-bB.txt: where "other" goes.
 """
 
 from __future__ import annotations
@@ -41,7 +43,18 @@ def gpu_ms(fn, iters=50) -> float:
     return start.elapsed_time(end) / iters
 
 
-def measure(llm, prompts, batch: int, k: int, rounds: int = 40) -> dict:
+def profile_rounds(eng, path, rounds: int = 10) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(rounds):
+            eng.step()
+    table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=50, max_name_column_width=70)
+    with open(path, "w") as f:
+        f.write(f"torch.profiler over {rounds} engine rounds, sorted by CPU time total\n\n{table}\n")
+
+
+def measure(llm, prompts, batch: int, k: int, rounds: int = 40, profile_path=None) -> dict:
     eng = llm.engine
     for i in range(batch):
         eng.add_request(f"t{batch}-{i}", prompts[i % len(prompts)],
@@ -76,6 +89,8 @@ def measure(llm, prompts, batch: int, k: int, rounds: int = 40) -> dict:
     row["verify_ms"] = max(0.0, row["gpu_round_ms"] - row["target_ms"] - row["draft_ms"])
     eng.runner.build_inputs = real_build
     row["host_build_ms"] = 1e3 * statistics.median(build)
+    if profile_path is not None:
+        profile_rounds(eng, profile_path)
     seqs = list(eng.scheduler.running)
     row["other_ms"] = row["round_ms"] - row["gpu_round_ms"]
     row["other_share"] = row["other_ms"] / row["round_ms"]
@@ -90,6 +105,7 @@ def main(argv=None) -> int:
     ap.add_argument("out")
     ap.add_argument("--head", action="append", default=[], help="METHOD=DIR (eagle3 or peagle)")
     ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--profile", metavar="DIR", help="also write a torch.profiler table per method and batch here")
     args = ap.parse_args(argv)
     heads = dict(h.split("=", 1) for h in args.head)
     tok = load_tokenizer(args.target)
@@ -102,7 +118,8 @@ def main(argv=None) -> int:
                                           "parallel_drafting": parallel}
         llm = LLM(model=args.target, speculative_config=spec, dtype="bfloat16", max_model_len=4096, max_num_seqs=64)
         for b in map(int, args.batches.split(",")):
-            row = {"method": name, **measure(llm, prompts, b, k)}
+            path = f"{args.profile}/profile-{name}-k{k}-b{b}.txt" if args.profile else None
+            row = {"method": name, **measure(llm, prompts, b, k, profile_path=path)}
             rows.append(row)
             print(json.dumps(row), flush=True)
         del llm

@@ -115,7 +115,10 @@ case "$stage" in
       --num-prompts 16 --max-tokens 64 --head eagle3="$W/heads/eagle3" --head peagle="$W/heads/peagle" 2>&1 \
       | grep -E "^\{|Error" || true
     timeout 150 $py scripts/device/train_memory.py "$W/smollm2" "$OUT/train_memory.json" \
-      --data "$W/data" "$W/data-long" 2>&1 | grep -E "^\{|Error" | tail -14 || true
+      --data "$W/data" "$W/data-long" --loss-chunk ${LOSS_CHUNK:-1024} 2>&1 | grep -E "^\{|Error" | tail -14 || true
+    mkdir -p "$OUT/engine-profiles"
+    timeout 120 $py scripts/device/engine_timing.py "$W/smollm2" "$OUT/engine_timing.json" \
+      --profile "$OUT/engine-profiles" --head eagle3="$W/heads/eagle3" --head peagle="$W/heads/peagle" 2>&1 | grep -E "^\{|Error" || true
     ;;
   scale)
     timeout ${SCALE_SECS:-330} $py scripts/device/scale_check.py "$OUT/scale.json" --hf 2>&1 | tail -5 || true

@@ -127,6 +127,13 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, positions, rope, attn):
         # x: [T, hidden] -> [T, hidden]
-        h = self.self_attn(self.input_layernorm(x), positions, rope, attn)
-        h, x = self.post_attention_layernorm(h, residual=x)  # h = norm(x + attn), x = x + attn
-        return x + self.mlp(h)
+        out, residual = self.body(self.input_layernorm(x), x, positions, rope, attn)
+        return residual + out
+
+    def body(self, h, residual, positions, rope, attn):
+        """Everything after the input norm. h = input_layernorm(stream), residual = the stream entering the layer.
+        Returns (mlp output, stream after attention): the layer's output stream is their sum, which the caller may
+        leave to the next layer's fused add + norm instead of a separate add."""
+        h = self.self_attn(h, positions, rope, attn)
+        h, residual = self.post_attention_layernorm(h, residual=residual)  # h = norm(res + attn), res = res + attn
+        return self.mlp(h), residual

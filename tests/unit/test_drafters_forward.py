@@ -228,3 +228,16 @@ def test_for_target_refuses_bad_aux_ids_and_missing_mask_token():
         Drafter.for_target(target, "eagle3", aux_layer_ids=(1, 2, 7))
     with pytest.raises(ValueError, match="tokenizer"):
         Drafter.for_target(target, "peagle")  # no tokenizer to pick a reserved id from
+
+
+def test_default_aux_layers_stay_inside_shallow_targets():
+    def ids(n):
+        return ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=n,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8).default_aux_layer_ids
+
+    assert ids(32) == (2, 16, 29) and ids(30) == (2, 15, 27)  # EAGLE-3's choice for real depths
+    assert ids(2) == (2, 1, 0) and ids(1) == (1, 0, 0)  # kept inside 0..n
+    torch.manual_seed(0)
+    shallow = LlamaModel(ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=48,
+                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    assert Drafter.for_target(shallow, "eagle3").config.aux_layer_ids == (2, 1, 0)

@@ -71,8 +71,9 @@ class ModelConfig:
 
     @property
     def default_aux_layer_ids(self) -> tuple[int, int, int]:
+        """EAGLE-3's choice (low, middle, high: layers 2, n/2, n-3), kept inside 0..n for targets of < 5 layers."""
         n = self.num_hidden_layers
-        return (2, n // 2, n - 3)
+        return (min(2, n), n // 2, max(0, n - 3))
 
     @property
     def eos_token_ids(self) -> list[int]:

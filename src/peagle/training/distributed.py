@@ -66,4 +66,10 @@ def init_distributed() -> DistContext:
 
 def shutdown_distributed() -> None:
     if dist.is_initialized():
+        # All processes reach teardown together: a rank that destroys its group while a peer is still saving can
+        # make gloo abort the peer at exit ("terminate called without an active exception").
+        try:
+            dist.barrier()
+        except RuntimeError as e:  # a peer already died: nothing left to wait for
+            logger.warning("barrier before shutdown failed: %s", e)
         dist.destroy_process_group()

@@ -4,6 +4,11 @@
 # Large inputs travel in ignored folders named by the caller (.stage_a, .stage_b: halves of the testbed GGUF;
 # .whl: wheels missing on the machine; .gpu: prompt files). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
+# A session's plan, one call each, fired back to back while the machine stays warm (about 28 device minutes):
+#   stage_a && scale   carry .stage_a .whl        the first GGUF half; the 8B shape (needs no model)
+#   stage_b            carry .stage_b .whl .gpu   convert, regenerate, train three heads (TRAIN_SECS), GPU tests
+#   bench              the sweep with the HF baselines           final   long context, soak, memory, timing
+# .gpu holds sharegpt_{train,test}.jsonl.gz and longcode_train.jsonl.gz (scripts/build_longcode.py --train).
 set -euo pipefail
 W=${PEAGLE_WORK:-${TMPDIR:-/tmp}/peagle-device}
 OUT=${OUT:-$W/out}

@@ -92,6 +92,18 @@ def test_cli_converts_and_refuses_then_forces_a_non_empty_output(tiny_gguf, tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary or old directories left
 
 
+def test_unsupported_quantization_is_a_clear_error_and_leaves_nothing(tiny_gguf, tmp_path, monkeypatch):
+    import gguf.quants
+
+    def unsupported(data, qtype):
+        raise NotImplementedError(f"dequantization of {qtype.name} is not implemented")
+
+    monkeypatch.setattr(gguf.quants, "dequantize", unsupported)
+    with pytest.raises(ValueError, match="uses quantization .* cannot dequantize; upgrade gguf"):
+        convert_gguf(tiny_gguf("llama", quantize=True), tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists() and list(tmp_path.iterdir()) == []
+
+
 def test_convert_into_an_existing_empty_directory(tiny_gguf, tmp_path):
     (tmp_path / "ckpt").mkdir()
     convert_gguf(tiny_gguf("llama"), tmp_path / "ckpt")

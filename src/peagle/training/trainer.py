@@ -299,13 +299,13 @@ class Trainer:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.dist.device.type == "cuda" else [])
-        self._profiler = profile(activities=activities, record_shapes=False)
-        self._profiler.__enter__()
+        self._profiler = profile(activities=activities)
+        self._profiler.start()
         self._profiled_from = self.step + 1
 
     def _finish_profile(self) -> None:
         prof, self._profiler = self._profiler, None
-        prof.__exit__(None, None, None)
+        prof.stop()
         if not self.dist.is_main:
             return
         device_time = "self_device_time_total" if self.dist.device.type == "cuda" else "self_cpu_time_total"

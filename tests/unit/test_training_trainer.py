@@ -235,15 +235,44 @@ def test_time_limited_run_ends_its_schedule_when_time_runs_out(setup, tmp_path):
     assert main(args[:at] + args[at + 2:]) == 0  # the default warmup
     records = [json.loads(line) for line in (out / LOG_FILE).read_text().splitlines()]
     fitted = [r for r in records if r["kind"] == "schedule"]
-    assert len(fitted) == 1 and fitted[0]["step"] == 30 and fitted[0]["requested_steps"] == 100_000
-    horizon = fitted[0]["total_steps"]
+    # Fitted after step 30, then again to the rate of every 50 steps (recorded where the horizon moved).
+    assert fitted[0]["step"] == 30 and all(r["requested_steps"] == 100_000 for r in fitted)
+    assert all(r["step"] > 30 and (r["step"] - 30) % 50 == 0 for r in fitted[1:])
+    horizon = fitted[-1]["total_steps"]
     train = [r for r in records if r["kind"] == "train"]
-    assert 30 < horizon < 100_000 and train[-1]["step"] <= horizon
+    assert all(r["step"] < r["total_steps"] < 100_000 for r in fitted) and train[-1]["step"] <= horizon
     peak = max(r["lr"] for r in train)
     # The warmup is not 2% of --steps (2,000 steps, longer than the run) but 30 steps: the peak is reached.
     assert peak == pytest.approx(3e-3) and train[29]["lr"] == pytest.approx(3e-3)
     if train[-1]["step"] == horizon:  # ended by the fitted horizon (not the deadline): the lr has decayed
         assert train[-1]["lr"] < 0.1 * peak
+
+
+def test_time_limited_horizon_follows_a_change_of_rate(setup, tmp_path, monkeypatch):
+    # A fake clock: 1 s per step until step 40, then 0.25 s (the GPU freed by a run sharing it). The horizon fitted
+    # at step 30 (87 steps in the 90 s) must grow at the refits, and the run must use the time it has.
+    import peagle.training.trainer as trainer_module
+
+    checkpoint, data = setup
+    clock = [0.0]
+    monkeypatch.setattr(trainer_module.time, "monotonic", lambda: clock[0])
+    step = trainer_module.Trainer.train_step
+
+    def timed_step(self):
+        clock[0] += 1.0 if self.step < 40 else 0.25
+        return step(self)
+
+    monkeypatch.setattr(trainer_module.Trainer, "train_step", timed_step)
+    out = tmp_path / "refit"
+    assert main(_args(checkpoint, data, out, "--steps", "100000", "--time-limit", "1.5", "--save-every", "100000",
+                      "--max-length", "32")) == 0
+    records = [json.loads(line) for line in (out / LOG_FILE).read_text().splitlines()]
+    horizons = [(r["step"], r["total_steps"]) for r in records if r["kind"] == "schedule"]
+    assert horizons[0] == (30, 87)
+    assert horizons[1][0] == 80 and horizons[1][1] > 150  # the faster rate counts from the next window on
+    last = [r for r in records if r["kind"] == "train"][-1]
+    assert last["step"] == horizons[-1][1] and 230 <= last["step"] <= 245 and clock[0] <= 90.0
+    assert last["lr"] < 0.01 * 3e-3  # the cosine reached its end with the time, not at the first horizon
 
 
 def test_profile_steps_write_an_operator_table(setup, tmp_path):

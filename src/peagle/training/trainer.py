@@ -63,6 +63,7 @@ FIT_FROM, FIT_TO = 10, TIME_LIMITED_WARMUP
 PROFILE_FROM = 5  # --profile-steps starts after this many steps (first-step compilation is not what to profile)
 PROFILE_FILE = "profile.txt"
 FIT_RESERVE = 0.05  # share of the remaining time kept for evaluation and saving
+REFIT_EVERY = 50  # after the first fit, the horizon is fitted again to the rate of each window of this many steps
 
 
 def fitted_total_steps(step: int, total: int, seconds_per_step: float, seconds_left: float) -> int:
@@ -91,6 +92,7 @@ class Trainer:
                 f"fewer than one step needs ({self.global_batch} = batch size x grad accum x processes)"
             )
         self.total_steps = cfg.steps if cfg.steps is not None else max(1, round(cfg.epochs * per_epoch))
+        self.requested_steps = self.total_steps
         self.params = [p for p in drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         warmup = cfg.warmup(self.total_steps)
@@ -118,7 +120,7 @@ class Trainer:
         deadline = time.monotonic() + 60 * limit if limit is not None else None
         logger.info("training %s drafter: steps %d..%d of %d, global batch %d sequences",
                     self.cfg.method, self.step + 1, self.total_steps, self.total_steps, self.global_batch)
-        first_step, fit_start = self.step, None
+        first_step, fit_start = self.step, None  # fit_start: (step, time) where the current rate window began
         try:
             while self.step < self.total_steps:
                 if self.cfg.profile_steps and self.step - first_step == PROFILE_FROM:
@@ -128,11 +130,17 @@ class Trainer:
                 if self._profiler is not None and self.step - first_step == PROFILE_FROM + self.cfg.profile_steps:
                     self._finish_profile()
                 self._log({"kind": "train", "step": self.step, **record})
-                if deadline is not None and not self.schedule_fitted:
-                    if self.step - first_step == FIT_FROM:
-                        fit_start = time.monotonic()
-                    elif self.step - first_step == FIT_TO and fit_start is not None:
-                        self._fit_schedule((time.monotonic() - fit_start) / (FIT_TO - FIT_FROM), deadline)
+                if deadline is not None:
+                    # The rate is measured over steps FIT_FROM..FIT_TO, then again over every REFIT_EVERY steps:
+                    # the GPU may be shared with other work that starts or ends, and the horizon follows the rate.
+                    done = self.step - first_step
+                    if done == FIT_FROM:
+                        fit_start = (self.step, time.monotonic())
+                    elif fit_start is not None and (done == FIT_TO or (
+                            done > FIT_TO and self.step - fit_start[0] == REFIT_EVERY)):
+                        now = time.monotonic()
+                        self._fit_schedule((now - fit_start[1]) / (self.step - fit_start[0]), deadline)
+                        fit_start = (self.step, now)
                 if self.step % self.cfg.eval_every == 0 and self.held_out:
                     self._log({"kind": "eval", "step": self.step, **self.evaluate()})
                 stop, out_of_time = self._agreed_stop(deadline)
@@ -319,13 +327,13 @@ class Trainer:
 
     def _fit_schedule(self, seconds_per_step: float, deadline: float) -> None:
         # Every process takes the main process's horizon, so that all run the same number of steps.
-        mine = fitted_total_steps(self.step, self.total_steps, seconds_per_step, deadline - time.monotonic())
+        mine = fitted_total_steps(self.step, self.requested_steps, seconds_per_step, deadline - time.monotonic())
         value = torch.tensor([float(mine if self.dist.is_main else 0)], device=self.dist.device)
         fitted = int(self.dist.all_reduce(value).item())
         self.schedule_fitted = True
-        if fitted < self.total_steps:
+        if fitted != self.total_steps:
             self._log({"kind": "schedule", "step": self.step, "total_steps": fitted,
-                       "requested_steps": self.total_steps, "seconds_per_step": seconds_per_step})
+                       "requested_steps": self.requested_steps, "seconds_per_step": seconds_per_step})
             self.total_steps = fitted
 
     def _agreed_stop(self, deadline: float | None) -> tuple[bool, bool]:

@@ -82,6 +82,32 @@ def test_kernels_equal_references(model, num_tokens, dtype):
     assert_all_match(run_fused(inp), run_reference(inp))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_rotary_store_kv_equals_rotary_then_store(model, num_tokens, dtype):
+    from peagle.kernels import kv_cache
+
+    _, heads, kv_heads, head_dim, _ = MODELS[model]
+    gen = torch.Generator().manual_seed(num_tokens)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen).to(dtype).to(CUDA)
+    q, k, v = (t.view(num_tokens, -1, head_dim) for t in qkv.split([q_size, kv_size, kv_size], dim=-1))
+    cos, sin = (t.to(CUDA) for t in rope_tables(head_dim, max_positions=4096))
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen).to(CUDA)
+    num_blocks = (num_tokens + 15) // 16 + 1
+    slots = torch.randperm(num_blocks * 16, generator=gen)[:num_tokens]
+    slots[::3] = -1  # rejected and padding rows write nothing
+    slots = slots.to(CUDA)
+    caches = [torch.randn(num_blocks, 16, kv_heads, head_dim, generator=gen).to(dtype).to(CUDA) for _ in range(2)]
+    k_one, v_one = (c.clone() for c in caches)
+    q_one = fused.rotary_store_kv(positions, q, k, v, cos, sin, k_one, v_one, slots)
+    q_two, k_rot = fused.rotary(positions, q, k, cos, sin)
+    k_two, v_two = (c.clone() for c in caches)
+    kv_cache.store_kv(k_rot, v, k_two, v_two, slots)
+    assert torch.equal(q_one, q_two) and torch.equal(k_one, k_two) and torch.equal(v_one, v_two)
+
+
 def test_per_head_rms_norm():
     inp = layer_inputs("smollm2-135m", 64, torch.bfloat16)
     weight = inp["weight"][:64]

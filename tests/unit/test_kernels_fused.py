@@ -1,4 +1,4 @@
-"""The fused element-wise kernels (RMSNorm, add + RMSNorm, rotary, SiLU-and-mul): the references are Hugging Face's
+"""The fused element-wise kernels (RMSNorm, add + RMSNorm, rotary, rotary + KV-cache write, SiLU-and-mul): the references are Hugging Face's
 arithmetic bit for bit, and the Triton kernels, run by Triton's interpreter, equal the references.
 
 The interpreter rounds fp32 to bf16 by truncation (the GPU rounds to nearest even), so bf16 is compared to within two
@@ -154,6 +154,42 @@ def check_rotary(dtype, num_heads, num_kv_heads, head_dim, index_dtype):
 ])
 def test_rotary(interpreted, dtype, num_heads, num_kv_heads, head_dim, index_dtype):
     interpreted(check_rotary, dtype, num_heads, num_kv_heads, head_dim, index_dtype)
+
+
+def check_rotary_store_kv(dtype, num_heads, num_kv_heads, head_dim):
+    # Rows with slot -1 (rejected drafts, padding) write nothing; the cache then holds what rotary + store_kv write.
+    gen = torch.Generator().manual_seed(head_dim)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(7, q_size + 2 * kv_size, generator=gen).to(dtype)
+    q, k, v = (t.view(7, -1, head_dim) for t in qkv.split([q_size, kv_size, kv_size], dim=-1))
+    cos, sin = rope_tables(head_dim)
+    positions = torch.randint(0, 512, (7,), generator=gen)
+    slots = torch.tensor([3, 17, -1, 40, 5, -1, 63])
+    caches = [torch.randn(4, 16, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2)]
+    fused = triton_kernels("fused")
+    k_cache, v_cache = (c.clone() for c in caches)
+    q_out = fused.rotary_store_kv(positions, q, k, v, cos, sin, k_cache, v_cache, slots)
+    # Against the two kernels it replaces: bit for bit.
+    q_two, k_rot = fused.rotary(positions, q, k, cos, sin)
+    k_two, v_two = (c.clone() for c in caches)
+    triton_kernels("kv_cache").store_kv(k_rot, v, k_two, v_two, slots)
+    assert torch.equal(q_out, q_two) and torch.equal(k_cache, k_two) and torch.equal(v_cache, v_two)
+    # Against the reference, and untouched where no slot points.
+    k_ref, v_ref = (c.clone() for c in caches)
+    q_ref = kernels.rotary_store_kv_ref(positions, q, k, v, cos, sin, k_ref, v_ref, slots)
+    assert_matches(q_out, q_ref)
+    assert_matches(k_cache, k_ref)
+    assert torch.equal(v_cache, v_ref)
+    written = torch.zeros(4 * 16, dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    assert torch.equal(k_cache.view(64, -1)[~written], caches[0].view(64, -1)[~written])
+
+
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim", [
+    (torch.float32, 9, 3, 64), (torch.bfloat16, 9, 3, 64), (torch.float16, 8, 2, 128), (torch.float32, 3, 1, 48),
+])
+def test_rotary_store_kv(interpreted, dtype, num_heads, num_kv_heads, head_dim):
+    interpreted(check_rotary_store_kv, dtype, num_heads, num_kv_heads, head_dim)
 
 
 def check_silu_and_mul(dtype, inter):

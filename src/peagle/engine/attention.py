@@ -30,8 +30,18 @@ class PagedAttention:
 
     def __call__(self, layer_idx, q, k, v):
         k_cache, v_cache = self.kv_caches[layer_idx]
+        kernels.store_kv(k, v, k_cache, v_cache, self.meta.slot_mapping)
+        return self._attend(q, k_cache, v_cache)
+
+    def rotary_attend(self, layer_idx, positions, q, k, v, rope):
+        """q, k before RoPE: one kernel rotates q and writes the rotated k and v into the cache, then attention."""
+        k_cache, v_cache = self.kv_caches[layer_idx]
+        cos, sin = rope.tables(q.device)
+        q = kernels.rotary_store_kv(positions, q, k, v, cos, sin, k_cache, v_cache, self.meta.slot_mapping)
+        return self._attend(q, k_cache, v_cache)
+
+    def _attend(self, q, k_cache, v_cache):
         m = self.meta
-        kernels.store_kv(k, v, k_cache, v_cache, m.slot_mapping)
         return kernels.paged_attention(
             q, k_cache, v_cache, m.block_tables, m.query_start_loc, m.positions, self.scale, m.max_query_len
         )

@@ -1,7 +1,8 @@
 """The engine's Triton kernels, each with a PyTorch reference beside it, behind one small dispatch.
 
 Callers use the functions here (`store_kv`, `paged_attention`, `expand_draft_batch`, `gather_draft_features`,
-and the decoder layer's fused element-wise ops `rms_norm`, `fused_add_rms_norm`, `rotary`, `silu_and_mul`);
+and the decoder layer's fused element-wise ops `rms_norm`, `fused_add_rms_norm`, `rotary`, `rotary_store_kv`,
+`silu_and_mul`);
 each runs the Triton kernel or the `*_ref` reference, chosen by the environment variable PEAGLE_KERNELS:
 - `auto` (default): Triton for CUDA tensors, the reference otherwise (the CPU path of the engine);
 - `triton`: Triton everywhere; for CPU tensors this needs TRITON_INTERPRET=1 (Triton's interpreter, for tests);
@@ -22,7 +23,8 @@ from types import ModuleType
 import torch
 
 from peagle.kernels.draft_batch import DraftBatch, expand_draft_batch_ref, gather_draft_features_ref
-from peagle.kernels.fused import fused_add_rms_norm_ref, rms_norm_ref, rotary_ref, silu_and_mul_ref
+from peagle.kernels.fused import (fused_add_rms_norm_ref, rms_norm_ref, rotary_ref, rotary_store_kv_ref,
+                                  silu_and_mul_ref)
 from peagle.kernels.kv_cache import PADDING_SLOT_ID, store_kv_ref
 from peagle.kernels.paged_attention import paged_attention_ref  # the function defined below replaces the module name
 
@@ -34,6 +36,7 @@ __all__ = [
     "store_kv", "store_kv_ref", "paged_attention", "paged_attention_ref",
     "expand_draft_batch", "expand_draft_batch_ref", "gather_draft_features", "gather_draft_features_ref",
     "rms_norm", "rms_norm_ref", "fused_add_rms_norm", "fused_add_rms_norm_ref", "rotary", "rotary_ref",
+    "rotary_store_kv", "rotary_store_kv_ref",
     "silu_and_mul", "silu_and_mul_ref",
 ]
 
@@ -150,6 +153,21 @@ def rotary(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, Hq, D], [T, Hkv, D]
     fn = triton_module("fused", q.device).rotary if use_triton(q.device) else rotary_ref
     return fn(positions, q, k, cos, sin)
+
+
+def rotary_store_kv(
+    positions: torch.Tensor,  # [T]
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    cos: torch.Tensor,  # [max_positions, D] fp32
+    sin: torch.Tensor,  # [max_positions, D] fp32
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T], -1 = write nothing
+) -> torch.Tensor:  # rotated q [T, Hq, D]; rotated k and v written into the caches
+    fn = triton_module("fused", q.device).rotary_store_kv if use_triton(q.device) else rotary_store_kv_ref
+    return fn(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
 
 
 def silu_and_mul(

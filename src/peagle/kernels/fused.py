@@ -1,5 +1,5 @@
-"""Fused element-wise kernels of the decoder layer: RMSNorm (alone or after the residual add), rotary embedding, and
-SiLU-and-mul. Each replaces three to eight PyTorch kernels with one launch, which is what decoding at batch 1 pays for.
+"""Fused element-wise kernels of the decoder layer: RMSNorm (alone or after the residual add), rotary embedding (alone,
+or with the paged KV-cache write of k and v), and SiLU-and-mul. Each replaces three to eight PyTorch kernels with one launch, which is what decoding at batch 1 pays for.
 
 The `*_ref` functions are the model's own arithmetic (that of Hugging Face transformers). The kernels follow them
 rounding for rounding: every intermediate PyTorch keeps in the activations' dtype is rounded to that dtype here too
@@ -16,6 +16,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from peagle.kernels.kv_cache import _check_args as _check_kv_args
+from peagle.kernels.kv_cache import store_kv_ref
 
 MAX_ROW = 32768  # widest row held in one tile (rms_norm); Llama-3.1-8B needs 4096
 SILU_TILE = 1024  # columns per program of silu_and_mul
@@ -145,24 +148,38 @@ def fused_add_rms_norm_ref(
 # rotary
 
 @triton.jit
-def _rotate_heads(
-    x_ptr, out_ptr, token, stride_t, stride_h, num_heads, half, cos1, cos2, sin1, sin2,
+def _rotate_heads_to(
+    x_ptr, dst_ptr, token, stride_t, stride_h, dst_stride_h, num_heads, half, cos1, cos2, sin1, sin2, valid,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
-    # Rotate one token's heads: [num_heads, 2 * half] read through strides, written contiguous.
+    # Rotate one token's heads: [num_heads, 2 * half] read through strides, head h written at dst + h * dst_stride_h
+    # (nothing is written where `valid` is false).
     h = tl.arange(0, BLOCK_H)[:, None]
     i = tl.arange(0, BLOCK_HALF)[None, :]
     ok = (h < num_heads) & (i < half)
     src = x_ptr + token * stride_t + h * stride_h + i
     x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(src + half, mask=ok, other=0.0).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
+    dtype = x_ptr.dtype.element_ty
     # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1), with each product rounded as PyTorch rounds it.
     out1 = (x1 * cos1).to(dtype).to(tl.float32) + (-x2 * sin1).to(dtype).to(tl.float32)
     out2 = (x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)
-    dst = out_ptr + token * num_heads * 2 * half + h * 2 * half + i
-    tl.store(dst, out1.to(dtype), mask=ok)
-    tl.store(dst + half, out2.to(dtype), mask=ok)
+    # The scalar condition goes through tl.where: Triton's interpreter mis-types `tensor & scalar` masks.
+    write = tl.where(valid, ok, False)
+    dst = dst_ptr + h * dst_stride_h + i
+    out_dtype = dst_ptr.dtype.element_ty
+    tl.store(dst, out1.to(dtype).to(out_dtype), mask=write)
+    tl.store(dst + half, out2.to(dtype).to(out_dtype), mask=write)
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, out_ptr, token, stride_t, stride_h, num_heads, half, cos1, cos2, sin1, sin2,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    # Rotate one token's heads into a contiguous [T, num_heads, 2 * half] output.
+    _rotate_heads_to(x_ptr, out_ptr + token * num_heads * 2 * half, token, stride_t, stride_h, 2 * half, num_heads,
+                     half, cos1, cos2, sin1, sin2, True, BLOCK_H, BLOCK_HALF)
 
 
 @triton.jit
@@ -232,6 +249,86 @@ def rotary(
         enable_fp_fusion=False,  # a fused multiply-add would skip the rounding of the fp32 products
     )
     return q_out, k_out
+
+
+@triton.jit
+def _rotary_store_kv_kernel(
+    positions_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    num_q_heads, num_kv_heads, half, block_size,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program per token: rotate its q heads into q_out, rotate its k heads straight into the paged cache and
+    # copy its v heads there (the cache writes only where the slot is not -1).
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    valid = slot >= 0
+    block = tl.where(valid, slot // block_size, 0)
+    offset = tl.where(valid, slot % block_size, 0)
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    ok = i < half
+    dtype = q_out_ptr.dtype.element_ty
+    cos1 = tl.load(cos_ptr + pos * stride_cos + i, mask=ok, other=0.0).to(dtype).to(tl.float32)
+    cos2 = tl.load(cos_ptr + pos * stride_cos + half + i, mask=ok, other=0.0).to(dtype).to(tl.float32)
+    sin1 = tl.load(sin_ptr + pos * stride_sin + i, mask=ok, other=0.0).to(dtype).to(tl.float32)
+    sin2 = tl.load(sin_ptr + pos * stride_sin + half + i, mask=ok, other=0.0).to(dtype).to(tl.float32)
+    _rotate_heads(q_ptr, q_out_ptr, token, stride_qt, stride_qh, num_q_heads, half, cos1, cos2, sin1, sin2,
+                  BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads_to(k_ptr, k_cache_ptr + block * stride_kcb + offset * stride_kcs, token, stride_kt, stride_kh,
+                     stride_kch, num_kv_heads, half, cos1, cos2, sin1, sin2, valid, BLOCK_HKV, BLOCK_HALF)
+    h = tl.arange(0, BLOCK_HKV)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    vmask = tl.where(valid, (h < num_kv_heads) & (d < 2 * half), False)
+    v = tl.load(v_ptr + token * stride_vt + h * stride_vh + d, mask=vmask)
+    tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vcs + h * stride_vch + d,
+             v.to(v_cache_ptr.dtype.element_ty), mask=vmask)
+
+
+def rotary_store_kv(
+    positions: torch.Tensor,  # [T] int32/int64
+    q: torch.Tensor,  # [T, Hq, D], any token/head strides, last dim contiguous
+    k: torch.Tensor,  # [T, Hkv, D], same
+    v: torch.Tensor,  # [T, Hkv, D], same
+    cos: torch.Tensor,  # [max_positions, D] fp32
+    sin: torch.Tensor,  # [max_positions, D] fp32
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int32/int64, -1 = write nothing
+) -> torch.Tensor:  # q_out [T, Hq, D], contiguous
+    """Triton: `rotary` and `store_kv` in one launch: q rotated into a new tensor, k rotated into the paged cache
+    and v copied there. The cache holds exactly what `rotary` then `store_kv` would write."""
+    _check_rotary_args(positions, q, k, cos, sin)
+    _check_kv_args(k, v, k_cache, v_cache, slot_mapping)
+    for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin), ("k_cache", k_cache),
+                    ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim (stride {t.stride(-1)})")
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_tokens, num_q_heads, head_dim = q.shape
+    if num_tokens == 0:
+        return q_out
+    num_kv_heads = k.shape[1]
+    _rotary_store_kv_kernel[(num_tokens,)](
+        positions, q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping,
+        num_q_heads, num_kv_heads, head_dim // 2, k_cache.shape[1],
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2),
+        BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2), BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=ROTARY_WARPS,
+        enable_fp_fusion=False,  # a fused multiply-add would skip the rounding of the fp32 products
+    )
+    return q_out
+
+
+def rotary_store_kv_ref(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+    """PyTorch reference of `rotary_store_kv`: `rotary_ref`, then `store_kv_ref` of the rotated k and of v."""
+    q_out, k_out = rotary_ref(positions, q, k, cos, sin)
+    store_kv_ref(k_out, v, k_cache, v_cache, slot_mapping)
+    return q_out
 
 
 def rotary_ref(

@@ -3,7 +3,9 @@
 A model computes q, k, v (RoPE applied) for a flat batch of tokens and hands them to an `AttentionBackend`. The
 backend decides what the tokens may see: the engine's backend writes k/v into a paged cache and attends over it,
 training's backend applies a FlexAttention block mask, and `DenseAttention` here is the plain reference used by
-tests and by one-off forwards.
+tests and by one-off forwards. A backend may also offer `rotary_attend(layer_idx, positions, q, k, v, rope)`, taking
+q and k before RoPE (the engine's fuses the rotation with its KV-cache write); models use it when no gradient is
+needed.
 """
 
 from __future__ import annotations

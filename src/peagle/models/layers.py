@@ -101,8 +101,12 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
-        o = attn(self.layer_idx, q, k, v)  # [T, Hq, D]
+        fused = getattr(attn, "rotary_attend", None)  # a backend that rotates and stores k/v in one kernel
+        if fused is not None and not torch.is_grad_enabled():
+            o = fused(self.layer_idx, positions, q, k, v, rope)
+        else:
+            q, k = rope(positions, q, k)
+            o = attn(self.layer_idx, q, k, v)  # [T, Hq, D]
         return self.o_proj(o.reshape(-1, self.q_size))
 
 

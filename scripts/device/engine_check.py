@@ -1,7 +1,7 @@
 """Device check for the engine: speculative greedy output vs plain greedy output, with CUDA graphs.
 
 Usage: python scripts/device/engine_check.py TARGET_DIR OUT.json --head eagle3=DIR --head peagle=DIR
-       [--num-prompts 32] [--max-tokens 128]
+       [--num-prompts 32] [--max-tokens 128] [--dtypes float32,bfloat16] [--sampling]
 fp32: outputs must be identical. bf16: verifying several tokens in one pass may flip a near-tie, so the report gives
 the identical count and, for every divergence, the target's top-2 logit gap at the first differing position
 (recomputed from scratch in fp32 over the plain-greedy prefix).
@@ -64,7 +64,11 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--sampling", action="store_true", help="seeded sampling: CUDA graphs vs eager only")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="greedy check: comma list of float32, bfloat16")
     args = ap.parse_args(argv)
+    dtypes = args.dtypes.split(",")
+    if not dtypes or set(dtypes) - {"float32", "bfloat16"}:
+        ap.error(f"--dtypes takes float32 and/or bfloat16, got {args.dtypes!r}")
     heads = dict(h.split("=", 1) for h in args.head)
     tok = load_tokenizer(args.target)
     prompts = [tok.encode_chat(p.messages) for p in load_prompts("mtbench", limit=args.num_prompts)]
@@ -73,7 +77,7 @@ def main(argv=None) -> int:
     if args.sampling:
         return sampling_check(args, heads, prompts, report)
     fp32_model = load_model(args.target, dtype="float32", device=DEVICE)
-    for dtype in ("float32", "bfloat16"):
+    for dtype in dtypes:
         base, _ = run(args.target, prompts, args.max_tokens, dtype)
         for method, head in heads.items():
             k, parallel = METHODS[method]

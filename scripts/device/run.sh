@@ -4,11 +4,14 @@
 # Large inputs travel in ignored folders named by the caller (.stage_a, .stage_b: halves of the testbed GGUF;
 # .whl: wheels missing on the machine; .gpu: prompt files). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
-# A session's plan, one call each, fired back to back while the machine stays warm (about 28 device minutes):
-#   stage_a && scale   carry .stage_a .whl        the first GGUF half; the 8B shape (needs no model)
+# A session's plan, one call each, fired back to back while the machine stays warm (about 27 device minutes):
+#   stage_a && scale   carry .stage_a .whl        the first GGUF half; the 8B shape with the adaptive policy
 #   stage_b            carry .stage_b .whl .gpu   convert, regenerate, train three heads (TRAIN_SECS), GPU tests
-#   bench              the sweep with the HF baselines           final   long context, soak, memory, timing
+#   bench              the sweep with the HF baselines, then P-EAGLE under the adaptive policy
+#   final              long context, greedy equality with the trained heads, training memory, engine timing
+#                      (FINAL_SOAK=1 adds the server soak and the sampling check)
 # .gpu holds sharegpt_{train,test}.jsonl.gz and longcode_train.jsonl.gz (scripts/build_longcode.py --train).
+# At most 8 files come back from a call: a stage that leaves more under $OUT packs them into $OUT/STAGE.tar.gz.
 set -euo pipefail
 W=${PEAGLE_WORK:-${TMPDIR:-/tmp}/peagle-device}
 OUT=${OUT:-$W/out}
@@ -83,6 +86,8 @@ case "$stage" in
         --steps 100000 --k-train 8 --max-length $3 --batch-size $4 --lr ${TRAIN_LR:-5e-4} --schedule cosine \
         --save-every 200 --eval-every 400 --time-limit "$train_min" --profile-steps 3 > "$W/train-$1.log" 2>&1
     }
+    # Each run fits its learning-rate horizon to the time limit and refits it every 50 steps, so the time freed
+    # when the GPU tests or a neighbour finish is used.
     train peagle peagle 8192 1 & p1=$!
     train eagle3 eagle3 8192 1 & p2=$!
     train peagle2k peagle 2048 4 & p3=$!
@@ -105,6 +110,11 @@ case "$stage" in
       --concurrency ${BENCH_C:-1,2,4,8,16,32,64} --datasets mtbench,humaneval --num-prompts ${BENCH_N:-24} \
       --max-tokens 128 --max-model-len 4096 --hf-baselines --hf-num-prompts ${HF_N:-4} --hf-batch-sizes 1,64 \
       --out "$OUT/bench" 2>&1 | grep -v -E "^\s*$|it/s\]|point/s\]" | tail -60 || true
+    # The adaptive policy (K by running requests) against the fixed-K rows above, same prompts, same machine.
+    timeout -s INT ${ADAPTIVE_SECS:-75} $py -m peagle bench --model "$W/smollm2" --draft-peagle "$W/heads/peagle" \
+      --methods peagle --k 7 --adaptive ${ADAPTIVE:-8:7,16:5,above:3} --concurrency ${BENCH_C:-1,2,4,8,16,32,64} \
+      --datasets mtbench,humaneval --num-prompts ${BENCH_N:-24} --max-tokens 128 --max-model-len 4096 \
+      --out "$OUT/bench-adaptive" 2>&1 | grep -v -E "^\s*$|it/s\]|point/s\]" | tail -20 || true
     ;;
   final)
     # Long-context acceptance (heads trained at 8K vs 2K), the server soak, training memory, the 8B shape.
@@ -114,21 +124,32 @@ case "$stage" in
         --concurrency 8 --datasets longcode --num-prompts 32 --max-tokens 128 --max-model-len 8192 \
         --out "$OUT/longcode-$h" 2>&1 | tail -8 || true
     done
-    timeout 200 $py scripts/device/server_soak.py "$W/smollm2" "$OUT/server_soak.json" --head "$W/heads/peagle" \
-      --k 7 --clients 64 --seconds ${SOAK_SECS:-120} 2>&1 | grep -v -E " INFO " | tail -20 || true
-    timeout 90 $py scripts/device/engine_check.py "$W/smollm2" "$OUT/engine_sampling.json" --sampling \
-      --num-prompts 16 --max-tokens 64 --head eagle3="$W/heads/eagle3" --head peagle="$W/heads/peagle" 2>&1 \
-      | grep -E "^\{|Error" || true
-    timeout 150 $py scripts/device/train_memory.py "$W/smollm2" "$OUT/train_memory.json" \
-      --data "$W/data" "$W/data-long" --loss-chunk ${LOSS_CHUNK:-1024} 2>&1 | grep -E "^\{|Error" | tail -14 || true
+    # Greedy equality with trained heads (drafts are accepted, so the acceptance paths run under CUDA graphs).
+    timeout 120 $py scripts/device/engine_check.py "$W/smollm2" "$OUT/engine_check.json" --dtypes ${CHECK_DTYPES:-float32} \
+      --head eagle3="$W/heads/eagle3" --head peagle="$W/heads/peagle" 2>&1 | grep -E "identical|^\{|Error" || true
+    if [ -n "${FINAL_SOAK:-}" ]; then
+      timeout 200 $py scripts/device/server_soak.py "$W/smollm2" "$OUT/server_soak.json" --head "$W/heads/peagle" \
+        --k 7 --clients 64 --seconds ${SOAK_SECS:-120} 2>&1 | grep -v -E " INFO " | tail -20 || true
+      timeout 90 $py scripts/device/engine_check.py "$W/smollm2" "$OUT/engine_sampling.json" --sampling \
+        --num-prompts 16 --max-tokens 64 --head eagle3="$W/heads/eagle3" --head peagle="$W/heads/peagle" 2>&1 \
+        | grep -E "^\{|Error" || true
+    fi
+    timeout 130 $py scripts/device/train_memory.py "$W/smollm2" "$OUT/train_memory.json" \
+      --data "$W/data" "$W/data-long" --loss-chunk ${LOSS_CHUNK:-1024} --segments ${MEM_SEGMENTS:-1,4} 2>&1 \
+      | grep -E "^\{|Error" | tail -14 || true
     mkdir -p "$OUT/engine-profiles"
     timeout 120 $py scripts/device/engine_timing.py "$W/smollm2" "$OUT/engine_timing.json" \
       --profile "$OUT/engine-profiles" --head eagle3="$W/heads/eagle3" --head peagle="$W/heads/peagle" 2>&1 | grep -E "^\{|Error" || true
     ;;
   scale)
-    timeout ${SCALE_SECS:-330} $py scripts/device/scale_check.py "$OUT/scale.json" --hf 2>&1 | tail -5 || true
+    timeout ${SCALE_SECS:-330} $py scripts/device/scale_check.py "$OUT/scale.json" ${SCALE_HF:+--hf} \
+      --concurrency ${SCALE_C:-1,8,16,32,64} 2>&1 | tail -5 || true
     ;;
   *)
     echo "unknown stage $stage"; exit 2 ;;
 esac
 cp -r "$OUT"/. "$W/results/" 2>/dev/null || true
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+  tar czf "$W/$stage.tar.gz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "$W/$stage.tar.gz" "$OUT/"
+fi
+ls -R "$OUT"

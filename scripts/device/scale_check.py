@@ -1,12 +1,13 @@
 """Device check at real size: Llama-3.1-8B-shaped random weights (no checkpoint), decode speed vs the bandwidth floor.
 
-Usage: python scripts/device/scale_check.py OUT.json [--hf]
+Usage: python scripts/device/scale_check.py OUT.json [--hf] [--concurrency 1,2,4,8,16,32,64]
 Each concurrency is warmed (its shapes compiled and captured) before it is timed. The batch-1 decode step time is
 (time for 136 tokens - time for 8 tokens) / 128, so the prompt's prefill is not in it. With --hf, transformers
 (static cache, torch.compile) runs the same shape at batch 1 last, timed the same way. The JSON is rewritten after
 every run, so a run cut short keeps what it measured.
 """
 
+import argparse
 import json
 import sys
 import tempfile
@@ -98,17 +99,17 @@ def hf_static_compile(d) -> dict:
     return {"transformers": transformers.__version__, "compile_s": compile_s, "decode_ms_batch1": step_ms}
 
 
-def main(out: str, hf: bool) -> int:
+def main(out: str, hf: bool, concurrency: list[int]) -> int:
     d = tempfile.mkdtemp()
     (Path(d) / "config.json").write_text(json.dumps(LLAMA_8B))
     bw = copy_bandwidth()
     result = {"gpu": torch.cuda.get_device_name(), "copy_bandwidth_Bps": bw, "synthetic_rates": RATES,
-              "concurrency": CONCURRENCY, "runs": {}}
+              "concurrency": concurrency, "adaptive": ADAPTIVE, "runs": {}}
 
     def save():
         Path(out).write_text(json.dumps(result, indent=1))
 
-    none, weights, step_ms = run(d, None, None, CONCURRENCY)
+    none, weights, step_ms = run(d, None, None, concurrency)
     result.update(weight_bytes=weights, floor_ms=1e3 * weights / bw, decode_ms_batch1=step_ms)
     result["decode_vs_floor"] = step_ms / result["floor_ms"]
     result["runs"]["none"] = none
@@ -119,7 +120,7 @@ def main(out: str, hf: bool) -> int:
         label = f"{name}-k{k}"
         if adaptive:
             spec["adaptive"], label = adaptive, f"{label}-adaptive"
-        rows, _, ms = run(d, spec, RATES[:k], CONCURRENCY)
+        rows, _, ms = run(d, spec, RATES[:k], concurrency)
         result["runs"][label] = rows
         result.setdefault("ms_per_token_batch1", {})[label] = ms
         save()
@@ -135,4 +136,9 @@ def main(out: str, hf: bool) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], "--hf" in sys.argv[2:]))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--hf", action="store_true", help="also time transformers (static cache + compile) at batch 1")
+    ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
+    args = ap.parse_args()
+    sys.exit(main(args.out, args.hf, [int(c) for c in args.concurrency.split(",")]))

@@ -224,3 +224,50 @@ def check_gather_draft_features(dtype, num_features):
 @pytest.mark.parametrize("dtype,num_features", [(torch.float32, 24), (torch.bfloat16, 1100)])
 def test_gather_draft_features(interpreted, dtype, num_features):
     interpreted(check_gather_draft_features, dtype, num_features)
+
+
+# The whole engine on the Triton kernels
+
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+              "tie_word_embeddings": False, "eos_token_id": 0}
+
+
+def sharpen_attention(model):
+    """Random weights at the usual init scale give near-uniform attention, blind to where keys were written: scale
+    the q and k projections so that the tokens depend on every key's position and value."""
+    with torch.no_grad():
+        for layer in model.layers:
+            attn = layer.self_attn
+            attn.qkv_proj.weight[: attn.q_size + attn.kv_size] *= 30.0
+
+
+def check_engine_on_triton_kernels(model_dir):
+    # Every kernel of a decoding step (fused norms, RoPE with the KV-cache write, paged attention, the draft batch
+    # expansion) against the references, end to end: the same tokens, with and without parallel drafting.
+    from peagle import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [40] * 20]
+    spec = {"method": "eagle3", "model": "dummy", "num_speculative_tokens": 3, "parallel_drafting": True}
+    tokens = {}
+    for backend in ("torch", "triton"):
+        os.environ[kernels.BACKEND_ENV] = backend
+        try:
+            for name, speculative in (("plain", None), ("peagle", spec)):
+                llm = LLM(model=model_dir, load_format="dummy", dtype="float32", device="cpu", max_model_len=256,
+                          max_num_seqs=4, speculative_config=speculative)
+                sharpen_attention(llm.engine.target)
+                tokens[backend, name] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            del os.environ[kernels.BACKEND_ENV]
+    assert tokens["triton", "plain"] == tokens["torch", "plain"]
+    assert tokens["triton", "peagle"] == tokens["torch", "peagle"] == tokens["torch", "plain"]
+
+
+def test_engine_on_triton_kernels(interpreted, tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    interpreted(check_engine_on_triton_kernels, str(tmp_path))

@@ -64,3 +64,7 @@ def test_cuda_graphs_cover_every_k_the_adaptive_policy_picks(config_only_dir):
                                   "parallel_drafting": True,
                                   "adaptive": {"thresholds": [[4, 7], [16, 5], [64, 9]], "above": 2}})
     assert llm.engine._graph_ks() == [2, 5, 7]
+    off = LLM(model=str(config_only_dir), load_format="dummy", device="cpu", dtype="float32", max_model_len=128,
+              speculative_config={"method": "eagle3", "model": "dummy", "num_speculative_tokens": 7,
+                                  "parallel_drafting": True, "adaptive": {"thresholds": [[4, 7]], "above": 0}})
+    assert off.engine._graph_ks() == [0, 7]  # K = 0: plain-step graphs (speculation off)

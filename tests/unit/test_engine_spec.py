@@ -106,8 +106,8 @@ def test_partial_acceptance_keeps_both_caches_consistent(target_dir, heads, refe
     seen: list[tuple[list[int], list[int]]] = []
     real_execute = engine.runner.execute
 
-    def execute(seqs, drafts, st):
-        result = real_execute(seqs, drafts, st)
+    def execute(seqs, drafts, st, draft=True):
+        result = real_execute(seqs, drafts, st, draft)
         for i, seq in enumerate(seqs):
             ctx = seq.token_ids + result.output_tokens[i]
             seen.append((ctx, list(result.drafts[i])))
@@ -164,6 +164,44 @@ def test_adaptive_k_keeps_output(target_dir, heads, reference):
     outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
     for prompt, ref, out in zip(PROMPTS, reference, outs):
         assert out.token_ids == ref[len(prompt):len(prompt) + 24]
+
+
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+def test_adaptive_policy_turns_speculation_off_and_on(target_dir, heads, reference, method):
+    # Speculation off (K = 0) while more than 2 requests run, K = 3 below: requests of different lengths make the
+    # running count fall through the bound, so drafting stops, then resumes over a drafter cache with holes.
+    spec = {"method": "eagle3", "model": heads[method], "num_speculative_tokens": 3,
+            "parallel_drafting": method == "peagle", "adaptive": {"thresholds": [[2, 3]], "above": 0}}
+    llm = LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
+              max_num_seqs=6)
+    runner = llm.engine.runner
+    steps = []
+    real_execute = runner.execute
+
+    def execute(seqs, drafts, st, draft=True):
+        steps.append((len(seqs), max(map(len, drafts)), draft))
+        return real_execute(seqs, drafts, st, draft)
+
+    runner.execute = execute
+    lengths = [8, 40, 12, 40, 16, 20]
+    outs = llm.generate(PROMPTS, [greedy(n) for n in lengths], use_tqdm=False)
+    for prompt, ref, out, n in zip(PROMPTS, reference, outs, lengths):
+        assert out.token_ids == ref[len(prompt):len(prompt) + n]
+    off = [s for s in steps if s[0] > 2 and not s[2]]
+    assert off and all(k == 0 for _, k, _ in off)  # plain steps, the drafter skipped
+    assert any(b <= 2 and k == 3 for b, k, _ in steps)  # speculation resumed when the load fell
+    assert outs[1].metrics.num_drafting_rounds > 0 and outs[1].metrics.num_drafting_rounds < 40
+    assert llm.engine.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_adaptive_policy_rejects_negative_k():
+    from peagle.engine.config import AdaptivePolicy
+
+    with pytest.raises(ValueError, match="speculation off"):
+        AdaptivePolicy(thresholds=((4, -1),))
+    with pytest.raises(ValueError, match="speculation off"):
+        AdaptivePolicy(above=-2)
+    assert AdaptivePolicy(thresholds=((4, 3),), above=0).k_for(5, 7) == 0
 
 
 def test_stop_string_ends_a_speculative_request(target_dir, heads, reference):

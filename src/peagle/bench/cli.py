@@ -89,7 +89,8 @@ def _register_bench(subparsers) -> None:
                              "target; every result of such a run is marked synthetic")
     engine.add_argument("--adaptive", type=_adaptive, metavar="BOUND:K,...[,above:K]",
                         help="adaptive speculation for eagle3/peagle: e.g. 8:7,32:5,above:3 verifies 7 drafts while "
-                             "at most 8 requests run, 5 up to 32, 3 beyond (never more than the point's K)")
+                             "at most 8 requests run, 5 up to 32, 3 beyond (never more than the point's K); K 0 turns "
+                             "speculation off in its band")
     engine.add_argument("--llm-option", type=_llm_option, action="append", default=[], metavar="KEY=VALUE",
                         help="any further LLM(...) keyword, VALUE as JSON (repeatable; recorded in the results)")
     hf = p.add_argument_group("Hugging Face transformers baselines")

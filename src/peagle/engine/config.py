@@ -13,8 +13,11 @@ class AdaptivePolicy:
     """How many drafts to verify per request, as a function of the number of running requests.
 
     `thresholds` maps an upper bound on running requests to K: [(4, 7), (16, 5), (64, 3)] means up to 4 running
-    requests verify 7 drafts, up to 16 verify 5, up to 64 verify 3, and more than 64 verify `above` (>= 1).
+    requests verify 7 drafts, up to 16 verify 5, up to 64 verify 3, and more than 64 verify `above`.
     Larger batches make verification compute-bound, where rejected drafts cost real time; fewer drafts then pay.
+    K = 0 turns speculation off in that band: plain decoding steps, the drafter not run at all (except over new
+    prompts, so that it knows them). When the load falls again, drafting resumes; the drafter's cache then lacks the
+    tokens decoded while it was off, which lowers its acceptance for those requests, never their output.
     """
 
     thresholds: tuple[tuple[int, int], ...] = ()
@@ -25,11 +28,11 @@ class AdaptivePolicy:
         for bound, k in self.thresholds:
             if bound <= last:
                 raise ValueError("adaptive thresholds must have increasing running-request bounds")
-            if k < 1:
-                raise ValueError(f"adaptive K must be >= 1, got {k}")
+            if k < 0:
+                raise ValueError(f"adaptive K must be >= 0 (0 = speculation off), got {k}")
             last = bound
-        if self.above is not None and self.above < 1:
-            raise ValueError(f"adaptive 'above' K must be >= 1, got {self.above}")
+        if self.above is not None and self.above < 0:
+            raise ValueError(f"adaptive 'above' K must be >= 0 (0 = speculation off), got {self.above}")
 
     def k_for(self, num_running: int, k_max: int) -> int:
         for bound, k in self.thresholds:

@@ -5,6 +5,7 @@ of the common shape (one uncomputed token and K drafts per request) replays grap
 next bucket with dummy requests that write only the scratch KV block. Per bucket there are three graphs:
 - greedy: the whole round (target verify forward, greedy verification, drafting) in one replay;
 - target and drafting, replayed around the eager sampling verifier when any request samples.
+K = 0 with a drafter is the adaptive policy's "speculation off": its graphs are plain steps, without drafting.
 Inputs arrive through two flat staging buffers (int64 and int32), one host-to-device copy each.
 """
 
@@ -42,8 +43,10 @@ class CudaGraphs:
     def bucket_for(self, b: int) -> int:
         return next(x for x in self.buckets if x >= b)
 
-    def can_run(self, seqs, drafts, k: int) -> bool:
+    def can_run(self, seqs, drafts, k: int, draft: bool) -> bool:
         if k not in self.ks or len(seqs) > self.buckets[-1]:
+            return False
+        if draft and k == 0 and self.runner.proposer is not None:  # drafting resumes: one eager step
             return False
         return all(s.num_tokens - s.num_computed_tokens == 1 and len(d) == k for s, d in zip(seqs, drafts))
 
@@ -101,7 +104,7 @@ class CudaGraphs:
             x = self._views(b, k)
             self._capture(("greedy", b, k), lambda: r.greedy_step(x, k))
             logits, aux = self._capture(("target", b, k), lambda: r.target_forward(x, k + 1, all_rows=True))
-            if r.proposer is not None:
+            if r.proposer is not None and k > 0:
                 nrej, nxt = self.num_rejected[:b], self.next_tokens[:b]
                 self._capture(("draft", b, k), lambda: r.propose(x, aux, nrej, nxt, k + 1))
         torch.cuda.synchronize()

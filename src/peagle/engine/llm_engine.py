@@ -177,8 +177,10 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         outputs: list[StepOutput] = []
         if sched.seqs:
+            # The drafter runs unless the policy turned speculation off (K = 0); it still reads new prompts.
+            draft = k > 0 or any(s.num_computed_tokens < s.num_tokens - 1 for s in sched.seqs)
             result = self.runner.execute(sched.seqs, [s.draft_token_ids for s in sched.seqs],
-                                         self._sampling_tensors(sched.seqs))
+                                         self._sampling_tensors(sched.seqs), draft=draft)
             now = time.monotonic()
             for seq, tokens, drafts in zip(sched.seqs, result.output_tokens, result.drafts):
                 before = seq.num_tokens

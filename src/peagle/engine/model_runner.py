@@ -199,14 +199,16 @@ class ModelRunner:
         logits, aux = self.target_forward(x, k + 1, all_rows=True)
         v = verify_greedy(logits.argmax(-1).view(b, k + 1), x["drafts"], x["num_drafts"])
         drafts = None
-        if self.proposer is not None:
+        if self.proposer is not None and k > 0:  # a graphed round without drafts is a plain step (speculation off)
             drafts = self.propose(x, aux, x["num_drafts"] - v.num_accepted, v.next_tokens, k + 1)
         return _pack(v, drafts, b)
 
     @torch.inference_mode()
-    def execute(self, seqs, drafts: list[list[int]], st: SamplingTensors) -> StepResult:
+    def execute(self, seqs, drafts: list[list[int]], st: SamplingTensors, draft: bool = True) -> StepResult:
+        """One step. `draft=False` skips the drafter (speculation off for this step): no drafts come back."""
         k = max((len(d) for d in drafts), default=0)
-        graphed = self.graphs is not None and self.graphs.can_run(seqs, drafts, k)
+        draft = draft and self.proposer is not None
+        graphed = self.graphs is not None and self.graphs.can_run(seqs, drafts, k, draft)
         if graphed:
             inp = self.build_inputs(seqs, drafts, k, pad_to=self.graphs.bucket_for(len(seqs)))
             x = self.graphs.load_inputs(inp)
@@ -219,7 +221,7 @@ class ModelRunner:
             logits, aux = self.target_forward(x, inp.max_query_len)
         v = self.verify(logits, x, st, k, inp.num_real)
         new_drafts = None
-        if self.proposer is not None:
+        if draft:
             pad = len(inp.query_start_loc) - 1 - inp.num_real
             num_rejected = x["num_drafts"][: inp.num_real] - v.num_accepted
             next_tokens = v.next_tokens

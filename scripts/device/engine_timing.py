@@ -26,8 +26,8 @@ from peagle import LLM, SamplingParams
 from peagle.bench.datasets import load_prompts
 from peagle.models.loader import load_tokenizer
 
-CONFIGS = [("none", None, 0, False), ("eagle3", "eagle3", 3, False), ("eagle3", "eagle3", 7, False),
-           ("peagle", "peagle", 7, True)]
+CONFIGS = [("none", None, 0, False), ("peagle", "peagle", 7, True), ("eagle3", "eagle3", 3, False),
+           ("eagle3", "eagle3", 7, False)]
 
 
 def gpu_ms(fn, iters=50) -> float:
@@ -122,11 +122,11 @@ def main(argv=None) -> int:
             row = {"method": name, **measure(llm, prompts, b, k, profile_path=path)}
             rows.append(row)
             print(json.dumps(row), flush=True)
+            with open(args.out, "w") as f:  # after every row: a run cut short keeps what it measured
+                json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-    with open(args.out, "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -120,7 +120,7 @@ case "$stage" in
     # Long-context acceptance (heads trained at 8K vs 2K), the server soak, training memory, the 8B shape.
     link_heads
     for h in peagle peagle2k; do
-      timeout 120 $py -m peagle bench --model "$W/smollm2" --draft-peagle "$W/heads/$h" --methods peagle --k 7 \
+      timeout 100 $py -m peagle bench --model "$W/smollm2" --draft-peagle "$W/heads/$h" --methods peagle --k 7 \
         --concurrency 8 --datasets longcode --num-prompts 32 --max-tokens 128 --max-model-len 8192 \
         --out "$OUT/longcode-$h" 2>&1 | tail -8 || true
     done
@@ -134,11 +134,11 @@ case "$stage" in
         --num-prompts 16 --max-tokens 64 --head eagle3="$W/heads/eagle3" --head peagle="$W/heads/peagle" 2>&1 \
         | grep -E "^\{|Error" || true
     fi
-    timeout 130 $py scripts/device/train_memory.py "$W/smollm2" "$OUT/train_memory.json" \
+    timeout 100 $py scripts/device/train_memory.py "$W/smollm2" "$OUT/train_memory.json" \
       --data "$W/data" "$W/data-long" --loss-chunk ${LOSS_CHUNK:-1024} --segments ${MEM_SEGMENTS:-1,4} 2>&1 \
       | grep -E "^\{|Error" | tail -14 || true
     mkdir -p "$OUT/engine-profiles"
-    timeout 120 $py scripts/device/engine_timing.py "$W/smollm2" "$OUT/engine_timing.json" \
+    timeout 110 $py scripts/device/engine_timing.py "$W/smollm2" "$OUT/engine_timing.json" \
       --profile "$OUT/engine-profiles" --head eagle3="$W/heads/eagle3" --head peagle="$W/heads/peagle" 2>&1 | grep -E "^\{|Error" || true
     ;;
   scale)

@@ -111,3 +111,25 @@ def test_to_hf_state_dict_round_trips_the_checkpoint(tiny_hf_checkpoint):
     assert set(hf) == set(ckpt.file_of)
     for name, tensor in hf.items():
         assert torch.equal(tensor, ckpt.get(name)), name
+
+
+def test_dense_attention_runs_on_a_fused_kernel():
+    # The training teacher attends through DenseAttention: its inputs must be shaped for the flash kernel (4-D),
+    # or PyTorch silently takes the math path (fp32 scores of every document). Flash alone must accept them.
+    import math
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(30, h, 16, generator=gen) for h in (4, 2, 2))
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        out = DenseAttention(seq_lens=[12, 18])(0, q, k, v)
+    # Against the rule written out: causal within each document, GQA groups of 2.
+    want = []
+    for start, n in ((0, 12), (12, 18)):
+        part = slice(start, start + n)
+        kk, vv = k[part].repeat_interleave(2, 1), v[part].repeat_interleave(2, 1)
+        scores = torch.einsum("thd,shd->hts", q[part], kk) / math.sqrt(16)
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        want.append(torch.einsum("hts,shd->thd", scores.softmax(-1), vv))
+    torch.testing.assert_close(out, torch.cat(want), rtol=1e-5, atol=1e-5)

@@ -28,15 +28,18 @@ class AttentionBackend(Protocol):
 
 
 def _sdpa(q, k, v, mask=None, causal=False):
-    # q: [T, Hq, D], k/v: [S, Hkv, D] -> [T, Hq, D]
+    # q: [T, Hq, D], k/v: [S, Hkv, D] -> [T, Hq, D]. The fused kernels (flash, memory-efficient) take only 4-D
+    # [batch, heads, T, D] inputs: with 3-D ones PyTorch falls back to the math path, which materialises the T x S
+    # scores in fp32 (what made the training teacher's pass slow).
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=causal and mask is None
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+        is_causal=causal and mask is None,
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 class DenseAttention:

@@ -141,6 +141,13 @@ case "$stage" in
     timeout 110 $py scripts/device/engine_timing.py "$W/smollm2" "$OUT/engine_timing.json" \
       --profile "$OUT/engine-profiles" --head eagle3="$W/heads/eagle3" --head peagle="$W/heads/peagle" 2>&1 | grep -E "^\{|Error" || true
     ;;
+  teacher)
+    # The training teacher's attention, fused kernel vs the math path it took before (carry .stage_b and .stage_c,
+    # a small tokenized dataset), after stage_a on the same machine.
+    need_model
+    timeout 200 $py scripts/device/teacher_attention_check.py "$W/smollm2" "$OUT/teacher_attention.json" \
+      --data .stage_c/data 2>&1 | grep -E "^\{|Error" || true
+    ;;
   scale)
     timeout ${SCALE_SECS:-330} $py scripts/device/scale_check.py "$OUT/scale.json" ${SCALE_HF:+--hf} \
       --concurrency ${SCALE_C:-1,8,16,32,64} 2>&1 | tail -5 || true

@@ -1,0 +1,61 @@
+"""Device check: the training teacher's attention on the fused SDPA kernel (4-D inputs) against the math path it
+took before (3-D inputs), side by side in one process.
+
+Usage: python scripts/device/teacher_attention_check.py TARGET_DIR OUT.json --data DIR [DIR ...] [--lengths 2048,8192]
+For each variant and packed length, a P-EAGLE training step as train_memory.py measures it (fresh 4-layer head,
+K_train 8, S = 1, loss chunk 1024, the first two steps not counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import peagle.models.attention as attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_memory import measure  # noqa: E402
+
+FUSED = attention._sdpa
+
+
+def math_3d(q, k, v, mask=None, causal=False):
+    """The previous `_sdpa`: 3-D inputs, which no fused SDPA kernel accepts."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                         is_causal=causal and mask is None)
+    return out.transpose(0, 1)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("target", type=Path)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--data", type=Path, nargs="+", required=True)
+    ap.add_argument("--lengths", default="2048,8192")
+    ap.add_argument("--steps", type=int, default=6)
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, fn in (("math path, 3-D inputs (before)", math_3d), ("fused kernel, 4-D inputs (after)", FUSED)):
+            attention._sdpa = fn
+            for length in map(int, args.lengths.split(",")):
+                row = {"variant": name, **measure(args.target, args.data, length, 1, args.steps, Path(scratch), 1024)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+                args.out.write_text(json.dumps({"gpu": gpu, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -146,7 +146,7 @@ case "$stage" in
     # a small tokenized dataset), after stage_a on the same machine.
     need_model
     timeout 200 $py scripts/device/teacher_attention_check.py "$W/smollm2" "$OUT/teacher_attention.json" \
-      --data .stage_c/data 2>&1 | grep -E "^\{|Error" || true
+      --data .stage_c/data ${TEACHER_ARGS:-} 2>&1 | grep -E "^\{|Error" || true
     ;;
   scale)
     timeout ${SCALE_SECS:-330} $py scripts/device/scale_check.py "$OUT/scale.json" ${SCALE_HF:+--hf} \

@@ -54,12 +54,14 @@ def main() -> int:
     ap.add_argument("--data", type=Path, nargs="+", required=True)
     ap.add_argument("--lengths", default="2048,8192")
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--reverse", action="store_true", help="run the variants in the opposite order")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
-        for name, fn in (("math path, 3-D inputs (before)", math_3d),
-                         ("4-D inputs, every backend (cuDNN allowed)", default_backends),
-                         ("4-D inputs, flash / memory-efficient (after)", FUSED)):
+        variants = [("math path, 3-D inputs (before)", math_3d),
+                    ("4-D inputs, every backend (cuDNN allowed)", default_backends),
+                    ("4-D inputs, flash / memory-efficient (after)", FUSED)]
+        for name, fn in reversed(variants) if args.reverse else variants:
             attention._sdpa = fn
             for length in map(int, args.lengths.split(",")):
                 row = {"variant": name, **measure(args.target, args.data, length, 1, args.steps, Path(scratch), 1024)}

@@ -108,12 +108,14 @@ case "$stage" in
     timeout -s INT ${BENCH_SECS:-540} $py -m peagle bench --model "$W/smollm2" --draft-eagle3 "$W/heads/eagle3" \
       --draft-peagle "$W/heads/peagle" --methods none,eagle3,peagle --k ${BENCH_K:-3,5,7} \
       --concurrency ${BENCH_C:-1,2,4,8,16,32,64} --datasets mtbench,humaneval --num-prompts ${BENCH_N:-24} \
+      --min-waves ${BENCH_WAVES:-3} \
       --max-tokens 128 --max-model-len 4096 --hf-baselines --hf-num-prompts ${HF_N:-4} --hf-batch-sizes 1,64 \
       --out "$OUT/bench" 2>&1 | grep -v -E "^\s*$|it/s\]|point/s\]" | tail -60 || true
     # The adaptive policy (K by running requests) against the fixed-K rows above, same prompts, same machine.
     timeout -s INT ${ADAPTIVE_SECS:-75} $py -m peagle bench --model "$W/smollm2" --draft-peagle "$W/heads/peagle" \
       --methods peagle --k 7 --adaptive ${ADAPTIVE:-8:7,16:5,32:3,above:0} --concurrency ${BENCH_C:-1,2,4,8,16,32,64} \
-      --datasets mtbench,humaneval --num-prompts ${BENCH_N:-24} --max-tokens 128 --max-model-len 4096 \
+      --datasets mtbench,humaneval --num-prompts ${BENCH_N:-24} --min-waves ${BENCH_WAVES:-3} --max-tokens 128 \
+      --max-model-len 4096 \
       --out "$OUT/bench-adaptive" 2>&1 | grep -v -E "^\s*$|it/s\]|point/s\]" | tail -20 || true
     ;;
   final)

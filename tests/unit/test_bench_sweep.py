@@ -284,3 +284,34 @@ def test_bench_command_line_builds_the_config():
     assert config.datasets == ("humaneval", "mine.jsonl") and config.note == "testbed v1"
     assert config.llm_options == {"num_kv_blocks": 512, "load_format": "dummy"}
     assert config.groups() == [("none", None), ("peagle", 5), ("peagle", 7)]
+
+
+def test_min_waves_reuses_prompts_when_the_dataset_runs_out():
+    config = SweepConfig(model="unused", methods=("none",), concurrency=(1, 4, 8), datasets=("mtbench",),
+                         num_prompts=3, max_tokens=4, min_waves=3)
+    seen = []
+
+    def open_runner(method, k):
+        runner = fake_open_runner(FakeClock(), 4)(method, k)
+
+        @contextlib.contextmanager
+        def recording():
+            with runner as r:
+                real = r.measure
+
+                def measure(ps, c):
+                    seen.append((c, [p.messages[0]["content"] for p in ps]))
+                    return real(ps, c)
+
+                r.measure = measure
+                yield r
+        return recording()
+
+    points = run_sweep(config, open_runner, lambda p: None, {"mtbench": prompts(10)})
+    # At least 3 waves: 3 at c=1, 12 at c=4, 24 at c=8; the 10 distinct prompts first, then again in order.
+    assert [(p["concurrency"], p["num_prompts"]) for p in points] == [(1, 3), (4, 12), (8, 24)]
+    texts = dict(seen)
+    assert len(set(texts[4])) == 10 and texts[4][10:] == texts[4][:2]
+    assert texts[8] == [texts[8][i % 10] for i in range(24)]
+    with pytest.raises(ValueError, match="min_waves"):
+        SweepConfig(model="unused", methods=("none",), min_waves=0)

@@ -69,6 +69,10 @@ def _register_bench(subparsers) -> None:
                        help="comma list of mtbench, humaneval, sharegpt (held-out split), longcode, or .jsonl paths")
     sweep.add_argument("--num-prompts", type=int, default=80,
                        help="prompts per point (default 80), rounded up to a multiple of the point's concurrency")
+    sweep.add_argument("--min-waves", type=int, default=1,
+                       help="at least this many waves of `concurrency` requests per point (default 1): short "
+                            "high-concurrency points are dominated by start-up and tail; prompts are reused in order "
+                            "when a point needs more than the dataset has")
     sweep.add_argument("--max-tokens", type=int, default=256, help="output tokens per request (default 256)")
     sweep.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     sweep.add_argument("--cache-dir", help="testbed cache holding ShareGPT (default: peagle testbed's)")
@@ -133,7 +137,7 @@ def sweep_config_from_args(args: argparse.Namespace):
     return SweepConfig(
         model=args.model, url=args.url, draft_eagle3=args.draft_eagle3, draft_peagle=args.draft_peagle,
         methods=args.methods, ks=args.k, concurrency=args.concurrency, datasets=args.datasets,
-        num_prompts=args.num_prompts, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+        num_prompts=args.num_prompts, min_waves=args.min_waves, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
         cache_dir=args.cache_dir, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         llm_options=dict(args.llm_option), served_model=args.served_model, api_key=args.api_key,

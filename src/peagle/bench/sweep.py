@@ -36,6 +36,7 @@ class SweepConfig:
     concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     datasets: tuple[str, ...] = ("mtbench", "humaneval")
     num_prompts: int = 80
+    min_waves: int = 1  # at least this many waves of `concurrency` requests per point
     max_tokens: int = 256
     ignore_eos: bool = False
     cache_dir: str | None = None  # testbed cache holding ShareGPT (for the sharegpt dataset)
@@ -77,8 +78,8 @@ class SweepConfig:
             values = getattr(self, name)
             if not values or any(v < 1 for v in values):
                 raise ValueError(f"{name} must be a non-empty list of positive integers, got {values}")
-        if self.num_prompts < 1 or self.max_tokens < 1 or self.hf_num_prompts < 1:
-            raise ValueError("num_prompts, max_tokens and hf_num_prompts must be >= 1")
+        if self.num_prompts < 1 or self.max_tokens < 1 or self.hf_num_prompts < 1 or self.min_waves < 1:
+            raise ValueError("num_prompts, min_waves, max_tokens and hf_num_prompts must be >= 1")
         if self.synthetic_acceptance is not None:
             if self.load_format != "dummy":
                 raise ValueError("--synthetic-acceptance is for random-weight benchmarks only: add --load-format dummy")
@@ -136,15 +137,24 @@ def dataset_label(name: str) -> str:
 
 def load_datasets(config: SweepConfig) -> dict[str, list[Prompt]]:
     cache = Path(config.cache_dir) if config.cache_dir else None
-    limit = max(points_prompts(config.num_prompts, c) for c in config.concurrency)
+    limit = max(points_prompts(config.num_prompts, c, config.min_waves) for c in config.concurrency)
     return {dataset_label(name): load_prompts(name, limit=limit, cache_dir=cache) for name in config.datasets}
 
 
-def points_prompts(num_prompts: int, concurrency: int) -> int:
-    """How many prompts a point runs: `num_prompts` rounded up to a multiple of the concurrency, so that a point at
-    concurrency c really has c requests in flight and ends in a full wave, not a tail of a few requests that would
-    measure a lower concurrency (a dataset with fewer prompts runs all it has)."""
-    return -(-num_prompts // concurrency) * concurrency
+def points_prompts(num_prompts: int, concurrency: int, min_waves: int = 1) -> int:
+    """How many requests a point runs: `num_prompts`, at least `min_waves` waves of `concurrency`, rounded up to a
+    multiple of the concurrency, so that a point at concurrency c really has c requests in flight and ends in a full
+    wave, not a tail of a few requests that would measure a lower concurrency."""
+    wanted = max(num_prompts, min_waves * concurrency)
+    return -(-wanted // concurrency) * concurrency
+
+
+def point_prompts(prompts: Sequence[Prompt], num_prompts: int, concurrency: int, min_waves: int = 1) -> list[Prompt]:
+    """The requests of one point (`points_prompts` of them): distinct prompts while the dataset has them, then the
+    same ones again in order."""
+    n = points_prompts(num_prompts, concurrency, min_waves)
+    distinct = list(prompts[:n])
+    return [distinct[i % len(distinct)] for i in range(n)] if distinct else []
 
 
 def run_sweep(config: SweepConfig, open_runner: OpenRunner, on_point: Callable[[dict], None],
@@ -158,7 +168,8 @@ def run_sweep(config: SweepConfig, open_runner: OpenRunner, on_point: Callable[[
             for dataset, dataset_prompts in prompts.items():
                 for c in config.concurrency:
                     bar.set_postfix_str(f"{method} K={k} {dataset} c={c}")
-                    measured = runner.measure(dataset_prompts[:points_prompts(config.num_prompts, c)], c)
+                    measured = runner.measure(point_prompts(dataset_prompts, config.num_prompts, c,
+                                                            config.min_waves), c)
                     point = make_point(dataset, method, k, c, measured)
                     logger.info("%s K=%s %s c=%d: %.1f tok/s, AL %s", method, k, dataset, c, point["tokens_per_s"],
                                 point["acceptance_length"])

@@ -5,7 +5,8 @@ of the common shape (one uncomputed token and K drafts per request) replays grap
 next bucket with dummy requests that write only the scratch KV block. Per bucket there are three graphs:
 - greedy: the whole round (target verify forward, greedy verification, drafting) in one replay;
 - target and drafting, replayed around the eager sampling verifier when any request samples.
-K = 0 with a drafter is the adaptive policy's "speculation off": its graphs are plain steps, without drafting.
+K = 0 with a drafter is the adaptive policy's "speculation off": its graphs are plain steps, without drafting, and
+two more per bucket ("greedy_resume", and "draft" at K = 0) hold the step that turns drafting back on.
 Inputs arrive through two flat staging buffers (int64 and int32), one host-to-device copy each.
 """
 
@@ -38,6 +39,7 @@ class CudaGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, object]] = {}
         self.current: tuple[int, int] = (bmax, kmax)
+        self.resume = False  # graphs for resuming drafting at K = 0 (set by _capture_all)
         self._capture_all()
 
     def bucket_for(self, b: int) -> int:
@@ -46,8 +48,8 @@ class CudaGraphs:
     def can_run(self, seqs, drafts, k: int, draft: bool) -> bool:
         if k not in self.ks or len(seqs) > self.buckets[-1]:
             return False
-        if draft and k == 0 and self.runner.proposer is not None:  # drafting resumes: one eager step
-            return False
+        if draft and k == 0 and self.runner.proposer is not None and not self.resume:
+            return False  # drafting resumes and its graphs failed to capture: one eager step
         return all(s.num_tokens - s.num_computed_tokens == 1 and len(d) == k for s, d in zip(seqs, drafts))
 
     def _views(self, b: int, k: int) -> dict[str, torch.Tensor]:
@@ -72,8 +74,9 @@ class CudaGraphs:
         graph.replay()
         return out
 
-    def run_greedy(self, num_real: int) -> torch.Tensor:
-        return self._replay("greedy")[:num_real]
+    def run_greedy(self, num_real: int, draft: bool = True) -> torch.Tensor:
+        resume = draft and self.current[1] == 0 and self.runner.proposer is not None
+        return self._replay("greedy_resume" if resume else "greedy")[:num_real]
 
     def run_target(self):
         return self._replay("target")
@@ -107,8 +110,30 @@ class CudaGraphs:
             if r.proposer is not None and k > 0:
                 nrej, nxt = self.num_rejected[:b], self.next_tokens[:b]
                 self._capture(("draft", b, k), lambda: r.propose(x, aux, nrej, nxt, k + 1))
+        if r.proposer is not None and 0 in self.ks:
+            self.resume = self._capture_resume()
         torch.cuda.synchronize()
         logger.info("captured %d CUDA graphs (buckets %s, K %s)", len(self.graphs), self.buckets, self.ks)
+
+    def _capture_resume(self) -> bool:
+        """Graphs for the step that turns drafting back on at K = 0 (no drafts yet, the drafter runs). Without them
+        that step runs eagerly; a capture failure only costs that, so it is logged, not raised."""
+        r = self.runner
+        try:
+            for b in reversed(self.buckets):
+                self._fill_dummy(b, 0)
+                x = self._views(b, 0)
+                self._capture(("greedy_resume", b, 0), lambda: r.greedy_step(x, 0, draft=True))
+                _, aux = self.graphs[("target", b, 0)][1]
+                nrej, nxt = self.num_rejected[:b], self.next_tokens[:b]
+                self._capture(("draft", b, 0), lambda: r.propose(x, aux, nrej, nxt, 1))
+            return True
+        except Exception as e:  # noqa: BLE001 - an eager resume step is slower, not wrong
+            logger.warning("could not capture the graphs that resume drafting (%s: %s); that step runs eagerly",
+                           type(e).__name__, e)
+            for key in [key for key in self.graphs if key[0] == "greedy_resume" or key[:3:2] == ("draft", 0)]:
+                del self.graphs[key]
+            return False
 
     def _fill_dummy(self, b: int, k: int):
         r = self.runner

@@ -189,7 +189,7 @@ class ModelRunner:
         noise = exponential_like(probs[:, 0], st.generators, 1)
         return verify_sampled(probs, drafts, nd, u, noise)
 
-    def greedy_step(self, x: dict[str, torch.Tensor], k: int) -> torch.Tensor:
+    def greedy_step(self, x: dict[str, torch.Tensor], k: int, draft: bool | None = None) -> torch.Tensor:
         """A whole decode round for greedy requests on the device (captured as one CUDA graph): verify, then draft.
 
         Every request feeds exactly one uncomputed token and k drafts. Returns the packed host answer
@@ -199,7 +199,9 @@ class ModelRunner:
         logits, aux = self.target_forward(x, k + 1, all_rows=True)
         v = verify_greedy(logits.argmax(-1).view(b, k + 1), x["drafts"], x["num_drafts"])
         drafts = None
-        if self.proposer is not None and k > 0:  # a graphed round without drafts is a plain step (speculation off)
+        if draft is None:  # by default a round without drafts is a plain step (the adaptive policy's "off")
+            draft = k > 0
+        if self.proposer is not None and draft:
             drafts = self.propose(x, aux, x["num_drafts"] - v.num_accepted, v.next_tokens, k + 1)
         return _pack(v, drafts, b)
 
@@ -213,7 +215,7 @@ class ModelRunner:
             inp = self.build_inputs(seqs, drafts, k, pad_to=self.graphs.bucket_for(len(seqs)))
             x = self.graphs.load_inputs(inp)
             if st.all_greedy and self.synthetic_acceptance is None:
-                return _unpack(self.graphs.run_greedy(inp.num_real), k)
+                return _unpack(self.graphs.run_greedy(inp.num_real, draft), k)
             logits, aux = self.graphs.run_target()
         else:
             inp = self.build_inputs(seqs, drafts, k)

@@ -68,3 +68,31 @@ def test_cuda_graphs_cover_every_k_the_adaptive_policy_picks(config_only_dir):
               speculative_config={"method": "eagle3", "model": "dummy", "num_speculative_tokens": 7,
                                   "parallel_drafting": True, "adaptive": {"thresholds": [[4, 7]], "above": 0}})
     assert off.engine._graph_ks() == [0, 7]  # K = 0: plain-step graphs (speculation off)
+
+
+def test_kv_sizing_collects_dropped_engines_first_and_explains_a_shortfall(config_only_dir, monkeypatch):
+    # On a GPU the KV cache is sized from free memory; an engine dropped earlier may hold memory through reference
+    # cycles until the garbage collector runs, so sizing collects first. Simulated here with a fake 10 GiB device.
+    import gc
+
+    import peagle.engine.llm_engine as llm_engine
+
+    llm = LLM(model=str(config_only_dir), load_format="dummy", device="cpu", dtype="float32", max_model_len=128)
+    engine = llm.engine
+    calls = []
+    collect = gc.collect
+    monkeypatch.setattr(llm_engine.gc, "collect", lambda: calls.append("collect") or collect())
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+
+    def mem_get_info(device):
+        calls.append("mem_get_info")
+        return free[0], 10 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    engine.device = torch.device("cuda")
+    free = [8 * 2**30]
+    assert engine._num_blocks(None) > 0
+    assert calls == ["collect", "empty_cache", "mem_get_info"]
+    free[0] = 1 * 2**30  # 9 GiB held elsewhere: not even one sequence fits under 0.9 x 10 GiB
+    with pytest.raises(ValueError, match=r"9\.0 of 10\.0 GiB already in use.*another LLM still referenced"):
+        engine._num_blocks(None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -127,13 +128,19 @@ class LLMEngine:
             return cfg.num_kv_blocks
         if self.device.type != "cuda":
             return min(useful, max(per_seq, (1 << 30) // per_block))
+        # An engine dropped earlier in this process may still hold the GPU through reference cycles: collect it
+        # before measuring what is free.
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         budget = total * cfg.gpu_memory_utilization - (total - free) - _ACTIVATION_RESERVE
         blocks = int(budget // per_block)
         if blocks < per_seq:
             raise ValueError(
                 f"not enough GPU memory for one {self.max_model_len}-token sequence's KV cache "
-                f"({blocks} blocks fit); raise gpu_memory_utilization or lower max_model_len"
+                f"({blocks} blocks fit; {(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB already in use, "
+                f"this engine's weights included); raise gpu_memory_utilization, lower max_model_len, or free "
+                f"what else holds the GPU (another LLM still referenced in this process, another process)"
             )
         return min(blocks, useful)
 

@@ -8,7 +8,8 @@
 #   stage_a && scale   carry .stage_a .whl        the first GGUF half; the 8B shape with the adaptive policy
 #   stage_b            carry .stage_b .whl .gpu   convert, regenerate, train three heads (TRAIN_SECS), GPU tests
 #   bench              the sweep with the HF baselines, then P-EAGLE under the adaptive policy
-#   final              long context, greedy equality with the trained heads, training memory, engine timing
+#   final              long context, greedy equality with the trained heads, training memory, the teacher's
+#                      attention variants, engine timing
 #                      (FINAL_SOAK=1 adds the server soak and the sampling check)
 # .gpu holds sharegpt_{train,test}.jsonl.gz and longcode_train.jsonl.gz (scripts/build_longcode.py --train).
 # At most 8 files come back from a call: a stage that leaves more under $OUT packs them into $OUT/STAGE.tar.gz.
@@ -139,6 +140,9 @@ case "$stage" in
     timeout 100 $py scripts/device/train_memory.py "$W/smollm2" "$OUT/train_memory.json" \
       --data "$W/data" "$W/data-long" --loss-chunk ${LOSS_CHUNK:-1024} --segments ${MEM_SEGMENTS:-1,4} 2>&1 \
       | grep -E "^\{|Error" | tail -14 || true
+    # The training teacher's attention variants, each warmed, then measured in order and in reverse.
+    timeout 150 $py scripts/device/teacher_attention_check.py "$W/smollm2" "$OUT/teacher_attention.json" \
+      --data "$W/data" --lengths 8192 2>&1 | grep -E "^\{|Error" || true
     mkdir -p "$OUT/engine-profiles"
     timeout 110 $py scripts/device/engine_timing.py "$W/smollm2" "$OUT/engine_timing.json" \
       --profile "$OUT/engine-profiles" --head eagle3="$W/heads/eagle3" --head peagle="$W/heads/peagle" 2>&1 | grep -E "^\{|Error" || true

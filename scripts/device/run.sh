@@ -123,12 +123,12 @@ case "$stage" in
     # Long-context acceptance (heads trained at 8K vs 2K), the server soak, training memory, the 8B shape.
     link_heads
     for h in peagle peagle2k; do
-      timeout 100 $py -m peagle bench --model "$W/smollm2" --draft-peagle "$W/heads/$h" --methods peagle --k 7 \
+      timeout 80 $py -m peagle bench --model "$W/smollm2" --draft-peagle "$W/heads/$h" --methods peagle --k 7 \
         --concurrency 8 --datasets longcode --num-prompts 32 --max-tokens 128 --max-model-len 8192 \
         --out "$OUT/longcode-$h" 2>&1 | tail -8 || true
     done
     # Greedy equality with trained heads (drafts are accepted, so the acceptance paths run under CUDA graphs).
-    timeout 120 $py scripts/device/engine_check.py "$W/smollm2" "$OUT/engine_check.json" --dtypes ${CHECK_DTYPES:-float32} \
+    timeout 100 $py scripts/device/engine_check.py "$W/smollm2" "$OUT/engine_check.json" --dtypes ${CHECK_DTYPES:-float32} \
       --head eagle3="$W/heads/eagle3" --head peagle="$W/heads/peagle" 2>&1 | grep -E "identical|^\{|Error" || true
     if [ -n "${FINAL_SOAK:-}" ]; then
       timeout 200 $py scripts/device/server_soak.py "$W/smollm2" "$OUT/server_soak.json" --head "$W/heads/peagle" \
@@ -141,7 +141,7 @@ case "$stage" in
       --data "$W/data" "$W/data-long" --loss-chunk ${LOSS_CHUNK:-1024} --segments ${MEM_SEGMENTS:-1,4} 2>&1 \
       | grep -E "^\{|Error" | tail -14 || true
     # The training teacher's attention variants, each warmed, then measured in order and in reverse.
-    timeout 150 $py scripts/device/teacher_attention_check.py "$W/smollm2" "$OUT/teacher_attention.json" \
+    timeout 120 $py scripts/device/teacher_attention_check.py "$W/smollm2" "$OUT/teacher_attention.json" \
       --data "$W/data" --lengths 8192 2>&1 | grep -E "^\{|Error" || true
     mkdir -p "$OUT/engine-profiles"
     timeout 110 $py scripts/device/engine_timing.py "$W/smollm2" "$OUT/engine_timing.json" \

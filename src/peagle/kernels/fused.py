@@ -183,6 +183,20 @@ def _rotate_heads(
 
 
 @triton.jit
+def _rope_row(cos_ptr, sin_ptr, pos, stride_cos, stride_sin, half, act_ptr, BLOCK_HALF: tl.constexpr):
+    # A position's cos/sin halves as [1, BLOCK_HALF] rows. The fp32 tables are cast to the activations' dtype (that
+    # of act_ptr) first, as the reference does.
+    dtype = act_ptr.dtype.element_ty
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    ok = i < half
+    cos1 = tl.load(cos_ptr + pos * stride_cos + i, mask=ok, other=0.0).to(dtype).to(tl.float32)
+    cos2 = tl.load(cos_ptr + pos * stride_cos + half + i, mask=ok, other=0.0).to(dtype).to(tl.float32)
+    sin1 = tl.load(sin_ptr + pos * stride_sin + i, mask=ok, other=0.0).to(dtype).to(tl.float32)
+    sin2 = tl.load(sin_ptr + pos * stride_sin + half + i, mask=ok, other=0.0).to(dtype).to(tl.float32)
+    return cos1, cos2, sin1, sin2
+
+
+@triton.jit
 def _rotary_kernel(
     positions_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
     num_q_heads, num_kv_heads, half,
@@ -192,14 +206,7 @@ def _rotary_kernel(
     # One program rotates one token's q and k heads.
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
-    i = tl.arange(0, BLOCK_HALF)[None, :]
-    ok = i < half
-    dtype = q_out_ptr.dtype.element_ty
-    # The fp32 tables are cast to the activations' dtype first, as the reference does.
-    cos1 = tl.load(cos_ptr + pos * stride_cos + i, mask=ok, other=0.0).to(dtype).to(tl.float32)
-    cos2 = tl.load(cos_ptr + pos * stride_cos + half + i, mask=ok, other=0.0).to(dtype).to(tl.float32)
-    sin1 = tl.load(sin_ptr + pos * stride_sin + i, mask=ok, other=0.0).to(dtype).to(tl.float32)
-    sin2 = tl.load(sin_ptr + pos * stride_sin + half + i, mask=ok, other=0.0).to(dtype).to(tl.float32)
+    cos1, cos2, sin1, sin2 = _rope_row(cos_ptr, sin_ptr, pos, stride_cos, stride_sin, half, q_out_ptr, BLOCK_HALF)
     _rotate_heads(q_ptr, q_out_ptr, token, stride_qt, stride_qh, num_q_heads, half, cos1, cos2, sin1, sin2,
                   BLOCK_HQ, BLOCK_HALF)
     _rotate_heads(k_ptr, k_out_ptr, token, stride_kt, stride_kh, num_kv_heads, half, cos1, cos2, sin1, sin2,
@@ -267,13 +274,7 @@ def _rotary_store_kv_kernel(
     valid = slot >= 0
     block = tl.where(valid, slot // block_size, 0)
     offset = tl.where(valid, slot % block_size, 0)
-    i = tl.arange(0, BLOCK_HALF)[None, :]
-    ok = i < half
-    dtype = q_out_ptr.dtype.element_ty
-    cos1 = tl.load(cos_ptr + pos * stride_cos + i, mask=ok, other=0.0).to(dtype).to(tl.float32)
-    cos2 = tl.load(cos_ptr + pos * stride_cos + half + i, mask=ok, other=0.0).to(dtype).to(tl.float32)
-    sin1 = tl.load(sin_ptr + pos * stride_sin + i, mask=ok, other=0.0).to(dtype).to(tl.float32)
-    sin2 = tl.load(sin_ptr + pos * stride_sin + half + i, mask=ok, other=0.0).to(dtype).to(tl.float32)
+    cos1, cos2, sin1, sin2 = _rope_row(cos_ptr, sin_ptr, pos, stride_cos, stride_sin, half, q_out_ptr, BLOCK_HALF)
     _rotate_heads(q_ptr, q_out_ptr, token, stride_qt, stride_qh, num_q_heads, half, cos1, cos2, sin1, sin2,
                   BLOCK_HQ, BLOCK_HALF)
     _rotate_heads_to(k_ptr, k_cache_ptr + block * stride_kcb + offset * stride_kcs, token, stride_kt, stride_kh,

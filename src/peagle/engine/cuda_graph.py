@@ -48,7 +48,7 @@ class CudaGraphs:
     def can_run(self, seqs, drafts, k: int, draft: bool) -> bool:
         if k not in self.ks or len(seqs) > self.buckets[-1]:
             return False
-        if draft and k == 0 and self.runner.proposer is not None and not self.resume:
+        if draft and k == 0 and not self.resume:  # `draft` implies a drafter
             return False  # drafting resumes and its graphs failed to capture: one eager step
         return all(s.num_tokens - s.num_computed_tokens == 1 and len(d) == k for s, d in zip(seqs, drafts))
 
@@ -74,9 +74,9 @@ class CudaGraphs:
         graph.replay()
         return out
 
-    def run_greedy(self, num_real: int, draft: bool = True) -> torch.Tensor:
-        resume = draft and self.current[1] == 0 and self.runner.proposer is not None
-        return self._replay("greedy_resume" if resume else "greedy")[:num_real]
+    def run_greedy(self, num_real: int, draft: bool) -> torch.Tensor:
+        """`draft`: the drafter runs this step (the caller's flag, false without a drafter)."""
+        return self._replay("greedy_resume" if draft and self.current[1] == 0 else "greedy")[:num_real]
 
     def run_target(self):
         return self._replay("target")

@@ -1,5 +1,6 @@
-"""The fused element-wise kernels (RMSNorm, add + RMSNorm, rotary, rotary + KV-cache write, SiLU-and-mul): the references are Hugging Face's
-arithmetic bit for bit, and the Triton kernels, run by Triton's interpreter, equal the references.
+"""The fused element-wise kernels (RMSNorm, add + RMSNorm, rotary, rotary + KV-cache write, SiLU-and-mul): the
+references are Hugging Face's arithmetic bit for bit, and the Triton kernels, run by Triton's interpreter, equal the
+references.
 
 The interpreter rounds fp32 to bf16 by truncation (the GPU rounds to nearest even), so bf16 is compared to within two
 ulps here; fp16 and fp32 differ only by fp32 noise (reduction order, exp).

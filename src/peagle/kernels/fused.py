@@ -1,5 +1,6 @@
 """Fused element-wise kernels of the decoder layer: RMSNorm (alone or after the residual add), rotary embedding (alone,
-or with the paged KV-cache write of k and v), and SiLU-and-mul. Each replaces three to eight PyTorch kernels with one launch, which is what decoding at batch 1 pays for.
+or with the paged KV-cache write of k and v), and SiLU-and-mul. Each replaces three to eight PyTorch kernels with one
+launch, which is what decoding at batch 1 pays for.
 
 The `*_ref` functions are the model's own arithmetic (that of Hugging Face transformers). The kernels follow them
 rounding for rounding: every intermediate PyTorch keeps in the activations' dtype is rounded to that dtype here too

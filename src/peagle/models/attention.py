@@ -28,8 +28,8 @@ class AttentionBackend(Protocol):
         ...
 
 
-# cuDNN attention is left out: it plans per sequence length, and the training teacher calls this once per document
-# of every length (measured on an H200: a training step 2x slower than on the math path).
+# cuDNN attention is left out: with it allowed, a training step (whose teacher calls this once per document, at every
+# length) was the slowest of the variants timed on an H200 in either order (BENCHMARKS.md, training, run 3).
 _BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

@@ -279,3 +279,34 @@ def test_host_modules_do_not_import_torch():
             "peagle.engine.sampling_params; print('torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_schedule_ahead_reserves_for_the_unseen_answer():
+    sched = Scheduler(make_config(num_lookahead_slots=2, block_size=4, max_model_len=20))
+    a, b = make_seq("a", num_prompt=5), make_seq("b", num_prompt=6)
+    for seq in (a, b):
+        sched.add(seq)
+    run_step(sched, sched.schedule())  # 6 and 7 tokens
+    # The step in flight may add up to 3 tokens each (2 drafts accepted + 1); the next feeds 3 (1 + 2 drafts).
+    assert sched.schedule_ahead([a, b], 3, 3)
+    for seq in (a, b):
+        assert len(seq.block_table) * 4 >= seq.num_tokens + 3 + 2
+    assert not sched.schedule_ahead([a], 3, 3)  # b runs but would be left out
+    assert not sched.schedule_ahead([a, b], 14, 3)  # could pass max_model_len: cut drafts need the answer
+
+
+def test_schedule_ahead_refuses_waiting_admissions_budget_and_preemption():
+    sched = Scheduler(make_config(max_num_seqs=2, num_blocks=7, block_size=4, max_num_batched_tokens=64))
+    a, b, c = make_seq("a", num_prompt=7), make_seq("b", num_prompt=7), make_seq("c")
+    sched.add(a)
+    run_step(sched, sched.schedule())
+    sched.add(b)
+    assert not sched.schedule_ahead([a], 1, 1)  # b waits and could be admitted
+    run_step(sched, sched.schedule())
+    sched.add(c)
+    # a has 9 tokens, b 8: up to 10 and 9 after the step in flight, 3 blocks each.
+    assert sched.num_running == 2 and sched.schedule_ahead([a, b], 1, 1)  # c waits for a slot either way
+    assert sched.block_manager.num_free_blocks == 1
+    assert not sched.schedule_ahead([a, b], 1, 33)  # over the token budget
+    assert not sched.schedule_ahead([a, b], 6, 1)  # 15 and 14 slots: would need preemption
+    assert sched.num_running == 2 and list(sched.waiting) == [c]

@@ -14,6 +14,11 @@ The engine's step: `out = schedule()`; run `out.seqs` (may be empty: skip the mo
 for each; `scheduler.finish(seq, "stop")` on a stop string; set `seq.draft_token_ids` for the next verification
 of each unfinished sequence; `release_finished()` for the sequences to report as done (including requests
 refused by `add` and those the cache could not hold). Loop while `has_unfinished()`.
+
+With async scheduling the engine launches the next step before the answer of the one in flight arrives: when
+`schedule_ahead` accepts the batch in flight as the next decode step (the common steady state), the model runner
+builds its inputs on the device from the step in flight; otherwise the engine waits for the answer and calls
+`schedule()` as above.
 """
 
 from __future__ import annotations
@@ -123,6 +128,35 @@ class Scheduler:
         decodes, preempted, num_tokens = self._schedule_running()
         prefills = [] if preempted else self._admit_waiting(num_tokens)
         return SchedulerOutput(prefills + decodes, len(prefills), preempted)
+
+    def schedule_ahead(self, seqs: list[Sequence], num_inflight_tokens: int, num_new_tokens: int) -> bool:
+        """Async scheduling: reserve blocks for the step after the one in flight, before its answer arrives.
+
+        `seqs` are the unfinished sequences of the step in flight, each of which will gain up to
+        `num_inflight_tokens` tokens from it that the host has not seen, then feed `num_new_tokens` (its last token
+        and drafts) in the next step. True when that step can run them as they are: nothing waits for admission,
+        every running sequence is among them, the token budget holds them, none can reach max_model_len, and
+        their blocks (for the most tokens they can have) fit without preemption. False means the full
+        `schedule()` must decide after the answer arrives; blocks given here before a False stay with their
+        sequences (the next reservation would ask for them anyway).
+        """
+        cfg = self.config
+        if not seqs or len(seqs) != len(self.running):
+            return False
+        if self.waiting and len(self.running) < cfg.max_num_seqs:
+            return False
+        if len(seqs) * num_new_tokens > cfg.max_num_batched_tokens:
+            return False
+        most = [seq.num_tokens + num_inflight_tokens for seq in seqs]
+        if any(n + num_new_tokens - 1 > cfg.max_model_len for n in most):
+            return False  # the drafts would be cut to fit: the host must see the answer first
+        for seq, n in zip(seqs, most):
+            assert seq.status is SequenceStatus.RUNNING, seq
+            num_slots = n + cfg.num_lookahead_slots
+            if not self.block_manager.can_allocate(seq, num_slots):
+                return False
+            self.block_manager.allocate(seq, num_slots)
+        return True
 
     def _schedule_running(self) -> tuple[list[Sequence], list[Sequence], int]:
         budget = self.config.max_num_batched_tokens

@@ -1,16 +1,22 @@
-"""`LLM`: offline generation in the spirit of vLLM's Python API."""
+"""`LLM`: offline generation with vLLM's Python API (`from peagle import LLM, SamplingParams`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 from typing import Any, Sequence
 
 from tqdm import tqdm
 
 from peagle.engine.config import DTYPE_ALIASES, EngineConfig, SpeculativeConfig
 from peagle.engine.llm_engine import LLMEngine
-from peagle.engine.outputs import RequestMetrics, RequestOutput
+from peagle.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from peagle.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | Sequence[int] | dict
 
 
 class LLM:
@@ -18,8 +24,12 @@ class LLM:
 
     >>> llm = LLM(model="ckpt", speculative_config={"method": "eagle3", "model": "head",
     ...           "num_speculative_tokens": 7, "parallel_drafting": True})
-    >>> llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))[0].text
+    >>> llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))[0].outputs[0].text
 
+    `dtype="auto"` (the default) is bfloat16 on a GPU and float32 on the CPU, where bfloat16 matmuls are slow.
+    `tokenizer` loads the tokenizer from another directory. `tensor_parallel_size` must be 1 and
+    `enable_prefix_caching` must not be True (neither is implemented); `trust_remote_code` is accepted and changes
+    nothing, since peagle runs only its own model code.
     `load_format="dummy"` builds the model from config.json with random weights (no weights or tokenizer needed;
     prompts as token ids); a speculative `model` of "dummy" then makes a random head of the default depth.
     `synthetic_acceptance` (benchmarking only, needs load_format="dummy") accepts draft position i with the given
@@ -28,77 +38,223 @@ class LLM:
     """
 
     def __init__(self, model: str, speculative_config: dict[str, Any] | str | None = None, *,
-                 dtype: str = "bfloat16", device: str | None = None, max_model_len: int | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
+                 tokenizer: str | None = None, trust_remote_code: bool = False, tensor_parallel_size: int = 1,
+                 enable_prefix_caching: bool | None = None, dtype: str = "auto", device: str | None = None,
+                 max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
                  gpu_memory_utilization: float = 0.9, block_size: int = 16, num_kv_blocks: int | None = None,
                  enforce_eager: bool = False, seed: int = 0, load_format: str = "auto",
                  synthetic_acceptance: Sequence[float] | None = None):
         import torch
 
+        _check_unimplemented(tensor_parallel_size, enable_prefix_caching, trust_remote_code)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         config = EngineConfig(
-            model=str(model), dtype=DTYPE_ALIASES.get(dtype, dtype), device=device, max_model_len=max_model_len,
+            model=str(model), dtype=resolve_dtype(dtype, device), device=device, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             gpu_memory_utilization=gpu_memory_utilization, block_size=block_size, num_kv_blocks=num_kv_blocks,
             enforce_eager=enforce_eager, seed=seed, speculative=SpeculativeConfig.from_dict(speculative_config),
             load_format=load_format,
             synthetic_acceptance=tuple(synthetic_acceptance) if synthetic_acceptance is not None else None,
         )
+        check_max_model_len(config)
         self.engine = LLMEngine(config)
+        if tokenizer is not None:
+            from peagle.models.loader import load_tokenizer
+
+            self.engine.tokenizer = load_tokenizer(tokenizer)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # ---- generation --------------------------------------------------------------------------------------------
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """prompts: a string, token ids, {"prompt": str} or {"prompt_token_ids": [...]}, or a list of them."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        # Every prompt is checked before any is queued, so a bad one leaves nothing behind in the engine.
+        encoded = [self._encode(prompt) for prompt in prompts]
         requests = {}
-        for prompt, p in zip(prompts, params):
-            ids = self._encode(prompt)
+        for (text, ids), p in zip(encoded, params):
             rid = str(next(self._ids))
-            self.engine.add_request(rid, ids, p)
-            requests[rid] = (prompt if isinstance(prompt, str) else None, ids, p)
+            for index, child in enumerate(_children(p)):
+                self.engine.add_request(f"{rid}-{index}" if p.n > 1 else rid, ids, child)
+            requests[rid] = (text, ids, p)
         return self._run(requests, use_tqdm)
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True, *,
+             add_generation_prompt: bool = True, tools: list | None = None) -> list[RequestOutput]:
+        if tools:
+            raise ValueError("tools are not supported by peagle yet")
         if self.tokenizer is None:
             raise ValueError("this model directory has no tokenizer, so chat() cannot apply a chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
-        return self.generate([self.tokenizer.encode(p) for p in prompts], sampling_params, use_tqdm)
+        prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(c, add_generation_prompt=add_generation_prompt)}
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _encode(self, prompt) -> list[int]:
+    # ---- prompts -----------------------------------------------------------------------------------------------
+
+    def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            if unknown or len(prompt) != 1:
+                raise ValueError(f"a prompt dict holds exactly one of 'prompt' or 'prompt_token_ids', got keys "
+                                 f"{sorted(prompt)}")
+            prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model directory has no tokenizer: pass prompts as token-id lists")
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
-        return [int(t) for t in prompt]
+            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            text, ids = None, list(prompt)
+        else:
+            raise ValueError(f"a prompt must be a string, a list of token ids or a prompt dict, got {prompt!r:.80}")
+        self._check_prompt(ids)
+        return text, ids
+
+    def _check_prompt(self, ids: list[int]):
+        limit, vocab = self.engine.max_model_len, self.engine.model_config.vocab_size
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= limit:
+            raise ValueError(f"the prompt (length {len(ids)}) is longer than the maximum model length minus one "
+                             f"output token ({limit - 1}); raise max_model_len or shorten the prompt")
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+
+    # ---- outputs -----------------------------------------------------------------------------------------------
 
     def _run(self, requests: dict, use_tqdm: bool) -> list[RequestOutput]:
-        done: dict[str, RequestOutput] = {}
-        tokens: dict[str, list[int]] = {rid: [] for rid in requests}
+        done: dict[str, list] = {rid: [None] * p.n for rid, (_, _, p) in requests.items()}
+        tokens: dict[str, list[int]] = {}
+        logprobs: dict[str, list] = {}
         bar = tqdm(total=len(requests), desc="generating", disable=not use_tqdm, leave=False)
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
-                tokens[out.request_id].extend(out.new_token_ids)
-                if out.finished:
-                    prompt, ids, p = requests[out.request_id]
-                    text = _cut_at_stop(self.engine.text_of(tokens[out.request_id]), p.stop)
-                    done[out.request_id] = RequestOutput(
-                        out.request_id, prompt, ids, text, tokens[out.request_id], out.finish_reason,
-                        out.metrics or RequestMetrics(), out.error)
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.logprobs is not None:
+                    logprobs.setdefault(out.request_id, []).extend(out.logprobs)
+                if not out.finished:
+                    continue
+                rid, index = _parent(out.request_id)
+                _, _, p = requests[rid]
+                done[rid][index] = (self._completion(index, tokens.pop(out.request_id, []), logprobs.pop(
+                    out.request_id, None), out.finish_reason, p), out)
+                if all(d is not None for d in done[rid]):
                     bar.update(1)
         bar.close()
-        return [done[rid] for rid in requests]
+        return [self._request_output(rid, requests[rid], done[rid]) for rid in requests]
+
+    def _completion(self, index: int, token_ids: list[int], logprobs: list | None, finish_reason: str | None,
+                    p: SamplingParams) -> CompletionOutput:
+        text, stop_reason = self._text(token_ids, finish_reason, p)
+        entries = cumulative = None
+        if p.logprobs is not None:
+            entries = [self._logprob_dict(e, p.logprobs) for e in logprobs or []]
+            cumulative = sum(e[1] for e in logprobs or [])
+        return CompletionOutput(index, text, token_ids, cumulative, entries, finish_reason, stop_reason)
+
+    def _text(self, token_ids: list[int], finish_reason: str | None, p: SamplingParams) -> tuple[str, Any]:
+        """The output text and vLLM's stop_reason (the stop string or stop token id that ended it)."""
+        if self.tokenizer is None:
+            return "", None
+        ids, stop_reason = token_ids, None
+        ended_by_token = finish_reason == "stop" and ids and (
+            ids[-1] in p.stop_token_ids or (not p.ignore_eos and ids[-1] in self.engine.eos_token_ids))
+        if ended_by_token:
+            stop_reason = ids[-1] if ids[-1] in p.stop_token_ids else None
+            if not p.include_stop_str_in_output:  # vLLM leaves the stopping token's text out
+                ids = ids[:-1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
+        if finish_reason == "stop" and not ended_by_token:
+            hits = [(i, s) for s in p.stop for i in [text.find(s)] if i >= 0]
+            if hits:
+                i, s = min(hits)
+                text, stop_reason = text[:i + len(s) if p.include_stop_str_in_output else i], s
+        return text, stop_reason
+
+    def _logprob_dict(self, entry, num_top: int) -> dict[int, Logprob]:
+        token_id, logprob, rank, top = entry
+        decode = (lambda t: self.tokenizer.decode([t], skip_special_tokens=False)) if self.tokenizer else (
+            lambda t: None)
+        out = {token_id: Logprob(logprob, rank, decode(token_id))}
+        for i, (t, lp) in enumerate(top[:num_top]):
+            out.setdefault(t, Logprob(lp, i + 1, decode(t)))
+        return out
+
+    def _request_output(self, rid: str, request, children: list) -> RequestOutput:
+        text, ids, _ = request
+        outputs = [c for c, _ in children]
+        steps = [s for _, s in children]
+        error = next((s.error for s in steps if s.error), None)
+        return RequestOutput(rid, text, ids, outputs, _combine([s.metrics or RequestMetrics() for s in steps]),
+                             error=error)
 
 
-def _cut_at_stop(text: str, stops: list[str] | None) -> str:
-    cut = min((i for i in (text.find(s) for s in stops or []) if i >= 0), default=-1)
-    return text[:cut] if cut >= 0 else text
+def resolve_dtype(dtype: str, device: str) -> str:
+    """vLLM's "auto", here: bfloat16 on a GPU, float32 on the CPU (logged), where bfloat16 is slow and less exact."""
+    if dtype == "auto":
+        if str(device).startswith("cpu"):
+            logger.info("dtype auto on the CPU: using float32 (pass dtype='bfloat16' to override)")
+            return "float32"
+        return "bfloat16"
+    return DTYPE_ALIASES.get(dtype, dtype)
+
+
+def check_max_model_len(config: EngineConfig):
+    """max_model_len above the model's max_position_embeddings is refused, as vLLM refuses it."""
+    from peagle.models.config import ModelConfig
+
+    if config.max_model_len is None:
+        return
+    limit = ModelConfig.from_dir(config.model).max_position_embeddings
+    if config.max_model_len > limit:
+        raise ValueError(f"max_model_len {config.max_model_len} is above the model's max_position_embeddings "
+                         f"({limit}); use at most {limit}")
+
+
+def _check_unimplemented(tensor_parallel_size, enable_prefix_caching, trust_remote_code):
+    if tensor_parallel_size != 1:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} is not supported: peagle runs on one "
+                         f"device (tensor_parallel_size=1)")
+    if enable_prefix_caching:
+        raise ValueError("enable_prefix_caching=True is not supported by peagle yet (prefix caching is not "
+                         "implemented)")
+    if not isinstance(trust_remote_code, bool):
+        raise ValueError(f"trust_remote_code must be a bool, got {trust_remote_code!r}")
+
+
+def _children(p: SamplingParams) -> list[SamplingParams]:
+    """n > 1 runs n independent sequences; seeded ones get seed + index, as vLLM's parallel sampling does."""
+    if p.n == 1:
+        return [p]
+    return [dataclasses.replace(p, n=1, best_of=None, seed=None if p.seed is None else p.seed + i)
+            for i in range(p.n)]
+
+
+def _parent(request_id: str) -> tuple[str, int]:
+    rid, _, index = request_id.partition("-")
+    return rid, int(index) if index else 0
+
+
+def _combine(metrics: list[RequestMetrics]) -> RequestMetrics:
+    if len(metrics) == 1:
+        return metrics[0]
+    width = max(len(m.accepted_per_position) for m in metrics)
+    per_pos = [sum(m.accepted_per_position[i] for m in metrics if i < len(m.accepted_per_position))
+               for i in range(width)]
+    first = metrics[0]
+    return RequestMetrics(sum(m.num_drafting_rounds for m in metrics), sum(m.num_draft_tokens for m in metrics),
+                          sum(m.num_accepted_tokens for m in metrics), per_pos,
+                          sum(m.num_output_tokens for m in metrics), first.ttft_s, first.itl_s,
+                          max((m.e2e_s or 0.0) for m in metrics))

@@ -13,7 +13,7 @@ import torch
 from peagle.engine.config import EngineConfig
 from peagle.engine.model_runner import ModelRunner
 from peagle.engine.outputs import RequestMetrics, StepOutput
-from peagle.engine.sampler import SamplingTensors
+from peagle.engine.sampler import SamplingTensors, build_sampling_tensors
 from peagle.engine.sampling_params import SamplingParams
 from peagle.engine.scheduler import Scheduler, SchedulerConfig
 from peagle.engine.sequence import Sequence
@@ -153,6 +153,10 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
+            ids = getattr(sampling_params, name) or ()
+            if any(t >= vocab for t in ids):
+                raise ValueError(f"{name} holds token ids outside the vocabulary [0, {vocab})")
         seq = Sequence(request_id, prompt_token_ids, sampling_params,
                        time.monotonic() if arrival_time is None else arrival_time, self.eos_token_ids)
         self.scheduler.add(seq)
@@ -189,13 +193,16 @@ class LLMEngine:
             result = self.runner.execute(sched.seqs, [s.draft_token_ids for s in sched.seqs],
                                          self._sampling_tensors(sched.seqs), draft=draft)
             now = time.monotonic()
-            for seq, tokens, drafts in zip(sched.seqs, result.output_tokens, result.drafts):
+            logprobs = result.logprobs or [None] * len(sched.seqs)
+            for seq, tokens, drafts, lps in zip(sched.seqs, result.output_tokens, result.drafts, logprobs):
                 before = seq.num_tokens
                 seq.commit(tokens, now)
                 self._check_stop_strings(seq, before)
                 if not seq.is_finished and self.k:
                     seq.draft_token_ids = drafts
-                outputs.append(StepOutput(seq.seq_id, seq.token_ids[before:], seq.is_finished))
+                new = seq.token_ids[before:]
+                outputs.append(StepOutput(seq.seq_id, new, seq.is_finished,
+                                          logprobs=None if lps is None else lps[:len(new)]))
         by_id = {o.request_id: o for o in outputs}
         now = time.monotonic()
         for seq in self.scheduler.release_finished():
@@ -216,7 +223,9 @@ class LLMEngine:
         # A stop string completed by a new token lies within the last few tokens: every token decodes to at least
         # one character except byte pieces of one character (at most 4), so decode only that window.
         window = 4 * max(len(s) for s in stops) + 8
-        for end in range(max(before, out_start + 1), seq.num_tokens + 1):
+        # As in vLLM, stop strings are not looked for before min_tokens outputs.
+        first = out_start + max(1, seq.sampling_params.min_tokens)
+        for end in range(max(before, first), seq.num_tokens + 1):
             text = self.tokenizer.decode(seq.token_ids[max(out_start, end - window):end])
             if any(s in text for s in stops):
                 del seq.token_ids[end:]
@@ -224,18 +233,8 @@ class LLMEngine:
                 return
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
-        params = [s.sampling_params for s in seqs]
-        all_greedy = all(p.greedy for p in params)
-        dev = self.device
-        if all_greedy:
-            z = torch.zeros(0, device=dev)
-            return SamplingTensors(z, z.long(), z, True, False, [])
-        temp = torch.tensor([0.0 if p.greedy else p.temperature for p in params], device=dev)
-        top_k = torch.tensor([max(p.top_k, 0) for p in params], device=dev)
-        top_p = torch.tensor([p.top_p for p in params], device=dev)
-        needs_filter = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
         gens = [self._generators.get(s.seq_id) for s in seqs]
-        return SamplingTensors(temp, top_k, top_p, False, needs_filter, gens)
+        return build_sampling_tensors(seqs, gens, self.model_config.vocab_size, self.device)
 
     def text_of(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids) if self.tokenizer else ""

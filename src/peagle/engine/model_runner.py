@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from peagle.engine.attention import AttentionMetadata, PagedAttention, allocate_kv_cache, kv_bytes_per_block
-from peagle.engine.sampler import SamplingTensors, exponential_like, target_probs, uniform_like
+from peagle.engine.sampler import (SamplingTensors, exponential_like, process_logits, target_probs, token_logprobs,
+                                   uniform_like)
 from peagle.engine.spec.proposer import DraftInputs, Proposer
 from peagle.engine.spec.verifier import verify_greedy, verify_sampled, verify_synthetic
 
@@ -42,6 +43,8 @@ class StepResult:
     output_tokens: list[list[int]]  # per request: accepted drafts then the next token
     num_accepted: list[int]
     drafts: list[list[int]]  # per request: the next round's K drafts ([] without speculation)
+    # per request asking for logprobs, one (token id, logprob, rank, [(id, logprob)] top) per output token; else None
+    logprobs: list[list[tuple] | None] | None = None
 
 
 class ModelRunner:
@@ -180,6 +183,8 @@ class ModelRunner:
     def verify(self, logits, x, st: SamplingTensors, k: int, num_real: int):
         logits = logits[: num_real * (k + 1)]
         drafts, nd = x["drafts"][:num_real], x["num_drafts"][:num_real]
+        if st.processing is not None:
+            logits = process_logits(logits, st.processing, drafts, nd, k + 1)
         if self.synthetic_acceptance is not None:
             return verify_synthetic(logits.argmax(-1).view(num_real, k + 1), drafts, nd, self.synthetic_acceptance)
         if st.all_greedy:
@@ -214,7 +219,8 @@ class ModelRunner:
         if graphed:
             inp = self.build_inputs(seqs, drafts, k, pad_to=self.graphs.bucket_for(len(seqs)))
             x = self.graphs.load_inputs(inp)
-            if st.all_greedy and self.synthetic_acceptance is None:
+            if st.all_greedy and st.processing is None and st.logprob_requests is None \
+                    and self.synthetic_acceptance is None:
                 return _unpack(self.graphs.run_greedy(inp.num_real, draft), k)
             logits, aux = self.graphs.run_target()
         else:
@@ -235,7 +241,11 @@ class ModelRunner:
             else:
                 new_drafts = self.propose(x, aux, num_rejected, next_tokens, inp.max_query_len)
             new_drafts = new_drafts[: inp.num_real]
-        return _unpack(_pack(v, new_drafts, inp.num_real), k)
+        result = _unpack(_pack(v, new_drafts, inp.num_real), k)
+        if st.logprob_requests is not None:
+            result.logprobs = _logprobs(logits[: inp.num_real * (k + 1)], st, v.output_tokens, k + 1,
+                                        result.num_accepted)
+        return result
 
 
 def _pack(v, new_drafts, b) -> torch.Tensor:  # [B, (k + 1) + 1 + K]
@@ -243,6 +253,19 @@ def _pack(v, new_drafts, b) -> torch.Tensor:  # [B, (k + 1) + 1 + K]
     if new_drafts is not None:
         parts.append(new_drafts.long().reshape(b, -1))
     return torch.cat(parts, dim=1)
+
+
+def _logprobs(logits, st: SamplingTensors, output_tokens, rows: int, num_accepted: list[int]) -> list:
+    """Per request: None, or one (id, logprob, rank, top) per emitted token, from the raw target logits."""
+    chosen, rank, top_ids, top_lp = token_logprobs(logits, st.logprob_requests, output_tokens, st.num_logprobs,
+                                                   rows)
+    out: list = [None] * len(num_accepted)
+    host = zip(st.logprob_requests.tolist(), output_tokens[st.logprob_requests].tolist(), chosen.tolist(),
+               rank.tolist(), top_ids.tolist(), top_lp.tolist())
+    for b, ids, lps, ranks, tids, tlps in host:
+        n = num_accepted[b] + 1
+        out[b] = [(ids[j], lps[j], ranks[j], list(zip(tids[j], tlps[j]))) for j in range(n)]
+    return out
 
 
 def _unpack(packed: torch.Tensor, k: int) -> StepResult:

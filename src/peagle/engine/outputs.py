@@ -1,4 +1,4 @@
-"""What the engine hands back: per-step deltas (StepOutput) and finished requests (RequestOutput)."""
+"""What the engine hands back: per-step deltas (StepOutput) and finished requests in vLLM's shape (RequestOutput)."""
 
 from __future__ import annotations
 
@@ -43,6 +43,11 @@ class RequestMetrics:
                    list(seq.accepted_per_position), n, ttft, itl, now - seq.arrival_time)
 
 
+# One emitted token's log-probabilities, as the engine reports them: (token id, logprob, rank, [(id, logprob)]
+# of the top alternatives, most likely first). Ranks count from 1 (the target's argmax).
+TokenLogprobs = tuple[int, float, int, list[tuple[int, float]]]
+
+
 @dataclass
 class StepOutput:
     request_id: str
@@ -51,15 +56,63 @@ class StepOutput:
     finish_reason: str | None = None
     error: str | None = None
     metrics: RequestMetrics | None = None  # set when finished
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for logprobs
+
+
+@dataclass
+class Logprob:
+    """vLLM's Logprob: a token's log-probability under the target, its rank there, and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's n sequences, as vLLM's CompletionOutput.
+
+    `logprobs` holds one dict per generated token, keyed by token id: the chosen token and the top alternatives.
+    `stop_reason` is the stop string or `stop_token_ids` id that ended it (None for EOS, length, abort).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
 class RequestOutput:
+    """A finished request in vLLM's shape: `outputs` holds its n sequences (`outputs[0].text`).
+
+    `text`, `token_ids` and `finish_reason` read the first sequence, and `metrics` sums the speculation counters
+    of all of them, for callers written before `outputs` existed.
+    """
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
+    outputs: list[CompletionOutput]
     metrics: RequestMetrics
-    error: str | None = None
+    finished: bool = True
+    prompt_logprobs: None = None  # not implemented: SamplingParams refuses prompt_logprobs
+    error: str | None = None  # why the engine ended it with finish_reason "error" (out of KV cache, ...)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason

@@ -1,55 +1,124 @@
-"""SamplingParams: how one request samples and when it stops, validated when built."""
+"""SamplingParams: how one request samples and when it stops, validated when built (vLLM's fields and meanings)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(kw_only=True, slots=True)
 class SamplingParams:
     """Per-request sampling, in vLLM's terms.
 
-    After validation `stop` and `stop_token_ids` are always lists (None and a lone string are normalised) and
-    `top_k` is -1 when off (0 is accepted as "off" too). Stop strings are matched by the engine's detokenizer;
-    `stop_token_ids` end a request even with `ignore_eos`, which only ignores the model's EOS ids.
+    After validation `stop` and `stop_token_ids` are always lists (None and a lone string are normalised),
+    `logit_bias` is a dict of int ids (or None) and `top_k` is -1 when off (0 is accepted as "off" too). Stop strings
+    are matched by the engine's detokenizer; `stop_token_ids` end a request even with `ignore_eos`, which only
+    ignores the model's EOS ids. `min_tokens` keeps EOS (unless `ignore_eos`) and `stop_token_ids` out of the first
+    outputs and holds stop strings back until then. Penalties follow vLLM: presence and frequency over the output
+    tokens, repetition (divide positive logits, multiply negative ones) over prompt and output.
+
+    Fields vLLM has and peagle does not implement exist only to refuse a non-default value with a ValueError that
+    names them (prompt_logprobs, bad_words, guided_decoding, logits_processors, truncate_prompt_tokens,
+    spaces_between_special_tokens=False, detokenize=False, best_of > n).
     """
 
+    n: int = 1
+    best_of: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
     max_tokens: int = 16
+    min_tokens: int = 0
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    # vLLM fields peagle refuses unless left at their defaults:
+    prompt_logprobs: int | None = None
+    bad_words: list[str] | None = None
+    guided_decoding: object | None = None
+    logits_processors: list | None = None
+    truncate_prompt_tokens: int | None = None
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
 
     def __post_init__(self):
+        self._refuse_unimplemented()
         self._check_numbers()
+        self._check_penalties()
         self.stop = self._normalise_stop(self.stop)
-        self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+        self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+        self.logit_bias = self._normalise_logit_bias(self.logit_bias)
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    def _refuse_unimplemented(self):
+        unset = {"prompt_logprobs": None, "bad_words": None, "guided_decoding": None, "logits_processors": None,
+                 "truncate_prompt_tokens": None, "spaces_between_special_tokens": True, "detokenize": True}
+        for name, default in unset.items():
+            value = getattr(self, name)
+            if value != default and not (name in ("bad_words", "logits_processors") and value == []):
+                raise ValueError(f"{name}={value!r} is not supported by peagle (only {default!r})")
 
     def _check_numbers(self):
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of != self.n):
+            raise ValueError(f"best_of must equal n ({self.n}) or be None: best_of > n is not supported, "
+                             f"got {self.best_of!r}")
+        if not _is_number(self.temperature):
             raise ValueError(f"temperature must be a number, got {self.temperature!r}")
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+        if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
         if self.top_k == 0:
             self.top_k = -1
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+
+    def _check_penalties(self):
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
 
     @staticmethod
     def _normalise_stop(stop) -> list[str]:
@@ -62,15 +131,42 @@ class SamplingParams:
         return stops
 
     @staticmethod
-    def _normalise_stop_token_ids(ids) -> list[int]:
-        if ids is None:
-            return []
-        ids = list(ids)
-        for i in ids:
-            if not _is_int(i) or i < 0:
-                raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {i!r}")
-        return ids
+    def _normalise_logit_bias(bias) -> dict[int, float] | None:
+        if not bias:
+            return None
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+        out = {}
+        for key, value in bias.items():
+            try:
+                token_id = int(key)  # JSON object keys are strings
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+            if token_id < 0 or not _is_number(value):
+                raise ValueError(f"logit_bias must map token ids >= 0 to numbers, got {key!r}: {value!r}")
+            out[token_id] = max(-100.0, min(100.0, float(value)))  # OpenAI's range; vLLM clamps alike
+        return out
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def needs_logits_processing(self) -> bool:
+        """Whether the target's logits change before sampling beyond temperature / top-k / top-p."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.allowed_token_ids is not None or self.min_tokens)
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+def _token_ids(name: str, ids) -> list[int]:
+    if ids is None:
+        return []
+    ids = list(ids)
+    for i in ids:
+        if not _is_int(i) or i < 0:
+            raise ValueError(f"{name} must be a list of token ids >= 0, got {i!r}")
+    return ids

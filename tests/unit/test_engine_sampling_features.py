@@ -1,0 +1,169 @@
+"""Sampling features under speculation: penalties, logit_bias, min_tokens, allowed ids and logprobs are computed per
+verified row with the drafts before it as history, so speculative greedy output equals plain greedy output (fp32)
+with them on, and logprobs are the target's at every emitted token, accepted drafts included."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from peagle import LLM, SamplingParams
+from peagle.drafters import Drafter, save_drafter
+from peagle.engine.sampler import LogitsProcessing, process_logits
+from peagle.models.attention import DenseAttention
+from peagle.models.loader import load_model
+
+PROMPTS = [[7, 20, 31, 40], [9, 15], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [30]]
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def target_dir(tiny_hf_checkpoint):
+    return tiny_hf_checkpoint("llama", num_layers=4)
+
+
+@pytest.fixture(scope="module")
+def heads(target_dir, tmp_path_factory):
+    out = {}
+    for method, layers in (("eagle3", 1), ("peagle", 2)):
+        d = tmp_path_factory.mktemp(method)
+        save_drafter(Drafter.for_target(target_dir, method, layers, seed=3), d / "head")
+        out[method] = str(d / "head")
+    return out
+
+
+def make_llm(target_dir, head=None, method="peagle", k=3):
+    spec = None
+    if head is not None:
+        spec = {"method": "eagle3", "model": head, "num_speculative_tokens": k, "parallel_drafting": method == "peagle"}
+    return LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
+               max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def plain(target_dir):
+    return make_llm(target_dir)
+
+
+PROCESSED = [
+    dict(repetition_penalty=1.3, frequency_penalty=0.4),
+    dict(presence_penalty=1.5, logit_bias={17: 3.0, 40: -100}),
+    dict(min_tokens=20, frequency_penalty=0.2, ignore_eos=False),
+    dict(allowed_token_ids=list(range(5, 60)), repetition_penalty=0.8),
+]
+
+
+def processed_params(**kw):
+    kw.setdefault("ignore_eos", True)
+    return SamplingParams(temperature=0, max_tokens=24, **kw)
+
+
+def reference_processed(model, prompt, p: SamplingParams, eos=frozenset({EOS, 0})) -> list[int]:
+    """Plain greedy decoding with vLLM's logits processing written out directly, one token at a time."""
+    ids, out = list(prompt), []
+    for _ in range(p.max_tokens):
+        h = model(torch.tensor(ids), torch.arange(len(ids)), DenseAttention([len(ids)])).hidden
+        logits = model.compute_logits(h[-1:])[0].clone()
+        if p.allowed_token_ids is not None:
+            keep = torch.full_like(logits, float("-inf"))
+            keep[p.allowed_token_ids] = 0
+            logits += keep
+        for t, v in (p.logit_bias or {}).items():
+            logits[t] += v
+        if len(out) < p.min_tokens:
+            logits[list(set(p.stop_token_ids) | (set() if p.ignore_eos else eos))] = float("-inf")
+        for t in set(ids):
+            if logits[t] > 0:
+                logits[t] /= p.repetition_penalty
+            else:
+                logits[t] *= p.repetition_penalty
+        for t in set(out):
+            logits[t] -= p.frequency_penalty * out.count(t) + p.presence_penalty
+        tok = int(logits.argmax())
+        ids.append(tok)
+        out.append(tok)
+        if not p.ignore_eos and tok in eos:
+            break
+    return out
+
+
+def test_processing_changes_plain_output_as_written(target_dir, plain):
+    model = load_model(target_dir, dtype="float32")
+    params = [processed_params(**kw) for kw in PROCESSED]
+    outs = plain.generate(PROMPTS, params, use_tqdm=False)
+    unprocessed = plain.generate(PROMPTS, processed_params(), use_tqdm=False)
+    with torch.inference_mode():
+        for prompt, p, out in zip(PROMPTS, params, outs):
+            assert out.outputs[0].token_ids == reference_processed(model, prompt, p)
+    assert any(a.token_ids != b.token_ids for a, b in zip(outs, unprocessed))
+    assert 40 not in outs[1].token_ids and all(5 <= t < 60 for t in outs[3].token_ids)
+    assert len(outs[2].token_ids) >= 20
+
+
+def oracle_drafts(llm, continuations: dict[str, list[int]], k: int, corrupt_every: int = 3):
+    """Makes the engine verify the true processed continuation as its drafts, one in `corrupt_every` rounds with a
+    wrong draft, so rounds accept 0..K drafts and every verified row's processing is exercised."""
+    real_execute = llm.engine.runner.execute
+    rounds = iter(range(10 ** 6))
+
+    def execute(seqs, drafts, st, draft=True):
+        result = real_execute(seqs, drafts, st, draft)
+        for i, seq in enumerate(seqs):
+            full = continuations[seq.seq_id]
+            oracle = (full[seq.num_tokens + len(result.output_tokens[i]):] + [0] * k)[:k]
+            r = next(rounds)
+            if r % corrupt_every == 0:
+                oracle[r % k] = (oracle[r % k] + 1) % 300
+            result.drafts[i] = oracle
+        return result
+
+    llm.engine.runner.execute = execute
+
+
+@pytest.mark.parametrize("method", ["eagle3", "peagle"])
+def test_speculative_greedy_equals_plain_greedy_with_processing(target_dir, heads, plain, method):
+    params = [processed_params(**kw) for kw in PROCESSED]
+    want = plain.generate(PROMPTS, params, use_tqdm=False)
+    llm = make_llm(target_dir, heads[method], method, k=3)
+    oracle_drafts(llm, {str(i): p + w.token_ids for i, (p, w) in enumerate(zip(PROMPTS, want))}, k=3)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    for a, b in zip(want, got):
+        assert b.token_ids == a.token_ids
+    # Every request had rounds accepting the last draft position, so rows 1..K decided tokens.
+    assert all(len(o.metrics.accepted_per_position) == 3 and o.metrics.accepted_per_position[2] > 0 for o in got)
+
+
+def test_row_history_counts_the_drafts_before_it():
+    # One request, K = 2 drafts [5, 5]: row j has seen the output [3] plus drafts 0..j-1.
+    v = 8
+    logits = torch.zeros(3, v)
+    proc = LogitsProcessing(torch.tensor([0]), None, None, None, torch.zeros(1, v).index_fill_(1, torch.tensor([3]), 1),
+                            torch.zeros(1, v, dtype=torch.bool), torch.tensor([0.0]), torch.tensor([1.0]),
+                            torch.tensor([1.0]))
+    out = process_logits(logits, proc, torch.tensor([[5, 5]]), torch.tensor([2]), 3)
+    assert out[:, 3].tolist() == [-1.0, -1.0, -1.0]
+    assert out[:, 5].tolist() == [0.0, -1.0, -2.0]
+
+
+@pytest.mark.parametrize("method", ["eagle3", "peagle"])
+def test_logprobs_are_the_targets_at_every_emitted_token(target_dir, heads, plain, method):
+    llm = make_llm(target_dir, heads[method], method, k=3)
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3, presence_penalty=0.5)
+    out = llm.generate([PROMPTS[0]], p, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == plain.generate([PROMPTS[0]], p, use_tqdm=False)[0].token_ids
+    assert len(out.logprobs) == len(out.token_ids)
+    model = load_model(target_dir, dtype="float32")
+    ids = list(PROMPTS[0]) + out.token_ids
+    with torch.inference_mode():
+        h = model(torch.tensor(ids), torch.arange(len(ids)), DenseAttention([len(ids)])).hidden
+        ref = torch.log_softmax(model.compute_logits(h), -1)[len(PROMPTS[0]) - 1:-1]  # [n, V]
+    for j, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert tok in entry and 3 <= len(entry) <= 4
+        assert math.isclose(entry[tok].logprob, float(ref[j, tok]), abs_tol=1e-4)
+        assert entry[tok].rank == int((ref[j] > ref[j, tok]).sum()) + 1
+        top = ref[j].topk(3)
+        for rank, (t, lp) in enumerate(zip(top.indices.tolist(), top.values.tolist()), 1):
+            assert math.isclose(entry[t].logprob, lp, abs_tol=1e-4) and entry[t].rank == rank
+    assert math.isclose(out.cumulative_logprob, sum(e[t].logprob for e, t in zip(out.logprobs, out.token_ids)))

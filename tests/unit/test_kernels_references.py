@@ -185,3 +185,26 @@ def test_dispatch_routes_to_triton_only_when_forced(monkeypatch):
     monkeypatch.setenv(kernels.BACKEND_ENV, "triton")
     kernels.store_kv(k, k, cache, cache.clone(), torch.tensor([2]))
     assert calls == ["triton"]
+
+
+def advance_worked_example():
+    """The inputs of decode_inputs.py's worked example, and output buffers for them."""
+    out = {name: torch.full((9,), -7, dtype=torch.long) for name in ("input_ids", "positions", "slot_mapping")}
+    out["drafts"] = torch.full((3, 2), -7, dtype=torch.long)
+    out["num_drafts"] = torch.zeros(3, dtype=torch.long)
+    inputs = dict(packed=torch.tensor([[11, 12, 40, 2, 50, 51], [30, -1, -1, 0, 31, 32]]),
+                  src=torch.tensor([1, 0, -1]), base=torch.tensor([6, 5, 0]),
+                  block_tables=torch.tensor([[3, 5, 1], [2, 6, 4], [7, 7, 7]], dtype=torch.int32),
+                  k_prev=2, k=2, block_size=4, scratch_block=7)
+    return inputs, out
+
+
+def test_advance_decode_inputs_ref_worked_example():
+    from peagle.kernels import advance_decode_inputs_ref
+
+    inputs, out = advance_worked_example()
+    advance_decode_inputs_ref(**inputs, out=out)
+    assert out["input_ids"].tolist() == [30, 31, 32, 40, 50, 51, 0, 0, 0]
+    assert out["positions"].tolist() == [6, 7, 8, 7, 8, 9, 0, 1, 2]
+    assert out["slot_mapping"].tolist() == [22, 23, 4, 27, 16, 17, 28, 29, 30]
+    assert out["drafts"].tolist() == [[31, 32], [50, 51], [0, 0]] and out["num_drafts"].tolist() == [2, 2, 2]

@@ -226,6 +226,34 @@ def test_gather_draft_features(interpreted, dtype, num_features):
     interpreted(check_gather_draft_features, dtype, num_features)
 
 
+# advance_decode_inputs
+
+def check_advance_decode_inputs(k_prev, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    b_prev, b, bs, width, scratch = 6, 5, 4, 6, 20
+    num_drafts = k_prev + 3  # more drafts than are fed
+    packed = torch.randint(0, 500, (b_prev, (k_prev + 1) + 1 + num_drafts), generator=gen)
+    packed[:, k_prev + 1] = torch.randint(0, k_prev + 1, (b_prev,), generator=gen)  # number accepted
+    src = torch.randperm(b_prev, generator=gen)[:b]
+    src[-1] = -1  # bucket padding
+    base = torch.randint(0, 8, (b,), generator=gen)
+    tables = torch.randint(0, scratch, (b, width), generator=gen).to(I32)
+    outs = []
+    for fn in (triton_kernels("decode_inputs").advance_decode_inputs, kernels.advance_decode_inputs_ref):
+        out = {name: torch.full((b * (k + 1),), -7, dtype=torch.long)
+               for name in ("input_ids", "positions", "slot_mapping")}
+        out["drafts"], out["num_drafts"] = torch.full((b, k), -7, dtype=torch.long), torch.zeros(b, dtype=torch.long)
+        fn(packed, src, base, tables, k_prev, k, bs, scratch, out)
+        outs.append(out)
+    for name in outs[0]:
+        assert torch.equal(outs[0][name], outs[1][name]), name
+
+
+@pytest.mark.parametrize("k_prev,k", [(0, 0), (3, 3), (7, 5)])
+def test_advance_decode_inputs(interpreted, k_prev, k):
+    interpreted(check_advance_decode_inputs, k_prev, k, 0)
+
+
 # The whole engine on the Triton kernels
 
 TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 64,

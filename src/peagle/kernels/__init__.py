@@ -2,7 +2,7 @@
 
 Callers use the functions here (`store_kv`, `paged_attention`, `expand_draft_batch`, `gather_draft_features`,
 and the decoder layer's fused element-wise ops `rms_norm`, `fused_add_rms_norm`, `rotary`, `rotary_store_kv`,
-`silu_and_mul`);
+`silu_and_mul`; `advance_decode_inputs` for async scheduling);
 each runs the Triton kernel or the `*_ref` reference, chosen by the environment variable PEAGLE_KERNELS:
 - `auto` (default): Triton for CUDA tensors, the reference otherwise (the CPU path of the engine);
 - `triton`: Triton everywhere; for CPU tensors this needs TRITON_INTERPRET=1 (Triton's interpreter, for tests);
@@ -22,6 +22,7 @@ from types import ModuleType
 
 import torch
 
+from peagle.kernels.decode_inputs import advance_decode_inputs_ref
 from peagle.kernels.draft_batch import DraftBatch, expand_draft_batch_ref, gather_draft_features_ref
 from peagle.kernels.fused import (fused_add_rms_norm_ref, rms_norm_ref, rotary_ref, rotary_store_kv_ref,
                                   silu_and_mul_ref)
@@ -37,7 +38,7 @@ __all__ = [
     "expand_draft_batch", "expand_draft_batch_ref", "gather_draft_features", "gather_draft_features_ref",
     "rms_norm", "rms_norm_ref", "fused_add_rms_norm", "fused_add_rms_norm_ref", "rotary", "rotary_ref",
     "rotary_store_kv", "rotary_store_kv_ref",
-    "silu_and_mul", "silu_and_mul_ref",
+    "silu_and_mul", "silu_and_mul_ref", "advance_decode_inputs", "advance_decode_inputs_ref",
 ]
 
 
@@ -175,3 +176,20 @@ def silu_and_mul(
 ) -> torch.Tensor:  # [T, I]
     fn = triton_module("fused", x.device).silu_and_mul if use_triton(x.device) else silu_and_mul_ref
     return fn(x)
+
+
+def advance_decode_inputs(
+    packed: torch.Tensor,  # [B_prev, (k_prev + 1) + 1 + D] int64 answer of the step in flight
+    src: torch.Tensor,  # [B] int64 packed row per request, -1 = padding
+    base: torch.Tensor,  # [B] int64 token count per request when the step in flight was launched
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    k_prev: int,
+    k: int,
+    block_size: int,
+    scratch_block: int,
+    out: dict[str, torch.Tensor],  # input_ids, positions, slot_mapping [B * (k + 1)], drafts [B, k], num_drafts [B]
+) -> None:
+    device = packed.device
+    fn = (triton_module("decode_inputs", device).advance_decode_inputs if use_triton(device)
+          else advance_decode_inputs_ref)
+    fn(packed, src, base, block_tables, k_prev, k, block_size, scratch_block, out)

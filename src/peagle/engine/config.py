@@ -78,6 +78,9 @@ class SpeculativeConfig:
             raise ValueError("speculative config must be a JSON object")
         if not d:  # '{}' says: no speculation (overrides a config from the environment)
             return None
+        from peagle.bench.calibration import head_adaptive_default
+
+        d = head_adaptive_default(d)  # no "adaptive" given: the head's calibrated adaptive.json, if it has one
         known = {"method", "model", "num_speculative_tokens", "parallel_drafting", "adaptive"}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -122,6 +125,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     load_format: str = "auto"
     synthetic_acceptance: tuple[float, ...] | None = None
+    # vLLM's name: the host schedules and prepares step n+1 while the GPU runs step n (off until measured to win)
+    async_scheduling: bool = False
 
     def __post_init__(self):
         if self.load_format not in ("auto", "dummy"):

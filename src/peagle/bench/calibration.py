@@ -1,0 +1,121 @@
+"""The adaptive policy derived from measurements, and the file beside a head that makes it the head's default.
+
+`derive_policy` picks, at each measured concurrency (the number of running requests a closed loop of that many
+clients keeps), the K whose output tokens/s is highest relative to no speculation (K = 0), pooled over the
+measured workloads (dataset x temperature) by the geometric mean of the ratios. Near-ties go to the smaller K: a
+K that does not clearly win costs drafting work for nothing. Between two measured concurrencies the band boundary
+sits at their geometric mean (the grid is log-spaced), and the last winner holds above the largest one.
+
+Worked example: concurrencies 1, 2, 4, 8, 16, 32, 64 won by K 11, 11, 7, 7, 5, 0, 0 give boundaries 1, 2, 5, 11, 22,
+45 and, with equal neighbours merged, `{"thresholds": [[2, 11], [11, 7], [22, 5]], "above": 0}`.
+
+`adaptive.json` beside a head holds that policy in the shape `speculative_config.adaptive` takes, plus a
+`calibration` record (what was measured, on which GPU); `head_adaptive_default` fills it into a speculative config
+that gives no `adaptive` of its own. This module imports nothing heavy: the engine calls it while parsing configs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+logger = logging.getLogger(__name__)
+
+POLICY_FILE = "adaptive.json"
+TIE_TOLERANCE = 0.02  # a larger K must beat the best smaller one by more than this fraction of tokens/s
+
+
+def policy_text(policy: dict[str, Any]) -> str:
+    """A policy in the `--adaptive` syntax: {"thresholds": [[8, 7]], "above": 0} -> "8:7,above:0"."""
+    items = [f"{bound}:{k}" for bound, k in policy.get("thresholds") or ()]
+    if policy.get("above") is not None:
+        items.append(f"above:{policy['above']}")
+    return ",".join(items) or "above:max"
+
+
+def winners(points: Iterable[dict], method: str, tie_tolerance: float = TIE_TOLERANCE) -> list[dict]:
+    """Per concurrency: each K's tokens/s over no speculation's (geometric mean over workloads) and the winner.
+
+    Uses fixed-K points of `method` and `none` that completed requests and carry no hygiene flag. Returns
+    [{"concurrency": c, "winner": K, "speedup_vs_none": {K: ratio}}] in increasing concurrency; K 0 is no speculation.
+    """
+    rates: dict[tuple, float] = {}
+    for p in points:
+        usable = p["num_prompts"] and not p.get("flags") and not p.get("adaptive") and p["tokens_per_s"] > 0
+        if usable and p["method"] in (method, "none"):
+            k = 0 if p["method"] == "none" else p["k"]
+            rates[(p["dataset"], p.get("temperature", 0.0), p["concurrency"], k)] = p["tokens_per_s"]
+    out = []
+    for c in sorted({key[2] for key in rates if key[3] == 0}):
+        ratios: dict[int, list[float]] = {}
+        for (dataset, temperature, cc, k), rate in rates.items():
+            base = rates.get((dataset, temperature, c, 0))
+            if cc == c and base:
+                ratios.setdefault(k, []).append(rate / base)
+        score = {k: math.exp(sum(map(math.log, r)) / len(r)) for k, r in sorted(ratios.items())}
+        best = max(score.values())
+        winner = min(k for k, s in score.items() if s >= (1 - tie_tolerance) * best)
+        out.append({"concurrency": c, "winner": winner, "speedup_vs_none": {str(k): round(s, 4)
+                                                                            for k, s in score.items()}})
+    return out
+
+
+def policy_from_winners(concurrency: Sequence[int], ks: Sequence[int]) -> dict[str, Any]:
+    """Bands from per-concurrency winners (see the module docstring): {"thresholds": [[bound, K], ...], "above": K}."""
+    if not concurrency or len(concurrency) != len(ks):
+        raise ValueError("need one winning K per measured concurrency")
+    bounds = [math.isqrt(a * b) for a, b in zip(concurrency, concurrency[1:])]
+    thresholds: list[list[int]] = []
+    for bound, k, next_k in zip(bounds, ks, ks[1:]):
+        if k != next_k:  # equal neighbours share one band, ending at the later boundary
+            thresholds.append([bound, k])
+    return {"thresholds": thresholds, "above": ks[-1]}
+
+
+def derive_policy(points: Iterable[dict], method: str,
+                  tie_tolerance: float = TIE_TOLERANCE) -> tuple[dict[str, Any], list[dict]]:
+    """(policy, per-concurrency table) for `method` from a sweep's points; ValueError when they cannot say."""
+    table = winners(points, method, tie_tolerance)
+    if not any(len(row["speedup_vs_none"]) > 1 for row in table):
+        raise ValueError(f"calibration needs unflagged points of 'none' and of {method!r} at the same concurrency "
+                         "and dataset")
+    return policy_from_winners([r["concurrency"] for r in table], [r["winner"] for r in table]), table
+
+
+def write_policy(path: str | Path, policy: dict[str, Any], record: dict[str, Any]) -> Path:
+    """Writes a policy file (policy + a `calibration` record) through a temporary file; returns its path."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({**policy, "calibration": record}, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def read_policy(path: str | Path) -> dict[str, Any]:
+    """The policy of an adaptive.json: {"thresholds": [...], "above": K}; ValueError naming the file if malformed."""
+    try:
+        data = json.loads(Path(path).read_text())
+        policy = {"thresholds": [[int(b), int(k)] for b, k in data.get("thresholds", [])], "above": data.get("above")}
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path} is not an adaptive policy file ({e}); rewrite it with peagle bench --calibrate, "
+                         "delete it, or give speculative_config.adaptive explicitly") from None
+    if policy["above"] is not None and not isinstance(policy["above"], int):
+        raise ValueError(f"{path}: 'above' must be an integer K or null")
+    return policy
+
+
+def head_adaptive_default(spec: dict[str, Any]) -> dict[str, Any]:
+    """`spec` with `adaptive` taken from the head's adaptive.json when it gives none (an explicit `adaptive`, even
+    {}, is kept: that is how a caller asks for a fixed K). Any other spec comes back unchanged."""
+    if "adaptive" in spec or not spec.get("model"):
+        return spec
+    path = Path(str(spec["model"])) / POLICY_FILE
+    if not path.is_file():
+        return spec
+    policy = read_policy(path)
+    logger.info("adaptive policy %s from %s (the head's calibrated default; pass \"adaptive\": {} for a fixed K)",
+                policy_text(policy), path)
+    return {**spec, "adaptive": policy}

@@ -1,0 +1,105 @@
+"""The adaptive policy derived from fabricated measurements, and the head's adaptive.json as the default policy."""
+
+import json
+
+import pytest
+
+from peagle.bench.calibration import (
+    POLICY_FILE,
+    derive_policy,
+    head_adaptive_default,
+    policy_from_winners,
+    policy_text,
+    winners,
+    write_policy,
+)
+from peagle.engine.config import SpeculativeConfig
+
+CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
+
+
+def point(method, k, c, rate, dataset="mtbench", flags=(), temperature=0.0):
+    return {"dataset": dataset, "method": method, "k": k, "adaptive": None, "temperature": temperature,
+            "concurrency": c, "num_prompts": 3 * c, "tokens_per_s": rate, "flags": list(flags)}
+
+
+def sweep(speedup: dict[int, dict[int, float]], dataset="mtbench", base=100.0) -> list[dict]:
+    """No speculation at `base` x c tokens/s; P-EAGLE at K with speedup[K][c] times that."""
+    points = [point("none", None, c, base * c, dataset) for c in CONCURRENCY]
+    for k, by_c in speedup.items():
+        points += [point("peagle", k, c, base * c * by_c[c], dataset) for c in CONCURRENCY]
+    return points
+
+
+def test_worked_example_of_the_docstring():
+    assert policy_from_winners(CONCURRENCY, [11, 11, 7, 7, 5, 0, 0]) == {
+        "thresholds": [[2, 11], [11, 7], [22, 5]], "above": 0}
+    assert policy_from_winners(CONCURRENCY, [7] * 7) == {"thresholds": [], "above": 7}
+    assert policy_from_winners((1,), [3]) == {"thresholds": [], "above": 3}
+    with pytest.raises(ValueError):
+        policy_from_winners((1, 2), [3])
+
+
+def test_the_fastest_k_wins_each_concurrency_and_speculation_may_be_turned_off():
+    # K=11 wins at low load, K=5 in the middle, no speculation (K=0) at 32 and 64.
+    speedup = {5: dict(zip(CONCURRENCY, (2.0, 1.9, 1.8, 1.6, 1.3, 0.95, 0.8))),
+               11: dict(zip(CONCURRENCY, (2.6, 2.4, 1.7, 1.3, 1.0, 0.7, 0.5)))}
+    policy, table = derive_policy(sweep(speedup), "peagle")
+    assert [row["winner"] for row in table] == [11, 11, 5, 5, 5, 0, 0]
+    assert table[0]["speedup_vs_none"] == {"0": 1.0, "5": 2.0, "11": 2.6}
+    assert policy == {"thresholds": [[2, 11], [22, 5]], "above": 0}
+    spec = SpeculativeConfig.from_dict({"method": "eagle3", "model": "h", "num_speculative_tokens": 11,
+                                        "adaptive": policy})
+    assert [spec.adaptive.k_for(n, 11) for n in (1, 2, 3, 22, 23, 64, 200)] == [11, 11, 5, 5, 0, 0, 0]
+    assert policy_text(policy) == "2:11,22:5,above:0"
+
+
+def test_near_ties_go_to_the_smaller_k_and_workloads_pool_by_geometric_mean():
+    # At c=1 K=7 is 1% faster than K=5 on both sets: a tie, so K=5. Elsewhere K=7 is 1% faster on one set and 10%
+    # slower on the other; the geometric mean over the two sets decides: K=5.
+    a = sweep({5: {c: 1.5 for c in CONCURRENCY}, 7: {c: 1.515 for c in CONCURRENCY}}, "mtbench")
+    b = sweep({5: {c: 1.2 for c in CONCURRENCY}, 7: {c: 1.2 * 1.01 if c == 1 else 1.08 for c in CONCURRENCY}},
+              "humaneval")
+    table = winners(a + b, "peagle")
+    assert [row["winner"] for row in table] == [5] * 7
+    assert table[1]["speedup_vs_none"]["7"] == pytest.approx((1.515 * 1.08) ** 0.5, abs=1e-4)
+
+
+def test_flagged_points_do_not_vote():
+    points = sweep({3: {c: 1.1 for c in CONCURRENCY}})
+    stalled = next(p for p in points if p["method"] == "none" and p["concurrency"] == 16)
+    stalled["tokens_per_s"] /= 4  # a stall would make K=3 look 4.4x better here
+    stalled["flags"] = ["tokens/s 60% below c=8's"]
+    table = winners(points, "peagle")
+    assert [row["concurrency"] for row in table] == [1, 2, 4, 8, 32, 64]
+    with pytest.raises(ValueError, match="calibration needs"):
+        derive_policy([point("none", None, 1, 10.0)], "peagle")
+
+
+def test_head_policy_is_the_default_only_when_none_is_given(tmp_path):
+    spec = {"method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": 7, "parallel_drafting": True}
+    assert head_adaptive_default(spec) is spec  # no adaptive.json: unchanged
+    write_policy(tmp_path / POLICY_FILE, {"thresholds": [[8, 7], [32, 3]], "above": 0}, {"gpu": "test"})
+    saved = json.loads((tmp_path / POLICY_FILE).read_text())
+    assert saved["calibration"] == {"gpu": "test"} and saved["above"] == 0
+    assert head_adaptive_default(spec)["adaptive"] == {"thresholds": [[8, 7], [32, 3]], "above": 0}
+    fixed = {**spec, "adaptive": {}}
+    assert head_adaptive_default(fixed) is fixed  # an explicit (empty) policy wins
+    # Both LLM(speculative_config=...) and peagle serve (--speculative-config or the environment) parse here.
+    parsed = SpeculativeConfig.from_dict(json.dumps(spec))
+    assert [parsed.adaptive.k_for(n, 7) for n in (1, 8, 9, 33)] == [7, 7, 3, 0]
+    assert SpeculativeConfig.from_dict(fixed).adaptive.thresholds == ()
+    assert SpeculativeConfig.from_dict({**spec, "model": "dummy"}).adaptive.thresholds == ()
+
+
+def test_environment_config_gets_the_head_default(tmp_path, monkeypatch):
+    write_policy(tmp_path / POLICY_FILE, {"thresholds": [[4, 5]], "above": 3}, {})
+    monkeypatch.setenv("PEAGLE_SPECULATIVE_CONFIG", json.dumps(
+        {"method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": 5}))
+    assert SpeculativeConfig.from_env().adaptive.above == 3
+
+
+def test_a_malformed_policy_file_says_which_file(tmp_path):
+    (tmp_path / POLICY_FILE).write_text("{not json")
+    with pytest.raises(ValueError, match="adaptive.json is not an adaptive policy file"):
+        head_adaptive_default({"method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": 3})

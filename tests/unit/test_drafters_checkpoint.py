@@ -255,17 +255,80 @@ def test_a_directory_that_is_no_drafter_is_refused(tmp_path):
         read_config(tmp_path / "missing")
 
 
-def test_vocabulary_maps_may_be_left_out_only_for_the_whole_vocabulary(tmp_path):
+def test_vocabulary_maps_are_left_out_only_for_the_whole_vocabulary(tmp_path):
     target = tiny_target()
     full = Drafter.for_target(target, "eagle3", seed=0)  # draft vocabulary = every target id
     for name, drafter in (("full", full), ("reduced", random_drafter("eagle3"))):
         save_drafter(drafter, tmp_path / name)
-        file = tmp_path / name / "model.safetensors"
-        tensors = load_file(file)
-        del tensors["d2t"], tensors["t2d"]  # as speculators saves a head without a reduced vocabulary
-        save_file(tensors, str(file))
-    loaded = load_drafter(tmp_path / "full", target.config)
-    assert loaded.to_target_ids(torch.tensor([0, 5, 63])).tolist() == [0, 5, 63]
-    assert_same_state(full, loaded)
+    export_drafter(tmp_path / "full", tmp_path / "full-aws", "aws")
+    for name in ("full", "full-aws"):  # as speculators writes them, and as vLLM needs them
+        assert not {"d2t", "t2d"} & set(load_file(tmp_path / name / "model.safetensors"))
+        loaded = load_drafter(tmp_path / name, target.config)
+        assert loaded.to_target_ids(torch.tensor([0, 5, 63])).tolist() == [0, 5, 63]
+        assert_same_state(full, loaded)
+    file = tmp_path / "reduced" / "model.safetensors"
+    tensors = load_file(file)
+    del tensors["d2t"], tensors["t2d"]
+    save_file(tensors, str(file))
     with pytest.raises(ValueError, match="lacks d2t / t2d"):
         load_drafter(tmp_path / "reduced", target.config)
+
+
+NEW_FIELDS = ("speculators_version", "fc_norm", "norm_output", "embed_requires_grad", "tie_word_embeddings", "dtype")
+
+
+@pytest.mark.parametrize("method", ["eagle3", "peagle"])
+def test_config_has_speculators_current_fields_and_both_spellings(tmp_path, method):
+    drafter = random_drafter(method)
+    save_drafter(drafter, tmp_path / "head")
+    d = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert d["speculators_version"] == "0.9.0"
+    assert (d["fc_norm"], d["norm_output"], d["norm_before_fc"], d["tie_word_embeddings"]) == (False,) * 4
+    assert d["embed_requires_grad"] is True
+    assert d["dtype"] == d["torch_dtype"] == "float32"
+    layer = d["transformer_layer_config"]
+    assert layer["dtype"] == layer["torch_dtype"] == "float32"
+    assert layer["rope_parameters"] == {"rope_type": "default", "rope_theta": 500.0} and layer["rope_theta"] == 500.0
+
+
+def test_heads_written_before_the_new_fields_still_load(tmp_path):
+    drafter = random_drafter("peagle")
+    save_drafter(drafter, tmp_path / "head")
+    file = tmp_path / "head" / "config.json"
+    d = json.loads(file.read_text())
+    for key in NEW_FIELDS:
+        del d[key]
+    del d["transformer_layer_config"]["rope_parameters"], d["transformer_layer_config"]["dtype"]
+    file.write_text(json.dumps(d))
+    loaded = load_drafter(tmp_path / "head", tiny_target().config)
+    assert loaded.config == drafter.config and torch.equal(run(loaded), run(drafter))
+
+
+def test_a_transformers_5_layer_config_is_read(tmp_path):
+    """speculators' own heads: rope_parameters only, and the dtype at the top level only."""
+    drafter = random_drafter("eagle3")
+    save_drafter(drafter, tmp_path / "head")
+    file = tmp_path / "head" / "config.json"
+    d = json.loads(file.read_text())
+    layer = d["transformer_layer_config"]
+    for key in ("rope_theta", "rope_scaling", "torch_dtype", "dtype"):
+        del layer[key]
+    del d["torch_dtype"]
+    d["dtype"] = "bfloat16"
+    file.write_text(json.dumps(d))
+    lc = read_config(tmp_path / "head")[0].transformer_layer_config
+    assert (lc.rope_theta, lc.rope_scaling, lc.torch_dtype) == (500.0, None, "bfloat16")
+
+
+def test_a_local_target_is_named_by_its_absolute_path(tmp_path, monkeypatch):
+    (tmp_path / "models" / "target").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    drafter = random_drafter("eagle3")
+    for name, given, written in (("local", "models/target", str(tmp_path / "models" / "target")),
+                                 ("hub", "org/some-model", "org/some-model")):
+        config = dataclasses.replace(drafter.config, target_name_or_path=given)
+        head = Drafter(config, drafter.vocab)
+        head.load_state_dict(drafter.state_dict())
+        save_drafter(head, tmp_path / name)
+        d = json.loads((tmp_path / name / "config.json").read_text())
+        assert d["speculators_config"]["verifier"]["name_or_path"] == written

@@ -76,7 +76,7 @@ def read_checkpoint(path: str | Path) -> DrafterCheckpoint:
     if fmt == "aws":
         tensors = aws_format.from_aws_names(tensors)
     if "d2t" not in tensors and config.draft_vocab_size == config.target_vocab_size:
-        # speculators leaves the maps out when the draft vocabulary is the whole target vocabulary.
+        # Left out on disk when the draft vocabulary is the whole target vocabulary (by peagle and speculators).
         identity = DraftVocab.identity(config.target_vocab_size)
         tensors.update(d2t=identity.d2t, t2d=identity.t2d)
     return DrafterCheckpoint(config, tensors, fmt)
@@ -87,10 +87,11 @@ def write_checkpoint(ckpt: DrafterCheckpoint, out: str | Path, format: str = "sp
     """Writes config.json + safetensors into `out` through a temporary directory renamed into place."""
     if format not in FORMATS:
         raise ValueError(f"unknown drafter checkpoint format {format!r}; choose one of {', '.join(FORMATS)}")
+    tensors = speculators_format.without_identity_maps(ckpt.tensors, ckpt.config)
     if format == "aws":
-        config, tensors = aws_format.config_to_dict(ckpt.config), aws_format.to_aws_names(ckpt.tensors)
+        config, tensors = aws_format.config_to_dict(ckpt.config), aws_format.to_aws_names(tensors)
     else:
-        config, tensors = speculators_format.config_to_dict(ckpt.config), ckpt.tensors
+        config = speculators_format.config_to_dict(ckpt.config)
 
     def write(tmp: Path) -> None:
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")

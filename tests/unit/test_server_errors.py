@@ -45,7 +45,7 @@ def _error(response: httpx.Response, status: int) -> dict:
     ("/v1/chat/completions", {**CHAT, "top_p": 0}, "top_p"),
     ("/v1/completions", {**COMPLETION, "top_p": 1.5}, "top_p"),
     ("/v1/chat/completions", {**CHAT, "top_k": -2}, "top_k"),
-    ("/v1/chat/completions", {**CHAT, "n": 2}, "n"),
+    ("/v1/chat/completions", {**CHAT, "n": 0}, "n"),
     ("/v1/chat/completions", {**CHAT, "stop": [""]}, "stop"),
     ("/v1/chat/completions", {**CHAT, "stream": "yes please"}, "stream"),
     ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),

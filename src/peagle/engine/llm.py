@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 from typing import Any, Sequence
@@ -43,7 +42,7 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
                  gpu_memory_utilization: float = 0.9, block_size: int = 16, num_kv_blocks: int | None = None,
                  enforce_eager: bool = False, seed: int = 0, load_format: str = "auto",
-                 synthetic_acceptance: Sequence[float] | None = None):
+                 synthetic_acceptance: Sequence[float] | None = None, async_scheduling: bool = False):
         import torch
 
         _check_unimplemented(tensor_parallel_size, enable_prefix_caching, trust_remote_code)
@@ -56,6 +55,7 @@ class LLM:
             enforce_eager=enforce_eager, seed=seed, speculative=SpeculativeConfig.from_dict(speculative_config),
             load_format=load_format,
             synthetic_acceptance=tuple(synthetic_acceptance) if synthetic_acceptance is not None else None,
+            async_scheduling=async_scheduling,
         )
         check_max_model_len(config)
         self.engine = LLMEngine(config)
@@ -86,7 +86,7 @@ class LLM:
         requests = {}
         for (text, ids), p in zip(encoded, params):
             rid = str(next(self._ids))
-            for index, child in enumerate(_children(p)):
+            for index, child in enumerate(p.parallel_children()):
                 self.engine.add_request(f"{rid}-{index}" if p.n > 1 else rid, ids, child)
             requests[rid] = (text, ids, p)
         return self._run(requests, use_tqdm)
@@ -232,14 +232,6 @@ def _check_unimplemented(tensor_parallel_size, enable_prefix_caching, trust_remo
                          "implemented)")
     if not isinstance(trust_remote_code, bool):
         raise ValueError(f"trust_remote_code must be a bool, got {trust_remote_code!r}")
-
-
-def _children(p: SamplingParams) -> list[SamplingParams]:
-    """n > 1 runs n independent sequences; seeded ones get seed + index, as vLLM's parallel sampling does."""
-    if p.n == 1:
-        return [p]
-    return [dataclasses.replace(p, n=1, best_of=None, seed=None if p.seed is None else p.seed + i)
-            for i in range(p.n)]
 
 
 def _parent(request_id: str) -> tuple[str, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -156,6 +157,13 @@ class SamplingParams:
         """Whether the target's logits change before sampling beyond temperature / top-k / top-p."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias or self.allowed_token_ids is not None or self.min_tokens)
+
+    def parallel_children(self) -> list["SamplingParams"]:
+        """n > 1 runs n independent sequences; seeded ones get seed + index, as vLLM's parallel sampling does."""
+        if self.n == 1:
+            return [self]
+        return [dataclasses.replace(self, n=1, best_of=None, seed=None if self.seed is None else self.seed + i)
+                for i in range(self.n)]
 
     @property
     def has_penalties(self) -> bool:

@@ -19,12 +19,16 @@ class OutputText:
     (the stop string ends the text), and `text` stays "Hello ".
     """
 
-    def __init__(self, tokenizer: Tokenizer | None, prompt_ids: Sequence[int], stops: Sequence[str] = ()):
+    def __init__(self, tokenizer: Tokenizer | None, prompt_ids: Sequence[int], stops: Sequence[str] = (), *,
+                 include_stop_str: bool = False, skip_special_tokens: bool = True):
         # Without a tokenizer (token-id-only checkpoints) there is no text: responses carry "" and token counts.
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
+        self._detok = (IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
+                       if tokenizer is not None else None)
         self._stops = list(stops)
         self._longest_stop = max((len(s) for s in self._stops), default=0)
-        self._end: int | None = None  # where the first stop string starts, once found
+        self._include_stop = include_stop_str  # vLLM's include_stop_str_in_output: the text ends after the stop
+        self._end: int | None = None  # where the text ends at the first stop string, once found
+        self.stop_string: str | None = None  # the stop string that ended the text
         self.text = ""
 
     def feed(self, token_ids: Sequence[int]) -> str:
@@ -43,9 +47,10 @@ class OutputText:
         full = self._detok.text
         # A stop string cannot start inside text already sent, except in the held-back window before it.
         start = max(0, len(self.text) - self._longest_stop)
-        hits = [i for i in (full.find(s, start) for s in self._stops) if i >= 0]
+        hits = [(i, s) for s in self._stops for i in [full.find(s, start)] if i >= 0]
         if hits:
-            self._end = end = min(hits)
+            i, self.stop_string = min(hits)
+            self._end = end = i + len(self.stop_string) if self._include_stop else i
         elif final:
             end = len(full)
         else:

@@ -2,7 +2,9 @@
 
 Requests are parsed from the raw body here rather than by FastAPI so that every mistake answers 400 with an
 OpenAI-style body `{"error": {"message", "type", "param", "code"}}` instead of FastAPI's 422 detail list.
-Unknown fields are ignored, as OpenAI-compatible servers do, so clients sending options peagle lacks still work.
+No field is ever accepted and ignored: a field of OpenAI's or vLLM's API that peagle does not implement answers 400
+naming it, unless its value is the one that changes nothing (`tools: []`, `response_format: {"type": "text"}`,
+`echo: false`, `best_of` equal to `n`, ...); unknown fields answer 400 too.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import uuid
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from peagle.engine.sampling_params import MAX_LOGPROBS
 
 
 class ApiError(Exception):
@@ -34,42 +38,72 @@ class ApiError(Exception):
 
 # ---- requests ------------------------------------------------------------------------------------------------
 
+# Fields of OpenAI's and vLLM's request bodies that peagle does not implement, with the values that change nothing
+# (answered as if absent). Any other value answers 400 naming the field.
+_NO_OP_VALUES: dict[str, tuple] = {
+    "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False), "functions": ([],),
+    "response_format": ({"type": "text"},), "echo": (False,), "suffix": ("",), "logprobs": (False,),
+    "prompt_logprobs": (), "use_beam_search": (False,), "length_penalty": (1, 1.0), "bad_words": ([],),
+    "spaces_between_special_tokens": (True,), "continue_final_message": (False,), "priority": (0,),
+    "store": (False,), "modalities": (["text"],), "service_tier": ("auto", "default"), "logits_processors": ([],),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structural_tag": (),
+    "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structured_outputs": (),
+}
+_NOT_SUPPORTED_WHY = {
+    "tools": "tool calling is not supported yet", "tool_choice": "tool calling is not supported yet",
+    "functions": "function calling is not supported", "function_call": "function calling is not supported",
+    "response_format": "structured output (json_object, json_schema) is not supported yet; only {\"type\": \"text\"}",
+    "best_of": "best_of > n is not supported", "use_beam_search": "beam search is not supported",
+    "prompt_logprobs": "prompt logprobs are not supported", "suffix": "suffix (insertion) is not supported",
+}
+
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_unset(cls, data):
-        # Many clients send `"temperature": null` for "not given"; the default then applies.
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+        # Many clients send `"temperature": null` for "not given"; the default then applies. A no-op value of a
+        # field peagle lacks is "not given" too.
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items()
+                if v is not None and not (k not in cls.model_fields and v in _NO_OP_VALUES.get(k, ()))}
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: Literal[False] = False
 
 
 class SamplingFields(_Request):
-    """The sampling options both endpoints share. Extensions beyond OpenAI's (top_k, ignore_eos) are vLLM's."""
+    """The sampling options both endpoints share. Extensions beyond OpenAI's (top_k, min_p, min_tokens, ...) are
+    vLLM's extra parameters, with vLLM's meanings."""
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
+    min_tokens: int = Field(0, ge=0)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     stop: list[str] = []
+    stop_token_ids: list[int] = []
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     seed: int | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=16)
+    best_of: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
+    user: str | None = None  # an end-user id for the caller's own records; it changes no output
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -79,14 +113,41 @@ class SamplingFields(_Request):
             raise ValueError("stop must be a non-empty string or a list of them")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, bias):
+        if bias and any(not -100 <= v <= 100 for v in bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        return bias
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of: best_of > n is not supported (best_of must equal n)")
+        return self
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per token the client asked for, or None for no logprobs."""
+        raise NotImplementedError
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str
+    name: str | None = None  # passed to the chat template, which decides what it means
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_tool_calls(cls, data):
+        if isinstance(data, dict) and data.get("tool_calls"):
+            raise ValueError("tool_calls: assistant tool-call turns are not supported yet (tool calling is not "
+                             "implemented)")
+        return data
 
     @field_validator("content", mode="before")
     @classmethod
@@ -104,13 +165,41 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+        return [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
+                for m in self.messages]
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self):
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo: echo with logprobs needs prompt logprobs, which are not supported")
+        return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -129,6 +218,27 @@ class CompletionRequest(SamplingFields):
         return prompt
 
 
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a prompt or chat messages."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
 RequestT = TypeVar("RequestT", bound=_Request)
 
 
@@ -143,10 +253,22 @@ def parse_request(raw: bytes, model: type[RequestT]) -> RequestT:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        param = _param_name(err["loc"])
-        message = err["msg"].removeprefix("Value error, ")
-        raise ApiError(400, f"invalid value for '{param}': {message}", param=param) from None
+        raise _field_error(e.errors()[0]) from None
+
+
+def _field_error(err: dict) -> ApiError:
+    param = _param_name(err["loc"])
+    message = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        name = param.rsplit(".", 1)[-1]
+        why = _NOT_SUPPORTED_WHY.get(name, "peagle does not implement it")
+        return ApiError(400, f"'{param}' is not supported: {why}", param=param, code="unsupported_parameter")
+    # A validator that names a field of its own ("best_of: ...") answers for that field.
+    head, sep, rest = message.partition(": ")
+    if sep and head.isidentifier() and err["type"] == "value_error" and head != param.rsplit(".", 1)[-1]:
+        param = _param_name((*err["loc"], head)) if err["loc"] else head
+        message = rest
+    return ApiError(400, f"invalid value for '{param}': {message}", param=param)
 
 
 def _param_name(loc: tuple) -> str:
@@ -181,11 +303,33 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended the choice
 
 
 class ChatCompletionResponse(_Response):
@@ -197,8 +341,9 @@ class ChatCompletionResponse(_Response):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: dict[str, str]  # only the keys this chunk carries: role on the first, content after
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(_Response):
@@ -210,8 +355,9 @@ class ChatCompletionChunk(_Response):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class CompletionResponse(_Response):
@@ -240,6 +386,13 @@ def new_id(prefix: str) -> str:
 
 # ---- the two endpoints' shapes -------------------------------------------------------------------------------
 
+# Token logprobs as the engine reports them, with each token's text: [(text, logprob, [(text, logprob)] top)].
+TextLogprobs = list[tuple[str, float, list[tuple[str, float]]]]
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
 
 class ChatFormat:
     """Builds /v1/chat/completions bodies and stream chunks for one request."""
@@ -252,19 +405,31 @@ class ChatFormat:
     def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
 
-    def head_chunk(self) -> ChatCompletionChunk | None:
-        return self._chunk([ChatChunkChoice(delta={"role": "assistant", "content": ""})])
+    @staticmethod
+    def logprobs(entries: TextLogprobs | None) -> ChatLogprobs | None:
+        if entries is None:
+            return None
+        return ChatLogprobs(content=[
+            TokenLogprob(token=t, logprob=lp, bytes=_bytes(t),
+                         top_logprobs=[TopLogprob(token=a, logprob=b, bytes=_bytes(a)) for a, b in top])
+            for t, lp, top in entries])
 
-    def chunk(self, text: str, finish_reason: str | None = None) -> ChatCompletionChunk:
-        return self._chunk([ChatChunkChoice(delta={"content": text} if text else {}, finish_reason=finish_reason)])
+    def head_chunk(self, index: int = 0) -> ChatCompletionChunk | None:
+        return self._chunk([ChatChunkChoice(index=index, delta={"role": "assistant", "content": ""})])
+
+    def chunk(self, text: str, finish_reason: str | None = None, *, index: int = 0,
+              logprobs: TextLogprobs | None = None, stop_reason=None) -> ChatCompletionChunk:
+        return self._chunk([ChatChunkChoice(index=index, delta={"content": text} if text else {},
+                                            finish_reason=finish_reason, logprobs=self.logprobs(logprobs),
+                                            stop_reason=stop_reason)])
 
     def usage_chunk(self, usage: UsageInfo) -> ChatCompletionChunk:
         return self._chunk([], usage)
 
-    def response(self, text: str, finish_reason: str | None, usage: UsageInfo) -> ChatCompletionResponse:
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
-                                      usage=usage)
+    def response(self, choices: list["Choice"], usage: UsageInfo) -> ChatCompletionResponse:
+        body = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
+                           logprobs=self.logprobs(c.logprobs), stop_reason=c.stop_reason) for c in choices]
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=body, usage=usage)
 
 
 class CompletionFormat:
@@ -278,14 +443,39 @@ class CompletionFormat:
     def _body(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
 
-    def head_chunk(self) -> CompletionResponse | None:
+    @staticmethod
+    def logprobs(entries: TextLogprobs | None, offset: int = 0) -> CompletionLogprobs | None:
+        if entries is None:
+            return None
+        offsets = []
+        for t, _, _ in entries:
+            offsets.append(offset)
+            offset += len(t)
+        return CompletionLogprobs(tokens=[t for t, _, _ in entries], token_logprobs=[lp for _, lp, _ in entries],
+                                  top_logprobs=[dict(top) for _, _, top in entries], text_offset=offsets)
+
+    def head_chunk(self, index: int = 0) -> CompletionResponse | None:
         return None
 
-    def chunk(self, text: str, finish_reason: str | None = None) -> CompletionResponse:
-        return self._body([CompletionChoice(text=text, finish_reason=finish_reason)])
+    def chunk(self, text: str, finish_reason: str | None = None, *, index: int = 0,
+              logprobs: TextLogprobs | None = None, stop_reason=None, offset: int = 0) -> CompletionResponse:
+        return self._body([CompletionChoice(index=index, text=text, finish_reason=finish_reason,
+                                            logprobs=self.logprobs(logprobs, offset), stop_reason=stop_reason)])
 
     def usage_chunk(self, usage: UsageInfo) -> CompletionResponse:
         return self._body([], usage)
 
-    def response(self, text: str, finish_reason: str | None, usage: UsageInfo) -> CompletionResponse:
-        return self._body([CompletionChoice(text=text, finish_reason=finish_reason)], usage)
+    def response(self, choices: list["Choice"], usage: UsageInfo) -> CompletionResponse:
+        return self._body([CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
+                                            logprobs=self.logprobs(c.logprobs), stop_reason=c.stop_reason)
+                           for c in choices], usage)
+
+
+class Choice(BaseModel):
+    """One finished choice, the same for both endpoints."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: Any = None  # TextLogprobs

@@ -23,8 +23,8 @@ from peagle.engine.sampling_params import SamplingParams
 from peagle.server.async_engine import AsyncEngine, RequestFailed, RequestStream
 from peagle.server.output_text import OutputText
 from peagle.server.protocol import (
-    ApiError, ChatCompletionRequest, ChatFormat, CompletionFormat, CompletionRequest, SamplingFields, UsageInfo,
-    parse_request,
+    ApiError, ChatCompletionRequest, ChatFormat, Choice, CompletionFormat, CompletionRequest, SamplingFields,
+    UsageInfo, parse_request,
 )
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ class Serving:
     def __init__(self, async_engine: AsyncEngine, served_model_name: str, max_in_flight: int):
         self.engine = async_engine
         self.tokenizer = async_engine.engine.tokenizer
+        self.eos_token_ids = async_engine.engine.eos_token_ids
         self.max_model_len = async_engine.engine.max_model_len
         self.model_name = served_model_name
         self.max_in_flight = max_in_flight
@@ -62,7 +63,10 @@ class Serving:
         prompt_ids = self._completion_prompt(req)
         requested = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
         max_tokens = self._max_tokens(prompt_ids, requested, "prompt", "max_tokens")
-        return await self._generate(request, req, prompt_ids, max_tokens, CompletionFormat(self.model_name))
+        echo = None
+        if req.echo:
+            echo = req.prompt if isinstance(req.prompt, str) else self._decode(req.prompt)
+        return await self._generate(request, req, prompt_ids, max_tokens, CompletionFormat(self.model_name), echo)
 
     # ---- request checks --------------------------------------------------------------------------------------
 
@@ -75,17 +79,25 @@ class Serving:
         if self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer, so chat messages cannot be rendered; "
                                 "send token ids to /v1/completions instead", param="messages")
+        return self.render_chat(req.template_messages(), req.add_generation_prompt, req.add_special_tokens)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool) -> list[int]:
         try:
-            return self.tokenizer.encode_chat(req.template_messages())
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        # The template writes the special tokens itself; add_special_tokens (vLLM's, default off) adds more.
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _completion_prompt(self, req: CompletionRequest) -> list[int]:
         if isinstance(req.prompt, list):
             return req.prompt
         if self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: send the prompt as a list of token ids", param="prompt")
-        return self.tokenizer.encode(req.prompt, add_special_tokens=True)
+        return self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
     def _max_tokens(self, prompt_ids: list[int], requested: int | None, prompt_param: str, param: str) -> int:
         n, limit = len(prompt_ids), self.max_model_len
@@ -98,46 +110,73 @@ class Serving:
                                 f"(max_model_len {limit})", param=param, code="context_length_exceeded")
         return room if requested is None else requested
 
+    @staticmethod
+    def _sampling_params(req: SamplingFields, max_tokens: int) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty, max_tokens=max_tokens, min_tokens=req.min_tokens,
+                stop=req.stop, stop_token_ids=req.stop_token_ids, seed=req.seed, ignore_eos=req.ignore_eos,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                skip_special_tokens=req.skip_special_tokens, logprobs=req.num_logprobs, logit_bias=req.logit_bias,
+                allowed_token_ids=req.allowed_token_ids,
+            )
+        except ValueError as e:
+            field = str(e).split(" ", 1)[0]  # SamplingParams' messages start with the field's name
+            raise ApiError(400, str(e), param=field if field in SamplingFields.model_fields else None) from None
+
     # ---- generation ------------------------------------------------------------------------------------------
 
     async def _generate(self, request: Request, req: SamplingFields, prompt_ids: list[int], max_tokens: int,
-                        fmt: Format) -> Response:
-        try:
-            params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                                    max_tokens=max_tokens, stop=req.stop, seed=req.seed, ignore_eos=req.ignore_eos)
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
-        stream = await self._submit(fmt.id, prompt_ids, params)
-        text = OutputText(self.tokenizer, prompt_ids, params.stop)
+                        fmt: Format, echo: str | None = None) -> Response:
+        params = self._sampling_params(req, max_tokens)
+        choices = await self._submit(fmt.id, prompt_ids, params)
+
+        def close():
+            for c in choices:
+                self._close(c.stream)
+
         if not req.stream:
             try:
-                return await _unless_disconnected(request, self._collect(stream, text, fmt))
+                return await _unless_disconnected(request, self._collect(choices, fmt, echo))
             finally:
-                self._close(stream)
+                close()
+        outputs = _merged([c.stream for c in choices])
         try:
             # Headers wait for the first output, so a request the engine refuses still gets a proper status.
-            first = await _unless_disconnected(request, stream.next_output())
-            _check_finish(first, 0)
+            first = await _unless_disconnected(request, outputs.__anext__())
+            _check_finish(first[1], 0)
         except BaseException:
-            self._close(stream)
+            close()
             raise
-        events = self._events(stream, first, text, fmt, req.include_usage)
-        return _EventStream(events, on_close=lambda: self._close(stream))
+        events = self._events(choices, outputs, first, fmt, req.include_usage, echo)
+        return _EventStream(events, on_close=close)
 
-    async def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
-        if self.num_in_flight >= self.max_in_flight:
+    async def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> list["_Choice"]:
+        children = params.parallel_children()
+        if self.num_in_flight + len(children) > self.max_in_flight:
             raise ApiError(503, f"the server is at capacity ({self.num_in_flight} requests in flight); "
                                 f"retry in {RETRY_AFTER_S}s", code="server_overloaded",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
-        self.num_in_flight += 1
+        choices: list[_Choice] = []
         try:
-            return await self.engine.add_request(request_id, prompt_ids, params)
-        except ValueError as e:
-            self.num_in_flight -= 1
-            raise ApiError(400, str(e)) from None
-        except BaseException:
-            self.num_in_flight -= 1
+            for index, child in enumerate(children):
+                rid = f"{request_id}-{index}" if len(children) > 1 else request_id
+                self.num_in_flight += 1
+                try:
+                    stream = await self.engine.add_request(rid, prompt_ids, child)
+                except BaseException:
+                    self.num_in_flight -= 1
+                    raise
+                choices.append(_Choice(index, stream, child, self.tokenizer, prompt_ids, self.eos_token_ids))
+        except BaseException as e:
+            for c in choices:  # the siblings already queued
+                self._close(c.stream)
+            if isinstance(e, ValueError):
+                raise ApiError(400, str(e)) from None
             raise
+        return choices
 
     def _close(self, stream: RequestStream):
         """Ends a request's slot; aborts it in the engine if it has not finished (its client is gone)."""
@@ -145,43 +184,102 @@ class Serving:
             self.engine.abort(stream.request_id)
         self.num_in_flight -= 1
 
-    async def _collect(self, stream: RequestStream, text: OutputText, fmt: Format) -> JSONResponse:
-        num_tokens, last = 0, None
-        async for out in stream:
-            _check_finish(out, num_tokens)
-            num_tokens += len(out.new_token_ids)
-            text.feed(out.new_token_ids)
-            last = out
-        text.finish()
-        usage = UsageInfo.of(stream.num_prompt_tokens, num_tokens)
-        return JSONResponse(fmt.response(text.text, last.finish_reason, usage).model_dump())
+    async def _collect(self, choices: list["_Choice"], fmt: Format, echo: str | None) -> JSONResponse:
+        async for index, out in _merged([c.stream for c in choices]):
+            choices[index].feed(out)
+        usage = UsageInfo.of(choices[0].stream.num_prompt_tokens, sum(c.num_tokens for c in choices))
+        done = [Choice(index=c.index, text=(echo or "") + c.text.text, finish_reason=c.finish_reason,
+                       stop_reason=c.stop_reason, logprobs=c.logprobs) for c in choices]
+        return JSONResponse(fmt.response(done, usage).model_dump())
 
-    async def _events(self, stream: RequestStream, out: StepOutput, text: OutputText, fmt: Format,
-                      include_usage: bool) -> AsyncIterator[str]:
-        """Server-sent events: one chunk per step that completes text, a finish chunk, usage if asked, [DONE]."""
-        head = fmt.head_chunk()
-        if head is not None:
-            yield _sse(head)
-        num_tokens = 0
+    async def _events(self, choices: list["_Choice"], outputs: AsyncIterator[tuple[int, StepOutput]],
+                      first: tuple[int, StepOutput], fmt: Format, include_usage: bool,
+                      echo: str | None) -> AsyncIterator[str]:
+        """Server-sent events: per choice, one chunk per step that completes text, a finish chunk; then usage if
+        asked, and [DONE]."""
+        for c in choices:
+            head = fmt.head_chunk(c.index)
+            if head is not None:
+                yield _sse(head)
+            if echo:
+                yield _sse(fmt.chunk(echo, index=c.index))
+        item = first
         try:
             while True:
-                _check_finish(out, num_tokens)
-                num_tokens += len(out.new_token_ids)
-                delta = text.feed(out.new_token_ids) + (text.finish() if out.finished else "")
-                if delta:
-                    yield _sse(fmt.chunk(delta))
+                index, out = item
+                c = choices[index]
+                offset = len(c.text.text)
+                delta, logprobs = c.feed(out)
+                if delta or logprobs:
+                    extra = {"offset": offset} if isinstance(fmt, CompletionFormat) else {}
+                    yield _sse(fmt.chunk(delta, index=index, logprobs=logprobs, **extra))
                 if out.finished:
+                    yield _sse(fmt.chunk("", finish_reason=out.finish_reason, index=index, stop_reason=c.stop_reason))
+                try:
+                    item = await outputs.__anext__()
+                except StopAsyncIteration:
                     break
-                out = await stream.next_output()
         except (ApiError, RequestFailed) as e:
             error = e if isinstance(e, ApiError) else ApiError(500, str(e))
             yield f"data: {json.dumps(error.body())}\n\n"
             yield "data: [DONE]\n\n"
             return
-        yield _sse(fmt.chunk("", finish_reason=out.finish_reason))
         if include_usage:
-            yield _sse(fmt.usage_chunk(UsageInfo.of(stream.num_prompt_tokens, num_tokens)))
+            usage = UsageInfo.of(choices[0].stream.num_prompt_tokens, sum(c.num_tokens for c in choices))
+            yield _sse(fmt.usage_chunk(usage))
         yield "data: [DONE]\n\n"
+
+
+class _Choice:
+    """One of a request's n sequences: its engine stream, text, logprobs and why it ended."""
+
+    def __init__(self, index: int, stream: RequestStream, params: SamplingParams, tokenizer, prompt_ids: list[int],
+                 eos_token_ids: frozenset[int]):
+        self.index = index
+        self.stream = stream
+        self.params = params
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.text = OutputText(tokenizer, prompt_ids, params.stop, include_stop_str=params.include_stop_str_in_output,
+                               skip_special_tokens=params.skip_special_tokens)
+        self.num_tokens = 0
+        self.logprobs: list | None = [] if params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    def feed(self, out: StepOutput) -> tuple[str, list | None]:
+        """The text this output completes and its tokens' logprobs (None when not asked for)."""
+        _check_finish(out, self.num_tokens)
+        self.num_tokens += len(out.new_token_ids)
+        ids = out.new_token_ids
+        if out.finished and out.finish_reason == "stop" and ids and self._stop_token(ids[-1]):
+            self.stop_reason = ids[-1] if ids[-1] in self.params.stop_token_ids else None
+            if not self.params.include_stop_str_in_output:  # vLLM leaves the stopping token's text out
+                ids = ids[:-1]
+        delta = self.text.feed(ids) + (self.text.finish() if out.finished else "")
+        if out.finished:
+            self.finish_reason = out.finish_reason
+            if self.text.stop_string is not None:
+                self.stop_reason = self.text.stop_string
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = [self._text_logprobs(e) for e in out.logprobs or []]
+            self.logprobs.extend(logprobs)
+        return delta, logprobs
+
+    def _stop_token(self, token_id: int) -> bool:
+        return token_id in self.params.stop_token_ids or (
+            not self.params.ignore_eos and token_id in self.eos_token_ids)
+
+    def _token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"  # vLLM's spelling for tokens shown as ids
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _text_logprobs(self, entry):
+        token_id, logprob, _, top = entry
+        return (self._token_text(token_id), logprob,
+                [(self._token_text(t), lp) for t, lp in top[:self.params.logprobs]])
 
 
 def _check_finish(out: StepOutput, num_tokens_before: int):
@@ -193,6 +291,23 @@ def _check_finish(out: StepOutput, num_tokens_before: int):
 
 def _sse(chunk: BaseModel) -> str:
     return f"data: {chunk.model_dump_json()}\n\n"
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, StepOutput]]:
+    """(index, output) from several request streams as their outputs arrive, each stream's in order."""
+    pending = {asyncio.ensure_future(s.next_output()): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.get):
+                index = pending.pop(task)
+                out = task.result()
+                if not out.finished:
+                    pending[asyncio.ensure_future(streams[index].next_output())] = index
+                yield index, out
+    finally:
+        for task in pending:
+            task.cancel()
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:

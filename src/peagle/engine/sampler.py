@@ -208,9 +208,14 @@ def exponential_like(probs: torch.Tensor, generators: list[torch.Generator | Non
     return q
 
 
+_SEEDED_UNIFORMS = 32  # SpeculativeConfig's largest K
+
+
 def uniform_like(shape, device, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """U(0, 1) [B, K]. A seeded request draws the same count every step, whatever K the rest of its batch verifies,
+    so its output does not depend on which requests it shares steps with."""
     u = torch.rand(shape, device=device)
     for b, gen in enumerate(generators):
         if gen is not None:
-            u[b] = torch.rand(shape[1:], device=device, generator=gen)
+            u[b] = torch.rand(max(_SEEDED_UNIFORMS, shape[1]), device=device, generator=gen)[:shape[1]]
     return u

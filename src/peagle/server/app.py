@@ -1,4 +1,5 @@
-"""The FastAPI application: OpenAI routes under /v1, /health and /metrics, OpenAI-style error bodies."""
+"""The FastAPI application: OpenAI routes under /v1; vLLM's /tokenize, /detokenize, /version; /health and /metrics;
+OpenAI-style error bodies."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from peagle.server.async_engine import AsyncEngine, RequestFailed
-from peagle.server.protocol import ApiError, ModelCard, ModelList
+from peagle.server.protocol import ApiError, DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, parse_request
 from peagle.server.serving import ClientGone, Serving
 
 DEFAULT_MAX_QUEUE = 256
@@ -29,7 +30,7 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
     if not served_model_name:
         raise ValueError("served_model_name must be a non-empty string")
-    async_engine = AsyncEngine(engine)
+    async_engine = AsyncEngine(engine, model_name=served_model_name)
     serving = Serving(async_engine, served_model_name, engine.config.max_num_seqs + max_queue)
 
     @asynccontextmanager
@@ -45,12 +46,17 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     app.state.serving = serving
     _add_error_handlers(app)
     app.include_router(_v1_router(serving, engine, api_key))
+    app.include_router(_tokenizer_router(serving))
 
     @app.get("/health")
     async def health() -> Response:
         if not async_engine.is_alive:
             return JSONResponse(ApiError(503, "the engine loop is not running").body(), status_code=503)
         return JSONResponse({})
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": _version()})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -67,6 +73,11 @@ def _v1_router(serving: Serving, engine, api_key: str | None) -> APIRouter:
     async def models() -> dict:
         return ModelList(data=[card]).model_dump()
 
+    @router.get("/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        serving.check_model(model_id)
+        return card.model_dump()
+
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await serving.chat(request)
@@ -76,6 +87,48 @@ def _v1_router(serving: Serving, engine, api_key: str | None) -> APIRouter:
         return await serving.completions(request)
 
     return router
+
+
+def _tokenizer_router(serving: Serving) -> APIRouter:
+    """vLLM's /tokenize and /detokenize (outside /v1, so open like vLLM's)."""
+    router = APIRouter()
+
+    def tokenizer():
+        if serving.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer")
+        return serving.tokenizer
+
+    @router.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        req = parse_request(await request.body(), TokenizeRequest)
+        serving.check_model(req.model)
+        tok = tokenizer()
+        if req.messages is not None:
+            ids = serving.render_chat([m.model_dump(exclude_none=True) for m in req.messages],
+                                      req.add_generation_prompt, False)
+        else:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return JSONResponse({"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids})
+
+    @router.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        req = parse_request(await request.body(), DetokenizeRequest)
+        serving.check_model(req.model)
+        tok = tokenizer()
+        if any(not 0 <= t < tok.vocab_size for t in req.tokens):
+            raise ApiError(400, f"tokens must be ids in [0, {tok.vocab_size})", param="tokens")
+        return JSONResponse({"prompt": tok.decode(req.tokens)})
+
+    return router
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("peagle")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def _key_check(api_key: str | None):

@@ -60,9 +60,9 @@ class RequestStream:
 class AsyncEngine:
     """Drives an `LLMEngine` from its own thread. `start()` and every coroutine run on one event loop."""
 
-    def __init__(self, engine, metrics: ServerMetrics | None = None):
+    def __init__(self, engine, metrics: ServerMetrics | None = None, model_name: str = ""):
         self.engine = engine
-        self.metrics = metrics or ServerMetrics(engine.k)
+        self.metrics = metrics or ServerMetrics(engine.k, model_name)
         self.stats = engine.stats()  # a snapshot, replaced by the engine thread after each iteration
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # engine thread only: requests inside the engine

@@ -1,4 +1,4 @@
-"""Prometheus metrics with vLLM-like names under `peagle_`, in a registry owned by one server instance."""
+"""Prometheus metrics under `peagle_` and under vLLM's own `vllm:` names, in a registry owned by one server."""
 
 from __future__ import annotations
 
@@ -15,38 +15,74 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                480.0, 960.0, 1920.0, 7680.0)
 
 
+class _Pair:
+    """Two metric children updated together."""
+
+    def __init__(self, ours, theirs):
+        self._both = (ours, theirs)
+
+    def inc(self, amount: float = 1.0):
+        for m in self._both:
+            m.inc(amount)
+
+    def observe(self, value: float):
+        for m in self._both:
+            m.observe(value)
+
+    def set(self, value: float):
+        for m in self._both:
+            m.set(value)
+
+
+class _Twin(_Pair):
+    """One metric under peagle's name (`peagle_<name>`) and vLLM's (`vllm:<name>`, with vLLM's model_name label),
+    so vLLM's dashboards and alerts read a peagle server unchanged."""
+
+    def __init__(self, kind, name: str, doc: str, registry, model_name: str, labels: tuple[str, ...] = (), **kw):
+        self._ours = kind(f"peagle_{name}", doc, list(labels), registry=registry, **kw)
+        self._vllm = kind(f"vllm:{name}", doc, ["model_name", *labels], registry=registry, **kw)
+        self._model_name = model_name
+        if not labels:
+            super().__init__(self._ours, self._vllm.labels(model_name=model_name))
+
+    def labels(self, **labels) -> _Pair:
+        return _Pair(self._ours.labels(**labels), self._vllm.labels(model_name=self._model_name, **labels))
+
+
 class ServerMetrics:
     """Counters, histograms and gauges of one server. Thread-safe (prometheus-client locks each metric).
 
-    The speculative counters mirror vLLM's `spec_decode_*`: drafting rounds, proposed draft tokens, accepted draft
-    tokens and accepted tokens per draft position, so acceptance length = 1 + accepted / drafts.
+    Every metric exists twice: `peagle_<name>` and vLLM's `vllm:<name>` (labelled with `model_name`). The speculative
+    counters mirror vLLM's `spec_decode_*`: drafting rounds, proposed draft tokens, accepted draft tokens and
+    accepted tokens per draft position, so acceptance length = 1 + accepted / drafts.
     """
 
-    def __init__(self, num_speculative_tokens: int = 0):
+    def __init__(self, num_speculative_tokens: int = 0, model_name: str = ""):
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.num_drafts = Counter("peagle_spec_decode_num_drafts", "Drafting rounds verified.", registry=r)
-        self.num_draft_tokens = Counter("peagle_spec_decode_num_draft_tokens", "Draft tokens proposed.", registry=r)
-        self.num_accepted_tokens = Counter("peagle_spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                                           registry=r)
-        self.accepted_per_pos = Counter("peagle_spec_decode_num_accepted_tokens_per_pos",
-                                        "Draft tokens accepted at each draft position (0 = first draft).",
-                                        ["position"], registry=r)
-        self.prompt_tokens = Counter("peagle_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
-        self.generation_tokens = Counter("peagle_generation_tokens", "Tokens generated.", registry=r)
-        self.request_success = Counter("peagle_request_success", "Finished requests by finish reason.",
-                                       ["finished_reason"], registry=r)
-        self.ttft = Histogram("peagle_time_to_first_token_seconds", "Time from arrival to the first output token.",
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("peagle_inter_token_latency_seconds",
-                             "Time per output token after the first (a step's interval shared by its tokens).",
-                             buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("peagle_e2e_request_latency_seconds", "Time from arrival to the last output token.",
-                             buckets=E2E_BUCKETS, registry=r)
-        self.num_running = Gauge("peagle_num_requests_running", "Requests in the running batch.", registry=r)
-        self.num_waiting = Gauge("peagle_num_requests_waiting", "Requests waiting for admission.", registry=r)
-        self.kv_usage = Gauge("peagle_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
-                              registry=r)
+
+        def twin(kind, name, doc, labels=(), **kw):
+            return _Twin(kind, name, doc, self.registry, model_name, labels, **kw)
+
+        self.num_drafts = twin(Counter, "spec_decode_num_drafts", "Drafting rounds verified.")
+        self.num_draft_tokens = twin(Counter, "spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.num_accepted_tokens = twin(Counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.accepted_per_pos = twin(Counter, "spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted at each draft position (0 = first draft).",
+                                     ("position",))
+        self.prompt_tokens = twin(Counter, "prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = twin(Counter, "generation_tokens", "Tokens generated.")
+        self.request_success = twin(Counter, "request_success", "Finished requests by finish reason.",
+                                    ("finished_reason",))
+        self.ttft = twin(Histogram, "time_to_first_token_seconds", "Time from arrival to the first output token.",
+                         buckets=TTFT_BUCKETS)
+        self.itl = twin(Histogram, "inter_token_latency_seconds",
+                        "Time per output token after the first (a step's interval shared by its tokens).",
+                        buckets=ITL_BUCKETS)
+        self.e2e = twin(Histogram, "e2e_request_latency_seconds", "Time from arrival to the last output token.",
+                        buckets=E2E_BUCKETS)
+        self.num_running = twin(Gauge, "num_requests_running", "Requests in the running batch.")
+        self.num_waiting = twin(Gauge, "num_requests_waiting", "Requests waiting for admission.")
+        self.kv_usage = twin(Gauge, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).")
         # Label values known up front are created now, so that a scrape before any traffic shows zeros.
         for pos in range(num_speculative_tokens):
             self.accepted_per_pos.labels(position=str(pos))

@@ -51,7 +51,7 @@ class Serving:
 
     async def chat(self, request: Request) -> Response:
         req = parse_request(await request.body(), ChatCompletionRequest)
-        self._check_model(req.model)
+        self.check_model(req.model)
         prompt_ids = self._chat_prompt(req)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._max_tokens(prompt_ids, req.max_completion_tokens or req.max_tokens, "messages", param)
@@ -59,7 +59,7 @@ class Serving:
 
     async def completions(self, request: Request) -> Response:
         req = parse_request(await request.body(), CompletionRequest)
-        self._check_model(req.model)
+        self.check_model(req.model)
         prompt_ids = self._completion_prompt(req)
         requested = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
         max_tokens = self._max_tokens(prompt_ids, requested, "prompt", "max_tokens")
@@ -70,7 +70,7 @@ class Serving:
 
     # ---- request checks --------------------------------------------------------------------------------------
 
-    def _check_model(self, name: str | None):
+    def check_model(self, name: str | None):
         if name is not None and name != self.model_name:
             raise ApiError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")

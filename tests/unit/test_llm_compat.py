@@ -1,0 +1,144 @@
+"""A script written for vLLM's Python API runs against `from peagle import LLM, SamplingParams` unchanged, and what
+peagle does not implement is refused with an error that names it."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+
+from peagle import LLM, SamplingParams
+
+EOS = 2  # <|im_end|> in the tiny tokenizer
+
+
+@pytest.fixture(scope="module")
+def target_dir(tiny_hf_checkpoint):
+    return str(tiny_hf_checkpoint("llama", num_layers=4))
+
+
+@pytest.fixture(scope="module")
+def llm(target_dir):
+    # Every keyword here is one a vLLM user passes; dtype is left to "auto" (float32 on the CPU).
+    return LLM(model=target_dir, tokenizer=target_dir, trust_remote_code=True, tensor_parallel_size=1,
+               enable_prefix_caching=False, max_model_len=128, max_num_seqs=4, seed=0)
+
+
+def test_a_vllm_style_script_runs(llm):
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer.encode("The quick brown fox")
+    params = SamplingParams(n=2, temperature=0.8, top_p=0.95, seed=7, max_tokens=12, logprobs=2,
+                            presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1, ignore_eos=True)
+    outputs = llm.generate([{"prompt": "Hello there"}, {"prompt_token_ids": ids}], params, use_tqdm=False)
+
+    assert [o.prompt for o in outputs] == ["Hello there", None]
+    assert outputs[1].prompt_token_ids == ids
+    for output in outputs:
+        assert [c.index for c in output.outputs] == [0, 1]
+        for c in output.outputs:
+            assert len(c.token_ids) == 12 and c.finish_reason == "length" and c.stop_reason is None
+            assert c.text == tokenizer.decode(c.token_ids)
+            assert len(c.logprobs) == len(c.token_ids)
+            for token_id, entry in zip(c.token_ids, c.logprobs):
+                assert token_id in entry and 2 <= len(entry) <= 3
+                assert entry[token_id].logprob <= 0 and entry[token_id].rank >= 1
+                assert [lp.rank for t, lp in entry.items() if t != token_id] == sorted(
+                    lp.rank for t, lp in entry.items() if t != token_id)
+            assert math.isclose(c.cumulative_logprob, sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)))
+        assert output.text == output.outputs[0].text  # the thin property over outputs[0]
+    # n = 2 is two sequences with seeds 7 and 8, as vLLM's parallel sampling seeds them.
+    single = [llm.generate({"prompt_token_ids": ids}, SamplingParams(
+        temperature=0.8, top_p=0.95, seed=s, max_tokens=12, presence_penalty=0.5, frequency_penalty=0.3,
+        repetition_penalty=1.1, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids for s in (7, 8)]
+    assert [c.token_ids for c in outputs[1].outputs] == single and single[0] != single[1]
+
+
+def test_cpu_default_dtype_is_float32(llm, target_dir, caplog):
+    assert str(llm.engine.dtype) == "torch.float32"
+    with caplog.at_level(logging.INFO, logger="peagle.engine.llm"):
+        LLM(model=target_dir, max_model_len=32, max_num_seqs=1)
+    assert "float32" in caplog.text
+
+
+def test_stop_token_text_and_stop_reason(llm):
+    force_eos = {EOS: 100.0}
+    out = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=8, logit_bias=force_eos, min_tokens=3),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 4 and out.token_ids[-1] == EOS and EOS not in out.token_ids[:3]
+    assert out.finish_reason == "stop" and out.stop_reason is None  # EOS: vLLM reports no stop_reason
+    shown = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=8, logit_bias=force_eos, min_tokens=3,
+                                              include_stop_str_in_output=True, skip_special_tokens=False),
+                         use_tqdm=False)[0].outputs[0]
+    assert shown.text == out.text + "<|im_end|>"
+    by_id = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=8, logit_bias={77: 100.0},
+                                              stop_token_ids=[77], ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert by_id.token_ids == [77] and by_id.stop_reason == 77 and by_id.text == ""
+
+
+def test_stop_string_reason_and_inclusion(llm):
+    free = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)[0]
+    stop = next(free.text[i:i + 2] for i in range(len(free.text) // 2, len(free.text) - 2)
+                if free.text[i:i + 2].strip() and "\ufffd" not in free.text[i:i + 2])
+    cut = free.text[:free.text.index(stop)]
+    for include, text in ((False, cut), (True, cut + stop)):
+        out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop],
+                                                   include_stop_str_in_output=include), use_tqdm=False)[0]
+        assert out.outputs[0].text == text and out.outputs[0].stop_reason == stop
+
+
+def test_invalid_prompts_raise_like_vllm(llm):
+    with pytest.raises(ValueError, match="longer than the maximum model length"):
+        llm.generate({"prompt_token_ids": [5] * 200}, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate({"prompt_ids": [5]}, use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate({"prompt_token_ids": []}, use_tqdm=False)
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate("Hi", SamplingParams(logit_bias={10_000: 1.0}), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ({"enable_prefix_caching": True}, "enable_prefix_caching"),
+    ({"max_model_len": 4096}, "max_model_len"),
+])
+def test_unimplemented_llm_options_are_refused(target_dir, kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        LLM(model=target_dir, **kwargs)
+
+
+def test_unknown_llm_option_names_itself(target_dir):
+    with pytest.raises(TypeError, match="quantization"):
+        LLM(model=target_dir, quantization="awq")
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"best_of": 3}, "best_of"),
+    ({"bad_words": ["no"]}, "bad_words"),
+    ({"guided_decoding": {"json": {}}}, "guided_decoding"),
+    ({"logits_processors": [print]}, "logits_processors"),
+    ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"n": 0}, "n"),
+])
+def test_sampling_params_refusals_name_the_field(kwargs, name):
+    with pytest.raises(ValueError, match=rf"^{name}"):
+        SamplingParams(**kwargs)
+    with pytest.raises(TypeError, match="use_beam_search"):
+        SamplingParams(use_beam_search=True)
+
+
+def test_min_p_keeps_only_likely_tokens(llm):
+    # min_p = 1 keeps just the most likely token, so sampling at any temperature is greedy decoding.
+    greedy = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    hot = llm.generate("Hello", SamplingParams(temperature=1.5, min_p=1.0, max_tokens=10, ignore_eos=True, seed=3),
+                       use_tqdm=False)
+    assert hot[0].token_ids == greedy[0].token_ids

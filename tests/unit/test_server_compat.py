@@ -1,0 +1,183 @@
+"""The official openai client against the server: implemented fields have their documented effect (with and
+without speculation), unimplemented ones answer 400 naming the field; vLLM's extra endpoints and metric names."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import openai
+import pytest
+from server_fixtures import make_engine, make_head, metric_samples, serve
+
+from peagle.server import create_app
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPT = "The quick brown fox"
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def target_dir(tiny_hf_checkpoint):
+    return tiny_hf_checkpoint("llama", num_layers=4)
+
+
+@pytest.fixture(scope="module", params=["none", "peagle"])
+def server(request, target_dir, tmp_path_factory):
+    head = None if request.param == "none" else make_head(target_dir, "peagle", tmp_path_factory.mktemp("h") / "h")
+    engine = make_engine(target_dir, head, request.param)
+    with serve(create_app(engine, "tiny")) as url:
+        yield url, engine
+
+
+@pytest.fixture
+def client(server):
+    with openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def test_min_tokens_holds_eos_back(client):
+    force_eos = {str(EOS): 100}
+    free = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, temperature=0,
+                                          logit_bias=force_eos)
+    assert free.usage.completion_tokens == 1 and free.choices[0].finish_reason == "stop"
+    held = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, temperature=0,
+                                          logit_bias=force_eos, extra_body={"min_tokens": 6})
+    assert held.usage.completion_tokens == 7 and held.choices[0].finish_reason == "stop"
+
+
+def test_stop_token_ids_and_stop_reason(client):
+    kw = {"model": "tiny", "prompt": PROMPT, "max_tokens": 10, "temperature": 0, "logit_bias": {"77": 100}}
+    out = client.completions.create(**kw, extra_body={"stop_token_ids": [77], "min_tokens": 3, "ignore_eos": True})
+    choice = out.choices[0]
+    assert out.usage.completion_tokens == 4 and choice.finish_reason == "stop"
+    assert choice.model_extra["stop_reason"] == 77
+
+
+def test_chat_logprobs_are_the_chosen_tokens(server, client):
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True,
+                                         top_logprobs=3, extra_body={"ignore_eos": True})
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens == 8
+    for entry in content:
+        # Greedy picks the target's most likely token, so it heads its own top list with the same logprob.
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
+        assert math.isclose(entry.top_logprobs[0].logprob, entry.logprob) and entry.logprob <= 0
+        assert entry.bytes == list(entry.token.encode())
+    stream = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0,
+                                            logprobs=True, stream=True, extra_body={"ignore_eos": True})
+    streamed = [e for ch in stream for c in ch.choices if c.logprobs for e in c.logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content])
+
+
+def test_completion_logprobs(client):
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2,
+                                    extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert math.isclose(max(top.values()), value) and top[token] == value
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+
+
+def test_n_choices_are_seeded_sequences(client):
+    kw = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "seed": 11,
+          "extra_body": {"ignore_eos": True}}
+    both = client.completions.create(n=2, **kw)
+    assert [c.index for c in both.choices] == [0, 1] and both.usage.completion_tokens == 16
+    first = client.completions.create(**kw).choices[0].text
+    second = client.completions.create(**{**kw, "seed": 12}).choices[0].text
+    assert [c.text for c in both.choices] == [first, second]
+    texts = {0: "", 1: ""}
+    for chunk in client.completions.create(n=2, stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert [texts[0], texts[1]] == [first, second]
+
+
+def test_penalties_change_the_output(client):
+    kw = {"model": "tiny", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    plain = client.completions.create(**kw).choices[0].text
+    penalised = client.completions.create(**kw, presence_penalty=2.0, frequency_penalty=2.0).choices[0].text
+    assert penalised != plain
+
+
+def test_echo_prepends_the_prompt(client):
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, echo=True)
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0)
+    assert out.choices[0].text == PROMPT + plain.choices[0].text
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("endpoint, fields, param", [
+    ("chat", {"tools": [TOOL]}, "tools"),
+    ("chat", {"tool_choice": "auto"}, "tool_choice"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+     "response_format"),
+    ("chat", {"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
+    ("chat", {"extra_body": {"guided_regex": "a+"}}, "guided_regex"),
+    ("chat", {"extra_body": {"use_beam_search": True}}, "use_beam_search"),
+    ("chat", {"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
+    ("chat", {"extra_body": {"bad_words": ["Paris"]}}, "bad_words"),
+    ("chat", {"extra_body": {"chat_template": "{{ messages }}"}}, "chat_template"),
+    ("chat", {"extra_body": {"no_such_option": 1}}, "no_such_option"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"messages": [{"role": "user", "content": "Hi"},
+                           {"role": "assistant", "content": None, "tool_calls": [
+                               {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages[1].tool_calls"),
+    ("completions", {"suffix": "end"}, "suffix"),
+    ("completions", {"best_of": 3}, "best_of"),
+    ("completions", {"echo": True, "logprobs": 1}, "echo"),
+    ("completions", {"extra_body": {"guided_choice": ["a", "b"]}}, "guided_choice"),
+    ("completions", {"extra_body": {"truncate_prompt_tokens": 3}}, "truncate_prompt_tokens"),
+])
+def test_unimplemented_fields_are_refused(client, endpoint, fields, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        if endpoint == "chat":
+            client.chat.completions.create(**{"model": "tiny", "messages": MESSAGES, "max_tokens": 2, **fields})
+        else:
+            client.completions.create(**{"model": "tiny", "prompt": PROMPT, "max_tokens": 2, **fields})
+    error = e.value.body
+    assert error["param"] == param and param.split(".")[-1] in error["message"], error
+
+
+def test_no_op_values_are_accepted(client):
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, tools=[],
+                                         response_format={"type": "text"}, user="someone")
+    assert out.choices[0].message.content is not None
+
+
+def test_models_retrieve_and_vllm_endpoints(server, client):
+    url, engine = server
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
+    ids = httpx.post(url + "/tokenize", json={"prompt": PROMPT}).json()
+    assert ids["tokens"] == engine.tokenizer.encode(PROMPT, add_special_tokens=True) and ids["count"] == len(
+        ids["tokens"])
+    chat = httpx.post(url + "/tokenize", json={"messages": MESSAGES}).json()
+    assert chat["tokens"] == engine.tokenizer.encode_chat(MESSAGES)
+    assert httpx.post(url + "/detokenize", json={"tokens": ids["tokens"]}).json() == {"prompt": PROMPT}
+    assert httpx.post(url + "/detokenize", json={"tokens": [10 ** 6]}).status_code == 400
+    assert httpx.get(url + "/version").json()["version"]
+
+
+def test_vllm_metric_names(server, client):
+    url, engine = server
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0,
+                              extra_body={"ignore_eos": True})
+    samples = metric_samples(httpx.get(url + "/metrics").text)
+    label = (("model_name", "tiny"),)
+    for name in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                 "spec_decode_num_accepted_tokens_total", "generation_tokens_total", "prompt_tokens_total"):
+        assert samples[(f"vllm:{name}", label)] == samples[(f"peagle_{name}", ())]
+    per_pos = [samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", (*label, ("position", str(i))))]
+               for i in range(engine.k)]
+    assert sum(per_pos) == samples[("vllm:spec_decode_num_accepted_tokens_total", label)]
+    if engine.k:
+        assert samples[("vllm:spec_decode_num_drafts_total", label)] > 0

@@ -1,4 +1,4 @@
-"""`peagle regenerate` and `peagle train` (single process, or one process per GPU under torchrun)."""
+"""`peagle regenerate`, `peagle synthesize` and `peagle train` (single process, or one process per GPU under torchrun)."""
 
 from __future__ import annotations
 
@@ -15,15 +15,24 @@ def register(subparsers) -> None:
         "regenerate", help="answer training prompts with the target (drafter training data)",
         description="Render each prompt with the target's chat template, let the target answer it greedily through "
                     "the engine, and write prompt + response shards for `peagle train`. Resumable: run the same "
-                    "command again to continue. Never use benchmark prompts here.",
+                    "command again to continue. Prompt files that overlap the built-in benchmark sets are refused.",
     )
     regen.add_argument("--model", type=Path, required=True, help="target checkpoint directory")
     regen.add_argument("--prompts", type=Path, required=True,
-                       help='JSON Lines ({"messages": [...]} or {"prompt": ...}) or ShareGPT JSON')
+                       help='JSON Lines ({"messages": [...]} or {"prompt": ...}; .gz read as gzip) or ShareGPT JSON '
+                            "(its train split)")
     regen.add_argument("--out", type=Path, required=True, help="output data directory")
-    regen.add_argument("--max-tokens", type=int, default=1024, help="response length limit (default 1024)")
-    regen.add_argument("--batch-size", type=int, default=256, help="prompts per engine batch and shard")
+    regen.add_argument("--max-tokens", type=int, default=1024, help="response length limit per turn (default 1024)")
+    regen.add_argument("--batch-size", type=int, default=256, help="prompts per shard (default 256)")
+    regen.add_argument("--max-num-seqs", type=int, default=512,
+                       help="requests the engine runs at once; the batch is refilled in waves (default 512)")
     regen.add_argument("--limit", type=int, help="use only the first N prompts")
+    regen.add_argument("--multi-turn", action="store_true",
+                       help="answer every user turn in order, each after the target's own earlier answers; one "
+                            "document per conversation, loss on the target's tokens only")
+    regen.add_argument("--max-turns", type=int, help="with --multi-turn: answer at most N turns per conversation")
+    regen.add_argument("--exclude-overlap", action="store_true",
+                       help="drop prompts that overlap a benchmark set instead of refusing the file")
     regen.add_argument("--speculative-config", type=_json_object,
                        help='speculate while generating (same output, faster), e.g. '
                             '\'{"method": "eagle3", "model": "HEAD", "num_speculative_tokens": 7}\'')
@@ -31,6 +40,27 @@ def register(subparsers) -> None:
     regen.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     regen.add_argument("--max-model-len", type=int, help="prompt + response limit (default: the model's)")
     regen.set_defaults(func=_regenerate)
+
+    synth = subparsers.add_parser(
+        "synthesize", help="let the target write training prompts itself (Magpie-style)",
+        description="Sample user turns from the target's chat template's user prefix (after its system turn, if it "
+                    "has one), then deduplicate and filter them (length, language, repetition, benchmark overlap). "
+                    "Writes JSON Lines of {\"messages\": [user turn]} for `peagle regenerate`.",
+    )
+    synth.add_argument("--model", type=Path, required=True, help="target checkpoint directory")
+    synth.add_argument("--out", type=Path, required=True, help="JSON Lines file to write (.gz: compressed)")
+    synth.add_argument("--count", type=int, required=True, help="prompts to write")
+    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--max-tokens", type=int, default=256, help="longest user turn in tokens (default 256)")
+    synth.add_argument("--temperature", type=float, default=1.0)
+    synth.add_argument("--top-p", type=float, default=0.99)
+    synth.add_argument("--min-chars", type=int, default=16, help="shortest prompt kept (default 16)")
+    synth.add_argument("--max-chars", type=int, default=2000, help="longest prompt kept (default 2000)")
+    synth.add_argument("--system", help="system turn to write the prefix with (default: the template's own)")
+    synth.add_argument("--max-num-seqs", type=int, default=1024, help="requests the engine runs at once")
+    synth.add_argument("--dtype", default="bfloat16", help="target dtype (default bfloat16)")
+    synth.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    synth.set_defaults(func=_synthesize)
 
     train = subparsers.add_parser(
         "train", help="train a P-EAGLE or EAGLE-3 drafter",
@@ -78,6 +108,13 @@ def register(subparsers) -> None:
     train.add_argument("--profile-steps", type=int, default=0, metavar="N",
                        help="profile N steps after the first 5 (compilation) with torch.profiler: a table of the "
                             "most expensive operators in OUT/profile.txt")
+    train.add_argument("--log-every", type=int, default=10, metavar="N",
+                       help="read the statistics from the device every N steps (the step itself never waits for "
+                            "the GPU; default 10)")
+    train.add_argument("--depth-decay", type=float, default=1.0, metavar="GAMMA",
+                       help="weight the loss of a depth-d element by GAMMA**d (default 1: all depths alike)")
+    train.add_argument("--freeze-lm-head", action="store_true",
+                       help="keep the draft head's output rows as initialised from the target (not trained)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--init", type=Path, metavar="DRAFTER_DIR", help="start from an existing head")
     train.add_argument("--draft-vocab-size", type=int,
@@ -101,11 +138,23 @@ def _regenerate(args: argparse.Namespace) -> int:
     manifest = regenerate(
         args.model, args.prompts, args.out, max_tokens=args.max_tokens, batch_size=args.batch_size,
         limit=args.limit, speculative_config=args.speculative_config, dtype=args.dtype, device=args.device,
-        max_model_len=args.max_model_len,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, multi_turn=args.multi_turn,
+        max_turns=args.max_turns, exclude_overlap=args.exclude_overlap,
     )
     docs = sum(s["num_documents"] for s in manifest.shards)
     tokens = sum(s["num_tokens"] for s in manifest.shards)
     print(f"{args.out}: {docs} documents, {tokens} tokens from {manifest.prompts_done} prompts")
+    return 0
+
+
+def _synthesize(args: argparse.Namespace) -> int:
+    from peagle.training.synthesize import SynthesisConfig, synthesize
+
+    cfg = SynthesisConfig(count=args.count, seed=args.seed, max_tokens=args.max_tokens,
+                          temperature=args.temperature, top_p=args.top_p, min_chars=args.min_chars,
+                          max_chars=args.max_chars, system=args.system, max_num_seqs=args.max_num_seqs)
+    stats = synthesize(args.model, args.out, cfg, dtype=args.dtype, device=args.device)
+    print(f"{args.out}: {stats.kept} prompts from {stats.sampled} samples ({stats.summary()})")
     return 0
 
 
@@ -120,7 +169,8 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         max_eval_documents=args.max_eval_documents, loss_chunk=args.loss_chunk, seed=args.seed,
         resume=args.resume, init=args.init, draft_vocab_size=args.draft_vocab_size,
         aux_layer_ids=tuple(args.aux_layer_ids) if args.aux_layer_ids else None, feature_cache=args.feature_cache,
-        time_limit_minutes=args.time_limit, profile_steps=args.profile_steps,
+        time_limit_minutes=args.time_limit, profile_steps=args.profile_steps, log_every=args.log_every,
+        depth_decay=args.depth_decay, freeze_lm_head=args.freeze_lm_head,
     )
 
 

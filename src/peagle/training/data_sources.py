@@ -1,0 +1,212 @@
+"""Where training prompts come from, and what may never be one.
+
+- `normalise(text)`: the form prompts are compared in (NFKC, case-folded, punctuation to spaces, whitespace
+  collapsed), for deduplication and for the benchmark check.
+- `BenchmarkGuard`: the built-in benchmark sets (MT-Bench, both turns; HumanEval, wrapped and bare; the longcode
+  test set) and ShareGPT's held-out split. A training prompt overlaps a benchmark prompt when their normalised texts
+  are equal or share a run of at least 2 * WINDOW - 1 words (a pasted benchmark problem inside a longer request);
+  it overlaps the held-out ShareGPT split when it comes from a held-out conversation (by id) or its first turn
+  equals one of that split's prompts. The data commands refuse prompt files that overlap a benchmark set.
+- `sharegpt_conversations`: every human turn of each ShareGPT conversation of one split, for multi-turn
+  regeneration (the target writes every answer again, so the recorded answers are dropped).
+
+    python -m peagle.training.data_sources sharegpt ShareGPT_V3_unfiltered_cleaned_split.json sharegpt_turns.jsonl.gz
+writes the train split's conversations (human turns only) as JSON Lines for `peagle regenerate --multi-turn`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import io
+import json
+import logging
+import re
+import unicodedata
+from importlib import resources
+from pathlib import Path
+from typing import Iterable, Sequence
+
+logger = logging.getLogger(__name__)
+
+# Word windows hashed from every benchmark prompt; a training prompt is probed at this stride, so every shared run
+# of 2 * WINDOW - 1 words or more is found.
+WINDOW = 12
+SHAREGPT_ID_PREFIX = "sharegpt-"
+_PUNCTUATION = re.compile(r"[^\w\s]")
+
+
+def normalise(text: str) -> str:
+    """NFKC, case-folded, punctuation replaced by spaces, whitespace collapsed: 'Hello,  World!' -> 'hello world'."""
+    return " ".join(_PUNCTUATION.sub(" ", unicodedata.normalize("NFKC", text).casefold()).split())
+
+
+def open_text(path: Path):
+    """A text file, gzip-compressed when its name ends in .gz."""
+    if path.suffix == ".gz":
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
+    return path.open("r", encoding="utf-8")
+
+
+class BenchmarkGuard:
+    """Tells which prompts overlap a benchmark set or a held-out evaluation set."""
+
+    def __init__(self, benchmarks: Iterable[tuple[str, str]], held_out_texts: Iterable[str] = ()):
+        self.exact: dict[str, str] = {}  # normalised text -> set name
+        self.windows: dict[int, str] = {}  # hash of WINDOW words -> set name
+        for name, text in benchmarks:
+            words = normalise(text)
+            self.exact.setdefault(words, name)
+            words = words.split()
+            for i in range(len(words) - WINDOW + 1):
+                self.windows.setdefault(hash(tuple(words[i:i + WINDOW])), name)
+        self.held_out = {normalise(t) for t in held_out_texts}
+
+    @classmethod
+    def builtin(cls, sharegpt_json: Path | None = None) -> "BenchmarkGuard":
+        """The vendored benchmark sets, plus ShareGPT's held-out prompts when the ShareGPT JSON is at hand."""
+        from peagle.bench import datasets
+
+        path = sharegpt_json or datasets.sharegpt_file(datasets.default_cache_dir())
+        held_out = []
+        if path.is_file():
+            held_out = [m["content"] for p in datasets.sharegpt_prompts(datasets.read_sharegpt(path), "test")
+                        for m in p.messages]
+        return cls(builtin_benchmark_texts(), held_out)
+
+    def benchmark_of(self, text: str) -> str | None:
+        """The benchmark set `text` overlaps, or None."""
+        words = normalise(text)
+        if words in self.exact:
+            return self.exact[words]
+        words = words.split()
+        for i in range(0, len(words) - WINDOW + 1, WINDOW):
+            name = self.windows.get(hash(tuple(words[i:i + WINDOW])))
+            if name is not None:
+                return name
+        return None
+
+    @staticmethod
+    def held_out_id(record_id: str | None) -> bool:
+        """Whether a record id names a conversation of ShareGPT's held-out split."""
+        if not record_id or not record_id.startswith(SHAREGPT_ID_PREFIX):
+            return False
+        from peagle.bench.datasets import sharegpt_split_of
+
+        return sharegpt_split_of(record_id[len(SHAREGPT_ID_PREFIX):]) == "test"
+
+    def held_out_text(self, text: str) -> bool:
+        """Whether `text` equals a held-out ShareGPT prompt (normalised)."""
+        return bool(self.held_out) and normalise(text) in self.held_out
+
+    def check(self, prompts: Sequence[tuple[str | None, Sequence[str]]], source: str, drop: bool = False
+              ) -> list[int]:
+        """Indices of the prompts to keep: (id, user texts) pairs. Refuses benchmark overlap unless `drop`.
+
+        Prompts equal to a held-out ShareGPT prompt are always dropped (a few short ones such as "Continue" occur
+        in both splits); a file holding held-out conversations, or overlapping a benchmark set, is refused.
+        """
+        keep, benchmark_hits, held_ids, held_texts = [], [], 0, 0
+        for i, (record_id, texts) in enumerate(prompts):
+            hit = next((b for b in map(self.benchmark_of, texts) if b), None)
+            if hit:
+                benchmark_hits.append((i, hit, texts[0]))
+            elif self.held_out_id(record_id):
+                held_ids += 1
+            elif self.held_out_text(texts[0]):  # the held-out set is first turns
+                held_texts += 1
+            else:
+                keep.append(i)
+        if held_ids and not drop:
+            raise ValueError(f"{source} holds {held_ids} conversations of ShareGPT's held-out split (the benchmark's "
+                             "'sharegpt' set): use the train split")
+        if benchmark_hits and not drop:
+            names = sorted({b for _, b, _ in benchmark_hits})
+            i, name, text = benchmark_hits[0]
+            raise ValueError(
+                f"{source} holds {len(benchmark_hits)} prompts that overlap the benchmark sets {', '.join(names)} "
+                f"(the first, prompt {i}, overlaps {name}: {text[:80]!r}); benchmark prompts never enter training "
+                "data. Use other prompts, or --exclude-overlap to drop these and keep the rest"
+            )
+        dropped = len(prompts) - len(keep)
+        if dropped:
+            logger.warning("%s: dropped %d prompts (%d overlap benchmarks, %d from held-out ShareGPT conversations, "
+                           "%d equal to held-out ShareGPT prompts)", source, dropped, len(benchmark_hits), held_ids,
+                           held_texts)
+        return keep
+
+
+def builtin_benchmark_texts() -> list[tuple[str, str]]:
+    """(set name, prompt text) of every vendored benchmark prompt, in each form a prompt file might hold it."""
+    from peagle.bench import datasets
+
+    data = resources.files("peagle.bench").joinpath("data")
+    with data.joinpath("mtbench_question.jsonl").open("r", encoding="utf-8") as f:
+        texts = [("mtbench", turn) for line in f if line.strip() for turn in json.loads(line)["turns"]]
+    with data.joinpath("HumanEval.jsonl.gz").open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as f:
+        problems = [json.loads(line) for line in f if line.strip()]
+    texts += [("humaneval", r["prompt"]) for r in problems]
+    texts += [("humaneval", datasets.HUMANEVAL_TEMPLATE.format(prompt=r["prompt"])) for r in problems]
+    texts += [("longcode", r["prompt"]) for r in datasets.longcode_records()]
+    return texts
+
+
+def sharegpt_conversations(records: Iterable[dict], split: str = "train") -> list[dict]:
+    """`{"id": "sharegpt-ID", "messages": [user turns]}` for every conversation of `split` with a human turn."""
+    from peagle.bench.datasets import sharegpt_split_of
+
+    out = []
+    for record in records:
+        cid = str(record.get("id", ""))
+        if not cid or sharegpt_split_of(cid) != split:
+            continue
+        turns = [t["value"] for t in record.get("conversations", [])
+                 if isinstance(t, dict) and t.get("from") in ("human", "user") and isinstance(t.get("value"), str)
+                 and t["value"].strip()]
+        if turns:
+            out.append({"id": SHAREGPT_ID_PREFIX + cid, "messages": [{"role": "user", "content": t} for t in turns]})
+    return out
+
+
+def write_jsonl(path: Path, records: Iterable[dict]) -> int:
+    """JSON Lines (gzip-compressed for a .gz name, with a fixed header), written whole or not at all."""
+    tmp = path.with_name(path.name + ".tmp")
+    n = 0
+    with open(tmp, "wb") as f:
+        raw = gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) if path.suffix == ".gz" else f
+        for record in records:
+            # ASCII JSON: characters such as U+2028 stay escaped, so every reader sees one record per line.
+            raw.write((json.dumps(record) + "\n").encode())
+            n += 1
+        if raw is not f:
+            raw.close()
+    tmp.replace(path)
+    return n
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sharegpt = sub.add_parser("sharegpt", help="ShareGPT conversations (human turns) of one split as JSON Lines")
+    sharegpt.add_argument("sharegpt_json", type=Path)
+    sharegpt.add_argument("out", type=Path, help="JSON Lines file (.gz: compressed)")
+    sharegpt.add_argument("--split", choices=("train", "test"), default="train")
+    args = parser.parse_args(argv)
+    from peagle.bench.datasets import read_sharegpt
+
+    records = read_sharegpt(args.sharegpt_json)
+    conversations = sharegpt_conversations(records, args.split)
+    if args.split == "train":
+        guard = BenchmarkGuard.builtin(args.sharegpt_json)
+        keep = guard.check([(c["id"], [m["content"] for m in c["messages"]]) for c in conversations],
+                           str(args.sharegpt_json), drop=True)
+        conversations = [conversations[i] for i in keep]
+    n = write_jsonl(args.out, conversations)
+    turns = sum(len(c["messages"]) for c in conversations)
+    print(f"wrote {n} {args.split}-split conversations ({turns} human turns) to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    raise SystemExit(main())

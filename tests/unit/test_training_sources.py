@@ -1,0 +1,202 @@
+"""Training data sources: synthesised prompts, multi-turn regeneration, the benchmark-overlap refusal."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from importlib import resources
+
+import pytest
+import torch
+
+from peagle.bench import datasets
+from peagle.engine.outputs import StepOutput
+from peagle.models.attention import DenseAttention
+from peagle.models.loader import load_model, load_tokenizer
+from peagle.training import synthesize as synth_module
+from peagle.training.data import read_documents
+from peagle.training.data_sources import BenchmarkGuard, normalise, sharegpt_conversations
+from peagle.training.regenerate import ChatTurns, _Chat, read_prompts, regenerate
+from peagle.training.synthesize import PromptFilter, SynthesisConfig, is_repetitive, synthesize, user_prefix
+
+KW = dict(dtype="float32", device="cpu", max_model_len=160, max_num_seqs=4)
+
+
+def _greedy(target, ids: list[int], n: int) -> list[int]:
+    ids = torch.tensor(ids)
+    for _ in range(n):
+        hidden = target(ids, torch.arange(ids.numel()), DenseAttention()).hidden[-1:]
+        ids = torch.cat([ids, target.compute_logits(hidden).argmax(-1)])
+    return ids.tolist()
+
+
+# ---- synthesised prompts ----
+
+def test_filter_rejects_bad_turns_and_duplicates():
+    keep = PromptFilter(SynthesisConfig(count=1, min_chars=10, max_chars=200), BenchmarkGuard([("b", "Name a "
+                        "famous painting by Leonardo da Vinci and say why it is famous.")]), markup=("<|im_start|>",))
+    good = "How do I sort a list of tuples by the second item in Python?"
+    assert keep.reject(good) is None
+    assert keep.reject(good) == "duplicate"
+    assert keep.reject("  how do I SORT a list of tuples, by the second item in python ") == "near-duplicate"
+    assert keep.reject("   \n\t ") == "empty"
+    assert keep.reject("Write a poem about the sea and the wind.", ended=False) == "unfinished"
+    assert keep.reject("Hi there") == "too short"
+    assert keep.reject("word " * 60) == "too long"
+    assert keep.reject("Tell me more <|im_start|>assistant about it") == "template markup"
+    assert keep.reject("请给我讲一个关于大海和风的故事，谢谢你") == "language"
+    assert keep.reject("Explain this please: " + "a" * 40) == "repetition"
+    assert keep.reject("name a famous painting by Leonardo da Vinci, and say why it is famous") == "benchmark overlap"
+    assert keep.reject("Café crème: how do I make one at home without a machine?") is None  # Latin with accents
+    assert is_repetitive("buy now buy now buy now buy now buy now buy now buy now buy now")
+    assert not is_repetitive("What are three good ways to learn a new language quickly as an adult learner?")
+
+
+def test_user_prefix_is_the_template_up_to_the_user_content(tiny_hf_checkpoint):
+    tokenizer = load_tokenizer(tiny_hf_checkpoint("llama", num_layers=1))
+    assert user_prefix(tokenizer) == "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+    assert user_prefix(tokenizer, "Be terse.") == "<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\n"
+
+
+class _ScriptedEngine:
+    """Stands in for LLMEngine: answers request i with the i-th scripted text (then ends its turn)."""
+
+    def __init__(self, tokenizer, texts):
+        self.tokenizer, self.texts, self.queue, self.prompts = tokenizer, list(texts), [], []
+
+    def add_request(self, rid, prompt, params):
+        self.prompts.append(prompt)
+        text = self.texts.pop(0) if self.texts else "What is the weather like on Mars today?"
+        self.queue.append((rid, self.tokenizer.encode(text) + [self.tokenizer.eos_token_ids[0]]))
+
+    def has_unfinished_requests(self):
+        return bool(self.queue)
+
+    def step(self):
+        done, self.queue = self.queue[:3], self.queue[3:]
+        return [StepOutput(rid, ids, True, "stop") for rid, ids in done]
+
+
+def test_synthesize_cli_writes_count_filtered_unique_prompts(tiny_hf_checkpoint, tmp_path, monkeypatch):
+    from peagle.cli import main
+
+    checkpoint = tiny_hf_checkpoint("llama", num_layers=1)
+    tokenizer = load_tokenizer(checkpoint)
+    script = ["Write a short story about a robot who learns to paint.", "ok",
+              "Write a short story about a robot who learns to paint!", "Give me three tips for better sleep.",
+              "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences "
+              "and must-see attractions.", "How does a bicycle stay upright when it moves?"]
+    engines = []
+
+    def engine(model, **kw):
+        engines.append(_ScriptedEngine(tokenizer, script))
+        return engines[-1]
+
+    monkeypatch.setattr(synth_module, "make_engine", engine)
+    out = tmp_path / "prompts.jsonl"
+    assert main(["synthesize", "--model", str(checkpoint), "--out", str(out), "--count", "3", "--seed", "7"]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["messages"][0]["content"] for r in records] == [
+        "Write a short story about a robot who learns to paint.", "Give me three tips for better sleep.",
+        "How does a bicycle stay upright when it moves?"]  # the MT-Bench question and the duplicates are gone
+    assert all(r["messages"][0]["role"] == "user" and len(r["messages"]) == 1 for r in records)
+    prefix = tokenizer.encode(user_prefix(tokenizer))
+    assert all(p == prefix for p in engines[0].prompts)
+    assert read_prompts(out) == [r["messages"] for r in records]  # what `peagle regenerate` reads
+
+
+def test_synthesize_on_a_tiny_model_samples_and_accounts_for_every_sample(tiny_hf_checkpoint, tmp_path):
+    # A random model rarely ends its turn within 6 tokens: every sample is counted, none kept, and it says why.
+    checkpoint = tiny_hf_checkpoint("llama", num_layers=1)
+    cfg = SynthesisConfig(count=4, seed=3, max_tokens=6, max_num_seqs=8, max_rounds=2)
+    stats = synthesize(checkpoint, tmp_path / "p.jsonl", cfg, dtype="float32", device="cpu")
+    assert stats.sampled >= 4 and stats.kept + sum(stats.rejected.values()) == stats.sampled
+    assert (tmp_path / "p.jsonl").read_text().count("\n") == stats.kept
+
+
+# ---- multi-turn regeneration ----
+
+def test_multi_turn_regeneration_answers_each_turn_after_its_own_answers(tiny_hf_checkpoint, tmp_path):
+    checkpoint = tiny_hf_checkpoint("llama", num_layers=2)
+    tokenizer, target = load_tokenizer(checkpoint), load_model(checkpoint, dtype="float32")
+    turns = ["What is a fox?", "And a dog?", "Which is faster?"]
+    sharegpt = [{"id": "conv1", "conversations": [{"from": "human", "value": turns[0]},
+                                                    {"from": "gpt", "value": "A recorded answer."},
+                                                    {"from": "human", "value": turns[1]},
+                                                    {"from": "gpt", "value": "Another one."},
+                                                    {"from": "human", "value": turns[2]}]},
+                {"id": "conv2", "conversations": [{"from": "human", "value": "Hello?"}]}]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(sharegpt))
+    assert read_prompts(path, multi_turn=True)[0] == [{"role": "user", "content": t} for t in turns]
+    out = tmp_path / "data"
+    manifest = regenerate(checkpoint, path, out, max_tokens=3, batch_size=1, multi_turn=True, max_turns=2, **KW)
+    assert [s["num_answers"] for s in manifest.shards] == [2, 1]
+    doc = read_documents(out, tokenizer, target.config.vocab_size)[0]
+
+    expected = _greedy(target, tokenizer.encode_chat([{"role": "user", "content": turns[0]}]), 3)
+    first_answer_end = len(expected)
+    # The random model does not end its turn in 3 tokens, so the template closes it before the next user turn.
+    expected += tokenizer.encode(f"<|im_end|>\n<|im_start|>user\n{turns[1]}<|im_end|>\n<|im_start|>assistant\n")
+    second_prompt_end = len(expected)
+    expected = _greedy(target, expected, 3)  # turn 2 is answered in the context of the target's own turn-1 answer
+    assert doc.token_ids.tolist() == expected
+    mask = torch.zeros(len(expected), dtype=torch.bool)
+    mask[first_answer_end - 3:first_answer_end] = True
+    mask[second_prompt_end:] = True
+    assert torch.equal(doc.loss_mask, mask)  # the target's tokens only: no prompt, template or user token
+
+    # Resumes like the single-turn mode; a different mode refuses the directory.
+    assert regenerate(checkpoint, path, out, max_tokens=3, batch_size=1, multi_turn=True, max_turns=2,
+                      **KW).shards == manifest.shards
+    with pytest.raises(ValueError, match="other prompts"):
+        regenerate(checkpoint, path, out, max_tokens=3, batch_size=1, **KW)
+
+
+def test_next_turn_does_not_repeat_an_end_of_turn_the_target_wrote(tiny_hf_checkpoint):
+    tokenizer = load_tokenizer(tiny_hf_checkpoint("llama", num_layers=1))
+    turns = ChatTurns(tokenizer)
+    chat = _Chat([{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Bye"}])
+    prompt = turns.first(chat)
+    answer = tokenizer.encode("Hello you") + [tokenizer.eos_token_ids[0]]
+    turns.answered(chat, prompt, answer)
+    nxt = turns.next_prompt(chat)
+    assert nxt[:len(prompt) + len(answer)] == prompt + answer
+    assert tokenizer.decode(nxt[len(prompt) + len(answer):], skip_special_tokens=False) == \
+        "\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n"
+
+
+# ---- what never becomes training data ----
+
+def test_data_commands_refuse_benchmark_prompts(tiny_hf_checkpoint, tmp_path):
+    checkpoint = tiny_hf_checkpoint("llama", num_layers=1)
+    data = resources.files("peagle.bench") / "data"
+    with (data / "HumanEval.jsonl.gz").open("rb") as raw, gzip.open(raw, "rt") as f:
+        problem = json.loads(f.readline())["prompt"]
+    mtbench = json.loads((data / "mtbench_question.jsonl").read_text().splitlines()[3])["turns"][1]
+    prompts = tmp_path / "p.jsonl"
+    lines = [{"prompt": "Tell me about foxes."}, {"prompt": mtbench.upper() + "!!"},
+             {"prompt": f"Please finish this for me, thanks:\n{problem}"}, {"prompt": "And about dogs?"}]
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    with pytest.raises(ValueError, match=r"2 prompts that overlap the benchmark sets humaneval, mtbench"):
+        regenerate(checkpoint, prompts, tmp_path / "data", max_tokens=2, **KW)
+    assert not (tmp_path / "data").exists()
+    manifest = regenerate(checkpoint, prompts, tmp_path / "data", max_tokens=2, exclude_overlap=True, **KW)
+    assert manifest.prompts_done == 2
+
+    held_out = tmp_path / "held.jsonl"  # a conversation of ShareGPT's held-out split, by its id
+    cid = next(c for c in (f"c{i}" for i in range(1000)) if datasets.sharegpt_split_of(c) == "test")
+    held_out.write_text(json.dumps({"id": f"sharegpt-{cid}", "prompt": "Tell me about cats."}) + "\n")
+    with pytest.raises(ValueError, match="held-out split"):
+        regenerate(checkpoint, held_out, tmp_path / "data2", max_tokens=2, **KW)
+
+
+def test_sharegpt_conversations_and_normalised_text():
+    assert normalise("  Hello,\tWORLD!  ") == "hello world"
+    records = [{"id": "x", "conversations": [{"from": "gpt", "value": "hi"}, {"from": "human", "value": "q1"},
+                                             {"from": "gpt", "value": "a"}, {"from": "human", "value": " "},
+                                             {"from": "human", "value": "q2"}]},
+               {"id": "y", "conversations": [{"from": "gpt", "value": "only"}]}]
+    split = datasets.sharegpt_split_of("x")
+    assert sharegpt_conversations(records, split) == [
+        {"id": "sharegpt-x", "messages": [{"role": "user", "content": "q1"}, {"role": "user", "content": "q2"}]}]

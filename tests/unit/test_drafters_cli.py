@@ -78,7 +78,8 @@ def test_eagle3_head_for_a_qwen3_target(tmp_path, tiny_hf_checkpoint, capsys):
     assert "eagle3" in text and "1 qwen3 layers" in text and "Qwen3ForCausalLM" in text
 
     llama_dir = tiny_hf_checkpoint("llama")
-    assert main(["inspect", str(head), "--json", "--target", str(llama_dir)]) == 0
+    # The head does not fit the llama target: a failed check.
+    assert main(["inspect", str(head), "--json", "--target", str(llama_dir)]) == 1
     info = last_json(capsys)
     assert info["fits_target"] is False and "family expected llama" in info["mismatch"]
 

@@ -101,7 +101,8 @@ def _inspect(args: argparse.Namespace) -> int:
         print(json.dumps(info))
     else:
         print(_as_text(info))
-    return 0
+    # A head that does not fit --target is a failed check for scripts, as a load would fail.
+    return 1 if info.get("fits_target") is False else 0
 
 
 def describe(path: Path, target: Path | None = None) -> dict[str, Any]:

@@ -88,6 +88,7 @@ class SpeculativeConfig:
         missing = [k for k in ("method", "model", "num_speculative_tokens") if k not in d]
         if missing:
             raise ValueError(f"speculative_config is missing {missing}")
+        _check_field_types(d)
         adaptive = d.get("adaptive") or {}
         policy = AdaptivePolicy(
             thresholds=tuple(tuple(t) for t in adaptive.get("thresholds", ())),
@@ -107,6 +108,39 @@ class SpeculativeConfig:
             if os.environ.get(var):
                 return cls.from_dict(os.environ[var])
         return None
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_field_types(d: dict[str, Any]) -> None:
+    """Each speculative_config field's type, so that a mistake ("seven" for a number) names its field."""
+    def wrong(name: str, want: str, value):
+        raise ValueError(f"speculative_config.{name} must be {want}, got {value!r}")
+
+    if not isinstance(d["method"], str):
+        wrong("method", "a string", d["method"])
+    if not isinstance(d["model"], (str, os.PathLike)):
+        wrong("model", "a path string", d["model"])
+    if not _is_int(d["num_speculative_tokens"]):
+        wrong("num_speculative_tokens", "an integer", d["num_speculative_tokens"])
+    if d.get("parallel_drafting") is not None and not isinstance(d["parallel_drafting"], bool):
+        wrong("parallel_drafting", "true or false", d["parallel_drafting"])
+    adaptive = d.get("adaptive")
+    if adaptive is None:
+        return
+    if not isinstance(adaptive, dict):
+        wrong("adaptive", 'an object like {"thresholds": [[8, 7], [32, 5]], "above": 3}', adaptive)
+    unknown = sorted(set(adaptive) - {"thresholds", "above"})
+    if unknown:
+        raise ValueError(f"unknown speculative_config.adaptive field(s) {unknown}; known: ['above', 'thresholds']")
+    thresholds = adaptive.get("thresholds", [])
+    if not isinstance(thresholds, (list, tuple)) or not all(
+            isinstance(t, (list, tuple)) and len(t) == 2 and all(map(_is_int, t)) for t in thresholds):
+        wrong("adaptive.thresholds", "a list of [running requests, K] integer pairs", thresholds)
+    if adaptive.get("above") is not None and not _is_int(adaptive["above"]):
+        wrong("adaptive.above", "an integer", adaptive["above"])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -28,7 +28,7 @@ def register(subparsers) -> None:
                         f"{' or '.join(SPEC_ENV_VARS)} environment variable, else no speculation")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces)")
-    p.add_argument("--port", type=int, metavar="PORT", default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--port", type=_port, metavar="PORT", default=8000, help="port to listen on (default 8000)")
     p.add_argument("--api-key", metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PEAGLE_API_KEY, else open)")
     p.add_argument("--served-model-name", metavar="NAME",
@@ -44,8 +44,9 @@ def register(subparsers) -> None:
                    help="fraction of GPU memory the engine may use: weights, KV cache, activations (default 0.9)")
     p.add_argument("--num-kv-blocks", type=int, metavar="N",
                    help="KV-cache blocks (default: as many as memory allows)")
-    p.add_argument("--dtype", default="bfloat16",
-                   help="bfloat16 (default), float16 or float32 (aliases bf16, fp16, fp32)")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (default: bfloat16 on a GPU, float32 on the CPU), bfloat16, float16 or float32 "
+                        "(aliases bf16, fp16, fp32)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
     p.add_argument("--seed", type=int, metavar="N", default=0,
@@ -56,18 +57,21 @@ def register(subparsers) -> None:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from peagle.engine.config import DTYPE_ALIASES, EngineConfig, SpeculativeConfig
+    from peagle.engine.config import EngineConfig, SpeculativeConfig
+    from peagle.engine.llm import check_max_model_len, resolve_dtype
     from peagle.engine.llm_engine import LLMEngine
     from peagle.server.app import create_app
 
     spec = (SpeculativeConfig.from_dict(args.speculative_config) if args.speculative_config
             else SpeculativeConfig.from_env())
+    device = args.device or _default_device()
     config = EngineConfig(
-        model=args.model, dtype=DTYPE_ALIASES.get(args.dtype, args.dtype), device=args.device or _default_device(),
+        model=args.model, dtype=resolve_dtype(args.dtype, device), device=device,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
         enforce_eager=args.enforce_eager, seed=args.seed, speculative=spec,
     )
+    check_max_model_len(config)
     engine = LLMEngine(config)
     name = args.served_model_name or args.model
     api_key = args.api_key or os.environ.get("PEAGLE_API_KEY") or None
@@ -76,6 +80,16 @@ def _serve(args: argparse.Namespace) -> int:
                 spec or "off")
     uvicorn.run(app, host=args.host, port=args.port, log_level=logging.getLogger().getEffectiveLevel())
     return 0
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"the port must be a number in 1..65535, got {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"the port must be in 1..65535, got {port}")
+    return port
 
 
 def _default_device() -> str:

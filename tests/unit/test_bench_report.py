@@ -43,16 +43,16 @@ def test_schema_keys_are_stable_and_documented(tmp_path):
     # Changing any of these is a schema change: bump SCHEMA_VERSION and update docs/BENCH_SCHEMA.md.
     assert TOP_KEYS == ("schema_version", "kind", "created_utc", "command", "config", "environment", "points")
     assert POINT_KEYS == (
-        "dataset", "method", "k", "concurrency", "num_prompts", "num_failed", "output_tokens", "wall_s",
-        "tokens_per_s", "acceptance_length", "per_position_acceptance", "draft_acceptance_rate", "ttft_p50_ms",
-        "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+        "dataset", "method", "k", "adaptive", "temperature", "concurrency", "num_prompts", "num_failed",
+        "output_tokens", "wall_s", "tokens_per_s", "acceptance_length", "per_position_acceptance",
+        "draft_acceptance_rate", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "flags", "remeasured",
     )
     writer = ResultsWriter(tmp_path, "peagle bench --model m", {"max_tokens": 256})
     writer.add(sample_points()[1])
     saved = json.loads((tmp_path / "results.json").read_text())
     assert tuple(saved) == TOP_KEYS
     assert tuple(saved["environment"]) == ENVIRONMENT_KEYS
-    assert saved["schema_version"] == 1 and saved["kind"] == "peagle-bench"
+    assert saved["schema_version"] == 2 and saved["kind"] == "peagle-bench"
     assert tuple(saved["points"][0]) == POINT_KEYS
     assert load_results(tmp_path / "results.json") == saved
     doc = SCHEMA_DOC.read_text()

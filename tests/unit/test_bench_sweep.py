@@ -26,6 +26,17 @@ class FakeClock:
 @dataclass
 class FakeParams:
     max_tokens: int
+    temperature: float = 0.0
+
+
+class ListSink(list):
+    """A sweep's sink that keeps points in a list."""
+
+    def add(self, point):
+        self.append(point)
+
+    def flush(self):
+        pass
 
 
 @dataclass
@@ -57,9 +68,11 @@ class FakeEngine:
         self.clock, self.k, self.accepted, self.draft_s, self.lose = clock, k, accepted, draft_s, lose
         self.running: dict[str, dict] = {}
         self.params_seen: list[int] = []
+        self.temperatures_seen: list[float] = []
 
     def add_request(self, request_id, prompt_token_ids, sampling_params):
         self.params_seen.append(sampling_params.max_tokens)
+        self.temperatures_seen.append(sampling_params.temperature)
         self.running[request_id] = {"left": sampling_params.max_tokens, "prefilled": False,
                                     "bad": prompt_token_ids[0] == -1,
                                     "m": FakeMetrics(accepted_per_position=[0] * self.k)}
@@ -108,7 +121,7 @@ def prompts(n: int) -> list[Prompt]:
 
 def runner(engine: FakeEngine, clock: FakeClock, max_tokens: int, bad: set[str] = frozenset()) -> EngineRunner:
     encode = lambda p: [-1] if p.id in bad else [1, 2, 3]  # noqa: E731
-    return EngineRunner(engine, encode, FakeParams(max_tokens), FakeParams(2), clock=clock)
+    return EngineRunner(engine, encode, lambda t, n: FakeParams(n, t), max_tokens, warmup_tokens=2, clock=clock)
 
 
 def test_concurrency_one_without_speculation():
@@ -157,7 +170,7 @@ def fake_open_runner(clock: FakeClock, max_tokens: int):
     """(method, K) -> a runner on a fake engine where P-EAGLE drafts in one pass and EAGLE-3 in K passes."""
 
     @contextlib.contextmanager
-    def open_runner(method, k):
+    def open_runner(method, k, policy=None):
         if method == "none":
             engine = FakeEngine(clock)
         elif method == "eagle3":
@@ -172,8 +185,8 @@ def fake_open_runner(clock: FakeClock, max_tokens: int):
 def test_run_sweep_visits_every_point():
     config = SweepConfig(model="unused", draft_eagle3="e", draft_peagle="p", ks=(3, 7), concurrency=(1, 2),
                          datasets=("mtbench",), num_prompts=4, max_tokens=10)
-    seen = []
-    points = run_sweep(config, fake_open_runner(FakeClock(), 10), seen.append, {"mtbench": prompts(4)})
+    seen = ListSink()
+    points = run_sweep(config, fake_open_runner(FakeClock(), 10), seen, {"mtbench": prompts(4)})
     assert seen == points and len(points) == 10  # (none + 2 K x 2 methods) x 2 concurrencies
     assert [(p["method"], p["k"], p["concurrency"]) for p in points[:3]] == [("none", None, 1), ("none", None, 2),
                                                                            ("eagle3", 3, 1)]
@@ -187,11 +200,11 @@ def test_run_sweep_visits_every_point():
 def test_every_point_has_at_least_its_concurrency_in_prompts():
     config = SweepConfig(model="unused", methods=("none",), concurrency=(1, 2, 8), datasets=("mtbench",),
                          num_prompts=3, max_tokens=4)
-    points = run_sweep(config, fake_open_runner(FakeClock(), 4), lambda p: None, {"mtbench": prompts(10)})
+    points = run_sweep(config, fake_open_runner(FakeClock(), 4), ListSink(), {"mtbench": prompts(10)})
     # Rounded up to full waves: 3 at c=1, 4 at c=2, 8 at c=8.
     assert [(p["concurrency"], p["num_prompts"]) for p in points] == [(1, 3), (2, 4), (8, 8)]
     table = markdown({"points": points, "config": config.to_json()})
-    assert "## mtbench (3-8 prompts per point)" in table
+    assert "### mtbench (3-8 requests per point)" in table
 
 
 def test_run_benchmark_writes_results_table_and_plots(tmp_path):
@@ -202,7 +215,7 @@ def test_run_benchmark_writes_results_table_and_plots(tmp_path):
     assert saved == json.loads(json.dumps(results)) and len(saved["points"]) == 20
     assert saved["command"] == "peagle bench --test" and saved["config"]["ks"] == [3, 5]
     table = (tmp_path / "results.md").read_text()
-    assert "## mtbench (4 prompts per point)" in table and "P-EAGLE / EAGLE-3" in table
+    assert "### mtbench (4 requests per point)" in table and "P-EAGLE / EAGLE-3" in table
     assert {p.name for p in files["plots"]} == {"throughput_mtbench.png", "throughput_humaneval.png",
                                                 "speedup_peagle_vs_eagle3.png", "acceptance_vs_k.png"}
     for plot in files["plots"]:
@@ -218,11 +231,11 @@ def test_sweep_config_refuses_bad_combinations():
         SweepConfig(model="m", methods=("medusa",))
     with pytest.raises(ValueError, match="server fixes method and K"):
         SweepConfig(url="http://x", methods=("peagle",), ks=(3, 7))
-    assert SweepConfig(url="http://x", methods=("peagle",), ks=(7,)).groups() == [("peagle", 7)]
+    assert SweepConfig(url="http://x", methods=("peagle",), ks=(7,)).groups() == [("peagle", 7, None)]
     config = SweepConfig(model="m", draft_eagle3="e", draft_peagle="p", ks=(3,), api_key="secret")
     assert config.speculative_config("eagle3", 3)["parallel_drafting"] is False
     assert config.speculative_config("peagle", 3) == {"method": "eagle3", "model": "p", "num_speculative_tokens": 3,
-                                                       "parallel_drafting": True}
+                                                       "parallel_drafting": True, "adaptive": {}}
     assert config.speculative_config("none", None) is None
     assert config.to_json()["api_key"] == "(set)"
 
@@ -259,12 +272,15 @@ def test_adaptive_policy_reaches_the_speculative_config():
     args = build_parser().parse_args(["bench", "--model", "m", "--draft-peagle", "p", "--methods", "peagle",
                                       "--k", "7", "--adaptive", "8:7,32:5,above:3"])
     config = sweep_config_from_args(args)
-    spec = SpeculativeConfig.from_dict(config.speculative_config("peagle", 7))
+    # The adaptive row comes after the fixed one, at the largest K its policy verifies.
+    assert [(m, k) for m, k, _ in config.groups()] == [("peagle", 7), ("peagle", 7)]
+    method, k, policy = config.groups()[1]
+    spec = SpeculativeConfig.from_dict(config.speculative_config(method, k, policy))
     assert [spec.adaptive.k_for(n, 7) for n in (1, 8, 9, 32, 33, 64)] == [7, 7, 5, 5, 3, 3]
     assert json.loads(json.dumps(config.to_json()))["adaptive"] == [[8, 7], [32, 5]]  # kept in results.json
     plain = sweep_config_from_args(build_parser().parse_args(["bench", "--model", "m", "--draft-peagle", "p",
                                                               "--methods", "peagle"]))
-    assert "adaptive" not in plain.speculative_config("peagle", 7)
+    assert plain.speculative_config("peagle", 7)["adaptive"] == {} and all(p is None for *_, p in plain.groups())
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--model", "m", "--adaptive", "8-7"])
     with pytest.raises(ValueError, match="increasing"):
@@ -283,7 +299,7 @@ def test_bench_command_line_builds_the_config():
     assert config.methods == ("none", "peagle") and config.ks == (5, 7) and config.concurrency == (1, 64)
     assert config.datasets == ("humaneval", "mine.jsonl") and config.note == "testbed v1"
     assert config.llm_options == {"num_kv_blocks": 512, "load_format": "dummy"}
-    assert config.groups() == [("none", None), ("peagle", 5), ("peagle", 7)]
+    assert config.groups() == [("none", None, None), ("peagle", 5, None), ("peagle", 7, None)]
 
 
 def test_min_waves_reuses_prompts_when_the_dataset_runs_out():
@@ -291,7 +307,7 @@ def test_min_waves_reuses_prompts_when_the_dataset_runs_out():
                          num_prompts=3, max_tokens=4, min_waves=3)
     seen = []
 
-    def open_runner(method, k):
+    def open_runner(method, k, policy=None):
         runner = fake_open_runner(FakeClock(), 4)(method, k)
 
         @contextlib.contextmanager
@@ -299,15 +315,15 @@ def test_min_waves_reuses_prompts_when_the_dataset_runs_out():
             with runner as r:
                 real = r.measure
 
-                def measure(ps, c):
+                def measure(ps, c, **options):
                     seen.append((c, [p.messages[0]["content"] for p in ps]))
-                    return real(ps, c)
+                    return real(ps, c, **options)
 
                 r.measure = measure
                 yield r
         return recording()
 
-    points = run_sweep(config, open_runner, lambda p: None, {"mtbench": prompts(10)})
+    points = run_sweep(config, open_runner, ListSink(), {"mtbench": prompts(10)})
     # At least 3 waves: 3 at c=1, 12 at c=4, 24 at c=8; the 10 distinct prompts first, then again in order.
     assert [(p["concurrency"], p["num_prompts"]) for p in points] == [(1, 3), (4, 12), (8, 24)]
     texts = dict(seen)

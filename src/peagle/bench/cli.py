@@ -12,6 +12,7 @@ examples:
   peagle bench --model M --draft-eagle3 E --draft-peagle P            # the full sweep, in process
   peagle bench --model M --methods none,peagle --k 7 --concurrency 1,8,64 --datasets humaneval,longcode
   peagle bench --url http://127.0.0.1:8000 --methods peagle --k 7     # a running server (its own method and K)
+  peagle bench --model M --draft-peagle P --methods none,peagle --k 3,5,7,11 --calibrate  # writes P/adaptive.json
 
 Writes results.json (schema: docs/BENCH_SCHEMA.md), results.md and PNG plots into --out, prints the markdown
 table, and prints one JSON line last (file paths and headline speed-ups) for scripts.
@@ -62,7 +63,7 @@ def _register_bench(subparsers) -> None:
     sweep = p.add_argument_group("the sweep")
     sweep.add_argument("--methods", type=_names, default=("none", "eagle3", "peagle"),
                        help="comma list of none, eagle3, peagle (default: all three)")
-    sweep.add_argument("--k", type=_ints, default=(3, 5, 7), help="draft tokens per round (default 3,5,7)")
+    sweep.add_argument("--k", type=_ints, default=(3, 5, 7, 11), help="draft tokens per round (default 3,5,7,11)")
     sweep.add_argument("--concurrency", type=_ints, default=(1, 2, 4, 8, 16, 32, 64),
                        help="requests in flight (default 1,2,4,8,16,32,64)")
     sweep.add_argument("--datasets", type=_names, default=("mtbench", "humaneval"),
@@ -73,6 +74,12 @@ def _register_bench(subparsers) -> None:
                        help="at least this many waves of `concurrency` requests per point (default 1): short "
                             "high-concurrency points are dominated by start-up and tail; prompts are reused in order "
                             "when a point needs more than the dataset has")
+    sweep.add_argument("--min-seconds", type=float, default=0.0,
+                       help="at least this long per point (default 0): further waves of the same prompts until it "
+                            "has passed, so that fast methods are measured over as long as slow ones")
+    sweep.add_argument("--temperature", type=_floats, default=(0.0,), metavar="T1,T2,...",
+                       help="sampling temperatures, each a table of its own (default 0: greedy; e.g. 0,0.7); "
+                            "the HF baselines run greedy only")
     sweep.add_argument("--max-tokens", type=int, default=256, help="output tokens per request (default 256)")
     sweep.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     sweep.add_argument("--cache-dir", help="testbed cache holding ShareGPT (default: peagle testbed's)")
@@ -91,12 +98,25 @@ def _register_bench(subparsers) -> None:
                         help="BENCHMARKING ONLY, needs --load-format dummy: accept draft position i with rate Ri "
                              "(accepted at position i / rounds, as measured on a real model) instead of asking the "
                              "target; every result of such a run is marked synthetic")
-    engine.add_argument("--adaptive", type=_adaptive, metavar="BOUND:K,...[,above:K]",
-                        help="adaptive speculation for eagle3/peagle: e.g. 8:7,32:5,above:3 verifies 7 drafts while "
-                             "at most 8 requests run, 5 up to 32, 3 beyond (never more than the point's K); K 0 turns "
-                             "speculation off in its band")
+    engine.add_argument("--adaptive", type=_adaptive, metavar="BOUND:K,...[,above:K] | head",
+                        help="adds an adaptive row per speculative method: e.g. 8:7,32:5,above:3 verifies 7 drafts "
+                             "while at most 8 requests run, 5 up to 32, 3 beyond (K 0 turns speculation off in its "
+                             "band); 'head': the policy in each head's adaptive.json")
+    engine.add_argument("--calibrate", action="store_true",
+                        help="derive each head's adaptive policy from the fixed-K rows (needs --methods none and "
+                             "eagle3/peagle): per concurrency the K, 0 = no speculation, with the most tokens/s; "
+                             "writes it to HEAD/adaptive.json (the head's default in LLM and peagle serve when no "
+                             "policy is given) and measures it as a row of its own")
     engine.add_argument("--llm-option", type=_llm_option, action="append", default=[], metavar="KEY=VALUE",
                         help="any further LLM(...) keyword, VALUE as JSON (repeatable; recorded in the results)")
+    checks = p.add_argument_group("hygiene: points far off their neighbours or stalled are re-measured once")
+    checks.add_argument("--flag-tolerance", type=float, default=0.15,
+                        help="flag a point whose tokens/s falls (or tokens/s per request rises) by more than this "
+                             "fraction from the neighbouring concurrency (default 0.15)")
+    checks.add_argument("--stall-factor", type=float, default=4.0,
+                        help="flag a point whose TTFT p99 is this many times (and 250 ms above) its neighbours' "
+                             "(default 4)")
+    checks.add_argument("--no-remeasure", action="store_true", help="flag only, do not re-measure")
     hf = p.add_argument_group("Hugging Face transformers baselines")
     hf.add_argument("--hf-baselines", action="store_true",
                     help="also run transformers generate: eager (batch 1 and batched), static cache + compile, "
@@ -109,7 +129,9 @@ def _register_bench(subparsers) -> None:
     p.set_defaults(func=run_bench)
 
 
-def _adaptive(text: str) -> tuple[tuple[tuple[int, int], ...], int | None]:
+def _adaptive(text: str) -> tuple[tuple[tuple[int, int], ...], int | None] | str:
+    if text == "head":
+        return text
     thresholds, above = [], None
     try:
         for item in text.split(","):
@@ -132,20 +154,24 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def sweep_config_from_args(args: argparse.Namespace):
+    from peagle.bench.hygiene import HygieneRules
     from peagle.bench.sweep import SweepConfig
 
+    policy = args.adaptive if args.adaptive not in (None, "head") else ((), None)
     return SweepConfig(
         model=args.model, url=args.url, draft_eagle3=args.draft_eagle3, draft_peagle=args.draft_peagle,
         methods=args.methods, ks=args.k, concurrency=args.concurrency, datasets=args.datasets,
-        num_prompts=args.num_prompts, min_waves=args.min_waves, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+        num_prompts=args.num_prompts, min_waves=args.min_waves, min_seconds=args.min_seconds,
+        temperatures=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
         cache_dir=args.cache_dir, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         llm_options=dict(args.llm_option), served_model=args.served_model, api_key=args.api_key,
         hf_baselines=args.hf_baselines, hf_num_prompts=args.hf_num_prompts, hf_batch_sizes=args.hf_batch_sizes,
         note=_note(args), tokenizer=args.tokenizer, load_format=args.load_format,
         synthetic_acceptance=args.synthetic_acceptance,
-        adaptive=args.adaptive[0] if args.adaptive else (),
-        adaptive_above=args.adaptive[1] if args.adaptive else None,
+        adaptive=policy[0], adaptive_above=policy[1], adaptive_head=args.adaptive == "head", calibrate=args.calibrate,
+        hygiene=HygieneRules(drop_tolerance=args.flag_tolerance, stall_factor=args.stall_factor),
+        remeasure=not args.no_remeasure,
     )
 
 
@@ -174,19 +200,30 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def _register_bench_report(subparsers) -> None:
-    p = subparsers.add_parser("bench-report", help="redraw the table and plots of a bench results.json",
-                              description="Rewrite results.md and the PNG plots from a results.json.")
-    p.add_argument("results", type=Path, help="a results.json written by peagle bench")
-    p.add_argument("--out", type=Path, help="directory for results.md and plots (default: beside results.json)")
+    p = subparsers.add_parser("bench-report", help="redraw the table and plots of bench results.json files",
+                              description="Rewrite results.md and the PNG plots from one results.json, or from "
+                                          "several runs' (e.g. a sweep split over calls) as one table.")
+    p.add_argument("results", type=Path, nargs="+", help="results.json files written by peagle bench")
+    p.add_argument("--out", type=Path, help="directory for results.md and plots (default: beside the first file; "
+                   "with several files, a merged results.json is written there too)")
     p.set_defaults(func=run_bench_report)
 
 
 def run_bench_report(args: argparse.Namespace) -> int:
-    from peagle.bench.report import load_results, print_outcome
+    from peagle.bench.report import ResultsWriter, load_results, merge_results, print_outcome
     from peagle.bench.sweep import write_summaries
 
-    results = load_results(args.results)
-    files = write_summaries(results, args.out or args.results.parent, args.results)
+    results = merge_results([load_results(path) for path in args.results])
+    out = args.out or args.results[0].parent
+    path = args.results[0]
+    if len(args.results) > 1:
+        if out.resolve() == args.results[0].parent.resolve():
+            raise ValueError("give --out DIR for the merged report (it would overwrite the first run's results.json)")
+        writer = ResultsWriter(out, results["command"], results["config"], results["environment"])
+        writer.results.update(results)
+        writer.flush()
+        path = writer.path
+    files = write_summaries(results, out, path)
     print_outcome(results, files)
     return 0
 

@@ -9,11 +9,17 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import deque
 from typing import Any, Callable, Sequence
 
 from peagle.bench.datasets import Prompt
-from peagle.bench.measurement import Measurement, RequestTrace, SpecCounts, summarize
+from peagle.bench.measurement import (
+    WARMUP_MAX_TOKENS,
+    Measurement,
+    RequestPlan,
+    RequestTrace,
+    SpecCounts,
+    summarize,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -21,27 +27,31 @@ logger = logging.getLogger(__name__)
 class EngineRunner:
     """Measures points on one engine (one method and K). `encode(prompt) -> token ids` applies the chat template.
 
-    `params` are the measured requests' sampling parameters; `warmup_params` those of the warm-up requests (the
-    same prompts, fewer tokens) that run before each point so that lazy allocation, compilation and CUDA-graph
-    capture for that batch size are not timed. Every prompt of the point is warmed: each new prompt length can
-    need a kernel variant of its own, and compiling one inside the measurement costs seconds.
+    `params(temperature, max_tokens)` makes a request's sampling parameters. Before each point its prompts run
+    untimed as warm-up requests (same temperature, `warmup_tokens` tokens) so that lazy allocation, compilation and
+    CUDA-graph capture for that batch size are not timed. Every prompt of the point is warmed: each new prompt
+    length can need a kernel variant of its own, and compiling one inside the measurement costs seconds.
     """
 
-    def __init__(self, engine: Any, encode: Callable[[Prompt], list[int]], params: Any, warmup_params: Any,
+    def __init__(self, engine: Any, encode: Callable[[Prompt], list[int]], params: Callable[[float, int], Any],
+                 max_tokens: int, warmup_tokens: int = WARMUP_MAX_TOKENS,
                  clock: Callable[[], float] = time.perf_counter):
         self.engine = engine
         self.encode = encode
         self.params = params
-        self.warmup_params = warmup_params
+        self.max_tokens = max_tokens
+        self.warmup_tokens = min(warmup_tokens, max_tokens)
         self.clock = clock
         self._ids = itertools.count()
         self._encoded: dict[str, list[int]] = {}
 
-    def measure(self, prompts: Sequence[Prompt], concurrency: int) -> Measurement:
+    def measure(self, prompts: Sequence[Prompt], concurrency: int, *, temperature: float = 0.0,
+                min_seconds: float = 0.0) -> Measurement:
+        """The point: every prompt once, then more waves of them while less than `min_seconds` has passed."""
         token_ids = [self._encode(p) for p in prompts]
-        self._drive(token_ids, concurrency, self.warmup_params)
+        self._drive(token_ids, concurrency, self.params(temperature, self.warmup_tokens), 0.0)
         start = self.clock()
-        traces, spec = self._drive(token_ids, concurrency, self.params)
+        traces, spec = self._drive(token_ids, concurrency, self.params(temperature, self.max_tokens), min_seconds)
         return summarize(traces, self.clock() - start, spec)
 
     def close(self) -> None:
@@ -52,32 +62,38 @@ class EngineRunner:
             self._encoded[prompt.id] = self.encode(prompt)
         return self._encoded[prompt.id]
 
-    def _drive(self, token_ids: list[list[int]], concurrency: int,
-               params: Any) -> tuple[list[RequestTrace], SpecCounts]:
-        """Runs every prompt to completion with at most `concurrency` in flight; per-request traces + spec counts."""
-        pending = deque(enumerate(token_ids))
-        traces: list[RequestTrace] = [RequestTrace(submitted=0.0) for _ in token_ids]
+    def _drive(self, token_ids: list[list[int]], concurrency: int, params: Any,
+               min_seconds: float) -> tuple[list[RequestTrace], SpecCounts]:
+        """Runs the point's requests with at most `concurrency` in flight; per-request traces + spec counts."""
+        plan = RequestPlan(len(token_ids), concurrency, min_seconds, self.clock, self.clock())
+        traces: list[RequestTrace] = []
         in_flight: dict[str, int] = {}
         spec = SpecCounts()
-        while pending or in_flight:
-            while pending and len(in_flight) < concurrency:
-                index, ids = pending.popleft()
+        more = True
+        while more or in_flight:
+            while more and len(in_flight) < concurrency:
+                index = plan.take()
+                if index is None:
+                    more = False
+                    break
                 request_id = f"bench-{next(self._ids)}"
-                traces[index].submitted = self.clock()
-                self.engine.add_request(request_id, ids, params)
-                in_flight[request_id] = index
+                traces.append(RequestTrace(submitted=self.clock()))
+                self.engine.add_request(request_id, token_ids[index], params)
+                in_flight[request_id] = len(traces) - 1
+            if not in_flight:
+                break
             if not self.engine.has_unfinished_requests():
                 raise RuntimeError(f"the engine lost {len(in_flight)} request(s) without finishing them")
             outputs = self.engine.step()
             now = self.clock()
             for out in outputs:
-                index = in_flight.get(out.request_id)
-                if index is None:
+                trace = in_flight.get(out.request_id)
+                if trace is None:
                     continue
-                traces[index].add_chunk(now, len(out.new_token_ids))
+                traces[trace].add_chunk(now, len(out.new_token_ids))
                 if out.finished:
                     del in_flight[out.request_id]
-                    self._finish(traces[index], out, spec)
+                    self._finish(traces[trace], out, spec)
         return traces, spec
 
     @staticmethod

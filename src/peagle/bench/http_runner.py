@@ -17,7 +17,7 @@ import time
 from typing import Any, Sequence
 
 from peagle.bench.datasets import Prompt
-from peagle.bench.measurement import WARMUP_MAX_TOKENS, Measurement, RequestTrace, SpecCounts, summarize
+from peagle.bench.measurement import WARMUP_MAX_TOKENS, Measurement, RequestPlan, RequestTrace, SpecCounts, summarize
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +65,13 @@ class HttpRunner:
         self.ignore_eos = ignore_eos
         self.timeout_s = timeout_s
 
-    def measure(self, prompts: Sequence[Prompt], concurrency: int) -> Measurement:
-        return asyncio.run(self._measure(list(prompts), concurrency))
+    def measure(self, prompts: Sequence[Prompt], concurrency: int, *, temperature: float = 0.0,
+                min_seconds: float = 0.0) -> Measurement:
+        """The point: every prompt once, then more waves of them while less than `min_seconds` has passed."""
+        return asyncio.run(self._measure(list(prompts), concurrency, temperature, min_seconds))
 
-    async def _measure(self, prompts: list[Prompt], concurrency: int) -> Measurement:
+    async def _measure(self, prompts: list[Prompt], concurrency: int, temperature: float,
+                       min_seconds: float) -> Measurement:
         try:
             import httpx
         except ImportError:
@@ -77,10 +80,11 @@ class HttpRunner:
         limits = httpx.Limits(max_connections=concurrency + 2)
         async with httpx.AsyncClient(timeout=self.timeout_s, headers=self.headers, limits=limits) as client:
             model = self.model or await self._first_model(client)
-            await self._run_all(client, model, prompts[:concurrency], concurrency, WARMUP_MAX_TOKENS)
+            await self._run_all(client, model, prompts[:concurrency], concurrency, WARMUP_MAX_TOKENS, temperature)
             before = await self._counters(client)
             start = time.perf_counter()
-            traces = await self._run_all(client, model, prompts, concurrency, self.max_tokens)
+            traces = await self._run_all(client, model, prompts, concurrency, self.max_tokens, temperature,
+                                         min_seconds)
             wall = time.perf_counter() - start
             spec = counter_delta(before, await self._counters(client))
         return summarize(traces, wall, spec)
@@ -98,21 +102,25 @@ class HttpRunner:
         resp.raise_for_status()
         return read_spec_counters(resp.text)
 
-    async def _run_all(self, client, model: str, prompts: list[Prompt], concurrency: int,
-                       max_tokens: int) -> list[RequestTrace]:
-        gate = asyncio.Semaphore(concurrency)
+    async def _run_all(self, client, model: str, prompts: list[Prompt], concurrency: int, max_tokens: int,
+                       temperature: float, min_seconds: float = 0.0) -> list[RequestTrace]:
+        """`concurrency` clients, each sending its next request when its last one ends, until the plan runs out."""
+        plan = RequestPlan(len(prompts), concurrency, min_seconds, time.perf_counter, time.perf_counter())
+        traces: list[RequestTrace] = []
 
-        async def one(prompt: Prompt) -> RequestTrace:
-            async with gate:
-                return await self._request(client, model, prompt, max_tokens)
+        async def client_loop() -> None:
+            while (index := plan.take()) is not None:
+                traces.append(await self._request(client, model, prompts[index], max_tokens, temperature))
 
-        return list(await asyncio.gather(*(one(p) for p in prompts)))
+        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+        return traces
 
-    async def _request(self, client, model: str, prompt: Prompt, max_tokens: int) -> RequestTrace:
+    async def _request(self, client, model: str, prompt: Prompt, max_tokens: int,
+                       temperature: float) -> RequestTrace:
         import httpx
 
         body: dict[str, Any] = {"model": model, "messages": list(prompt.messages), "max_tokens": max_tokens,
-                                "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+                                "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
         if self.ignore_eos:
             body["ignore_eos"] = True
         trace = RequestTrace(submitted=time.perf_counter())

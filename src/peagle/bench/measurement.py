@@ -20,6 +20,29 @@ import numpy as np
 WARMUP_MAX_TOKENS = 8
 
 
+class RequestPlan:
+    """The requests of one point in submission order, as indices into its prompts: each prompt once, then further
+    whole waves of `concurrency` (the prompts again, in order) while less than `min_seconds` has passed since
+    `start`, so that a point is long enough to measure a rate however fast the method is."""
+
+    def __init__(self, num_prompts: int, concurrency: int, min_seconds: float, clock, start: float):
+        self.num_prompts, self.concurrency, self.min_seconds = num_prompts, concurrency, min_seconds
+        self.clock, self.start = clock, start
+        self.total = num_prompts
+        self.issued = 0
+
+    def take(self) -> int | None:
+        """The next request's prompt index, or None when the point has issued all it will."""
+        if self.num_prompts == 0:
+            return None
+        if self.issued == self.total:
+            if self.clock() - self.start >= self.min_seconds:
+                return None
+            self.total += self.concurrency
+        self.issued += 1
+        return (self.issued - 1) % self.num_prompts
+
+
 @dataclass
 class RequestTrace:
     submitted: float

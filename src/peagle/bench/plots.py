@@ -1,6 +1,7 @@
 """PNG plots of a results file: throughput vs concurrency, P-EAGLE / EAGLE-3 speed-up, acceptance length vs K.
 
-Small figures (500x320 px) so that they can be committed next to BENCHMARKS.md.
+Small figures (500x320 px) so that they can be committed next to BENCHMARKS.md. Greedy plots carry plain names;
+those of a sampling temperature T end in _tT (throughput_mtbench_t0.7.png); the speed-up plot holds both.
 """
 
 from __future__ import annotations
@@ -9,7 +10,16 @@ import itertools
 from pathlib import Path
 from typing import Any
 
-from peagle.bench.report import ENGINE_METHODS, HF_METHODS, METHOD_LABELS, best_points, datasets_of, speedups
+from peagle.bench.report import (
+    ENGINE_METHODS,
+    best_points,
+    datasets_of,
+    speedups,
+    temperature_title,
+    temperatures_of,
+    variant_label,
+    variants_of,
+)
 
 FIGSIZE = (5.0, 3.2)
 DPI = 100
@@ -37,49 +47,59 @@ def _log2_concurrency_axis(ax, concurrencies: list[int]) -> None:
     ax.grid(True, alpha=0.3)
 
 
-def plot_throughput(points: list[dict], dataset: str, path: Path) -> Path | None:
-    """Output tokens/s vs concurrency, one line per method at its best K (HF baselines as markers)."""
-    best = best_points(points, dataset)
+def _style(v: str) -> dict:
+    """Line style of a row: its method's colour and marker; adaptive rows dashed with a star."""
+    method, _, policy = v.partition("@")
+    if policy:
+        return {"linestyle": "--", "marker": "*", "color": COLORS[method]}
+    return {"linestyle": "-" if method in ENGINE_METHODS else "none",  # baselines: markers at their batch sizes only
+            "marker": MARKERS[method], "color": COLORS[method]}
+
+
+def plot_throughput(points: list[dict], dataset: str, path: Path, temperature: float = 0.0) -> Path | None:
+    """Output tokens/s vs concurrency, one line per row at its best K (HF baselines as markers)."""
+    best = best_points(points, dataset, temperature)
     if not best:
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=FIGSIZE)
-    for method in (*ENGINE_METHODS, *HF_METHODS):
-        series = sorted((c, p["tokens_per_s"]) for (m, c), p in best.items() if m == method)
+    for v in variants_of(points):
+        series = sorted((c, p["tokens_per_s"]) for (w, c), p in best.items() if w == v)
         if series:
             xs, ys = zip(*series)
-            style = "-" if method in ENGINE_METHODS else "none"  # baselines: markers at their batch sizes only
-            ax.plot(xs, ys, linestyle=style, marker=MARKERS[method], color=COLORS[method],
-                    label=METHOD_LABELS[method])
+            ax.plot(xs, ys, label=variant_label(v), **_style(v))
     _log2_concurrency_axis(ax, sorted({c for _, c in best}))
     ax.set_yscale("log")  # rates span 10-100x from concurrency 1 to 64, and HF baselines sit far below
     ax.set_ylabel("output tokens/s (log scale)")
-    ax.set_title(f"{dataset}: throughput (best K per method)", fontsize=10)
-    ax.legend(fontsize=7)
+    ax.set_title(f"{dataset}, {temperature_title(temperature)}: throughput (best K)", fontsize=10)
+    ax.legend(fontsize=6)
     return _save(plt, fig, path)
 
 
 def plot_speedup(points: list[dict], path: Path) -> Path | None:
-    """P-EAGLE / EAGLE-3 speed-up vs concurrency, one line per dataset, each method at its best K."""
-    curves = {d: speedups(points, d, "peagle", "eagle3") for d in datasets_of(points)}
-    curves = {d: c for d, c in curves.items() if c}
+    """P-EAGLE / EAGLE-3 speed-up vs concurrency, one line per dataset and temperature, each at its best K."""
+    curves = {(d, t): speedups(points, d, "peagle", "eagle3", t)
+              for t in temperatures_of(points) for d in datasets_of(points)}
+    curves = {key: c for key, c in curves.items() if c}
     if not curves:
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=FIGSIZE)
-    for (dataset, curve), linestyle in zip(curves.items(), itertools.cycle(LINESTYLES)):
-        ax.plot(list(curve), list(curve.values()), linestyle=linestyle, marker="o", label=dataset)
+    for ((dataset, t), curve), linestyle in zip(curves.items(), itertools.cycle(LINESTYLES)):
+        label = dataset if t == 0 else f"{dataset}, T={t:g}"
+        ax.plot(list(curve), list(curve.values()), linestyle=linestyle, marker="o" if t == 0 else "s", label=label)
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
     _log2_concurrency_axis(ax, sorted({c for curve in curves.values() for c in curve}))
     ax.set_ylabel("speed-up (x)")
-    ax.set_title("P-EAGLE / EAGLE-3 output tokens/s", fontsize=10)
+    ax.set_title("P-EAGLE / EAGLE-3 output tokens/s (best K each)", fontsize=10)
     ax.legend(fontsize=7)
     return _save(plt, fig, path)
 
 
-def plot_acceptance_vs_k(points: list[dict], path: Path) -> Path | None:
-    """Acceptance length vs K per method and dataset, at the lowest measured concurrency."""
-    spec = [p for p in points if p["acceptance_length"] is not None and p["k"] is not None]
+def plot_acceptance_vs_k(points: list[dict], path: Path, temperature: float = 0.0) -> Path | None:
+    """Acceptance length vs K per method and dataset (fixed-K rows), at the lowest measured concurrency."""
+    spec = [p for p in points if p["acceptance_length"] is not None and p["k"] is not None
+            and not p.get("adaptive") and p.get("temperature", 0.0) == temperature]
     if not spec:
         return None
     plt = _pyplot()
@@ -92,12 +112,12 @@ def plot_acceptance_vs_k(points: list[dict], path: Path) -> Path | None:
             c_min = min(p["concurrency"] for p in mine)
             series = sorted((p["k"], p["acceptance_length"]) for p in mine if p["concurrency"] == c_min)
             ax.plot(*zip(*series), linestyle=linestyle, marker=MARKERS[method], color=COLORS[method],
-                    label=f"{METHOD_LABELS[method]}, {dataset}")
+                    label=f"{variant_label(method)}, {dataset}")
     ax.set_xticks(sorted({p["k"] for p in spec}))
     ax.set_xlabel("K (draft tokens per round)")
     ax.set_ylabel("acceptance length")
     ax.grid(True, alpha=0.3)
-    ax.set_title("Acceptance length vs K", fontsize=10)
+    ax.set_title(f"Acceptance length vs K ({temperature_title(temperature)})", fontsize=10)
     ax.legend(fontsize=7)
     return _save(plt, fig, path)
 
@@ -113,7 +133,11 @@ def plot_all(results: dict[str, Any], out_dir: Path) -> list[Path]:
     """Every plot the results support, written into out_dir; returns the files written."""
     points = results["points"]
     out_dir = Path(out_dir)
-    written = [plot_throughput(points, d, out_dir / f"throughput_{d}.png") for d in datasets_of(points)]
+    written = []
+    for t in temperatures_of(points):
+        suffix = "" if t == 0 else f"_t{t:g}"
+        mine = [p for p in points if p.get("temperature", 0.0) == t]
+        written += [plot_throughput(mine, d, out_dir / f"throughput_{d}{suffix}.png", t) for d in datasets_of(mine)]
+        written.append(plot_acceptance_vs_k(mine, out_dir / f"acceptance_vs_k{suffix}.png", t))
     written.append(plot_speedup(points, out_dir / "speedup_peagle_vs_eagle3.png"))
-    written.append(plot_acceptance_vs_k(points, out_dir / "acceptance_vs_k.png"))
     return [p for p in written if p is not None]

@@ -1,26 +1,30 @@
 """Benchmark results: one JSON file per run, a markdown summary, and one JSON line printed last for scripts.
 
-results.json (schema_version 1; docs/BENCH_SCHEMA.md says the same with examples):
+results.json (schema_version 2; docs/BENCH_SCHEMA.md says the same with examples):
 
     {
-      "schema_version": 1,
+      "schema_version": 2,
       "kind": "peagle-bench",
       "created_utc": "2026-01-01T12:00:00Z",
       "command": "peagle bench --model ...",          # as typed
       "config": {...},                                # every resolved sweep option (SweepConfig fields)
       "environment": {"python", "platform", "peagle", "torch", "cuda", "gpu", "transformers", "git_commit",
                       "git_dirty"},
-      "points": [                                     # one per (dataset, method, k, concurrency), in run order
-        {"dataset": "mtbench", "method": "peagle", "k": 7, "concurrency": 1,
+      "points": [                                     # one per measured point, in run order
+        {"dataset": "mtbench", "method": "peagle", "k": 7, "adaptive": null, "temperature": 0.0, "concurrency": 1,
          "num_prompts": 80, "num_failed": 0, "output_tokens": 20480, "wall_s": 12.5, "tokens_per_s": 1638.4,
          "acceptance_length": 3.7, "per_position_acceptance": [0.8, ...], "draft_acceptance_rate": 0.39,
-         "ttft_p50_ms": 9.1, "ttft_p99_ms": 15.0, "itl_p50_ms": 0.6, "itl_p99_ms": 2.0}
+         "ttft_p50_ms": 9.1, "ttft_p99_ms": 15.0, "itl_p50_ms": 0.6, "itl_p99_ms": 2.0, "flags": [],
+         "remeasured": null}
       ]
     }
 
 `method` is none | eagle3 | peagle (the engine) or hf_eager | hf_static_compile | hf_prompt_lookup (Hugging Face
 transformers baselines, where `concurrency` is the generate batch size). `k` is null for methods without a K;
-acceptance fields are null / [] where there is no speculation; latency fields are null where not measured (HF).
+`adaptive` is the policy of an adaptive row (null for a fixed K); acceptance fields are null / [] where there is no
+speculation; latency fields are null where not measured (HF). `flags` are the hygiene checks that still stand after
+one re-measurement (peagle.bench.hygiene); `remeasured` keeps the first measurement of a re-measured point.
+Schema 1 files load as schema 2 (greedy, fixed K unless the run's config gave a policy, no flags).
 The file is rewritten after every point, so an interrupted run keeps what it measured.
 """
 
@@ -37,16 +41,18 @@ import subprocess
 from pathlib import Path
 from typing import Any, Iterable
 
+from peagle.bench.calibration import policy_text
 from peagle.bench.measurement import Measurement
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 RESULTS_KIND = "peagle-bench"
 TOP_KEYS = ("schema_version", "kind", "created_utc", "command", "config", "environment", "points")
-POINT_KEYS = (
-    "dataset", "method", "k", "concurrency", "num_prompts", "num_failed", "output_tokens", "wall_s", "tokens_per_s",
-    "acceptance_length", "per_position_acceptance", "draft_acceptance_rate", "ttft_p50_ms", "ttft_p99_ms",
-    "itl_p50_ms", "itl_p99_ms",
+MEASURED_KEYS = (
+    "num_prompts", "num_failed", "output_tokens", "wall_s", "tokens_per_s", "acceptance_length",
+    "per_position_acceptance", "draft_acceptance_rate", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
 )
+POINT_KEYS = ("dataset", "method", "k", "adaptive", "temperature", "concurrency", *MEASURED_KEYS, "flags",
+              "remeasured")
 ENVIRONMENT_KEYS = ("python", "platform", "peagle", "torch", "cuda", "gpu", "transformers", "git_commit", "git_dirty")
 ENGINE_METHODS = ("none", "eagle3", "peagle")
 HF_METHODS = ("hf_eager", "hf_static_compile", "hf_prompt_lookup")
@@ -56,10 +62,30 @@ METHOD_LABELS = {
 }
 
 
-def make_point(dataset: str, method: str, k: int | None, concurrency: int, m: Measurement) -> dict[str, Any]:
-    point = {"dataset": dataset, "method": method, "k": k, "concurrency": concurrency}
-    point.update({key: getattr(m, key) for key in POINT_KEYS[4:]})
+def make_point(dataset: str, method: str, k: int | None, concurrency: int, m: Measurement, *,
+               temperature: float = 0.0, adaptive: dict | None = None) -> dict[str, Any]:
+    point = {"dataset": dataset, "method": method, "k": k, "adaptive": adaptive, "temperature": float(temperature),
+             "concurrency": concurrency}
+    point.update({key: getattr(m, key) for key in MEASURED_KEYS})
+    point.update(flags=[], remeasured=None)
     return point
+
+
+def variant(p: dict) -> str:
+    """A point's row: its method, or method@policy for an adaptive row (e.g. "peagle@8:7,above:0")."""
+    return f"{p['method']}@{policy_text(p['adaptive'])}" if p.get("adaptive") else p["method"]
+
+
+def variant_label(v: str) -> str:
+    method, _, policy = v.partition("@")
+    return f"{METHOD_LABELS[method]} adaptive ({policy})" if policy else METHOD_LABELS[method]
+
+
+def variants_of(points: Iterable[dict]) -> list[str]:
+    """Rows in display order: no speculation, EAGLE-3, P-EAGLE, the adaptive rows, then the HF baselines."""
+    seen = list(dict.fromkeys(variant(p) for p in points))
+    order = {m: i for i, m in enumerate((*ENGINE_METHODS, "@", *HF_METHODS))}
+    return sorted(seen, key=lambda v: order["@"] if "@" in v else order[v])
 
 
 def environment() -> dict[str, Any]:
@@ -112,10 +138,15 @@ class ResultsWriter:
             "command": command, "config": config, "environment": environment() if env is None else env,
             "points": [],
         }
+        self.policies: dict[str, Path] = {}  # method -> the adaptive.json a calibration wrote
         self._write()
 
     def add(self, point: dict[str, Any]) -> None:
         self.results["points"].append(point)
+        self._write()
+
+    def flush(self) -> None:
+        """Rewrites the file after points already added were changed in place (re-measured, flagged)."""
         self._write()
 
     def _write(self) -> None:
@@ -125,14 +156,41 @@ class ResultsWriter:
 
 
 def load_results(path: Path) -> dict[str, Any]:
+    """A results.json, schema 1 files brought to schema 2."""
     try:
         results = json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not a JSON file ({e})") from None
     ours = isinstance(results, dict) and results.get("kind") == RESULTS_KIND
-    if not ours or results.get("schema_version") != SCHEMA_VERSION:
-        raise ValueError(f"{path} is not a peagle bench results file of schema version {SCHEMA_VERSION}")
+    if not ours or results.get("schema_version") not in (1, SCHEMA_VERSION):
+        raise ValueError(f"{path} is not a peagle bench results file of schema version 1 or {SCHEMA_VERSION}")
+    if results["schema_version"] == 1:
+        results = upgrade_v1(results)
     return results
+
+
+def upgrade_v1(results: dict[str, Any]) -> dict[str, Any]:
+    """Schema 1 had greedy points only, and a run's --adaptive policy applied to every speculative point."""
+    cfg = results.get("config") or {}
+    policy = None
+    if cfg.get("adaptive") or cfg.get("adaptive_above") is not None:
+        policy = {"thresholds": [list(t) for t in cfg.get("adaptive") or ()], "above": cfg.get("adaptive_above")}
+    points = []
+    for p in results["points"]:
+        filled = {"adaptive": policy if p["method"] in ("eagle3", "peagle") else None, "temperature": 0.0,
+                  "flags": [], "remeasured": None, **p}
+        points.append({key: filled[key] for key in POINT_KEYS})
+    return {**results, "schema_version": SCHEMA_VERSION, "points": points}
+
+
+def merge_results(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs' results as one (the first run's header; each run's command under config.merged_commands)."""
+    if len(runs) == 1:
+        return runs[0]
+    first = runs[0]
+    config = {**first.get("config", {}), "merged_commands": [r.get("command", "") for r in runs]}
+    return {**first, "command": " && ".join(r.get("command", "") for r in runs), "config": config,
+            "points": [p for r in runs for p in r["points"]]}
 
 
 # ---- summaries -------------------------------------------------------------------------------------------------
@@ -142,30 +200,46 @@ def datasets_of(points: Iterable[dict]) -> list[str]:
     return list(dict.fromkeys(p["dataset"] for p in points))
 
 
-def best_points(points: Iterable[dict], dataset: str) -> dict[tuple[str, int], dict]:
-    """(method, concurrency) -> the point with the highest tokens/s over K (each method at its best K)."""
+def temperatures_of(points: Iterable[dict]) -> list[float]:
+    return sorted({p.get("temperature", 0.0) for p in points})
+
+
+def best_points(points: Iterable[dict], dataset: str, temperature: float = 0.0) -> dict[tuple[str, int], dict]:
+    """(variant, concurrency) -> the point with the highest tokens/s over K (each row at its best K)."""
     best: dict[tuple[str, int], dict] = {}
     for p in points:
-        if p["dataset"] != dataset or not p["num_prompts"]:
+        if p["dataset"] != dataset or p.get("temperature", 0.0) != temperature or not p["num_prompts"]:
             continue
-        key = (p["method"], p["concurrency"])
+        key = (variant(p), p["concurrency"])
         if key not in best or p["tokens_per_s"] > best[key]["tokens_per_s"]:
             best[key] = p
     return best
 
 
-def speedups(points: Iterable[dict], dataset: str, numerator: str, denominator: str) -> dict[int, float]:
+def speedups(points: Iterable[dict], dataset: str, numerator: str, denominator: str,
+             temperature: float = 0.0) -> dict[int, float]:
     """concurrency -> best tokens/s of `numerator` / best tokens/s of `denominator`, where both were measured."""
-    best = best_points(points, dataset)
+    best = best_points(points, dataset, temperature)
     out = {}
-    for (method, c), p in sorted(best.items(), key=lambda kv: kv[0][1]):
+    for (v, c), p in sorted(best.items(), key=lambda kv: kv[0][1]):
         other = best.get((denominator, c))
-        if method == numerator and other and other["tokens_per_s"] > 0:
+        if v == numerator and other and other["tokens_per_s"] > 0:
             out[c] = p["tokens_per_s"] / other["tokens_per_s"]
     return out
 
 
 SPEEDUP_PAIRS = (("peagle", "eagle3"), ("peagle", "none"), ("eagle3", "none"))
+
+
+def speedup_pairs(variants: Iterable[str]) -> list[tuple[str, str]]:
+    """The fixed pairs among `variants`, then each adaptive row over no speculation."""
+    variants = list(variants)
+    pairs = [(a, b) for a, b in SPEEDUP_PAIRS if a in variants and b in variants]
+    return pairs + [(v, "none") for v in variants if "@" in v and "none" in variants]
+
+
+def temperature_title(t: float) -> str:
+    return "greedy" if t == 0 else f"temperature {t:g} sampling"
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -174,30 +248,64 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [f"# peagle bench: {results.get('environment', {}).get('gpu') or 'CPU'}", ""]
     if cfg.get("note"):
         lines += [f"**{cfg['note']}**", ""]
-    lines += [f"`{results.get('command', '')}`", "",
-             f"Greedy, up to {cfg.get('max_tokens', '?')} output tokens per request. Output tokens/s at each "
-             "concurrency; each speculative method at its best K (K and acceptance length in parentheses).", ""]
-    for dataset in datasets_of(points):
-        lines += _engine_table(points, dataset) + _hf_table(points, dataset) + _acceptance_table(points, dataset)
-    return "\n".join(lines)
+    lines += [f"`{results.get('command', '')}`", "", _length_line(cfg), ""]
+    for t in temperatures_of(points):
+        mine = [p for p in points if p.get("temperature", 0.0) == t]
+        lines += [f"## {temperature_title(t).capitalize()}", ""]
+        for dataset in datasets_of(mine):
+            lines += (_engine_table(mine, dataset, t) + _full_table(mine, dataset) + _hf_table(mine, dataset, t)
+                      + _acceptance_table(mine, dataset))
+    return "\n".join(lines + _hygiene_section(points))
 
 
-def _engine_table(points: list[dict], dataset: str) -> list[str]:
-    best = best_points(points, dataset)
-    methods = [m for m in ENGINE_METHODS if any(key[0] == m for key in best)]
-    if not methods:
+def _length_line(cfg: dict) -> str:
+    return (f"Up to {cfg.get('max_tokens', '?')} output tokens per request; a point runs at least "
+            f"{cfg.get('min_waves', 1)} waves of its concurrency and at least {cfg.get('min_seconds', 0):g} s. "
+            "Output tokens/s at each concurrency; each row at its best K (K and acceptance length in parentheses).")
+
+
+def _engine_table(points: list[dict], dataset: str, temperature: float) -> list[str]:
+    best = best_points(points, dataset, temperature)
+    rows_of = [v for v in variants_of(points) if v.partition("@")[0] in ENGINE_METHODS and any(
+        key[0] == v for key in best)]
+    if not rows_of:
         return []
-    pairs = [(a, b) for a, b in SPEEDUP_PAIRS if a in methods and b in methods]
-    counts = sorted({p["num_prompts"] for (m, _), p in best.items() if m in methods})
+    pairs = speedup_pairs(rows_of)
+    counts = sorted({p["num_prompts"] for (v, _), p in best.items() if v in rows_of})
     prompts = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
-    header = ["concurrency", *(f"{METHOD_LABELS[m]} tok/s" for m in methods),
-              *(f"{METHOD_LABELS[a]} / {METHOD_LABELS[b]}" for a, b in pairs)]
-    rows = [f"## {dataset} ({prompts} prompts per point)", "", _row(header), _row(["---"] * len(header))]
-    ratios = {pair: speedups(points, dataset, *pair) for pair in pairs}
-    for c in sorted({c for m, c in best if m in methods}):
-        cells = [str(c)] + [_throughput_cell(best.get((m, c))) for m in methods]
+    header = ["concurrency", *(f"{variant_label(v)} tok/s" for v in rows_of),
+              *(f"{variant_label(a)} / {variant_label(b)}" for a, b in pairs)]
+    rows = [f"### {dataset} ({prompts} requests per point)", "", _row(header), _row(["---"] * len(header))]
+    ratios = {pair: speedups(points, dataset, *pair, temperature) for pair in pairs}
+    for c in sorted({c for v, c in best if v in rows_of}):
+        cells = [str(c)] + [_throughput_cell(best.get((v, c))) for v in rows_of]
         cells += [f"{ratios[pair][c]:.2f}x" if c in ratios[pair] else "-" for pair in pairs]
         rows.append(_row(cells))
+    return rows + [""]
+
+
+def _full_table(points: list[dict], dataset: str) -> list[str]:
+    """Every row and K at every concurrency: tokens/s (acceptance length); ! flagged, r re-measured."""
+    mine = [p for p in points if p["dataset"] == dataset and p["method"] in ENGINE_METHODS]
+    cs = sorted({p["concurrency"] for p in mine})
+    keys = sorted({(variant(p), p["k"]) for p in mine},
+                  key=lambda vk: (variants_of(mine).index(vk[0]), vk[1] if vk[1] is not None else -1))
+    if len(keys) < 2:
+        return []
+    cell = {(variant(p), p["k"], p["concurrency"]): p for p in mine}
+    rows = [f"Every row and K ({dataset}): tokens/s (acceptance length); ! still flagged, r re-measured once:", "",
+            _row(["row", "K", *(f"c={c}" for c in cs)]), _row(["---"] * (len(cs) + 2))]
+    for v, k in keys:
+        cells = []
+        for c in cs:
+            p = cell.get((v, k, c))
+            if p is None or not p["num_prompts"]:
+                cells.append("-")
+                continue
+            al = f" ({p['acceptance_length']:.2f})" if p["acceptance_length"] is not None else ""
+            marks = ("!" if p.get("flags") else "") + ("r" if p.get("remeasured") else "")
+            cells.append(f"{p['tokens_per_s']:.0f}{al}{' ' + marks if marks else ''}")
+        rows.append(_row([variant_label(v), "-" if k is None else str(k), *cells]))
     return rows + [""]
 
 
@@ -210,9 +318,9 @@ def _throughput_cell(p: dict | None) -> str:
     return f"{p['tokens_per_s']:.1f} (K={p['k']}{al})"
 
 
-def _hf_table(points: list[dict], dataset: str) -> list[str]:
-    best = best_points(points, dataset)
-    hf = sorted(((m, c), p) for (m, c), p in best.items() if m in HF_METHODS)
+def _hf_table(points: list[dict], dataset: str, temperature: float) -> list[str]:
+    best = best_points(points, dataset, temperature)
+    hf = sorted(((v, c), p) for (v, c), p in best.items() if v in HF_METHODS)
     if not hf:
         return []
     rows = [f"Hugging Face transformers `generate` on the same prompts ({dataset}):", "",
@@ -226,7 +334,8 @@ def _hf_table(points: list[dict], dataset: str) -> list[str]:
 
 
 def _acceptance_table(points: list[dict], dataset: str) -> list[str]:
-    spec = [p for p in points if p["dataset"] == dataset and p["acceptance_length"] is not None]
+    spec = [p for p in points if p["dataset"] == dataset and p["acceptance_length"] is not None
+            and not p.get("adaptive")]
     if not spec:
         return []
     c_min = min(p["concurrency"] for p in spec)
@@ -240,20 +349,51 @@ def _acceptance_table(points: list[dict], dataset: str) -> list[str]:
     return rows + [""]
 
 
+def _point_name(p: dict) -> str:
+    k = f" K={p['k']}" if p["k"] is not None else ""
+    return f"{variant_label(variant(p))}{k}, {p['dataset']}, {temperature_title(p.get('temperature', 0.0))}, " \
+           f"c={p['concurrency']}"
+
+
+def _hygiene_section(points: list[dict]) -> list[str]:
+    again = [p for p in points if p.get("remeasured")]
+    flagged = [p for p in points if p.get("flags")]
+    lines = ["## Hygiene", "", f"{len(again)} point(s) re-measured once, {len(flagged)} still flagged "
+             "(rate far off its neighbours along concurrency, or a TTFT p99 that says the point stalled).", ""]
+    if again:
+        lines += [_row(["re-measured point", "first tok/s", "now tok/s", "why", "still flagged"]),
+                  _row(["---"] * 5)]
+        lines += [_row([_point_name(p), f"{p['remeasured']['tokens_per_s']:.0f}", f"{p['tokens_per_s']:.0f}",
+                        "; ".join(p["remeasured"]["flags"]), "; ".join(p["flags"]) or "no"]) for p in again]
+        lines.append("")
+    never = [p for p in flagged if not p.get("remeasured")]
+    if never:
+        lines += ["Flagged, not re-measured (checked after the run, or by a later point):", ""]
+        lines += [f"- {_point_name(p)}: {'; '.join(p['flags'])}" for p in never] + [""]
+    return lines
+
+
 def _row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
 def summary_line(results: dict[str, Any], files: dict[str, Any]) -> str:
-    """The last line a run prints: where its files are and the headline speed-ups, as one JSON object."""
+    """The last line a run prints: where its files are and the headline speed-ups, as one JSON object.
+
+    Greedy speed-ups are keyed speedup_A_vs_B (A, B a method, or method@policy for an adaptive row); sampled ones
+    speedup_A_vs_B_tT. Also the number of re-measured and still-flagged points."""
     points = results["points"]
     summary: dict[str, Any] = {"results": str(files.get("results")), "markdown": str(files.get("markdown")),
-                               "plots": [str(p) for p in files.get("plots", [])], "num_points": len(points)}
-    for a, b in SPEEDUP_PAIRS:
-        by_dataset = {d: {str(c): round(r, 3) for c, r in speedups(points, d, a, b).items()}
-                      for d in datasets_of(points)}
-        if any(by_dataset.values()):
-            summary[f"speedup_{a}_vs_{b}"] = by_dataset
+                               "plots": [str(p) for p in files.get("plots", [])], "num_points": len(points),
+                               "num_remeasured": sum(bool(p.get("remeasured")) for p in points),
+                               "num_flagged": sum(bool(p.get("flags")) for p in points)}
+    for t in temperatures_of(points):
+        suffix = "" if t == 0 else f"_t{t:g}"
+        for a, b in speedup_pairs(variants_of(points)):
+            by_dataset = {d: {str(c): round(r, 3) for c, r in speedups(points, d, a, b, t).items()}
+                          for d in datasets_of(points)}
+            if any(by_dataset.values()):
+                summary[f"speedup_{a}_vs_{b}{suffix}"] = by_dataset
     return json.dumps(summary, separators=(",", ":"))
 
 
@@ -267,6 +407,8 @@ def print_outcome(results: dict, files: dict, banner: str | None = None) -> None
     print(f"results: {files['results']}\ntable:   {files['markdown']}")
     for plot in files["plots"]:
         print(f"plot:    {plot}")
+    for method, path in files.get("policies", {}).items():
+        print(f"policy:  {path} ({method}, calibrated)")
     if banner:
         print(banner)
     print(summary_line(results, files))

@@ -1,8 +1,12 @@
-"""The benchmark sweep: methods x K x datasets x concurrency, measured in process or against a server.
+"""The benchmark sweep: methods x K x temperatures x datasets x concurrency, in process or against a server.
 
-In process, one LLM is built per (method, K) ("none" has no K) and measured at every dataset and concurrency
-before the next is built; against a server (`url`), the server's own method and K are measured and the labels
-given here only name them in the results. Hugging Face baselines run last, on the same prompts.
+In process, one LLM is built per row ((method, K), "none" has no K, or an adaptive policy) and measured at every
+temperature, dataset and concurrency before the next is built; against a server (`url`), the server's own method
+and K are measured and the labels given here only name them in the results. Every point runs at least `min_waves`
+waves of its concurrency and at least `min_seconds`; when a row is done, its points that look wrong next to their
+neighbours (peagle.bench.hygiene) are re-measured once with the same engine. With `calibrate`, the fixed-K rows
+decide each head's adaptive policy (peagle.bench.calibration), which is written beside the head and measured as a
+row of its own. Hugging Face baselines run last, greedy, on the same prompts.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence
 
 from tqdm import tqdm
 
+from peagle.bench.calibration import POLICY_FILE, derive_policy, policy_text, read_policy, write_policy
 from peagle.bench.datasets import Prompt, load_prompts
-from peagle.bench.measurement import WARMUP_MAX_TOKENS, Measurement
+from peagle.bench.hygiene import HygieneRules, settle
+from peagle.bench.measurement import Measurement
 from peagle.bench.report import ENGINE_METHODS, ResultsWriter, make_point, markdown
 
 logger = logging.getLogger(__name__)
@@ -32,11 +38,13 @@ class SweepConfig:
     draft_eagle3: str | None = None
     draft_peagle: str | None = None
     methods: tuple[str, ...] = ENGINE_METHODS
-    ks: tuple[int, ...] = (3, 5, 7)
+    ks: tuple[int, ...] = (3, 5, 7, 11)
     concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     datasets: tuple[str, ...] = ("mtbench", "humaneval")
     num_prompts: int = 80
     min_waves: int = 1  # at least this many waves of `concurrency` requests per point
+    min_seconds: float = 0.0  # and at least this long: further waves of the same prompts until it has passed
+    temperatures: tuple[float, ...] = (0.0,)  # 0 = greedy; each other one is a sampled table of its own
     max_tokens: int = 256
     ignore_eos: bool = False
     cache_dir: str | None = None  # testbed cache holding ShareGPT (for the sharegpt dataset)
@@ -61,9 +69,16 @@ class SweepConfig:
     tokenizer: str | None = None
     load_format: str = "auto"
     synthetic_acceptance: tuple[float, ...] | None = None
-    # Adaptive speculation for eagle3/peagle points: ((running-request bound, K), ...) and K above the last bound.
+    # Adaptive rows, one per speculative method: this policy ((running-request bound, K), ...) and K above the last
+    # bound; `adaptive_head`: each head's adaptive.json; `calibrate`: derive each head's policy from the fixed-K
+    # rows (with no speculation as K = 0), write it beside the head and measure it.
     adaptive: tuple[tuple[int, int], ...] = ()
     adaptive_above: int | None = None
+    adaptive_head: bool = False
+    calibrate: bool = False
+    # Hygiene: a point far off its neighbours, or stalled, is re-measured once (remeasure=False: only flagged).
+    hygiene: HygieneRules = field(default_factory=HygieneRules)
+    remeasure: bool = True
 
     def __post_init__(self):
         from peagle.engine.config import AdaptivePolicy
@@ -80,6 +95,14 @@ class SweepConfig:
                 raise ValueError(f"{name} must be a non-empty list of positive integers, got {values}")
         if self.num_prompts < 1 or self.max_tokens < 1 or self.hf_num_prompts < 1 or self.min_waves < 1:
             raise ValueError("num_prompts, min_waves, max_tokens and hf_num_prompts must be >= 1")
+        if self.min_seconds < 0 or not self.temperatures or any(t < 0 for t in self.temperatures):
+            raise ValueError("min_seconds must be >= 0 and temperatures a non-empty list of numbers >= 0")
+        if (self.has_policy or self.adaptive_head or self.calibrate) and self.url:
+            raise ValueError("adaptive rows and --calibrate run in process: the server fixes its own policy")
+        if self.calibrate and ("none" not in self.methods or self.methods == ("none",)):
+            raise ValueError("--calibrate compares K against no speculation: give --methods none and eagle3/peagle")
+        if self.calibrate and self.adaptive_head:
+            raise ValueError("--calibrate already measures the policy it writes beside the head: drop --adaptive head")
         if self.synthetic_acceptance is not None:
             if self.load_format != "dummy":
                 raise ValueError("--synthetic-acceptance is for random-weight benchmarks only: add --load-format dummy")
@@ -101,21 +124,47 @@ class SweepConfig:
             if method in self.methods and not draft:
                 raise ValueError(f"method {method} needs --draft-{method} DIR (a drafter checkpoint)")
 
-    def groups(self) -> list[tuple[str, int | None]]:
-        """(method, K) pairs, one engine each; K is None for no speculation."""
-        return [(m, None) if m == "none" else (m, k)
-                for m in self.methods for k in (self.ks if m != "none" else [None])]
+    @property
+    def has_policy(self) -> bool:
+        return bool(self.adaptive) or self.adaptive_above is not None
 
-    def speculative_config(self, method: str, k: int | None) -> dict[str, Any] | None:
+    @property
+    def speculative_methods(self) -> list[str]:
+        return [m for m in self.methods if m != "none"]
+
+    def draft(self, method: str) -> str | None:
+        return self.draft_peagle if method == "peagle" else self.draft_eagle3
+
+    def groups(self) -> list[tuple[str, int | None, dict | None]]:
+        """(method, K, adaptive policy) rows, one engine each: the fixed-K rows (K None for no speculation), then
+        the adaptive rows known before the run (the calibrated ones come after the fixed rows are measured)."""
+        rows: list[tuple[str, int | None, dict | None]] = [
+            (m, None, None) if m == "none" else (m, k, None)
+            for m in self.methods for k in (self.ks if m != "none" else [None])]
+        if self.has_policy:
+            policy = {"thresholds": [list(t) for t in self.adaptive], "above": self.adaptive_above}
+            rows += [(m, self.policy_k(policy), policy) for m in self.speculative_methods]
+        if self.adaptive_head:
+            for m in self.speculative_methods:
+                path = Path(str(self.draft(m))) / POLICY_FILE
+                if not path.is_file():
+                    raise ValueError(f"--adaptive head: {path} does not exist (write it with peagle bench --calibrate)")
+                policy = read_policy(path)
+                rows.append((m, self.policy_k(policy), policy))
+        return rows
+
+    def policy_k(self, policy: dict) -> int:
+        """The engine K of an adaptive row: the largest K its policy verifies (the largest swept K for 'above:max')."""
+        ks = [k for _, k in policy["thresholds"]] + [max(self.ks) if policy["above"] is None else policy["above"]]
+        return max(ks) or max(self.ks)
+
+    def speculative_config(self, method: str, k: int | None, policy: dict | None = None) -> dict[str, Any] | None:
         if method == "none":
             return None
-        # EAGLE-3 is asked for explicitly (parallel_drafting False) so that a P-EAGLE head is never upgraded.
-        draft = self.draft_peagle if method == "peagle" else self.draft_eagle3
-        spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": k,
-                "parallel_drafting": method == "peagle"}
-        if self.adaptive or self.adaptive_above is not None:
-            spec["adaptive"] = {"thresholds": [list(t) for t in self.adaptive], "above": self.adaptive_above}
-        return spec
+        # EAGLE-3 is asked for explicitly (parallel_drafting False) so that a P-EAGLE head is never upgraded, and a
+        # fixed-K row gives an empty policy so that a head's calibrated default (adaptive.json) stays out of it.
+        return {"method": "eagle3", "model": self.draft(method), "num_speculative_tokens": k,
+                "parallel_drafting": method == "peagle", "adaptive": policy or {}}
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -125,10 +174,20 @@ class SweepConfig:
 
 
 class Runner(Protocol):
-    def measure(self, prompts: Sequence[Prompt], concurrency: int) -> Measurement: ...
+    def measure(self, prompts: Sequence[Prompt], concurrency: int, *, temperature: float = 0.0,
+                min_seconds: float = 0.0) -> Measurement: ...
 
 
-OpenRunner = Callable[[str, int | None], ContextManager[Runner]]  # (method, K) -> a runner, released on exit
+class Sink(Protocol):
+    """Where points go as they are measured (ResultsWriter): `add` a new one, `flush` after points changed."""
+
+    def add(self, point: dict) -> None: ...
+
+    def flush(self) -> None: ...
+
+
+OpenRunner = Callable[[str, int | None, dict | None], ContextManager[Runner]]  # row -> a runner, released on exit
+OnPolicy = Callable[[str, dict, list[dict]], None]  # (method, calibrated policy, per-concurrency table)
 
 
 def dataset_label(name: str) -> str:
@@ -157,32 +216,80 @@ def point_prompts(prompts: Sequence[Prompt], num_prompts: int, concurrency: int,
     return [distinct[i % len(distinct)] for i in range(n)] if distinct else []
 
 
-def run_sweep(config: SweepConfig, open_runner: OpenRunner, on_point: Callable[[dict], None],
-              prompts: dict[str, list[Prompt]] | None = None) -> list[dict]:
-    """Measures every (method, K) x dataset x concurrency point; `on_point` sees each point as it is measured."""
+def run_sweep(config: SweepConfig, open_runner: OpenRunner, sink: Sink,
+              prompts: dict[str, list[Prompt]] | None = None, on_policy: OnPolicy | None = None) -> list[dict]:
+    """Measures every row x temperature x dataset x concurrency point into `sink`; returns the points.
+
+    With `config.calibrate`, each speculative method's policy is derived from the fixed-K rows once they are
+    measured, handed to `on_policy` (which writes it) and measured as a row of its own."""
     prompts = load_datasets(config) if prompts is None else prompts
-    points = []
-    bar = tqdm(total=len(config.groups()) * len(prompts) * len(config.concurrency), desc="bench", unit="point")
-    for method, k in config.groups():
-        with open_runner(method, k) as runner:
-            for dataset, dataset_prompts in prompts.items():
-                for c in config.concurrency:
-                    bar.set_postfix_str(f"{method} K={k} {dataset} c={c}")
-                    measured = runner.measure(point_prompts(dataset_prompts, config.num_prompts, c,
-                                                            config.min_waves), c)
-                    point = make_point(dataset, method, k, c, measured)
-                    logger.info("%s K=%s %s c=%d: %.1f tok/s, AL %s", method, k, dataset, c, point["tokens_per_s"],
-                                point["acceptance_length"])
-                    points.append(point)
-                    on_point(point)
-                    bar.update()
+    rows = config.groups()
+    per_row = len(config.temperatures) * len(prompts) * len(config.concurrency)
+    calibrated = len(config.speculative_methods) if config.calibrate else 0
+    bar = tqdm(total=(len(rows) + calibrated) * per_row, desc="bench", unit="point")
+    points: list[dict] = []
+    fixed = [r for r in rows if r[2] is None]
+    for row in fixed:
+        points += _measure_row(config, open_runner, row, prompts, sink, bar)
+    adaptive = [r for r in rows if r[2] is not None]
+    if config.calibrate:
+        for method in config.speculative_methods:
+            policy, table = derive_policy(points, method)
+            logger.info("calibrated %s policy: %s", method, policy_text(policy))
+            if on_policy is not None:
+                on_policy(method, policy, table)
+            adaptive.append((method, config.policy_k(policy), policy))
+    for row in adaptive:
+        points += _measure_row(config, open_runner, row, prompts, sink, bar)
     bar.close()
     return points
 
 
+def _measure_row(config: SweepConfig, open_runner: OpenRunner, row: tuple[str, int | None, dict | None],
+                 prompts: dict[str, list[Prompt]], sink: Sink, bar) -> list[dict]:
+    """One engine's points, then the re-measurement of those that look wrong (while the engine is still up)."""
+    method, k, policy = row
+    points: list[dict] = []
+    with open_runner(method, k, policy) as runner:
+        def measure(dataset: str, temperature: float, c: int) -> dict:
+            bar.set_postfix_str(f"{method} K={k}{' adaptive' if policy else ''} {dataset} t={temperature:g} c={c}")
+            measured = runner.measure(point_prompts(prompts[dataset], config.num_prompts, c, config.min_waves), c,
+                                      temperature=temperature, min_seconds=config.min_seconds)
+            point = make_point(dataset, method, k, c, measured, temperature=temperature, adaptive=policy)
+            logger.info("%s K=%s%s %s t=%g c=%d: %.1f tok/s, AL %s", method, k, " adaptive" if policy else "",
+                        dataset, temperature, c, point["tokens_per_s"], point["acceptance_length"])
+            return point
+
+        for temperature in config.temperatures:
+            for dataset in prompts:
+                for c in config.concurrency:
+                    point = measure(dataset, temperature, c)
+                    points.append(point)
+                    sink.add(point)
+                    bar.update()
+        again = (lambda p: measure(p["dataset"], p["temperature"], p["concurrency"])) if config.remeasure \
+            else (lambda p: p)
+        redone = settle(points, again, config.hygiene) if config.remeasure else _flag_only(points, config.hygiene)
+        for i in redone:
+            logger.info("re-measured %s K=%s %s c=%d: %.1f -> %.1f tok/s", method, k, points[i]["dataset"],
+                        points[i]["concurrency"], points[i]["remeasured"]["tokens_per_s"], points[i]["tokens_per_s"])
+    sink.flush()
+    return points
+
+
+def _flag_only(points: list[dict], rules: HygieneRules) -> list[int]:
+    from peagle.bench.hygiene import flag_points
+
+    standing = flag_points(points, rules)
+    for i, p in enumerate(points):
+        p["flags"] = standing.get(i, [])
+    return []
+
+
 @contextlib.contextmanager
-def open_engine_runner(config: SweepConfig, method: str, k: int | None) -> Iterator[Runner]:
-    """An in-process engine for (method, K), freed (GPU memory included) when the block exits."""
+def open_engine_runner(config: SweepConfig, method: str, k: int | None,
+                       policy: dict | None = None) -> Iterator[Runner]:
+    """An in-process engine for a row (method, K, adaptive policy), freed (GPU memory included) when the block exits."""
     from peagle import LLM, SamplingParams
     from peagle.bench.engine_runner import EngineRunner
     from peagle.models.loader import load_tokenizer
@@ -191,13 +298,16 @@ def open_engine_runner(config: SweepConfig, method: str, k: int | None) -> Itera
     synthetic = None
     if config.synthetic_acceptance is not None and method != "none":
         synthetic = config.synthetic_acceptance[:k]
-    llm = LLM(model=config.model, speculative_config=config.speculative_config(method, k), dtype=config.dtype,
-              device=config.device, max_model_len=config.max_model_len, max_num_seqs=max(config.concurrency),
-              gpu_memory_utilization=config.gpu_memory_utilization, enforce_eager=config.enforce_eager,
-              load_format=config.load_format, synthetic_acceptance=synthetic, **config.llm_options)
-    params = SamplingParams(temperature=0.0, max_tokens=config.max_tokens, ignore_eos=config.ignore_eos)
-    warmup = SamplingParams(temperature=0.0, max_tokens=min(WARMUP_MAX_TOKENS, config.max_tokens))
-    runner = EngineRunner(llm.engine, lambda p: tokenizer.encode_chat(list(p.messages)), params, warmup)
+    llm = LLM(model=config.model, speculative_config=config.speculative_config(method, k, policy),
+              dtype=config.dtype, device=config.device, max_model_len=config.max_model_len,
+              max_num_seqs=max(config.concurrency), gpu_memory_utilization=config.gpu_memory_utilization,
+              enforce_eager=config.enforce_eager, load_format=config.load_format, synthetic_acceptance=synthetic,
+              **config.llm_options)
+
+    def params(temperature: float, max_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=config.ignore_eos)
+
+    runner = EngineRunner(llm.engine, lambda p: tokenizer.encode_chat(list(p.messages)), params, config.max_tokens)
     del llm
     try:
         yield runner
@@ -207,7 +317,8 @@ def open_engine_runner(config: SweepConfig, method: str, k: int | None) -> Itera
 
 
 @contextlib.contextmanager
-def open_http_runner(config: SweepConfig, method: str, k: int | None) -> Iterator[Runner]:
+def open_http_runner(config: SweepConfig, method: str, k: int | None,
+                     policy: dict | None = None) -> Iterator[Runner]:
     from peagle.bench.http_runner import HttpRunner
 
     yield HttpRunner(config.url, config.max_tokens, model=config.served_model, api_key=config.api_key,
@@ -222,8 +333,8 @@ def free_accelerator_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def run_hf_baselines(config: SweepConfig, prompts: dict[str, list[Prompt]], on_point: Callable[[dict], None]) -> None:
-    """The transformers `generate` baselines of peagle.bench.hf_baseline, on the same prompts as the sweep."""
+def run_hf_baselines(config: SweepConfig, prompts: dict[str, list[Prompt]], sink: Sink) -> None:
+    """The transformers `generate` baselines of peagle.bench.hf_baseline (greedy), on the same prompts as the sweep."""
     from peagle.bench.hf_baseline import HfBaseline
     from peagle.models.loader import load_tokenizer
 
@@ -236,26 +347,49 @@ def run_hf_baselines(config: SweepConfig, prompts: dict[str, list[Prompt]], on_p
             for method, batch, m in baseline.run_all(token_ids, config.hf_num_prompts, config.hf_batch_sizes):
                 point = make_point(dataset, method, None, batch, m)
                 logger.info("%s batch %d on %s: %.1f tok/s", method, batch, dataset, point["tokens_per_s"])
-                on_point(point)
+                sink.add(point)
     finally:
         baseline.close()
         free_accelerator_memory()
+
+
+def policy_writer(config: SweepConfig, writer: ResultsWriter) -> OnPolicy:
+    """Writes a calibrated policy beside its head (HEAD/adaptive.json) and a copy into the run's directory."""
+
+    def write(method: str, policy: dict, table: list[dict]) -> None:
+        record = {"method": method, "model": config.model, "head": config.draft(method),
+                  "gpu": writer.results["environment"].get("gpu"), "created_utc": writer.results["created_utc"],
+                  "command": writer.results["command"], "datasets": list(config.datasets),
+                  "temperatures": list(config.temperatures), "max_tokens": config.max_tokens,
+                  "rule": "per concurrency, the K with the highest tokens/s over no speculation (geometric mean "
+                          "over workloads; near-ties to the smaller K); band edges at geometric midpoints",
+                  "table": table}
+        path = write_policy(Path(str(config.draft(method))) / POLICY_FILE, policy, record)
+        write_policy(writer.out_dir / f"adaptive-{method}.json", policy, record)
+        logger.info("wrote %s: %s", path, policy_text(policy))
+        writer.policies[method] = path
+
+    return write
 
 
 def run_benchmark(config: SweepConfig, out_dir: Path, command: str,
                   open_runner: OpenRunner | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The whole run: sweep, HF baselines, then results.json, results.md and the plots in out_dir.
 
-    Returns (results, files) where files maps "results", "markdown" and "plots" to the paths written.
+    Returns (results, files) where files maps "results", "markdown" and "plots" to the paths written (and
+    "policies", method -> adaptive.json, after --calibrate).
     """
     writer = ResultsWriter(Path(out_dir), command, config.to_json())
     prompts = load_datasets(config)
     if open_runner is None:
         open_runner = functools.partial(open_http_runner if config.url else open_engine_runner, config)
-    run_sweep(config, open_runner, writer.add, prompts)
+    run_sweep(config, open_runner, writer, prompts, policy_writer(config, writer))
     if config.hf_baselines:
-        run_hf_baselines(config, prompts, writer.add)
-    return writer.results, write_summaries(writer.results, Path(out_dir), writer.path)
+        run_hf_baselines(config, prompts, writer)
+    files = write_summaries(writer.results, Path(out_dir), writer.path)
+    if writer.policies:
+        files["policies"] = dict(writer.policies)
+    return writer.results, files
 
 
 def write_summaries(results: dict[str, Any], out_dir: Path, results_path: Path) -> dict[str, Any]:

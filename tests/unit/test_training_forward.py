@@ -11,7 +11,8 @@ from peagle.models.loader import load_model, load_tokenizer
 from peagle.training.cod import cod_sample, full_layout
 from peagle.training.data import Document, PackedSequence
 from peagle.training.forward import peagle_forward, ttt_forward
-from peagle.training.objectives import PEagleObjective
+from peagle.training.loss import draft_kl_loss_reference
+from peagle.training.objectives import Eagle3Objective, PEagleObjective
 from peagle.training.teacher import run_target
 
 K = 5
@@ -74,7 +75,7 @@ def test_training_forward_equals_drafting_pass(models, method):
     teacher = run_target(target, seq, drafter.config.aux_layer_ids, "cpu")
     layout = full_layout(seq.doc_ids, torch.ones(len(seq), dtype=torch.bool), K)
     forward = peagle_forward if method == "peagle" else ttt_forward
-    logits = drafter.compute_logits(forward(drafter, teacher, layout))
+    logits = drafter.compute_logits(forward(drafter, teacher, layout, _counts(layout)))
     doc2 = seq.token_ids[23:]
     for c in (1, 4, 17):
         anchor = 23 + c - 1
@@ -86,8 +87,55 @@ def test_training_forward_equals_drafting_pass(models, method):
         torch.testing.assert_close(logits[rows], served, rtol=1e-4, atol=1e-4)
 
 
+def _counts(layout):
+    return tuple(torch.bincount(layout.depth).tolist())
+
+
 def _grads(drafter):
     return {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+
+
+def _reference_step(drafter, target, teacher, layout, method, denominator):
+    """Today's formulation by plain autograd: one forward over every element, the teacher's logits per element."""
+    forward = peagle_forward if method == "peagle" else ttt_forward
+    hidden = forward(drafter, teacher, layout, _counts(layout))
+    sel = torch.nonzero(layout.weight > 0).flatten()
+    loss, correct = draft_kl_loss_reference(
+        hidden[sel], teacher.hidden[layout.target[sel]], layout.weight[sel], denominator, drafter.compute_logits,
+        target.compute_logits, torch.arange(drafter.d2t.numel()) + drafter.d2t)
+    loss.backward()
+    return loss.detach(), torch.bincount(layout.depth[sel], weights=correct.double(), minlength=K).long()
+
+
+@pytest.mark.parametrize("method,segments,frozen_head", [
+    ("peagle", 1, False), ("peagle", 2, False), ("peagle", 2, True), ("eagle3", 1, False), ("eagle3", 1, True)])
+def test_step_equals_the_plain_autograd_step(models, method, segments, frozen_head):
+    """The fused, planned step (teacher once per position, loss gradient formed in the forward, partition) computes
+    the gradients of the plain formulation within fp32 rounding."""
+    target, drafters = models
+    drafter = drafters[method]
+    drafter.lm_head.weight.requires_grad_(not frozen_head)
+    seq = _sequence([40, 25, 31], target.config.vocab_size, seed=5)
+    teacher = run_target(target, seq, drafter.config.aux_layer_ids, "cpu")
+    objective = (PEagleObjective(K, 0.8, 0.2, num_segments=segments, loss_chunk=16) if method == "peagle"
+                 else Eagle3Objective(K, loss_chunk=16))
+    layout = objective.sample_layout(seq, torch.Generator().manual_seed(0))
+    plan = objective.plan(seq, layout)
+    denominator = plan.weight_sum
+    assert denominator == float(layout.weight.sum()) and len(plan.forwards) == segments
+    drafter.zero_grad(set_to_none=True)
+    ref_loss, ref_correct = _reference_step(drafter, target, teacher, layout, method, denominator)
+    reference = _grads(drafter)
+    drafter.zero_grad(set_to_none=True)
+    stats = objective.backward(drafter, target, teacher, plan, denominator)
+    fast = _grads(drafter)
+    drafter.lm_head.weight.requires_grad_(True)
+    assert fast.keys() == reference.keys() and ("lm_head.weight" in fast) != frozen_head
+    for name in reference:
+        torch.testing.assert_close(fast[name], reference[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert float(stats.loss) == pytest.approx(float(ref_loss), rel=1e-5)
+    assert torch.equal(stats.correct, ref_correct)
+    assert torch.equal(stats.total, torch.bincount(layout.depth[layout.weight > 0], minlength=K))
 
 
 @pytest.mark.parametrize("segments", [2, 4])
@@ -102,11 +150,11 @@ def test_partitioned_gradients_equal_unpartitioned(models, segments):
     for s in (1, segments):
         drafter.zero_grad(set_to_none=True)
         objective = PEagleObjective(K, 0.8, 0.2, num_segments=s, loss_chunk=16)
-        stats = objective.backward(drafter, target, teacher, layout, denominator)
+        stats = objective.backward(drafter, target, teacher, objective.plan(seq, layout), denominator)
         results.append((stats, _grads(drafter)))
     (full, full_grads), (parts, part_grads) = results
     assert full_grads.keys() == part_grads.keys() and "mask_hidden" in full_grads
     for name in full_grads:
         torch.testing.assert_close(part_grads[name], full_grads[name], rtol=1e-5, atol=1e-6, msg=name)
-    assert parts.loss == pytest.approx(full.loss, rel=1e-5)
+    assert float(parts.loss) == pytest.approx(float(full.loss), rel=1e-5)
     assert torch.equal(parts.total, full.total) and torch.equal(parts.correct, full.correct)

@@ -145,9 +145,12 @@ def test_cli_trains_both_methods_and_writes_loadable_heads(setup, tmp_path):
         evals = [r for r in records if r["kind"] == "eval"]
         assert [r["step"] for r in train] == [1, 2, 3] and [r["step"] for r in evals] == [2, 3]
         assert all(len(r["acc"]) == 3 and r["positions_per_s"] > 0 and r["lr"] > 0 for r in train)
+        assert all(r["tokens_per_s"] > 0 and "mfu" in r and r["mfu"] is None for r in train)  # no peak on a CPU
         assert set(evals[-1]["sim_al"]) == {"1", "2", "3"} and evals[-1]["rollouts"] > 0
         al = [evals[-1]["sim_al"][k] for k in ("1", "2", "3")]
         assert 1.0 <= al[0] <= al[1] <= al[2] <= 4.0
+        walked = [evals[-1]["walk_al"][k] for k in ("1", "2", "3")]
+        assert evals[-1]["rounds"] > 0 and 1.0 <= walked[0] <= 2.0 and all(1.0 <= w <= 4.0 for w in walked)
 
 
 def test_clear_errors(setup, tmp_path, capsys):
@@ -227,8 +230,20 @@ def test_time_limit_fits_the_schedule_to_the_time():
     assert fitted_total_steps(30, 100_000, 5.0, 1.0) == 31  # at least one more step
 
 
-def test_time_limited_run_ends_its_schedule_when_time_runs_out(setup, tmp_path):
+def test_time_limited_run_ends_its_schedule_when_time_runs_out(setup, tmp_path, monkeypatch):
+    # A fake clock (0.05 s per step) so that the test does not depend on how fast this machine runs the steps.
+    import peagle.training.trainer as trainer_module
+
     checkpoint, data = setup
+    clock = [0.0]
+    monkeypatch.setattr(trainer_module.time, "monotonic", lambda: clock[0])
+    step = trainer_module.Trainer.train_step
+
+    def timed_step(self):
+        clock[0] += 0.05
+        return step(self)
+
+    monkeypatch.setattr(trainer_module.Trainer, "train_step", timed_step)
     out = tmp_path / "fitted"
     args = _args(checkpoint, data, out, "--steps", "100000", "--time-limit", "0.15")
     at = args.index("--warmup-steps")

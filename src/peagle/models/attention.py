@@ -74,3 +74,41 @@ class DenseAttention:
         if start != q.shape[0]:
             raise ValueError(f"seq_lens sum to {start} but the batch has {q.shape[0]} tokens")
         return torch.cat(outs)
+
+
+class VarlenAttention:
+    """Causal attention over a flat batch of independent sequences in one kernel per layer (training's teacher).
+
+    On CUDA this is flash attention's variable-length form (cumulative sequence offsets; grouped KV heads served
+    natively), one launch per layer instead of one per sequence. Elsewhere, or where that kernel is missing, it is
+    `DenseAttention(seq_lens)`, which gives the same result up to rounding.
+    """
+
+    def __init__(self, seq_lens: Sequence[int], device: torch.device | str):
+        self.seq_lens = list(seq_lens)
+        self.max_len = max(self.seq_lens, default=0)
+        offsets = torch.tensor([0, *self.seq_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        self.offsets = offsets.to(device, non_blocking=True)  # [num_seqs + 1] int32
+        self._dense = DenseAttention(seq_lens=self.seq_lens)
+
+    def __call__(self, layer_idx, q, k, v):
+        # q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]
+        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not _VARLEN_BROKEN:
+            try:
+                return torch.ops.aten._flash_attention_forward(
+                    q, k, v, self.offsets, self.offsets, self.max_len, self.max_len, 0.0, True, False)[0]
+            except (RuntimeError, TypeError) as e:  # an older build without this kernel or signature
+                _varlen_failed(e)
+        return self._dense(layer_idx, q, k, v)
+
+
+_VARLEN_BROKEN = False
+
+
+def _varlen_failed(error: Exception) -> None:
+    global _VARLEN_BROKEN
+    import logging
+
+    logging.getLogger(__name__).warning("variable-length flash attention failed (%s); attending per sequence",
+                                        str(error).splitlines()[0] if str(error) else type(error).__name__)
+    _VARLEN_BROKEN = True

@@ -108,6 +108,13 @@ def register(subparsers) -> None:
     train.add_argument("--profile-steps", type=int, default=0, metavar="N",
                        help="profile N steps after the first 5 (compilation) with torch.profiler: a table of the "
                             "most expensive operators in OUT/profile.txt")
+    train.add_argument("--log-every", type=int, default=10, metavar="N",
+                       help="read the statistics from the device every N steps (the step itself never waits for "
+                            "the GPU; default 10)")
+    train.add_argument("--depth-decay", type=float, default=1.0, metavar="GAMMA",
+                       help="weight the loss of a depth-d element by GAMMA**d (default 1: all depths alike)")
+    train.add_argument("--freeze-lm-head", action="store_true",
+                       help="keep the draft head's output rows as initialised from the target (not trained)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--init", type=Path, metavar="DRAFTER_DIR", help="start from an existing head")
     train.add_argument("--draft-vocab-size", type=int,
@@ -162,7 +169,8 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         max_eval_documents=args.max_eval_documents, loss_chunk=args.loss_chunk, seed=args.seed,
         resume=args.resume, init=args.init, draft_vocab_size=args.draft_vocab_size,
         aux_layer_ids=tuple(args.aux_layer_ids) if args.aux_layer_ids else None, feature_cache=args.feature_cache,
-        time_limit_minutes=args.time_limit, profile_steps=args.profile_steps,
+        time_limit_minutes=args.time_limit, profile_steps=args.profile_steps, log_every=args.log_every,
+        depth_decay=args.depth_decay, freeze_lm_head=args.freeze_lm_head,
     )
 
 

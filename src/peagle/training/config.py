@@ -46,6 +46,9 @@ class TrainConfig:
     feature_cache: Path | None = None
     time_limit_minutes: float | None = None  # finish (evaluate, save final/) once this much wall time has passed
     profile_steps: int = 0  # profile this many steps (after the first PROFILE_FROM) into out/profile.txt
+    log_every: int = 10  # steps whose statistics are read from the device at once (one wait per interval)
+    depth_decay: float = 1.0  # loss weight decay ** depth per element (SpecForge uses 0.8)
+    freeze_lm_head: bool = False  # keep the draft head at its initial rows (the target's), as speculators does
 
     def __post_init__(self):
         dirs = (self.data,) if isinstance(self.data, (str, Path)) else tuple(self.data)
@@ -76,7 +79,10 @@ class TrainConfig:
             raise ValueError(f"--steps must be at least 1, got {self.steps}")
         if self.epochs is not None and self.epochs <= 0:
             raise ValueError(f"--epochs must be positive, got {self.epochs}")
-        for name in ("batch_size", "grad_accum", "save_every", "eval_every", "keep_checkpoints", "loss_chunk"):
+        if not 0.0 < self.depth_decay <= 1.0:
+            raise ValueError(f"--depth-decay must be in (0, 1], got {self.depth_decay}")
+        for name in ("batch_size", "grad_accum", "save_every", "eval_every", "keep_checkpoints", "loss_chunk",
+                     "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.lr <= 0:

@@ -6,6 +6,9 @@ slots (mask token, mask_hidden). This is the engine's drafting pass, batched ove
 EAGLE-3 (training-time test): one pass per depth. Depth-0 elements are the same real slots; a depth-d element
 takes the true token a+d+1 and, as its hidden state, the drafter's own output at (a, d-1); it attends to the
 earlier passes' keys under the same rule, as the engine's chained drafting passes do.
+
+Nothing here waits for the device: the per-depth element counts come from the host (`ForwardPlan.depth_counts`),
+and the statistics stay on the device until the trainer reads them once per logging interval.
 """
 
 from __future__ import annotations
@@ -15,18 +18,18 @@ from dataclasses import dataclass
 import torch
 
 from peagle.drafters.drafter import Drafter
-from peagle.models.llama import LlamaModel
 from peagle.training.attention import FlexAttention, KVChain
 from peagle.training.cod import Layout
 from peagle.training.loss import DEFAULT_CHUNK, draft_kl_loss
 from peagle.training.mask import build_block_mask
-from peagle.training.teacher import TeacherPass
+from peagle.training.plan import ForwardPlan
+from peagle.training.teacher import TeacherPass, TeacherTable
 
 
-def peagle_forward(drafter: Drafter, teacher: TeacherPass, layout: Layout) -> torch.Tensor:
-    """[num_elements, d] drafter outputs (pre-norm) for a depth-major layout."""
-    num_real = int((layout.depth == 0).sum())
-    assert bool((layout.depth[:num_real] == 0).all()), "layout must be depth-major"
+def peagle_forward(drafter: Drafter, teacher: TeacherPass, layout: Layout, depth_counts: tuple[int, ...]
+                   ) -> torch.Tensor:
+    """[num_elements, d] drafter outputs (pre-norm) for a depth-major layout with `depth_counts` per depth."""
+    num_real = depth_counts[0]
     real = layout.anchor[:num_real]
     input_ids = torch.cat([
         teacher.token_ids[real + 1],
@@ -40,12 +43,12 @@ def peagle_forward(drafter: Drafter, teacher: TeacherPass, layout: Layout) -> to
     return drafter(input_ids, layout.position, attn, hidden)
 
 
-def ttt_forward(drafter: Drafter, teacher: TeacherPass, layout: Layout) -> torch.Tensor:
+def ttt_forward(drafter: Drafter, teacher: TeacherPass, layout: Layout, depth_counts: tuple[int, ...]
+                ) -> torch.Tensor:
     """[num_elements, d] drafter outputs for EAGLE-3's chained passes over a full depth-major layout."""
-    counts = torch.bincount(layout.depth).tolist()
     chain, outs, prev_anchor = KVChain(), [], None
     start = 0
-    for d, count in enumerate(counts):
+    for d, count in enumerate(depth_counts):
         part = slice(start, start + count)
         anchor = layout.anchor[part]
         if d == 0:
@@ -61,16 +64,18 @@ def ttt_forward(drafter: Drafter, teacher: TeacherPass, layout: Layout) -> torch
 
 @dataclass
 class StepStats:
-    """What one or more backward passes charged: the loss (already divided by its denominator) and, per depth,
-    how many charged elements there were and how many had draft argmax == target argmax."""
+    """What one or more backward passes charged, kept on the device: the loss (already divided by its
+    denominator) and, per depth, how many charged elements there were and how many had draft argmax == target
+    argmax."""
 
-    loss: float
+    loss: torch.Tensor  # [] fp32
     total: torch.Tensor  # [K] int64
     correct: torch.Tensor  # [K] int64
 
     @classmethod
-    def zero(cls, k: int) -> "StepStats":
-        return cls(0.0, torch.zeros(k, dtype=torch.long), torch.zeros(k, dtype=torch.long))
+    def zero(cls, k: int, device: torch.device | str = "cpu") -> "StepStats":
+        return cls(torch.zeros((), device=device), torch.zeros(k, dtype=torch.long, device=device),
+                   torch.zeros(k, dtype=torch.long, device=device))
 
     def __add__(self, other: "StepStats") -> "StepStats":
         return StepStats(self.loss + other.loss, self.total + other.total, self.correct + other.correct)
@@ -81,26 +86,17 @@ class StepStats:
 
 def charged_loss(
     drafter: Drafter,
-    target: LlamaModel,
-    teacher: TeacherPass,
-    layout: Layout,
-    hidden_out: torch.Tensor,  # [num_elements, d]
-    charged: torch.Tensor,  # [num_elements] bool: elements this forward pays for
-    denominator: float,
+    table: TeacherTable,
+    plan: ForwardPlan,
+    hidden_out: torch.Tensor,  # [num_elements, d], the drafter's output over plan.layout
+    denominator: float | torch.Tensor,
     k: int,
     chunk_size: int = DEFAULT_CHUNK,
-) -> tuple[torch.Tensor, StepStats, torch.Tensor]:
-    """(loss, stats, correct): loss over the charged elements with weight > 0; correct is per such element."""
-    sel = torch.nonzero(charged & (layout.weight > 0)).flatten()
-    draft_to_target = torch.arange(drafter.d2t.numel(), device=drafter.d2t.device) + drafter.d2t
-    loss, correct = draft_kl_loss(
-        hidden_out[sel], teacher.hidden[layout.target[sel]], layout.weight[sel], denominator,
-        drafter.compute_logits, target.compute_logits, draft_to_target, chunk_size,
-    )
-    depth = layout.depth[sel].cpu()
-    stats = StepStats(
-        float(loss.detach()),
-        torch.bincount(depth, minlength=k)[:k],
-        torch.bincount(depth, weights=correct.cpu().double(), minlength=k)[:k].long(),
-    )
-    return loss, stats, correct
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, correct per depth [K], correct per charged element) over the plan's charged elements."""
+    normed = drafter.norm(hidden_out[plan.charged])  # [C, d]
+    loss, draft_ids = draft_kl_loss(normed, drafter.lm_head.weight, table.logp, plan.teacher_row,
+                                    plan.weight / denominator, chunk_size)
+    correct = drafter.to_target_ids(draft_ids) == table.argmax[plan.teacher_row]
+    by_depth = torch.zeros(k, dtype=torch.long, device=correct.device).scatter_add_(0, plan.depth, correct.long())
+    return loss, by_depth, correct

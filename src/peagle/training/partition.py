@@ -4,7 +4,8 @@ Ownership: a depth-0 element belongs to the segment of its anchor; a rollout ele
 anchor + 1, so a rollout never spans segments. Segment s runs the drafter over
     every depth-0 element whose anchor lies before segment s+1 (its own plus the cumulative prefix, recomputed
     with grad, because its elements attend to them), and the rollouts it owns,
-and charges loss only for the elements it owns, against the denominator shared by the whole step. Every charged
+and charges loss only for the elements it owns, against the denominator shared by the whole step (`plan.py` turns
+the segments into the step's forwards). Every charged
 element sees exactly the keys it sees in the unpartitioned forward (the rule only looks back to depth-0 elements
 with smaller anchors and along its own rollout), so the per-segment gradients add up to the full gradient while
 peak activation memory holds the depth-0 prefix plus 1/S of the rollouts.
@@ -17,12 +18,9 @@ rollouts of anchors 3..7.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
 import torch
 
 from peagle.training.cod import Layout
-from peagle.training.forward import StepStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,25 +51,3 @@ def plan_partition(layout: Layout, num_segments: int) -> list[Segment]:
         elements = torch.nonzero(member).flatten()
         segments.append(Segment(elements, owner[elements] == s))
     return segments
-
-
-def partitioned_backward(
-    layout: Layout,
-    num_segments: int,
-    run_segment: Callable[[Layout, torch.Tensor], tuple[torch.Tensor, StepStats]],
-    k: int,
-) -> StepStats:
-    """Runs `run_segment(sub_layout, owned) -> (loss, stats)` per segment and back-propagates each loss at once,
-    so only one segment's activations are alive at a time. Gradients accumulate in the parameters' .grad."""
-    total = StepStats.zero(k)
-    # A short sequence (the tail of a packing) may have fewer real slots than segments asked for.
-    num_segments = min(num_segments, max(1, int((layout.depth == 0).sum())))
-    for segment in plan_partition(layout, num_segments):
-        sub = layout.select(segment.elements)
-        if not bool((segment.owned & (sub.weight > 0)).any()):
-            continue  # nothing charged here: its forward would only produce zero gradients
-        loss, stats = run_segment(sub, segment.owned)
-        if loss.requires_grad:
-            loss.backward()
-        total = total + stats
-    return total

@@ -1,5 +1,8 @@
 """The frozen target's pass over a packed sequence: the drafter's input features and the teacher distribution.
 
+`TeacherTable` holds that distribution once per supervising position: element (a, d) is supervised by position
+a + d + 1, and so are (a + 1, d - 1), (a + 2, d - 2), ..., so one row serves up to K_train elements.
+
 The target attends within each document only and numbers positions from 0 in each, so its outputs for a packed
 sequence are the concatenation of its outputs for the documents alone. That is what lets `FeatureCache` keep them
 per document, for later epochs to read instead of running the target again.
@@ -18,7 +21,7 @@ from typing import Sequence
 import torch
 from safetensors.torch import load_file, save_file
 
-from peagle.models.attention import DenseAttention
+from peagle.models.attention import VarlenAttention
 from peagle.models.llama import LlamaModel
 from peagle.training.data import PackedSequence
 
@@ -36,14 +39,48 @@ class TeacherPass:
         return self.sequence.token_ids
 
 
+def to_device(device: torch.device | str):
+    """A function copying a host tensor to `device`: through pinned memory and without waiting on CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return lambda t: t.to(device)
+    return lambda t: (t if t.is_pinned() or t.is_cuda else t.pin_memory()).to(device, non_blocking=True)
+
+
 @torch.no_grad()
 def run_target(target: LlamaModel, sequence: PackedSequence, aux_layer_ids: Sequence[int],
                device: torch.device | str) -> TeacherPass:
-    """Runs the target over every document of the sequence (causal within a document, positions from 0)."""
-    seq = sequence.to(device)
-    positions = sequence.positions.to(device)
-    out = target(seq.token_ids, positions, DenseAttention(seq_lens=sequence.doc_lengths), aux_layer_ids)
+    """Runs the target over every document of the sequence (causal within a document, positions from 0).
+
+    `sequence` is on the host; it is copied to `device` without waiting (from pinned memory on CUDA)."""
+    move = to_device(device)
+    seq = PackedSequence(move(sequence.token_ids), move(sequence.loss_mask), move(sequence.doc_ids),
+                         sequence.sources)
+    positions = move(sequence.positions)
+    out = target(seq.token_ids, positions, VarlenAttention(sequence.doc_lengths, device), aux_layer_ids)
     return TeacherPass(seq, out.aux, out.hidden)
+
+
+@dataclass(frozen=True, slots=True)
+class TeacherTable:
+    logp: torch.Tensor  # [num_rows, draft_vocab] fp32, log-softmax of the target's logits over the draft vocab
+    argmax: torch.Tensor  # [num_rows] int64, the target's argmax over its whole vocabulary (the acceptance test)
+
+
+@torch.no_grad()
+def teacher_table(target: LlamaModel, hidden: torch.Tensor, draft_to_target: torch.Tensor | None,
+                  chunk_size: int) -> TeacherTable:
+    """The target's distribution at each row of `hidden` ([R, d_target], final-normed), restricted to the draft
+    vocabulary (`draft_to_target` [draft_vocab] target ids, None for the whole vocabulary) and renormalised there."""
+    width = target.config.vocab_size if draft_to_target is None else draft_to_target.numel()
+    logp = torch.empty(hidden.shape[0], width, dtype=torch.float32, device=hidden.device)
+    argmax = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_size):
+        part = slice(start, start + chunk_size)
+        full = target.compute_logits(hidden[part])  # [c, target_vocab] fp32
+        argmax[part] = full.argmax(-1)
+        logp[part] = torch.log_softmax(full if draft_to_target is None else full[:, draft_to_target], dim=-1)
+    return TeacherTable(logp, argmax)
 
 
 class FeatureCache:

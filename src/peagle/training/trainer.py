@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+import queue
 import random
 import shutil
 import signal
+import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -32,8 +34,11 @@ from peagle.training.cod import Layout
 from peagle.training.config import TIME_LIMITED_WARMUP, TrainConfig
 from peagle.training.data import Document, PackedSequence, TrainingData, pack, read_documents, split_documents
 from peagle.training.distributed import DistContext
+from peagle.training.flops import StepFlops, peak_flops
 from peagle.training.forward import StepStats
-from peagle.training.objectives import Eagle3Objective, EvalStats, Objective, PEagleObjective
+from peagle.training.metrics import EvalStats
+from peagle.training.objectives import Eagle3Objective, Objective, PEagleObjective, draft_to_target_ids
+from peagle.training.plan import StepPlan
 from peagle.training.teacher import FeatureCache, TeacherPass, run_target
 
 logger = logging.getLogger(__name__)
@@ -46,8 +51,9 @@ LOG_FILE = "train_log.jsonl"
 
 def make_objective(cfg: TrainConfig) -> Objective:
     if cfg.method == "peagle":
-        return PEagleObjective(cfg.k_train, cfg.cod_r, cfg.cod_r_min, cfg.num_segments, cfg.loss_chunk)
-    return Eagle3Objective(cfg.k_train, cfg.loss_chunk)
+        return PEagleObjective(cfg.k_train, cfg.cod_r, cfg.cod_r_min, cfg.num_segments, cfg.loss_chunk,
+                               cfg.depth_decay)
+    return Eagle3Objective(cfg.k_train, cfg.loss_chunk, cfg.depth_decay)
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
@@ -77,6 +83,57 @@ def sequence_seed(seed: int, epoch: int, index: int) -> int:
     return (seed * 1_000_003 + epoch * 998_244_353 + index) % (1 << 62)
 
 
+@dataclass(frozen=True, slots=True)
+class PreparedStep:
+    """One optimizer step's work for this process, planned on the host."""
+
+    epoch: int  # the data position after this step
+    index: int
+    plans: tuple[StepPlan, ...]  # one per micro-batch
+    weight: float  # this process's share of the loss denominator
+    counts: torch.Tensor  # [3] float64 (pinned on CUDA): weight, elements (positions) and tokens of this process
+    flops: float
+
+
+class Prefetcher:
+    """Plans the next steps in a background thread while the device runs the current one.
+
+    Planning (COD sampling, the partition, teacher rows, pinned copies) is pure host work in the order the steps
+    will run, so the plans, and a resumed run's, are the same as planning them inline."""
+
+    def __init__(self, trainer: "Trainer", depth: int = 3):
+        self.trainer = trainer
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="plan-prefetch", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        epoch, index = self.trainer.epoch, self.trainer.index
+        try:
+            while not self.stop.is_set():
+                step = self.trainer.prepare(epoch, index)
+                epoch, index = step.epoch, step.index
+                while not self.stop.is_set():
+                    try:
+                        self.queue.put(step, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as e:  # noqa: BLE001 - handed to the training thread, which raises it
+            self.queue.put(e)
+
+    def next(self) -> PreparedStep:
+        item = self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=10)
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, target: LlamaModel, drafter: Drafter, data: TrainingData,
                  held_out: list[PackedSequence], dist: DistContext):
@@ -94,7 +151,9 @@ class Trainer:
         self.total_steps = cfg.steps if cfg.steps is not None else max(1, round(cfg.epochs * per_epoch))
         self.requested_steps = self.total_steps
         self.params = [p for p in drafter.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        fused = {"fused": True} if dist.device.type == "cuda" else {}
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                                           **fused)
         warmup = cfg.warmup(self.total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, warmup, self.total_steps, cfg.schedule))
@@ -103,6 +162,12 @@ class Trainer:
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dist.device.type == "cuda")
         self.cache = FeatureCache(cfg.feature_cache, target, _cache_identity(cfg, self.aux_layer_ids, target)
                                   ) if cfg.feature_cache else None
+        self.vocab_map = draft_to_target_ids(drafter)
+        self.flops = StepFlops.of(target, drafter)
+        self.peak_flops = peak_flops(dist.device) * dist.world_size if peak_flops(dist.device) else None
+        self._pending: list[tuple[dict, torch.Tensor]] = []  # train rows whose device values are not read yet
+        self._interval_start = None
+        self._prefetch: Prefetcher | None = None
         self._stop = False
         self._profiler = None
         self._log_file = None
@@ -121,30 +186,37 @@ class Trainer:
         logger.info("training %s drafter: steps %d..%d of %d, global batch %d sequences",
                     self.cfg.method, self.step + 1, self.total_steps, self.total_steps, self.global_batch)
         first_step, fit_start = self.step, None  # fit_start: (step, time) where the current rate window began
+        self._prefetch = Prefetcher(self)
+        self._interval_start = time.monotonic()
         try:
             while self.step < self.total_steps:
                 if self.cfg.profile_steps and self.step - first_step == PROFILE_FROM:
                     self._start_profile()
-                record = self.train_step()
+                self.train_step()
                 self.step += 1
                 if self._profiler is not None and self.step - first_step == PROFILE_FROM + self.cfg.profile_steps:
                     self._finish_profile()
-                self._log({"kind": "train", "step": self.step, **record})
+                if self.step % self.cfg.log_every == 0:
+                    self._flush()
                 if deadline is not None:
                     # The rate is measured over steps FIT_FROM..FIT_TO, then again over every REFIT_EVERY steps:
                     # the GPU may be shared with other work that starts or ends, and the horizon follows the rate.
                     done = self.step - first_step
                     if done == FIT_FROM:
+                        self._flush()  # the window starts with the device caught up
                         fit_start = (self.step, time.monotonic())
                     elif fit_start is not None and (done == FIT_TO or (
                             done > FIT_TO and self.step - fit_start[0] == REFIT_EVERY)):
+                        self._flush()
                         now = time.monotonic()
                         self._fit_schedule((now - fit_start[1]) / (self.step - fit_start[0]), deadline)
                         fit_start = (self.step, now)
                 if self.step % self.cfg.eval_every == 0 and self.held_out:
+                    self._flush()
                     self._log({"kind": "eval", "step": self.step, **self.evaluate()})
                 stop, out_of_time = self._agreed_stop(deadline)
                 if self.step % self.cfg.save_every == 0 or stop:
+                    self._flush()
                     self.save_checkpoint()
                 if stop:
                     logger.warning("SIGTERM: saved step %d; resume with --resume", self.step)
@@ -153,6 +225,7 @@ class Trainer:
                     logger.warning("time limit of %g minutes reached after step %d of %d; finishing", limit,
                                    self.step, self.total_steps)
                     break
+            self._flush()
             if self.held_out and self.step % self.cfg.eval_every:
                 self._log({"kind": "eval", "step": self.step, **self.evaluate()})
             if self.dist.is_main:
@@ -160,96 +233,130 @@ class Trainer:
                 logger.info("saved the trained drafter to %s", self.cfg.out / FINAL)
             return 0
         finally:
+            self._prefetch.close()
+            self._prefetch = None
             if self._profiler is not None:
                 self._finish_profile()
             signal.signal(signal.SIGTERM, previous)
             self._close_logs()
 
-    def next_batch(self) -> list[tuple[int, int, PackedSequence]]:
-        """The global batch of this step: (epoch, index, sequence), advancing the data position."""
-        sequences = self.data.epoch(self.epoch)
-        if self.index + self.global_batch > len(sequences):
-            self.epoch, self.index = self.epoch + 1, 0
-            sequences = self.data.epoch(self.epoch)
-        batch = [(self.epoch, self.index + j, sequences[self.index + j]) for j in range(self.global_batch)]
-        self.index += self.global_batch
-        return batch
+    def batch_at(self, epoch: int, index: int) -> tuple[list[tuple[int, int, PackedSequence]], int, int]:
+        """The global batch that starts at data position (epoch, index), and the position after it."""
+        sequences = self.data.epoch(epoch)
+        if index + self.global_batch > len(sequences):
+            epoch, index = epoch + 1, 0
+            sequences = self.data.epoch(epoch)
+        batch = [(epoch, index + j, sequences[index + j]) for j in range(self.global_batch)]
+        return batch, epoch, index + self.global_batch
 
-    def train_step(self) -> dict:
-        start = time.perf_counter()
-        if self.dist.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.dist.device)
-        batch = self.next_batch()
+    def prepare(self, epoch: int, index: int) -> PreparedStep:
+        """Host work of the step at data position (epoch, index): this process's micro-batches, planned."""
+        batch, epoch, index = self.batch_at(epoch, index)
         per_rank = self.cfg.batch_size * self.cfg.grad_accum
         mine = batch[self.dist.rank * per_rank:(self.dist.rank + 1) * per_rank]
-        micro = [mine[i:i + self.cfg.batch_size] for i in range(0, per_rank, self.cfg.batch_size)]
-        plans = [self._plan(part) for part in micro]
-        # The loss denominator is the charged weight of the whole global batch, known before any forward.
-        local = torch.tensor([sum(float(lay.weight.sum()) for _, lay in plans), sum(len(lay) for _, lay in plans),
-                              sum(len(seq) for seq, _ in plans)], dtype=torch.float64)
-        weight, elements, tokens = self.dist.all_reduce(local.to(self.dist.device)).tolist()
-        stats = StepStats.zero(self.cfg.k_train)
-        for seq, layout in plans:
-            teacher = self._teacher(seq)
+        plans = tuple(self._plan(mine[i:i + self.cfg.batch_size]) for i in range(0, per_rank, self.cfg.batch_size))
+        weight = sum(p.weight_sum for p in plans)
+        counts = torch.tensor([weight, sum(p.num_elements for p in plans), sum(len(p.sequence) for p in plans)],
+                              dtype=torch.float64)
+        if self.dist.device.type == "cuda":
+            plans, counts = tuple(plan.pinned() for plan in plans), counts.pin_memory()
+        return PreparedStep(epoch, index, plans, weight, counts,
+                            sum(self.flops.step(p) for p in plans))
+
+    def train_step(self) -> None:
+        """One optimizer step. Nothing in it waits for the device: its values are read by `_flush`."""
+        if self.dist.device.type == "cuda" and not self._pending:
+            torch.cuda.reset_peak_memory_stats(self.dist.device)
+        prepared = self._prefetch.next() if self._prefetch is not None else self.prepare(self.epoch, self.index)
+        self.epoch, self.index = prepared.epoch, prepared.index
+        counts = prepared.counts.to(self.dist.device, non_blocking=True)
+        if self.dist.world_size > 1:  # the global denominator, summed on the device: no wait
+            denominator = self.dist.all_reduce(counts[0].clone()).clamp(min=1.0)
+        else:
+            denominator = max(prepared.weight, 1.0)
+        stats = StepStats.zero(self.cfg.k_train, self.dist.device)
+        for plan in prepared.plans:
+            teacher = self._teacher(plan.sequence)
             with self.autocast:
                 stats = stats + self.objective.backward(self.drafter, self.target, teacher,
-                                                        layout.to(self.dist.device), max(weight, 1.0))
+                                                        plan.to(self.dist.device), denominator, self.vocab_map)
         self.dist.all_reduce_grads(self.params)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        stats = self._reduce(stats)
-        elapsed = time.perf_counter() - start
-        return {
-            "loss": stats.loss, "acc": _round(stats.accuracy()), "lr": lr, "grad_norm": float(grad_norm),
-            "epoch": self.epoch, "positions_per_s": elements / elapsed, "tokens_per_s": tokens / elapsed,
-            "peak_memory_gb": _peak_memory_gb(self.dist.device), "step_s": elapsed,
+        # The gradient norm is the same on every process; the sum over processes in _flush is divided back.
+        values = torch.cat([stats.loss.double().view(1), grad_norm.double().view(1) / self.dist.world_size,
+                            counts[1:], stats.total.double(), stats.correct.double()])
+        self._pending.append(({"kind": "train", "step": self.step + 1, "lr": lr, "epoch": self.epoch,
+                               "flops": prepared.flops}, values))
+
+    def _flush(self) -> None:
+        """Reads the pending steps' values from the device (one wait) and logs a row per step, with the interval's
+        rates: tokens/s, positions/s, model-FLOP utilisation and the GPU's busy share."""
+        if not self._pending:
+            return
+        values = self.dist.all_reduce(torch.stack([v for _, v in self._pending])).cpu()
+        now = time.monotonic()
+        elapsed = max(now - self._interval_start, 1e-9)
+        self._interval_start = now
+        k = self.cfg.k_train
+        steps = len(self._pending)
+        flops = sum(r["flops"] for r, _ in self._pending) * self.dist.world_size
+        rates = {
+            "positions_per_s": float(values[:, 2].sum()) / elapsed, "tokens_per_s": float(values[:, 3].sum()) / elapsed,
+            "step_s": elapsed / steps, "mfu": round(flops / elapsed / self.peak_flops, 4) if self.peak_flops else None,
+            "gpu_busy": _gpu_busy(self.dist.device), "peak_memory_gb": _peak_memory_gb(self.dist.device),
         }
+        for (record, _), row in zip(self._pending, values):
+            stats = StepStats(row[0], row[4:4 + k].long(), row[4 + k:].long())
+            self._log({"kind": record["kind"], "step": record["step"], "loss": float(row[0]),
+                       "acc": _round(stats.accuracy()), "lr": record["lr"], "grad_norm": float(row[1]),
+                       "epoch": record["epoch"], **rates})
+        self._pending = []
 
     def _teacher(self, seq: PackedSequence) -> TeacherPass:
         if self.cache is not None:
             return self.cache.run(seq, self.aux_layer_ids, self.dist.device)
         return run_target(self.target, seq, self.aux_layer_ids, self.dist.device)
 
-    def _plan(self, part: list[tuple[int, int, PackedSequence]]) -> tuple[PackedSequence, Layout]:
+    def _plan(self, part: list[tuple[int, int, PackedSequence]]) -> StepPlan:
         layouts = []
         for epoch, index, seq in part:
             gen = torch.Generator().manual_seed(sequence_seed(self.cfg.seed, epoch, index))
             layouts.append(self.objective.sample_layout(seq, gen))
         seqs = [seq for _, _, seq in part]
         layout = Layout.concat(layouts, [len(s) for s in seqs], [len(s.doc_lengths) for s in seqs])
-        return PackedSequence.concat(seqs), layout
-
-    def _reduce(self, stats: StepStats) -> StepStats:
-        flat = torch.cat([torch.tensor([stats.loss], dtype=torch.float64), stats.total.double(),
-                          stats.correct.double()]).to(self.dist.device)
-        flat = self.dist.all_reduce(flat).cpu()
-        k = self.cfg.k_train
-        return StepStats(float(flat[0]), flat[1:1 + k].long(), flat[1 + k:].long())
+        return self.objective.plan(PackedSequence.concat(seqs), layout)
 
     # ---- evaluation ----
 
     def evaluate(self) -> dict:
-        """Per-depth accuracy and the simulated acceptance length on held-out sequences (every element to K)."""
+        """Per-depth accuracy, the simulated acceptance length and the serving walk's acceptance length
+        (`metrics.py`) on held-out sequences, at every K up to K_train."""
         k = self.cfg.k_train
-        total = EvalStats(StepStats.zero(k), torch.zeros(k + 1, dtype=torch.long))
+        total = EvalStats(StepStats.zero(k), torch.zeros(k + 1, dtype=torch.long), torch.zeros(k, 2, dtype=torch.long))
         self.drafter.eval()
         for seq in self.held_out[self.dist.rank::self.dist.world_size]:
             teacher = run_target(self.target, seq, self.aux_layer_ids, self.dist.device)
             with self.autocast:
-                total = total + self.objective.evaluate(self.drafter, self.target, teacher)
+                result = self.objective.evaluate(self.drafter, self.target, teacher, self.vocab_map)
+            total = total + EvalStats(StepStats(result.stats.loss.cpu(), result.stats.total.cpu(),
+                                                result.stats.correct.cpu()), result.leading, result.walked)
         self.drafter.train()
-        stats = self._reduce(total.stats)
-        leading = self.dist.all_reduce(total.leading.to(self.dist.device)).cpu()
-        result = EvalStats(stats, leading)
+        flat = torch.cat([total.stats.loss.double().view(1), total.stats.total.double(),
+                          total.stats.correct.double(), total.leading.double(), total.walked.double().flatten()])
+        flat = self.dist.all_reduce(flat.to(self.dist.device)).cpu()
+        stats = StepStats(flat[0], flat[1:1 + k].long(), flat[1 + k:1 + 2 * k].long())
+        result = EvalStats(stats, flat[1 + 2 * k:2 + 3 * k].long(), flat[2 + 3 * k:].long().view(k, 2))
         charged = int(stats.total.sum())
         return {
-            "loss": stats.loss / max(charged, 1), "acc": _round(stats.accuracy()),
+            "loss": float(stats.loss) / max(charged, 1), "acc": _round(stats.accuracy()),
             "cond_acc": _round(result.conditional_accuracy()),
             "sim_al": {str(j): round(result.acceptance_length(j), 4) for j in range(1, k + 1)},
-            "rollouts": int(leading.sum()),
+            "walk_al": {str(j): round(result.walk_acceptance_length(j), 4) for j in range(1, k + 1)},
+            "rollouts": int(result.leading.sum()), "rounds": int(result.walked[-1, 1]),
         }
 
     # ---- checkpoints ----
@@ -337,8 +444,13 @@ class Trainer:
             self.total_steps = fitted
 
     def _agreed_stop(self, deadline: float | None) -> tuple[bool, bool]:
-        # Every process must stop after the same step, or the next all-reduce would hang.
+        # Every process must stop after the same step, or the next all-reduce would hang; they agree at the end of
+        # each logging interval, where they wait for the device anyway.
         out_of_time = deadline is not None and time.monotonic() > deadline
+        if self.dist.world_size == 1:
+            return self._stop, out_of_time
+        if self.step % self.cfg.log_every:
+            return False, False
         flags = torch.tensor([float(self._stop), float(out_of_time)], device=self.dist.device)
         sigterm, timeout = (self.dist.all_reduce(flags) > 0).tolist()
         return sigterm, timeout
@@ -396,6 +508,16 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(p for p in root.glob("step-*") if (p / TRAINER_STATE).is_file())
 
 
+def _gpu_busy(device: torch.device) -> float | None:
+    """The share of the last sampling period (1/6 to 1 s) in which a kernel ran on the GPU, from NVML."""
+    if device.type != "cuda":
+        return None
+    try:
+        return torch.cuda.utilization(device) / 100.0
+    except Exception:  # noqa: BLE001 - NVML (nvidia-ml-py) missing or not permitted: the value is optional
+        return None
+
+
 def _peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -441,9 +563,14 @@ def build_trainer(cfg: TrainConfig, dist: DistContext) -> Trainer:
     if not cfg.resume and complete_checkpoints(cfg.out / CHECKPOINTS):
         raise FileExistsError(f"{cfg.out} already holds checkpoints; pass --resume to continue or choose another --out")
     tokenizer = load_tokenizer(cfg.target)
-    documents = [doc for data_dir in cfg.data
-                 for doc in read_documents(data_dir, tokenizer, target_config.vocab_size)]
-    train_docs, held_docs = split_documents(documents, cfg.eval_fraction, cfg.max_eval_documents, cfg.seed)
+    # Every data source is held out from, so that the held-out scores speak for the whole mixture.
+    train_docs, held_docs = [], []
+    for i, data_dir in enumerate(cfg.data):
+        share = cfg.max_eval_documents // len(cfg.data) + (i < cfg.max_eval_documents % len(cfg.data))
+        train, held = split_documents(read_documents(data_dir, tokenizer, target_config.vocab_size),
+                                      cfg.eval_fraction, share, cfg.seed)
+        train_docs += train
+        held_docs += held
     logger.info("%d training documents, %d held out", len(train_docs), len(held_docs))
     target = load_model(cfg.target, "bfloat16" if dist.device.type == "cuda" else "float32", dist.device)
     drafter = _make_drafter(cfg, target, tokenizer, train_docs).to(dist.device)
@@ -467,4 +594,7 @@ def _make_drafter(cfg: TrainConfig, target: LlamaModel, tokenizer: Tokenizer, tr
             draft_vocab=cfg.draft_vocab_size, vocab_corpus=corpus, aux_layer_ids=cfg.aux_layer_ids,
             num_speculative_tokens=min(cfg.k_train, DEFAULT_NUM_SPECULATIVE_TOKENS[cfg.method]), seed=cfg.seed,
         )
-    return drafter.float().requires_grad_(True).train()
+    drafter = drafter.float().requires_grad_(True).train()
+    if cfg.freeze_lm_head:
+        drafter.lm_head.weight.requires_grad_(False)
+    return drafter

@@ -1,0 +1,57 @@
+"""The held-out acceptance metrics: the serving walk and the simulated average, on hand-made documents."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peagle.training.cod import full_layout
+from peagle.training.metrics import EvalStats, leading_right, response_spans, walk
+from peagle.training.forward import StepStats
+
+
+def test_walk_of_the_docstring_example():
+    # Prompt 0..3, response 4..11, K = 3; lead[3] = 1, lead[5] = 3, lead[9] = 2 (the rest never visited).
+    lead = [0, 0, 0, 1, 0, 3, 0, 0, 0, 2, 0, 0]
+    assert walk(lead, [(4, 12)], 3) == (1 + 3 + 1, 3)
+    # With 1 draft per round: rounds from anchors 3 (accepts 1), 5 (1), 7 (0), 8 (0), 9 (1): tokens 5..11.
+    assert walk(lead, [(4, 12)], 1) == (3, 5)
+
+
+def test_walk_rounds_start_where_the_last_one_failed():
+    # Prompt token 0, response 1..12, K = 3; the head is right three deep from odd anchors, wrong from even ones.
+    # The average over anchors says 1 + 1.5; the walk starts at anchor 0 (wrong), then 1, 5, 9 (all right): its
+    # rounds land on the odd anchors, 4 rounds accepting 0 + 3 + 3 + 2 (the last one only has 2 tokens left).
+    lead = [3 if a % 2 else 0 for a in range(13)]
+    assert walk(lead, [(1, 13)], 3) == (8, 4)
+
+
+def test_response_spans_split_at_prompts_and_documents():
+    mask = torch.tensor([0, 0, 1, 1, 0, 1, 1, 1, 1, 1], dtype=torch.bool)
+    docs = torch.tensor([0, 0, 0, 0, 0, 0, 0, 1, 1, 1])
+    assert response_spans(mask, docs) == [(2, 4), (5, 7), (7, 10)]
+
+
+def test_eval_stats_from_a_full_layout():
+    # One document: prompt 0..2, response 3..9; K = 2. The head is right at depth 0 everywhere, wrong at depth 1
+    # except for anchor 4.
+    n, k = 10, 2
+    doc_ids = torch.zeros(n, dtype=torch.long)
+    mask = torch.arange(n) >= 3
+    layout = full_layout(doc_ids, mask, k)
+    charged = layout.weight > 0
+    anchor, depth = layout.anchor[charged], layout.depth[charged]
+    correct = (depth == 0) | (anchor == 4)
+    lead, complete = leading_right(layout, correct, n, k)
+    assert lead[4] == 2 and lead[3] == 1 and lead[2] == 1
+    total = torch.bincount(depth, minlength=k)
+    stats = EvalStats.of(StepStats(torch.zeros(()), total, torch.zeros(k, dtype=torch.long)), layout, correct,
+                         mask, doc_ids, k)
+    # Walk with K = 2: the prefill gives token 3; anchor 2 accepts 1 (token 4), target gives 5; anchor 4 accepts 2
+    # (6, 7), target gives 8; anchor 7 has token 9 left and accepts it: 3 rounds, 4 accepted.
+    assert stats.walked[1].tolist() == [4, 3]
+    assert stats.walk_acceptance_length(2) == pytest.approx(1 + 4 / 3)
+    # Simulated: complete rollouts are anchors 1..6 (both drafts predict response tokens 3..9);
+    # anchor 1 predicts token 3 at depth 0 (right) and 4 at depth 1 (wrong): leads 1,1,1,2,1,1.
+    assert complete.tolist() == [False, True, True, True, True, True, True, False, False, False]
+    assert stats.acceptance_length(2) == pytest.approx(1 + 7 / 6)

@@ -215,3 +215,95 @@ def test_stop_string_ends_a_speculative_request(target_dir, heads, reference):
     assert out.token_ids == cont[:len(out.token_ids)]
     assert stop in llm.tokenizer.decode(out.token_ids)
     assert stop not in llm.tokenizer.decode(out.token_ids[:-1])
+
+
+# Async scheduling: the next step is launched before the answer of the one in flight reaches the host, its inputs
+# built on the device from that answer. The output must not change (without async: the tests above).
+
+def count_launches(runner) -> list[str]:
+    launched = []
+    for name in ("launch", "launch_next"):
+        real = getattr(runner, name)
+        setattr(runner, name, lambda *a, real=real, name=name, **kw: launched.append(name) or real(*a, **kw))
+    return launched
+
+
+def test_async_scheduling_keeps_plain_greedy_output(target_dir, reference):
+    llm = make_llm(target_dir, async_scheduling=True)
+    launched = count_launches(llm.engine.runner)
+    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    for prompt, ref, out in zip(PROMPTS, reference, outs):
+        assert out.token_ids == ref[len(prompt):len(prompt) + 24]
+    assert launched.count("launch_next") > 2 * launched.count("launch")  # most steps were launched ahead
+    assert llm.engine.scheduler.block_manager.num_used_blocks == 0
+
+
+def oracle_proposer(runner, reference, k, rng):
+    """Wrap the runner's proposer (still run) so that its drafts are the true continuation with a random corruption:
+    rounds accept 0..K drafts. The request is recognised by its next token's position and id."""
+    real = runner.propose
+    by_key = {}
+    for ref in reference:
+        for p, token in enumerate(ref):
+            by_key.setdefault((p, token), []).append(ref)
+
+    def propose(x, aux, num_rejected, next_tokens, max_query_len):
+        drafts = real(x, aux, num_rejected, next_tokens, max_query_len).clone()
+        qsl, pos = x["query_start_loc"].tolist(), x["positions"].tolist()
+        for b, token in enumerate(next_tokens.tolist()):
+            if qsl[b + 1] == qsl[b]:
+                continue  # padding
+            p = pos[qsl[b + 1] - 1 - int(num_rejected[b])] + 1
+            refs = by_key.get((p, token), [])
+            if len(refs) == 1:
+                oracle = (refs[0][p + 1:] + [0] * k)[:k]
+                cut = rng.randrange(k + 1)
+                if cut < k:
+                    oracle[cut] = (oracle[cut] + 1) % 300
+                drafts[b] = torch.tensor(oracle)
+        return drafts
+
+    runner.propose = propose
+
+
+@pytest.mark.parametrize("method,k", [("peagle", 4), ("eagle3", 3)])
+def test_async_speculative_greedy_equals_plain_greedy(target_dir, heads, reference, method, k):
+    llm = make_llm(target_dir, heads[method], k=k, parallel=method == "peagle", async_scheduling=True)
+    oracle_proposer(llm.engine.runner, reference, k, random.Random(1))
+    launched = count_launches(llm.engine.runner)
+    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    for prompt, ref, out in zip(PROMPTS, reference, outs):
+        assert out.token_ids == ref[len(prompt):len(prompt) + 24]
+    accepted = {a for o in outs for a, n in enumerate(o.metrics.accepted_per_position) if n}
+    assert max(accepted) == k - 1 and sum(o.metrics.num_accepted_tokens for o in outs) > 20
+    assert launched.count("launch_next") > launched.count("launch")
+
+
+def test_async_scheduling_under_preemption_aborts_and_the_adaptive_policy(target_dir, heads, reference):
+    spec = {"method": "eagle3", "model": heads["peagle"], "num_speculative_tokens": 3, "parallel_drafting": True,
+            "adaptive": {"thresholds": [[2, 3]], "above": 0}}
+    llm = LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
+              max_num_seqs=6, num_kv_blocks=14, async_scheduling=True)
+    engine = llm.engine
+    oracle_proposer(engine.runner, reference, 3, random.Random(2))
+    lengths = [8, 40, 12, 40, 16, 20]
+    for i, (prompt, n) in enumerate(zip(PROMPTS, lengths)):
+        engine.add_request(str(i), prompt, greedy(n))
+    tokens = {str(i): [] for i in range(len(PROMPTS))}
+    finished = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                finished[out.request_id] = out.finish_reason
+        steps += 1
+        if steps == 6:
+            assert engine.abort_request("3")  # in flight: its answer is dropped
+    assert "3" not in finished
+    for i, (prompt, ref, n) in enumerate(zip(PROMPTS, reference, lengths)):
+        if i != 3:
+            assert tokens[str(i)] == ref[len(prompt):len(prompt) + n] and finished[str(i)] == "length"
+    assert engine.scheduler.block_manager.num_used_blocks == 0
+    engine.step()  # the dropped step in flight, if any, is collected; nothing runs
+    assert not engine.has_unfinished_requests()

@@ -7,7 +7,9 @@ next bucket with dummy requests that write only the scratch KV block. Per bucket
 - target and drafting, replayed around the eager sampling verifier when any request samples.
 K = 0 with a drafter is the adaptive policy's "speculation off": its graphs are plain steps, without drafting, and
 two more per bucket ("greedy_resume", and "draft" at K = 0) hold the step that turns drafting back on.
-Inputs arrive through two flat staging buffers (int64 and int32), one host-to-device copy each.
+Inputs arrive through two flat staging buffers (int64 and int32), one host-to-device copy each. With async
+scheduling the next decode step's int64 inputs are built on the device (`load_next_inputs`): only the block tables
+and two small per-request arrays cross, from pinned memory, so the copy does not wait for the step in flight.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ class CudaGraphs:
         tmax = bmax * (kmax + 1)
         self.i64 = torch.zeros(3 * tmax + bmax * kmax + bmax, dtype=torch.long, device=dev)
         self.i32 = torch.zeros(bmax + 1 + bmax * self.width, dtype=torch.int32, device=dev)
+        self.next_rows = torch.zeros(2 * bmax, dtype=torch.long, device=dev)  # load_next_inputs: src, base
+        pinned = dev.type == "cuda"
+        self._stage32 = [torch.empty(len(self.i32), dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
+        self._stage64 = [torch.empty(2 * bmax, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self._flip = 0
         self.num_rejected = torch.zeros(bmax, dtype=torch.long, device=dev)
         self.next_tokens = torch.zeros(bmax, dtype=torch.long, device=dev)
         self.pool = torch.cuda.graph_pool_handle()
@@ -46,11 +53,15 @@ class CudaGraphs:
         return next(x for x in self.buckets if x >= b)
 
     def can_run(self, seqs, drafts, k: int, draft: bool) -> bool:
-        if k not in self.ks or len(seqs) > self.buckets[-1]:
+        return self.fits(len(seqs), k, draft) and all(s.num_tokens - s.num_computed_tokens == 1 and len(d) == k for s, d in zip(seqs, drafts))
+
+    def fits(self, b: int, k: int, draft: bool) -> bool:
+        """Whether a decode step of b requests verifying k drafts each has graphs."""
+        if k not in self.ks or b > self.buckets[-1]:
             return False
         if draft and k == 0 and not self.resume:  # `draft` implies a drafter
             return False  # drafting resumes and its graphs failed to capture: one eager step
-        return all(s.num_tokens - s.num_computed_tokens == 1 and len(d) == k for s, d in zip(seqs, drafts))
+        return True
 
     def _views(self, b: int, k: int) -> dict[str, torch.Tensor]:
         t = b * (k + 1)
@@ -68,6 +79,24 @@ class CudaGraphs:
         self.i64[:len(host64)].copy_(torch.from_numpy(host64), non_blocking=True)
         self.i32[:len(host32)].copy_(torch.from_numpy(host32), non_blocking=True)
         return self._views(b, k)
+
+    def load_next_inputs(self, src: np.ndarray, base: np.ndarray, tables: np.ndarray, k: int):
+        """The views of a decode step whose int64 inputs the caller builds on the device; query_start_loc, the
+        block tables and (src [b], base [b]) for that build go up through pinned staging. A staging buffer is
+        reused two loads later, after the engine has read the answer of the step that used it."""
+        b = len(src)
+        self.current = (b, k)
+        self._flip ^= 1
+        s32, s64 = self._stage32[self._flip], self._stage64[self._flip]
+        n32 = b + 1 + tables.size
+        h32 = s32.numpy()
+        h32[:b + 1] = np.arange(b + 1, dtype=np.int32) * (k + 1)
+        h32[b + 1:n32] = tables.ravel()
+        h64 = s64.numpy()
+        h64[:b], h64[b:2 * b] = src, base
+        self.i32[:n32].copy_(s32[:n32], non_blocking=True)
+        self.next_rows[:2 * b].copy_(s64[:2 * b], non_blocking=True)
+        return self._views(b, k), self.next_rows[:b], self.next_rows[b:2 * b]
 
     def _replay(self, kind: str):
         graph, out = self.graphs[(kind, *self.current)]

@@ -3,16 +3,23 @@
 One step: the target verifies every request's fed tokens (uncomputed tokens plus drafts) in one forward, the verifier
 accepts drafts losslessly, and the proposer drafts the next K tokens from the verified batch. Pure decode steps of
 the common shape replay CUDA graphs (cuda_graph.py); everything else runs eagerly through the same functions.
+
+A step is launched (`launch`, from the host's sequences) and answered later (`StepHandle.result()`, the step's one
+device-to-host copy); `execute` does both. With async scheduling the engine launches the next decode step before
+the answer arrives (`launch_next`: its inputs are built on the device from the step in flight), and the answer
+comes back through pinned buffers marked by events, so the host waits only when it needs the tokens.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from peagle import kernels
 from peagle.engine.attention import AttentionMetadata, PagedAttention, allocate_kv_cache, kv_bytes_per_block
 from peagle.engine.sampler import (SamplingTensors, exponential_like, process_logits, target_probs, token_logprobs,
                                    uniform_like)
@@ -47,6 +54,34 @@ class StepResult:
     logprobs: list[list[tuple] | None] | None = None
 
 
+@dataclass
+class StepHandle:
+    """A launched step whose answer is on its way to the host. The packed answer stays on the device, where the
+    next step's inputs can be built from it before the host has seen it (async scheduling)."""
+
+    packed: torch.Tensor  # [B, (k + 1) + 1 + D] int64: output tokens (-1 after), number accepted, D next drafts
+    k: int  # drafts verified per request
+    host: torch.Tensor | None = None  # [B, (k + 1) + 1 + D] pinned copy of packed, complete once `ready` passed
+    ready: torch.cuda.Event | None = None
+    finish: Callable[[StepResult], None] | None = None  # host work on the answer (logprobs)
+
+    @property
+    def num_drafts(self) -> int:
+        """D: drafts proposed per request (0 when the drafter did not run)."""
+        return self.packed.shape[1] - self.k - 2
+
+    def result(self) -> StepResult:
+        if self.ready is None:
+            rows = self.packed.cpu().tolist()  # the step's one host synchronisation
+        else:
+            self.ready.synchronize()
+            rows = self.host.tolist()
+        result = _unpack(rows, self.k)
+        if self.finish is not None:
+            self.finish(result)
+        return result
+
+
 class ModelRunner:
     def __init__(self, target, drafter, proposer_cls, *, k: int, block_size: int, num_blocks: int,
                  max_model_len: int, device: torch.device, dtype: torch.dtype):
@@ -73,6 +108,19 @@ class ModelRunner:
             self.proposer = proposer_cls(drafter, draft_kv, block_size, self.k)
         self.graphs = None  # CudaGraphs, set by the engine on CUDA
         self.synthetic_acceptance: tuple[float, ...] | None = None  # benchmarking only (see EngineConfig)
+        self._pinned: list[torch.Tensor] | None = None  # async answers: two pinned buffers and their events
+        self._events: list[torch.cuda.Event] = []
+        self._flip = 0
+
+    def enable_async_copies(self, max_num_seqs: int):
+        """Answers come back through two pinned host buffers, each copy marked by an event (CUDA only): the host
+        launches the next step before it waits for the one in flight. Two suffice: the engine reads an answer
+        before it launches the step after next."""
+        if self.device.type != "cuda":
+            return
+        n = max_num_seqs * (2 * self.k + 2)
+        self._pinned = [torch.empty(n, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        self._events = [torch.cuda.Event() for _ in range(2)]
 
     # ---- sizing -------------------------------------------------------------------------------------------------
 
@@ -210,28 +258,86 @@ class ModelRunner:
             drafts = self.propose(x, aux, x["num_drafts"] - v.num_accepted, v.next_tokens, k + 1)
         return _pack(v, drafts, b)
 
-    @torch.inference_mode()
     def execute(self, seqs, drafts: list[list[int]], st: SamplingTensors, draft: bool = True) -> StepResult:
-        """One step. `draft=False` skips the drafter (speculation off for this step): no drafts come back."""
+        """One step, answered on the host (`launch` and wait)."""
+        return self.launch(seqs, drafts, st, draft).result()
+
+    @torch.inference_mode()
+    def launch(self, seqs, drafts: list[list[int]], st: SamplingTensors, draft: bool = True) -> StepHandle:
+        """One step from the host's sequences. `draft=False` skips the drafter (speculation off for this step): no
+        drafts come back."""
         k = max((len(d) for d in drafts), default=0)
         draft = draft and self.proposer is not None
         graphed = self.graphs is not None and self.graphs.can_run(seqs, drafts, k, draft)
         if graphed:
             inp = self.build_inputs(seqs, drafts, k, pad_to=self.graphs.bucket_for(len(seqs)))
             x = self.graphs.load_inputs(inp)
-            if st.all_greedy and st.processing is None and st.logprob_requests is None \
-                    and self.synthetic_acceptance is None:
-                return _unpack(self.graphs.run_greedy(inp.num_real, draft), k)
-            logits, aux = self.graphs.run_target()
         else:
             inp = self.build_inputs(seqs, drafts, k)
             x = self.to_device(inp)
-            logits, aux = self.target_forward(x, inp.max_query_len)
-        v = self.verify(logits, x, st, k, inp.num_real)
+        return self._run(x, st, k, inp.num_real, inp.max_query_len, graphed, draft)
+
+    @torch.inference_mode()
+    def launch_next(self, prev: StepHandle, rows: list[int], seqs, st: SamplingTensors, k: int,
+                    draft: bool = True) -> StepHandle:
+        """The decode step after `prev`, launched before prev's answer reached the host (async scheduling).
+
+        Request i is row `rows[i]` of prev's batch; it feeds prev's next token and the first k of its drafts
+        (k <= prev.num_drafts), at positions that follow the tokens prev accepts. The host gives only each
+        request's token count at prev's launch and its block table (grown for the most tokens prev can add);
+        `kernels.advance_decode_inputs` builds the rest on the device.
+        """
+        draft = draft and self.proposer is not None
+        assert k <= prev.num_drafts, (k, prev.num_drafts)
+        graphed = self.graphs is not None and self.graphs.fits(len(seqs), k, draft)
+        src, base, tables = self.build_next_inputs(seqs, rows, self.graphs.bucket_for(len(seqs)) if graphed
+                                                   else len(seqs))
+        if graphed:
+            x, src_d, base_d = self.graphs.load_next_inputs(src, base, tables, k)
+        else:
+            x, src_d, base_d = self._next_inputs_eager(src, base, tables, k)
+        kernels.advance_decode_inputs(prev.packed, src_d, base_d, x["block_tables"], prev.k, k, self.block_size,
+                                      self.scratch_block, x)
+        return self._run(x, st, k, len(seqs), k + 1, graphed, draft)
+
+    def build_next_inputs(self, seqs, rows: list[int], pad_to: int):
+        """Host arrays for `launch_next`: per request the packed row it reads (-1 = padding), its token count
+        and its block table."""
+        src = np.full(pad_to, -1, dtype=np.int64)
+        base = np.zeros(pad_to, dtype=np.int64)
+        tables = np.full((pad_to, self.max_blocks_per_seq), self.scratch_block, dtype=np.int32)
+        src[:len(rows)] = rows
+        for i, seq in enumerate(seqs):
+            table = seq.block_table
+            tables[i, :len(table)] = table
+            base[i] = seq.num_tokens
+        return src, base, tables
+
+    def _next_inputs_eager(self, src, base, tables, k: int):
+        dev, b = self.device, len(src)
+        t = b * (k + 1)
+        empty = lambda *shape: torch.empty(shape, dtype=torch.long, device=dev)  # noqa: E731
+        x = {"input_ids": empty(t), "positions": empty(t), "slot_mapping": empty(t), "drafts": empty(b, k),
+             "num_drafts": empty(b), "block_tables": torch.from_numpy(tables).to(dev),
+             "query_start_loc": torch.arange(0, t + 1, k + 1, dtype=torch.int32, device=dev),
+             "logit_rows": torch.arange(t, device=dev)}
+        return x, torch.from_numpy(src).to(dev), torch.from_numpy(base).to(dev)
+
+    def _run(self, x: dict[str, torch.Tensor], st: SamplingTensors, k: int, num_real: int, max_query_len: int,
+             graphed: bool, draft: bool) -> StepHandle:
+        """Verify and draft over inputs already on the device; the answer starts its way to the host."""
+        if graphed:
+            if st.all_greedy and st.processing is None and st.logprob_requests is None \
+                    and self.synthetic_acceptance is None:
+                return self._handle(self.graphs.run_greedy(num_real, draft), k)
+            logits, aux = self.graphs.run_target()
+        else:
+            logits, aux = self.target_forward(x, max_query_len)
+        v = self.verify(logits, x, st, k, num_real)
         new_drafts = None
         if draft:
-            pad = len(inp.query_start_loc) - 1 - inp.num_real
-            num_rejected = x["num_drafts"][: inp.num_real] - v.num_accepted
+            pad = x["query_start_loc"].shape[0] - 1 - num_real
+            num_rejected = x["num_drafts"][:num_real] - v.num_accepted
             next_tokens = v.next_tokens
             if pad:
                 num_rejected = torch.cat([num_rejected, num_rejected.new_zeros(pad)])
@@ -239,13 +345,27 @@ class ModelRunner:
             if graphed:
                 new_drafts = self.graphs.run_proposer(num_rejected, next_tokens)
             else:
-                new_drafts = self.propose(x, aux, num_rejected, next_tokens, inp.max_query_len)
-            new_drafts = new_drafts[: inp.num_real]
-        result = _unpack(_pack(v, new_drafts, inp.num_real), k)
+                new_drafts = self.propose(x, aux, num_rejected, next_tokens, max_query_len)
+            new_drafts = new_drafts[:num_real]
+        handle = self._handle(_pack(v, new_drafts, num_real), k)
         if st.logprob_requests is not None:
-            result.logprobs = _logprobs(logits[: inp.num_real * (k + 1)], st, v.output_tokens, k + 1,
-                                        result.num_accepted)
-        return result
+            verified = logits[: num_real * (k + 1)]
+
+            def finish(result: StepResult):
+                result.logprobs = _logprobs(verified, st, v.output_tokens, k + 1, result.num_accepted)
+
+            handle.finish = finish
+        return handle
+
+    def _handle(self, packed: torch.Tensor, k: int) -> StepHandle:
+        if self._pinned is None:
+            return StepHandle(packed, k)
+        self._flip ^= 1
+        host = self._pinned[self._flip][: packed.numel()].view(packed.shape)
+        host.copy_(packed, non_blocking=True)
+        ready = self._events[self._flip]
+        ready.record()
+        return StepHandle(packed, k, host, ready)
 
 
 def _pack(v, new_drafts, b) -> torch.Tensor:  # [B, (k + 1) + 1 + K]
@@ -268,8 +388,7 @@ def _logprobs(logits, st: SamplingTensors, output_tokens, rows: int, num_accepte
     return out
 
 
-def _unpack(packed: torch.Tensor, k: int) -> StepResult:
-    rows = packed.cpu().tolist()  # the step's one host synchronisation
+def _unpack(rows: list[list[int]], k: int) -> StepResult:
     width = k + 1
     out, acc, drafts = [], [], []
     for row in rows:

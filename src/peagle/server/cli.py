@@ -49,6 +49,9 @@ def register(subparsers) -> None:
                         "(aliases bf16, fp16, fp32)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="prepare the next step on the host while the GPU runs the current one (vLLM's name; off by "
+                        "default until GPU timing shows it wins)")
     p.add_argument("--seed", type=int, metavar="N", default=0,
                    help="engine seed (default 0; requests may pass their own)")
     p.set_defaults(func=_serve)
@@ -69,7 +72,7 @@ def _serve(args: argparse.Namespace) -> int:
         model=args.model, dtype=resolve_dtype(args.dtype, device), device=device,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
-        enforce_eager=args.enforce_eager, seed=args.seed, speculative=spec,
+        enforce_eager=args.enforce_eager, seed=args.seed, speculative=spec, async_scheduling=args.async_scheduling,
     )
     check_max_model_len(config)
     engine = LLMEngine(config)

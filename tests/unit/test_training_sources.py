@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 from importlib import resources
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -67,7 +68,9 @@ class _ScriptedEngine:
     def add_request(self, rid, prompt, params):
         self.prompts.append(prompt)
         text = self.texts.pop(0) if self.texts else "What is the weather like on Mars today?"
-        self.queue.append((rid, self.tokenizer.encode(text) + [self.tokenizer.eos_token_ids[0]]))
+        answer = self.tokenizer.encode(text) + [self.tokenizer.eos_token_ids[0]]
+        self.queue.append((rid, answer))
+        return SimpleNamespace(token_ids=prompt + answer, num_prompt_tokens=len(prompt))  # the engine's Sequence
 
     def has_unfinished_requests(self):
         return bool(self.queue)
@@ -183,6 +186,12 @@ def test_data_commands_refuse_benchmark_prompts(tiny_hf_checkpoint, tmp_path):
     assert not (tmp_path / "data").exists()
     manifest = regenerate(checkpoint, prompts, tmp_path / "data", max_tokens=2, exclude_overlap=True, **KW)
     assert manifest.prompts_done == 2
+    part = regenerate(checkpoint, prompts, tmp_path / "part", max_tokens=2, exclude_overlap=True, part=(1, 2), **KW)
+    assert part.prompts_done == 1 and part.source["part"] == "1/2"
+    tokenizer = load_tokenizer(checkpoint)
+    second = read_documents(tmp_path / "part", tokenizer, tokenizer.vocab_size)[0]
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "And about dogs?"}])
+    assert second.token_ids[:len(prompt)].tolist() == prompt
 
     held_out = tmp_path / "held.jsonl"  # a conversation of ShareGPT's held-out split, by its id
     cid = next(c for c in (f"c{i}" for i in range(1000)) if datasets.sharegpt_split_of(c) == "test")

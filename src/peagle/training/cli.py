@@ -33,6 +33,12 @@ def register(subparsers) -> None:
     regen.add_argument("--max-turns", type=int, help="with --multi-turn: answer at most N turns per conversation")
     regen.add_argument("--exclude-overlap", action="store_true",
                        help="drop prompts that overlap a benchmark set instead of refusing the file")
+    regen.add_argument("--part", type=_part, metavar="I/N",
+                       help="answer only the I-th (0-based) of N equal parts of the prompts, so that N processes "
+                            "share one GPU (each its own --out and --num-kv-blocks)")
+    regen.add_argument("--num-kv-blocks", type=int,
+                       help="KV-cache blocks of 16 tokens (default: sized from free GPU memory)")
+    regen.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     regen.add_argument("--speculative-config", type=_json_object,
                        help='speculate while generating (same output, faster), e.g. '
                             '\'{"method": "eagle3", "model": "HEAD", "num_speculative_tokens": 7}\'')
@@ -132,6 +138,13 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def _part(text: str) -> tuple[int, int]:
+    i, sep, n = text.partition("/")
+    if not (sep and i.isdigit() and n.isdigit() and int(i) < int(n)):
+        raise argparse.ArgumentTypeError(f"expected I/N with 0 <= I < N, got {text!r}")
+    return int(i), int(n)
+
+
 def _regenerate(args: argparse.Namespace) -> int:
     from peagle.training.regenerate import regenerate
 
@@ -139,7 +152,8 @@ def _regenerate(args: argparse.Namespace) -> int:
         args.model, args.prompts, args.out, max_tokens=args.max_tokens, batch_size=args.batch_size,
         limit=args.limit, speculative_config=args.speculative_config, dtype=args.dtype, device=args.device,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, multi_turn=args.multi_turn,
-        max_turns=args.max_turns, exclude_overlap=args.exclude_overlap,
+        max_turns=args.max_turns, exclude_overlap=args.exclude_overlap, part=args.part,
+        num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
     )
     docs = sum(s["num_documents"] for s in manifest.shards)
     tokens = sum(s["num_tokens"] for s in manifest.shards)

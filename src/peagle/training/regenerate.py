@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -183,7 +184,7 @@ class Feeder:
         follow-ups are added before new requests.
         """
         follow_ups: deque = deque()
-        live: dict[str, tuple[Any, list[int]]] = {}  # engine request id -> (key, output ids so far)
+        live: dict[str, tuple[Any, Any]] = {}  # engine request id -> (key, the engine's Sequence)
         engine = self.engine
         while True:
             if len(live) < self.low:
@@ -193,30 +194,31 @@ class Feeder:
                         break
                     key, prompt, params = request
                     rid = str(next(self._ids))
-                    live[rid] = (key, [])
-                    engine.add_request(rid, prompt, params)
+                    live[rid] = (key, engine.add_request(rid, prompt, params))
             if not live:
                 return
+            # Per step only the finished requests cost Python work here: their tokens are read once, at the end.
             for out in engine.step():
-                key, tokens = live[out.request_id]
-                tokens += out.new_token_ids
                 if out.finished:
-                    del live[out.request_id]
+                    key, seq = live.pop(out.request_id)
                     if out.error:
                         logger.warning("request %s failed: %s", key, out.error)
-                    follow_up = finished(key, tokens if not out.error else [], out.finish_reason)
+                    tokens = [] if out.error else seq.token_ids[seq.num_prompt_tokens:]
+                    follow_up = finished(key, tokens, out.finish_reason)
                     if follow_up is not None:
                         follow_ups.append(follow_up)
 
 
 def make_engine(model: Path, *, speculative_config: dict | None, dtype: str, device: str | None,
-                max_model_len: int, max_num_seqs: int, seed: int = 0):
+                max_model_len: int, max_num_seqs: int, seed: int = 0, num_kv_blocks: int | None = None,
+                gpu_memory_utilization: float = 0.9):
     from peagle import LLM
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     k = int((speculative_config or {}).get("num_speculative_tokens", 0))
     llm = LLM(model=str(model), speculative_config=speculative_config, dtype=dtype, device=device,
-              max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed,
+              max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed, num_kv_blocks=num_kv_blocks,
+              gpu_memory_utilization=gpu_memory_utilization,
               max_num_batched_tokens=max(max_model_len, PREFILL_TOKENS, max_num_seqs * (k + 1)))
     return llm.engine
 
@@ -354,13 +356,24 @@ def regenerate(
     multi_turn: bool = False,
     max_turns: int | None = None,
     exclude_overlap: bool = False,
+    part: tuple[int, int] | None = None,
+    num_kv_blocks: int | None = None,
+    gpu_memory_utilization: float = 0.9,
 ) -> Manifest:
-    """Answers the prompts with the target and writes shards + manifest to `out`; resumes a previous run there."""
+    """Answers the prompts with the target and writes shards + manifest to `out`; resumes a previous run there.
+
+    `part=(i, n)` answers only the i-th of n equal contiguous parts of the prompts (0-based), so that n processes
+    can share one GPU (each its own --out; `peagle train --data` mixes the directories). The engine's per-step
+    host work grows with the batch, so on a host slower than the GPU several processes finish sooner than one
+    with a larger batch; give each a fixed --num-kv-blocks, as a second engine cannot measure free memory fairly.
+    """
     if max_tokens < 1 or batch_size < 1 or max_num_seqs < 1:
         raise ValueError(f"--max-tokens, --batch-size and --max-num-seqs must be positive, got {max_tokens}, "
                          f"{batch_size} and {max_num_seqs}")
     if max_turns is not None and max_turns < 1:
         raise ValueError(f"--max-turns must be positive, got {max_turns}")
+    if part is not None and not 0 <= part[0] < part[1]:
+        raise ValueError(f"--part I/N needs 0 <= I < N, got {part[0]}/{part[1]}")
     model, out = Path(model), Path(out)
     tokenizer = load_tokenizer(model)
     records = read_records(prompts, multi_turn)
@@ -371,6 +384,10 @@ def regenerate(
     source = {"prompts": Path(prompts).name, "max_tokens": max_tokens}
     if multi_turn:
         source.update(multi_turn=True, max_turns=max_turns)
+    if part is not None:
+        i, n = part
+        conversations = conversations[i * len(conversations) // n:(i + 1) * len(conversations) // n]
+        source["part"] = f"{i}/{n}"
     manifest = _open_manifest(out, model, tokenizer, source)
     start = manifest.prompts_done
     if start >= len(conversations):
@@ -378,15 +395,22 @@ def regenerate(
         return manifest
     max_model_len = max_model_len or ModelConfig.from_dir(model).max_position_embeddings
     engine = make_engine(model, speculative_config=speculative_config, dtype=dtype, device=device,
-                         max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+                         max_model_len=max_model_len, max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks,
+                         gpu_memory_utilization=gpu_memory_utilization)
     progress = tqdm(total=len(conversations), initial=start, desc="regenerating", unit=" prompts")
     writer = _ShardWriter(out, manifest, start, len(conversations), batch_size, progress)
+    job = _Regeneration(tokenizer, writer, max_tokens, max_model_len, max_turns)
+    began = time.perf_counter()
     try:
-        _Regeneration(tokenizer, writer, max_tokens, max_model_len, max_turns).run(
-            Feeder(engine, max_num_seqs), conversations, start, multi_turn)
+        job.run(Feeder(engine, max_num_seqs), conversations, start, multi_turn)
     finally:
         writer.close()
         progress.close()
+    seconds = time.perf_counter() - began
+    logger.info("regenerated %d prompts (%d answers, %d answer tokens) in %.1f s after engine start-up: "
+                "%.1f prompts/s, %.1f answers/s, %.0f answer tokens/s", len(conversations) - start, job.answers,
+                job.answer_tokens, seconds, (len(conversations) - start) / seconds, job.answers / seconds,
+                job.answer_tokens / seconds)
     return manifest
 
 
@@ -402,6 +426,7 @@ class _Regeneration:
         self.max_turns = max_turns
         self.chats: dict[int, tuple[_Chat, list[int]]] = {}
         self.too_long = 0
+        self.answers = self.answer_tokens = 0
 
     def run(self, feeder: Feeder, conversations: list[list[Message]], start: int, multi_turn: bool) -> None:
         feeder.run(self._requests(conversations, start, multi_turn), self._finished)
@@ -436,6 +461,8 @@ class _Regeneration:
     def _finished(self, i: int, answer: list[int], reason: str | None) -> tuple | None:
         chat, prompt = self.chats.pop(i)
         if answer:
+            self.answers += 1
+            self.answer_tokens += len(answer)
             self.turns.answered(chat, prompt, answer)
             if chat.pending:
                 nxt = self.turns.next_prompt(chat)

@@ -254,6 +254,49 @@ def test_advance_decode_inputs(interpreted, k_prev, k):
     interpreted(check_advance_decode_inputs, k_prev, k, 0)
 
 
+# linear: the small-batch GEMV
+
+def check_gemv(dtype, m, n, k, split_k, bias):
+    gen = torch.Generator().manual_seed(m * 7 + n)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    y = triton_kernels("gemv").gemv(x, w, b, split_k=split_k)
+    ref = kernels.linear_ref(x.float(), w.float(), None if b is None else b.float())
+    assert y.dtype == dtype and y.shape == (m, n)
+    torch.testing.assert_close(y.float(), ref, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype,m,n,k,split_k,bias", [
+    (torch.float32, 1, 40, 96, 1, False),  # N and K not multiples of the blocks
+    (torch.float32, 8, 64, 300, 2, True),  # split-K with a short last slice
+    (torch.bfloat16, 5, 96, 512, None, True),  # the split chosen for the shape
+    (torch.float16, 19, 33, 260, 3, False),  # more rows than one tile
+])
+def test_gemv(interpreted, dtype, m, n, k, split_k, bias):
+    interpreted(check_gemv, dtype, m, n, k, split_k, bias)
+
+
+def test_gemv_linear_dispatch():
+    """GemvLinear keeps nn.Linear's parameters and answers; it takes the kernel path only for small batches."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.ReLU(), torch.nn.Linear(24, 8, bias=False))
+    x = torch.randn(3, 16)
+    want = model(x)
+    assert kernels.use_gemv_linears(model) == 2 and isinstance(model[0], kernels.GemvLinear)
+    calls = []
+    real = kernels.linear
+    try:
+        kernels.linear = lambda *a: calls.append(a[0].shape[0]) or real(*a)
+        with torch.inference_mode():
+            torch.testing.assert_close(model(x), want)
+            model(torch.randn(9, 16))
+        torch.testing.assert_close(model(x), want)  # autograd on: nn.Linear's forward
+    finally:
+        kernels.linear = real
+    assert calls == [3, 3]
+
+
 # The whole engine on the Triton kernels
 
 TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 64,
@@ -290,8 +333,20 @@ def check_engine_on_triton_kernels(model_dir):
                 tokens[backend, name] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         finally:
             del os.environ[kernels.BACKEND_ENV]
+    # Async scheduling (inputs advanced on the device) and the small-batch GEMV for the target's linear layers.
+    os.environ[kernels.BACKEND_ENV] = "triton"
+    try:
+        llm = LLM(model=model_dir, load_format="dummy", dtype="float32", device="cpu", max_model_len=256,
+                  max_num_seqs=4, speculative_config=spec, async_scheduling=True, decode_gemv=True)
+        sharpen_attention(llm.engine.target)
+        assert isinstance(llm.engine.target.layers[0].mlp.down_proj, kernels.GemvLinear)
+        short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        tokens["triton", "async-gemv"] = [o.token_ids for o in llm.generate(prompts[:1], short, use_tqdm=False)]
+    finally:
+        del os.environ[kernels.BACKEND_ENV]
     assert tokens["triton", "plain"] == tokens["torch", "plain"]
     assert tokens["triton", "peagle"] == tokens["torch", "peagle"] == tokens["torch", "plain"]
+    assert tokens["triton", "async-gemv"] == [tokens["torch", "plain"][0][:4]]
 
 
 def test_engine_on_triton_kernels(interpreted, tmp_path):

@@ -161,6 +161,8 @@ class EngineConfig:
     synthetic_acceptance: tuple[float, ...] | None = None
     # vLLM's name: the host schedules and prepares step n+1 while the GPU runs step n (off until measured to win)
     async_scheduling: bool = False
+    # the target's linear layers run the split-K GEMV kernel (kernels/gemv.py) at <= 8 rows instead of cuBLAS
+    decode_gemv: bool = False
 
     def __post_init__(self):
         if self.load_format not in ("auto", "dummy"):

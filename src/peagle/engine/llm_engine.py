@@ -52,6 +52,10 @@ class LLMEngine:
             self.target = _random_model(self.model_config, self.dtype, self.device, config.seed)
         else:
             self.target = load_model(config.model, dtype=self.dtype, device=self.device)
+        if config.decode_gemv:
+            from peagle.kernels import use_gemv_linears
+
+            use_gemv_linears(self.target)
         self.spec = config.speculative
         drafter, proposer_cls = self._load_drafter()
         self.k = self.spec.num_speculative_tokens if self.spec else 0

@@ -2,7 +2,7 @@
 
 Callers use the functions here (`store_kv`, `paged_attention`, `expand_draft_batch`, `gather_draft_features`,
 and the decoder layer's fused element-wise ops `rms_norm`, `fused_add_rms_norm`, `rotary`, `rotary_store_kv`,
-`silu_and_mul`; `advance_decode_inputs` for async scheduling);
+`silu_and_mul`; `advance_decode_inputs` for async scheduling; `linear`, the small-batch GEMV);
 each runs the Triton kernel or the `*_ref` reference, chosen by the environment variable PEAGLE_KERNELS:
 - `auto` (default): Triton for CUDA tensors, the reference otherwise (the CPU path of the engine);
 - `triton`: Triton everywhere; for CPU tensors this needs TRITON_INTERPRET=1 (Triton's interpreter, for tests);
@@ -26,6 +26,7 @@ from peagle.kernels.decode_inputs import advance_decode_inputs_ref
 from peagle.kernels.draft_batch import DraftBatch, expand_draft_batch_ref, gather_draft_features_ref
 from peagle.kernels.fused import (fused_add_rms_norm_ref, rms_norm_ref, rotary_ref, rotary_store_kv_ref,
                                   silu_and_mul_ref)
+from peagle.kernels.gemv import GemvLinear, linear_ref, use_gemv_linears
 from peagle.kernels.kv_cache import PADDING_SLOT_ID, store_kv_ref
 from peagle.kernels.paged_attention import paged_attention_ref  # the function defined below replaces the module name
 
@@ -39,6 +40,7 @@ __all__ = [
     "rms_norm", "rms_norm_ref", "fused_add_rms_norm", "fused_add_rms_norm_ref", "rotary", "rotary_ref",
     "rotary_store_kv", "rotary_store_kv_ref",
     "silu_and_mul", "silu_and_mul_ref", "advance_decode_inputs", "advance_decode_inputs_ref",
+    "linear", "linear_ref", "GemvLinear", "use_gemv_linears",
 ]
 
 
@@ -193,3 +195,12 @@ def advance_decode_inputs(
     fn = (triton_module("decode_inputs", device).advance_decode_inputs if use_triton(device)
           else advance_decode_inputs_ref)
     fn(packed, src, base, block_tables, k_prev, k, block_size, scratch_block, out)
+
+
+def linear(
+    x: torch.Tensor,  # [M, K], M small (decode)
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N]
+    fn = triton_module("gemv", x.device).gemv if use_triton(x.device) else linear_ref
+    return fn(x, weight, bias)

@@ -1,0 +1,87 @@
+"""The small-batch GEMV (peagle.kernels.gemv) against cuBLAS (F.linear) per decoder projection, on the GPU.
+
+Usage: python scripts/device/gemv_timing.py OUT.json [--rows 1,8,64] [--models smollm2-135m,llama-3.1-8b]
+Each (model, projection, M) is timed as 20 back-to-back calls captured in one CUDA graph and replayed (as the
+engine runs them: no host launch cost), median of 5 replays, for cuBLAS, the GEMV with the split-K the engine
+chooses, and the GEMV without split-K. Prints a table, then one JSON line; writes the rows to OUT.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from peagle.kernels import gemv
+
+SHAPES = {  # projection: (N, K)
+    "smollm2-135m": {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576),
+                     "down_proj": (576, 1536)},
+    "llama-3.1-8b": {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
+                     "down_proj": (4096, 14336)},
+}
+CALLS = 20
+
+
+def graph_us(fn) -> float:
+    """Microseconds per call of `fn`, replayed CALLS times from one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(CALLS):
+                fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    times = []
+    for _ in range(6):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / CALLS)
+    return statistics.median(times[1:])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--rows", default="1,8,64")
+    ap.add_argument("--models", default=",".join(SHAPES))
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    rows = []
+    print(f"{'model':14} {'proj':13} {'M':>3} {'cuBLAS us':>10} {'gemv us':>8} {'split':>5} {'gemv s=1 us':>11} "
+          f"{'best/cuBLAS':>11} {'GB/s gemv':>9}")
+    for model in args.models.split(","):
+        for proj, (n, k) in SHAPES[model].items():
+            w = (torch.randn(n, k, device=dev) / k ** 0.5).to(torch.bfloat16)
+            for m in map(int, args.rows.split(",")):
+                x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+                split = gemv.choose_split_k(n, k, dev)
+                row = {"model": model, "proj": proj, "n": n, "k": k, "m": m, "split_k": split,
+                       "cublas_us": graph_us(lambda: F.linear(x, w)),
+                       "gemv_us": graph_us(lambda: gemv.gemv(x, w)),
+                       "gemv_split1_us": graph_us(lambda: gemv.gemv(x, w, split_k=1))}
+                best = min(row["gemv_us"], row["gemv_split1_us"])
+                row["best_over_cublas"] = best / row["cublas_us"]
+                row["gemv_gbps"] = 2 * n * k / (row["gemv_us"] * 1e3)
+                rows.append(row)
+                print(f"{model:14} {proj:13} {m:3d} {row['cublas_us']:10.2f} {row['gemv_us']:8.2f} {split:5d} "
+                      f"{row['gemv_split1_us']:11.2f} {row['best_over_cublas']:11.2f} {row['gemv_gbps']:9.0f}",
+                      flush=True)
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

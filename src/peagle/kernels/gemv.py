@@ -1,0 +1,139 @@
+"""Small-batch linear layers (decode): y = x @ W^T + b for a few rows, as a split-K GEMV in Triton.
+
+At batch 1..8 a decoder layer's four projections are matrix-vector products that read the whole weight once, and
+cuBLAS's GEMM kernels for them are latency-bound (3.7-3.9 us each at SmolLM2-135M's sizes on an H200, for a few MB
+read). Here one program computes a [BLOCK_M, BLOCK_N] tile of y over a 1/SPLIT_K slice of the reduction, so even a
+narrow layer spreads over enough programs to keep the memory system busy. With SPLIT_K > 1 the programs write fp32
+partial sums and a second kernel adds them (and the bias) in order; SPLIT_K = 1 writes y directly. Rows are padded
+to BLOCK_M = 16 inside the kernel (the smallest tile tl.dot takes), so any M works, but the kernel only pays for
+M <= 8, where the engine uses it (`GemvLinear`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import nn
+
+MAX_GEMV_ROWS = 8  # GemvLinear's rows at most; more go to cuBLAS
+
+
+def linear_ref(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N]
+    return F.linear(x, weight, bias)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_lo = pid_k * k_per_split
+    for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
+        k = k0 + kk
+        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+        if IEEE:  # fp32 inputs, or bf16 under the CPU interpreter (whose bf16 dot is wrong): exact fp32 products
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    ok = (m[:, None] < M) & (n[None, :] < N)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(part_ptr + (pid_k * M + m[:, None]) * N + n[None, :], acc, mask=ok)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _split_sum_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < M * N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):  # in split order: the same sum on every run
+        acc += tl.load(part_ptr + s * M * N + idx, mask=ok, other=0.0)
+    m, n = idx // N, idx % N
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_split_k(n: int, k: int, device: torch.device, block_n: int = 32, block_k: int = 128) -> int:
+    """Enough K slices that the programs cover the SMs about twice, each slice at least two BLOCK_K wide."""
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
+    programs = triton.cdiv(n, block_n)
+    want = triton.cdiv(2 * sms, programs)
+    return max(1, min(want, k // (2 * block_k), 16))
+
+
+def gemv(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+    split_k: int | None = None,  # None: choose_split_k
+    block_n: int = 32,
+    block_k: int = 128,
+) -> torch.Tensor:  # [M, N] in x's dtype
+    m, k = x.shape
+    n = weight.shape[0]
+    assert weight.shape[1] == k and x.dtype == weight.dtype, (x.shape, x.dtype, weight.shape, weight.dtype)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    split = split_k or choose_split_k(n, k, x.device, block_n, block_k)
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = triton.cdiv(k, k_per_split)  # no empty slices
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    ieee = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and x.device.type != "cuda")
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    b = bias if bias is not None else y
+    grid = (triton.cdiv(n, block_n), split, triton.cdiv(m, 16))
+    _gemv_kernel[grid](x, weight, b, y, part, m, n, k, x.stride(0), weight.stride(0), y.stride(0), k_per_split,
+                       HAS_BIAS=bias is not None, SPLIT_K=split, IEEE=ieee,
+                       BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    if split > 1:
+        block = 256
+        _split_sum_kernel[(triton.cdiv(m * n, block),)](part, b, y, m, n, y.stride(0), HAS_BIAS=bias is not None,
+                                                         SPLIT_K=split, BLOCK=block)
+    return y
+
+
+class GemvLinear(nn.Linear):
+    """nn.Linear whose inference calls with at most MAX_GEMV_ROWS rows go to `peagle.kernels.linear` (the GEMV
+    kernel on Triton's path, cuBLAS otherwise); training, and larger batches, run nn.Linear's own forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() or x.dim() != 2 or x.shape[0] > MAX_GEMV_ROWS:
+            return super().forward(x)
+        from peagle import kernels
+
+        return kernels.linear(x, self.weight, self.bias)
+
+
+def use_gemv_linears(model: nn.Module) -> int:
+    """Turn every nn.Linear inside `model` into a GemvLinear in place (same parameters); returns how many."""
+    count = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = GemvLinear
+            count += 1
+    return count

@@ -1,0 +1,89 @@
+"""The small-batch GEMV on CUDA at the decoder projections of SmolLM2-135M and Llama-3.1-8B: equal to cuBLAS's
+output (F.linear) within rounding, with and without split-K, and replayable from a CUDA graph.
+Timing against cuBLAS: scripts/device/gemv_timing.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import peagle.kernels as kernels
+from peagle.kernels import gemv
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+CUDA = torch.device("cuda")
+# (N, K) of qkv_proj, o_proj, gate_up_proj, down_proj
+SHAPES = {
+    "smollm2-135m": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
+    "llama-3.1-8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
+}
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def operands(n, k, m, dtype, bias=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype).to(CUDA)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype).to(CUDA)
+    b = torch.randn(n, generator=gen).to(dtype).to(CUDA) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("split_k", [None, 1])
+@pytest.mark.parametrize("m", [1, 3, 8, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("model", sorted(SHAPES))
+def test_gemv_equals_cublas(model, dtype, m, split_k):
+    for i, (n, k) in enumerate(SHAPES[model]):
+        x, w, b = operands(n, k, m, dtype, bias=i == 0, seed=i)
+        got = gemv.gemv(x, w, b, split_k=split_k)
+        want = F.linear(x, w, b)  # cuBLAS
+        exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(got.double(), exact, atol=tol, rtol=tol)
+        # No worse than cuBLAS's own rounding, up to one output ulp.
+        err, ref_err = (got.double() - exact).abs().max(), (want.double() - exact).abs().max()
+        assert err <= 2 * ref_err + tol / 10, (model, n, k, err.item(), ref_err.item())
+
+
+def test_gemv_replays_from_a_cuda_graph():
+    x, w, b = operands(960, 576, 4, torch.bfloat16, bias=True)
+    want = gemv.gemv(x, w, b)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        gemv.gemv(x, w, b)
+        with torch.cuda.graph(graph, stream=stream):
+            out = gemv.gemv(x, w, b)
+    torch.cuda.current_stream().wait_stream(stream)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, gemv.gemv(x, w, b))
+    assert not torch.equal(out, want)
+
+
+def test_engine_with_decode_gemv_keeps_greedy_output(tmp_path):
+    import json
+
+    from peagle import LLM, SamplingParams
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 4096, "hidden_size": 256,
+           "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 64, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+           "tie_word_embeddings": False, "eos_token_id": 0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [40] * 20]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    spec = {"method": "eagle3", "model": "dummy", "num_speculative_tokens": 3, "parallel_drafting": True}
+    tokens = {}
+    for gemv_on in (False, True):
+        for async_on in (False, True):
+            llm = LLM(model=str(tmp_path), load_format="dummy", dtype="float32", max_model_len=256, max_num_seqs=4,
+                      speculative_config=spec, decode_gemv=gemv_on, async_scheduling=async_on)
+            assert isinstance(llm.engine.target.layers[0].self_attn.qkv_proj, kernels.GemvLinear) == gemv_on
+            tokens[gemv_on, async_on] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            del llm
+    assert len(set(map(str, tokens.values()))) == 1, tokens

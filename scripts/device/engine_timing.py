@@ -1,7 +1,8 @@
 """Per-round time breakdown of the engine on the GPU: target verify, drafting, everything else.
 
 Usage: python scripts/device/engine_timing.py TARGET_DIR OUT.json --head eagle3=DIR --head peagle=DIR
-For each method and batch size (1 and 64) it runs real requests to a steady decode state, then times
+       [--methods none,peagle] [--variants sync,async,gemv,async+gemv]
+For each method, engine variant and batch size (1 and 64) it runs real requests to a steady decode state, then times
 - the whole round (engine.step wall time, median over N rounds),
 - the whole round's GPU work (the greedy round's CUDA graph replayed alone, timed with CUDA events), and inside it
   the target's verify forward and the drafting pass (their own graphs); verification = the remainder,
@@ -9,6 +10,11 @@ For each method and batch size (1 and 64) it runs real requests to a steady deco
 and reports "other" = round wall time - the round's GPU time: what the host adds.
 With --profile DIR, 10 more rounds per method and batch run under torch.profiler and their operator table (CPU and
 CUDA time) is written to DIR/profile-METHOD-kK-bB.txt: where "other" goes.
+
+Variants (one engine each, timed side by side per method): `sync` is the engine as before; `async` schedules the next
+step while the GPU runs the current one (async_scheduling: "other" then is the host time the GPU waits for, and
+`ahead_share` the rounds launched before the previous answer arrived); `gemv` runs the target's linear layers at
+<= 8 rows through the split-K GEMV kernel (decode_gemv: it changes the GPU columns); `async+gemv` both.
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ from peagle import LLM, SamplingParams
 from peagle.bench.datasets import load_prompts
 from peagle.models.loader import load_tokenizer
 
-CONFIGS = [("none", None, 0, False), ("peagle", "peagle", 7, True), ("eagle3", "eagle3", 3, False),
-           ("eagle3", "eagle3", 7, False)]
+CONFIGS = {"none": ("none", None, 0, False), "peagle": ("peagle", "peagle", 7, True),
+           "eagle3-k3": ("eagle3", "eagle3", 3, False), "eagle3-k7": ("eagle3", "eagle3", 7, False)}
+VARIANTS = {"sync": {}, "async": {"async_scheduling": True}, "gemv": {"decode_gemv": True},
+            "async+gemv": {"async_scheduling": True, "decode_gemv": True}}
 
 
 def gpu_ms(fn, iters=50) -> float:
@@ -63,22 +71,29 @@ def measure(llm, prompts, batch: int, k: int, rounds: int = 40, profile_path=Non
         eng.step()
     for _ in range(5):
         eng.step()
-    times, tokens, build = [], 0, []
-    real_build = eng.runner.build_inputs
+    times, tokens, build, launches = [], 0, [], []
+    runner = eng.runner
 
-    def timed_build(*a, **kw):
-        t = time.perf_counter()
-        out = real_build(*a, **kw)
-        build.append(time.perf_counter() - t)
-        return out
+    def timed(name):  # host-side input building: from the sequences, or (async) beside the step in flight
+        real = getattr(runner, name)
 
-    eng.runner.build_inputs = timed_build
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            out = real(*a, **kw)
+            build.append(time.perf_counter() - t)
+            launches.append(name)
+            return out
+
+        setattr(runner, name, wrapper)
+
+    timed("build_inputs")
+    timed("build_next_inputs")
     for _ in range(rounds):
         t0 = time.perf_counter()
         outs = eng.step()
         times.append(time.perf_counter() - t0)
         tokens += sum(len(o.new_token_ids) for o in outs)
-    runner, graphs = eng.runner, eng.runner.graphs
+    graphs = runner.graphs
     bucket = graphs.bucket_for(batch)
     g = {kind: graphs.graphs[(kind, bucket, k)][0] for kind in ("greedy", "target", "draft")
          if (kind, bucket, k) in graphs.graphs}
@@ -87,8 +102,9 @@ def measure(llm, prompts, batch: int, k: int, rounds: int = 40, profile_path=Non
            "gpu_round_ms": gpu_ms(g["greedy"].replay), "target_ms": gpu_ms(g["target"].replay),
            "draft_ms": gpu_ms(g["draft"].replay) if "draft" in g else 0.0}
     row["verify_ms"] = max(0.0, row["gpu_round_ms"] - row["target_ms"] - row["draft_ms"])
-    eng.runner.build_inputs = real_build
+    del runner.build_inputs, runner.build_next_inputs  # the methods again
     row["host_build_ms"] = 1e3 * statistics.median(build)
+    row["ahead_share"] = launches.count("build_next_inputs") / len(launches)
     if profile_path is not None:
         profile_rounds(eng, profile_path)
     seqs = list(eng.scheduler.running)
@@ -105,29 +121,48 @@ def main(argv=None) -> int:
     ap.add_argument("out")
     ap.add_argument("--head", action="append", default=[], help="METHOD=DIR (eagle3 or peagle)")
     ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--methods", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS)} (those with a --head)")
+    ap.add_argument("--variants", default="sync", help=f"engine variants timed side by side: {', '.join(VARIANTS)}")
     ap.add_argument("--profile", metavar="DIR", help="also write a torch.profiler table per method and batch here")
     args = ap.parse_args(argv)
     heads = dict(h.split("=", 1) for h in args.head)
     tok = load_tokenizer(args.target)
     prompts = [tok.encode_chat(p.messages) for p in load_prompts("mtbench")]
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    unknown += [m for m in args.methods.split(",") if m not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown method(s) or variant(s) {unknown}")
     rows = []
-    for name, head, k, parallel in CONFIGS:
+    for name, head, k, parallel in (CONFIGS[m] for m in args.methods.split(",")):
         if head is not None and head not in heads:
             continue
         spec = None if head is None else {"method": "eagle3", "model": heads[head], "num_speculative_tokens": k,
                                           "parallel_drafting": parallel}
-        llm = LLM(model=args.target, speculative_config=spec, dtype="bfloat16", max_model_len=4096, max_num_seqs=64)
-        for b in map(int, args.batches.split(",")):
-            path = f"{args.profile}/profile-{name}-k{k}-b{b}.txt" if args.profile else None
-            row = {"method": name, **measure(llm, prompts, b, k, profile_path=path)}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            with open(args.out, "w") as f:  # after every row: a run cut short keeps what it measured
-                json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
+        for variant in args.variants.split(","):
+            llm = LLM(model=args.target, speculative_config=spec, dtype="bfloat16", max_model_len=4096,
+                      max_num_seqs=64, **VARIANTS[variant])
+            for b in map(int, args.batches.split(",")):
+                tag = "" if variant == "sync" else f"-{variant}"
+                path = f"{args.profile}/profile-{name}-k{k}-b{b}{tag}.txt" if args.profile else None
+                row = {"method": name, "variant": variant, **measure(llm, prompts, b, k, profile_path=path)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                with open(args.out, "w") as f:  # after every row: a run cut short keeps what it measured
+                    json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f,
+                              indent=1)
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+    print_table(rows)
     return 0
+
+
+def print_table(rows) -> None:
+    cols = ("method", "variant", "batch", "k", "round_ms", "gpu_round_ms", "target_ms", "host_build_ms", "other_ms",
+            "other_share", "ahead_share", "output_tokens_per_s")
+    print(" | ".join(cols))
+    for row in rows:
+        print(" | ".join(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in cols))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ with them on, and logprobs are the target's at every emitted token, accepted dra
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -167,3 +168,44 @@ def test_logprobs_are_the_targets_at_every_emitted_token(target_dir, heads, plai
         for rank, (t, lp) in enumerate(zip(top.indices.tolist(), top.values.tolist()), 1):
             assert math.isclose(entry[t].logprob, lp, abs_tol=1e-4) and entry[t].rank == rank
     assert math.isclose(out.cumulative_logprob, sum(e[t].logprob for e, t in zip(out.logprobs, out.token_ids)))
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+          "maximum": 99}, "tag": {"enum": ["red", "green", "blue"]}}, "required": ["ok", "n", "tag"],
+          "additionalProperties": False}
+
+
+def check_schema(text: str):
+    obj = json.loads(text)
+    assert set(obj) == {"ok", "n", "tag"} and isinstance(obj["ok"], bool)
+    assert isinstance(obj["n"], int) and 0 <= obj["n"] <= 99 and obj["tag"] in ("red", "green", "blue")
+
+
+@pytest.mark.parametrize("method", ["eagle3", "peagle"])
+def test_json_schema_output_validates_and_speculation_keeps_it(target_dir, heads, plain, method):
+    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs={"json": SCHEMA}, repetition_penalty=1.2)
+    want = plain.generate(PROMPTS, params, use_tqdm=False)
+    for out in want:
+        check_schema(out.outputs[0].text)
+        assert out.finish_reason == "stop"  # the grammar, once complete, leaves only EOS
+    llm = make_llm(target_dir, heads[method], method, k=3)
+    # The oracle's corrupted drafts are mostly outside the grammar: each is rejected at its own row.
+    oracle_drafts(llm, {str(i): p + w.token_ids for i, (p, w) in enumerate(zip(PROMPTS, want))}, k=3)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert sum(g.metrics.num_accepted_tokens for g in got) > 0
+
+
+def test_choice_and_regex_constrain_sampled_output(plain):
+    choice = SamplingParams(temperature=1.0, seed=5, max_tokens=10, guided_decoding={"choice": ["yes", "no"]})
+    regex = SamplingParams(temperature=1.0, seed=5, max_tokens=10, structured_outputs={"regex": "[0-9]{3}"})
+    outs = plain.generate([PROMPTS[0], PROMPTS[1]], [choice, regex], use_tqdm=False)
+    assert outs[0].text in ("yes", "no")
+    assert len(outs[1].text) == 3 and outs[1].text.isdigit()
+
+
+def test_invalid_grammar_is_refused(plain):
+    with pytest.raises(ValueError, match="structured_outputs"):
+        plain.generate("Hi", SamplingParams(structured_outputs={"json": {"type": "objectx"}}), use_tqdm=False)
+    with pytest.raises(ValueError, match="exactly one"):
+        SamplingParams(structured_outputs={"json": {}, "regex": "a"})

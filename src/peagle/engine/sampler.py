@@ -29,6 +29,7 @@ class LogitsProcessing:
     presence: torch.Tensor | None  # [P] fp32
     frequency: torch.Tensor | None  # [P] fp32
     repetition: torch.Tensor | None  # [P] fp32, 1 = off
+    allowed: torch.Tensor | None = None  # [P, R, V] bool: structured output's grammar, per verified row
 
 
 @dataclass
@@ -52,7 +53,7 @@ def build_sampling_tensors(seqs, generators: list[torch.Generator | None], vocab
     """The step's SamplingTensors from its scheduled sequences (duck-typed engine Sequences)."""
     params = [s.sampling_params for s in seqs]
     all_greedy = all(p.greedy for p in params)
-    processing = _processing(seqs, vocab_size, device)
+    processing = _processing(seqs, vocab_size, device, max((len(s.draft_token_ids) for s in seqs), default=0) + 1)
     want = [b for b, p in enumerate(params) if p.logprobs is not None]
     logprob_requests = torch.tensor(want, dtype=torch.long, device=device) if want else None
     num_logprobs = max((params[b].logprobs for b in want), default=0)
@@ -68,7 +69,7 @@ def build_sampling_tensors(seqs, generators: list[torch.Generator | None], vocab
                            logprob_requests, num_logprobs)
 
 
-def _processing(seqs, vocab: int, device: torch.device) -> LogitsProcessing | None:
+def _processing(seqs, vocab: int, device: torch.device, rows: int) -> LogitsProcessing | None:
     chosen = [b for b, s in enumerate(seqs) if s.sampling_params.needs_logits_processing]
     if not chosen:
         return None
@@ -105,7 +106,21 @@ def _processing(seqs, vocab: int, device: torch.device) -> LogitsProcessing | No
         repetition = torch.tensor([q.repetition_penalty for q in params])
     on = (lambda t: None if t is None else t.to(device, non_blocking=True))  # noqa: E731
     return LogitsProcessing(torch.tensor(chosen, device=device), on(bias), on(left), on(stop_mask), on(counts),
-                            on(prompt_mask), on(presence), on(frequency), on(repetition))
+                            on(prompt_mask), on(presence), on(frequency), on(repetition),
+                            on(_grammar_masks(seqs, vocab, rows)))
+
+
+def _grammar_masks(seqs, vocab: int, rows: int) -> torch.Tensor | None:
+    """[P, R, V] bool from each structured request's grammar (all True for the others), or None."""
+    if all(s.sampling_params.structured_outputs is None for s in seqs):
+        return None
+    allowed = torch.ones(len(seqs), rows, vocab, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        grammar = s.sampling_params.compiled_grammar
+        if s.sampling_params.structured_outputs is not None:
+            assert grammar is not None, "the engine compiles a request's grammar when it is added"
+            allowed[i] = torch.from_numpy(grammar.row_masks(s, s.draft_token_ids, rows))
+    return allowed
 
 
 def process_logits(logits: torch.Tensor, proc: LogitsProcessing, drafts: torch.Tensor, num_drafts: torch.Tensor,
@@ -116,6 +131,8 @@ def process_logits(logits: torch.Tensor, proc: LogitsProcessing, drafts: torch.T
     sub = out[proc.requests]  # [P, R, V]
     if proc.bias is not None:
         sub = sub + proc.bias[:, None]
+    if proc.allowed is not None:
+        sub = sub.masked_fill(~proc.allowed, float("-inf"))
     if proc.min_tokens_left is not None:
         # Row j emits output number n_out + j, so it is held back while j < min_tokens - n_out.
         early = torch.arange(r, device=logits.device)[None, :] < proc.min_tokens_left[:, None]  # [P, R]

@@ -4,9 +4,51 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StructuredOutputsParams:
+    """vLLM's structured output: exactly one of a JSON schema (dict or JSON text), any JSON object, a regex, a choice
+    among strings, or a Lark grammar. (`GuidedDecodingParams` is vLLM's older name for the same.)"""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs takes exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {given or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"structured_outputs.{name} must be a string")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError("structured_outputs.json must be a JSON schema (an object or its JSON text)")
+
+    @classmethod
+    def of(cls, value) -> "StructuredOutputsParams":
+        """From a dict or any object with these attributes (vLLM's own params objects included)."""
+        if isinstance(value, cls):
+            return value
+        names = ("json", "json_object", "regex", "choice", "grammar")
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - set(names))
+            if unknown:
+                raise ValueError(f"structured_outputs does not support {unknown} (supported: {list(names)})")
+            return cls(**{k: v for k, v in value.items() if v is not None})
+        return cls(**{n: getattr(value, n) for n in names if getattr(value, n, None) is not None})
+
+
+GuidedDecodingParams = StructuredOutputsParams
 
 
 def _is_int(value) -> bool:
@@ -29,7 +71,7 @@ class SamplingParams:
     tokens, repetition (divide positive logits, multiply negative ones) over prompt and output.
 
     Fields vLLM has and peagle does not implement exist only to refuse a non-default value with a ValueError that
-    names them (prompt_logprobs, bad_words, guided_decoding, logits_processors, truncate_prompt_tokens,
+    names them (prompt_logprobs, bad_words, logits_processors, truncate_prompt_tokens,
     spaces_between_special_tokens=False, detokenize=False, best_of > n).
     """
 
@@ -53,10 +95,12 @@ class SamplingParams:
     logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsParams | dict | None = None
+    guided_decoding: StructuredOutputsParams | dict | None = None  # vLLM's older name for structured_outputs
+    compiled_grammar: object | None = field(default=None, repr=False)  # set by the engine for its tokenizer
     # vLLM fields peagle refuses unless left at their defaults:
     prompt_logprobs: int | None = None
     bad_words: list[str] | None = None
-    guided_decoding: object | None = None
     logits_processors: list | None = None
     truncate_prompt_tokens: int | None = None
     spaces_between_special_tokens: bool = True
@@ -73,14 +117,23 @@ class SamplingParams:
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty")
         self.logit_bias = self._normalise_logit_bias(self.logit_bias)
+        self._normalise_structured_outputs()
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
+    def _normalise_structured_outputs(self):
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("structured_outputs and guided_decoding are one setting: give one of them")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
+
     def _refuse_unimplemented(self):
-        unset = {"prompt_logprobs": None, "bad_words": None, "guided_decoding": None, "logits_processors": None,
+        unset = {"prompt_logprobs": None, "bad_words": None, "logits_processors": None,
                  "truncate_prompt_tokens": None, "spaces_between_special_tokens": True, "detokenize": True}
         for name, default in unset.items():
             value = getattr(self, name)
@@ -156,7 +209,8 @@ class SamplingParams:
     def needs_logits_processing(self) -> bool:
         """Whether the target's logits change before sampling beyond temperature / top-k / top-p."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.allowed_token_ids is not None or self.min_tokens)
+                    or self.logit_bias or self.allowed_token_ids is not None or self.min_tokens
+                    or self.structured_outputs is not None)
 
     def parallel_children(self) -> list["SamplingParams"]:
         """n > 1 runs n independent sequences; seeded ones get seed + index, as vLLM's parallel sampling does."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from peagle.engine.config import EngineConfig
-from peagle.engine.model_runner import ModelRunner
+from peagle.engine.model_runner import ModelRunner, StepHandle, StepResult
 from peagle.engine.outputs import RequestMetrics, StepOutput
 from peagle.engine.sampler import SamplingTensors, build_sampling_tensors
 from peagle.engine.sampling_params import SamplingParams
@@ -52,6 +52,10 @@ class LLMEngine:
             self.target = _random_model(self.model_config, self.dtype, self.device, config.seed)
         else:
             self.target = load_model(config.model, dtype=self.dtype, device=self.device)
+        if config.decode_gemv:
+            from peagle.kernels import use_gemv_linears
+
+            use_gemv_linears(self.target)
         self.spec = config.speculative
         drafter, proposer_cls = self._load_drafter()
         self.k = self.spec.num_speculative_tokens if self.spec else 0
@@ -82,6 +86,9 @@ class LLMEngine:
             from peagle.engine.cuda_graph import CudaGraphs
 
             self.runner.graphs = CudaGraphs(self.runner, config.max_num_seqs, self._graph_ks())
+        self._inflight: tuple[list[Sequence], StepHandle] | None = None  # async scheduling: the launched step
+        if config.async_scheduling:
+            self.runner.enable_async_copies(config.max_num_seqs)
         logger.info("engine ready: %s, %d KV blocks of %d, K=%d", config.model, num_blocks, block_size, self.k)
 
     # ---- construction ------------------------------------------------------------------------------------------
@@ -185,28 +192,82 @@ class LLMEngine:
     # ---- the loop ----------------------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        if self.config.async_scheduling:
+            return self._step_async()
+        sched, drafts, draft = self._schedule()
+        outputs: list[StepOutput] = []
+        if sched.seqs:
+            result = self.runner.execute(sched.seqs, drafts, self._sampling_tensors(sched.seqs), draft=draft)
+            outputs = self._commit(sched.seqs, result)
+        return self._release(outputs)
+
+    def _step_async(self) -> list[StepOutput]:
+        """Async scheduling: launch the next step first, then wait for the answer of the one in flight and commit
+        it, so that committing, stop checks and the caller's work on the outputs run while the GPU computes.
+
+        The next step is launched before the answer only when the batch in flight can decode on as it is
+        (`Scheduler.schedule_ahead`); its inputs are then built on the device from that answer. Otherwise (new
+        prompts to admit, preemption, logits processing that reads the history) the answer is committed first and
+        the step is scheduled as without async scheduling. A request that finished in the step in flight runs one
+        more step, whose answer is dropped. Steps return the outputs of the step before: the first returns none.
+        """
+        prev, self._inflight = self._inflight, None
+        ahead = self._launch_ahead(prev) if prev is not None else None
+        outputs: list[StepOutput] = []
+        if prev is not None:
+            seqs, handle = prev
+            outputs = self._commit(seqs, handle.result(), None if ahead is None else ahead[1].k)
+        if ahead is None:
+            sched, drafts, draft = self._schedule()
+            if sched.seqs:
+                ahead = (sched.seqs, self.runner.launch(sched.seqs, drafts, self._sampling_tensors(sched.seqs),
+                                                        draft=draft))
+        self._inflight = ahead
+        return self._release(outputs)
+
+    def _launch_ahead(self, prev: tuple[list[Sequence], StepHandle]) -> tuple[list[Sequence], StepHandle] | None:
+        """The decode step after `prev`, launched before prev's answer arrived; None when it needs the answer."""
+        prev_seqs, handle = prev
+        rows = [i for i, seq in enumerate(prev_seqs) if not seq.is_finished]
+        seqs = [prev_seqs[i] for i in rows]
+        if any(seq.sampling_params.needs_logits_processing for seq in seqs):
+            return None  # penalties and min_tokens read the history, which lacks the answer in flight
+        k_policy = self.spec.adaptive.k_for(len(seqs), self.k) if self.spec else 0
+        k = min(k_policy, handle.num_drafts)
+        if not self.scheduler.schedule_ahead(seqs, handle.k + 1, k + 1):
+            return None
+        return seqs, self.runner.launch_next(handle, rows, seqs, self._sampling_tensors(seqs), k, draft=k_policy > 0)
+
+    def _schedule(self):
+        """The next step from the committed state: its scheduler output, each request's drafts, whether to draft."""
         k = self.spec.adaptive.k_for(self.scheduler.num_running, self.k) if self.spec else 0
         for seq in self.scheduler.running:
             room = self.max_model_len - seq.num_tokens  # verify positions must stay inside max_model_len
             del seq.draft_token_ids[max(0, min(k, room)):]
         sched = self.scheduler.schedule()
-        outputs: list[StepOutput] = []
-        if sched.seqs:
-            # The drafter runs unless the policy turned speculation off (K = 0); it still reads new prompts.
-            draft = k > 0 or any(s.num_computed_tokens < s.num_tokens - 1 for s in sched.seqs)
-            result = self.runner.execute(sched.seqs, [s.draft_token_ids for s in sched.seqs],
-                                         self._sampling_tensors(sched.seqs), draft=draft)
-            now = time.monotonic()
-            logprobs = result.logprobs or [None] * len(sched.seqs)
-            for seq, tokens, drafts, lps in zip(sched.seqs, result.output_tokens, result.drafts, logprobs):
-                before = seq.num_tokens
-                seq.commit(tokens, now)
-                self._check_stop_strings(seq, before)
-                if not seq.is_finished and self.k:
-                    seq.draft_token_ids = drafts
-                new = seq.token_ids[before:]
-                outputs.append(StepOutput(seq.seq_id, new, seq.is_finished,
-                                          logprobs=None if lps is None else lps[:len(new)]))
+        # The drafter runs unless the policy turned speculation off (K = 0); it still reads new prompts.
+        draft = k > 0 or any(s.num_computed_tokens < s.num_tokens - 1 for s in sched.seqs)
+        return sched, [s.draft_token_ids for s in sched.seqs], draft
+
+    def _commit(self, seqs: list[Sequence], result: StepResult, next_k: int | None = None) -> list[StepOutput]:
+        """Apply a step's answer. `next_k`: the drafts the step launched after it verifies (async scheduling)."""
+        now = time.monotonic()
+        outputs = []
+        logprobs = result.logprobs or [None] * len(seqs)
+        for seq, tokens, drafts, lps in zip(seqs, result.output_tokens, result.drafts, logprobs):
+            if seq.is_finished:  # finished or aborted while its step was in flight: the answer is dropped
+                continue
+            before = seq.num_tokens
+            seq.commit(tokens, now)
+            self._check_stop_strings(seq, before)
+            if not seq.is_finished and self.k:
+                seq.draft_token_ids = drafts if next_k is None else drafts[:next_k]
+            new = seq.token_ids[before:]
+            outputs.append(StepOutput(seq.seq_id, new, seq.is_finished,
+                                      logprobs=None if lps is None else lps[:len(new)]))
+        return outputs
+
+    def _release(self, outputs: list[StepOutput]) -> list[StepOutput]:
         by_id = {o.request_id: o for o in outputs}
         now = time.monotonic()
         for seq in self.scheduler.release_finished():

@@ -3,6 +3,7 @@ consistent with a from-scratch recomputation after every partial acceptance."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -307,3 +308,16 @@ def test_async_scheduling_under_preemption_aborts_and_the_adaptive_policy(target
     assert engine.scheduler.block_manager.num_used_blocks == 0
     engine.step()  # the dropped step in flight, if any, is collected; nothing runs
     assert not engine.has_unfinished_requests()
+
+
+def test_async_scheduling_keeps_logprobs(target_dir, heads):
+    p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    outs = {}
+    for on in (False, True):
+        llm = make_llm(target_dir, heads["peagle"], k=3, parallel=True, async_scheduling=on)
+        outs[on] = [o.outputs[0] for o in llm.generate(PROMPTS[:3], p, use_tqdm=False)]
+    for sync, ahead in zip(outs[False], outs[True]):
+        assert ahead.token_ids == sync.token_ids and len(ahead.logprobs) == len(sync.token_ids)
+        for a, b in zip(ahead.logprobs, sync.logprobs):
+            assert a.keys() == b.keys()
+            assert all(math.isclose(a[t].logprob, b[t].logprob, abs_tol=1e-5) and a[t].rank == b[t].rank for t in a)

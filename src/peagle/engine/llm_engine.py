@@ -231,7 +231,7 @@ class LLMEngine:
         rows = [i for i, seq in enumerate(prev_seqs) if not seq.is_finished]
         seqs = [prev_seqs[i] for i in rows]
         if any(seq.sampling_params.needs_logits_processing for seq in seqs):
-            return None  # penalties and min_tokens read the history, which lacks the answer in flight
+            return None  # penalties, min_tokens and grammars read the history and drafts the answer in flight holds
         k_policy = self.spec.adaptive.k_for(len(seqs), self.k) if self.spec else 0
         k = min(k_policy, handle.num_drafts)
         if not self.scheduler.schedule_ahead(seqs, handle.k + 1, k + 1):

@@ -349,10 +349,12 @@ class ModelRunner:
             new_drafts = new_drafts[:num_real]
         handle = self._handle(_pack(v, new_drafts, num_real), k)
         if st.logprob_requests is not None:
-            verified = logits[: num_real * (k + 1)]
+            # Computed now: the logits may be a graph's output, which the next step's replay overwrites before the
+            # host reads this answer (async scheduling).
+            lp = _logprob_tensors(logits[: num_real * (k + 1)], st, v.output_tokens, k + 1)
 
             def finish(result: StepResult):
-                result.logprobs = _logprobs(verified, st, v.output_tokens, k + 1, result.num_accepted)
+                result.logprobs = _logprobs(lp, result.num_accepted)
 
             handle.finish = finish
         return handle
@@ -375,14 +377,17 @@ def _pack(v, new_drafts, b) -> torch.Tensor:  # [B, (k + 1) + 1 + K]
     return torch.cat(parts, dim=1)
 
 
-def _logprobs(logits, st: SamplingTensors, output_tokens, rows: int, num_accepted: list[int]) -> list:
-    """Per request: None, or one (id, logprob, rank, top) per emitted token, from the raw target logits."""
-    chosen, rank, top_ids, top_lp = token_logprobs(logits, st.logprob_requests, output_tokens, st.num_logprobs,
-                                                   rows)
+def _logprob_tensors(logits, st: SamplingTensors, output_tokens, rows: int) -> tuple[torch.Tensor, ...]:
+    """On the device: the logprob requests' indices and emitted tokens, and (chosen, rank, top ids, top logprobs)
+    from the raw target logits."""
+    req = st.logprob_requests
+    return (req, output_tokens[req], *token_logprobs(logits, req, output_tokens, st.num_logprobs, rows))
+
+
+def _logprobs(lp: tuple[torch.Tensor, ...], num_accepted: list[int]) -> list:
+    """Per request: None, or one (id, logprob, rank, top) per emitted token."""
     out: list = [None] * len(num_accepted)
-    host = zip(st.logprob_requests.tolist(), output_tokens[st.logprob_requests].tolist(), chosen.tolist(),
-               rank.tolist(), top_ids.tolist(), top_lp.tolist())
-    for b, ids, lps, ranks, tids, tlps in host:
+    for b, ids, lps, ranks, tids, tlps in zip(*(t.tolist() for t in lp)):
         n = num_accepted[b] + 1
         out[b] = [(ids[j], lps[j], ranks[j], list(zip(tids[j], tlps[j]))) for j in range(n)]
     return out

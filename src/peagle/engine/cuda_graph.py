@@ -53,7 +53,8 @@ class CudaGraphs:
         return next(x for x in self.buckets if x >= b)
 
     def can_run(self, seqs, drafts, k: int, draft: bool) -> bool:
-        return self.fits(len(seqs), k, draft) and all(s.num_tokens - s.num_computed_tokens == 1 and len(d) == k for s, d in zip(seqs, drafts))
+        return self.fits(len(seqs), k, draft) and all(
+            s.num_tokens - s.num_computed_tokens == 1 and len(d) == k for s, d in zip(seqs, drafts))
 
     def fits(self, b: int, k: int, draft: bool) -> bool:
         """Whether a decode step of b requests verifying k drafts each has graphs."""

@@ -52,7 +52,8 @@ def advance_decode_inputs_ref(
     ids = torch.cat([next_token[:, None], drafts], dim=1)
     pos = torch.where(real[:, None], (base + num_accepted)[:, None] + j, j.expand(b, -1))
     block = block_tables.gather(1, (pos // block_size).clamp(max=block_tables.shape[1] - 1)).long()
-    slot = torch.where(real[:, None], block * block_size + pos % block_size, scratch_block * block_size + j % block_size)
+    scratch = scratch_block * block_size + j % block_size
+    slot = torch.where(real[:, None], block * block_size + pos % block_size, scratch)
     out["input_ids"].copy_(torch.where(real[:, None], ids, 0).reshape(-1))
     out["positions"].copy_(pos.reshape(-1))
     out["slot_mapping"].copy_(slot.reshape(-1))

@@ -68,17 +68,17 @@ def read_records(path: str | Path, multi_turn: bool = False) -> list[Record]:
     if sharegpt:
         records = _train_split(records, path)
     convert = _to_turns if multi_turn else _to_messages
-    prompts = [(_record_id(r, sharegpt), m) for r in records if (m := convert(r))]
+    prompts = [(_record_id(r), m) for r in records if (m := convert(r))]
     if not prompts:
         raise ValueError(f"{path} holds no usable prompts (JSON Lines with messages/prompt, or ShareGPT JSON)")
     return prompts
 
 
-def _record_id(record: dict, sharegpt: bool) -> str | None:
-    rid = record.get("id")
-    if rid is None:
+def _record_id(record: Any) -> str | None:
+    """The record's id; a ShareGPT-shaped record's as `sharegpt-ID`, the form the held-out check reads."""
+    if not isinstance(record, dict) or record.get("id") is None:
         return None
-    return f"sharegpt-{rid}" if sharegpt else str(rid)
+    return f"sharegpt-{record['id']}" if "conversations" in record else str(record["id"])
 
 
 def _train_split(records: Iterator[dict], path: Path) -> Iterator[dict]:

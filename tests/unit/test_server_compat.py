@@ -3,6 +3,7 @@ without speculation), unimplemented ones answer 400 naming the field; vLLM's ext
 
 from __future__ import annotations
 
+import json
 import math
 
 import httpx
@@ -115,11 +116,11 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 @pytest.mark.parametrize("endpoint, fields, param", [
     ("chat", {"tools": [TOOL]}, "tools"),
     ("chat", {"tool_choice": "auto"}, "tool_choice"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format"),
-    ("chat", {"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
-    ("chat", {"extra_body": {"guided_regex": "a+"}}, "guided_regex"),
+    ("chat", {"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a+"}}, "guided_regex"),
+    ("chat", {"extra_body": {"guided_decoding_backend": "xgrammar"}}, "guided_decoding_backend"),
+    ("chat", {"extra_body": {"structural_tag": "{}"}}, "structural_tag"),
     ("chat", {"extra_body": {"use_beam_search": True}}, "use_beam_search"),
     ("chat", {"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
     ("chat", {"extra_body": {"bad_words": ["Paris"]}}, "bad_words"),
@@ -133,7 +134,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     ("completions", {"suffix": "end"}, "suffix"),
     ("completions", {"best_of": 3}, "best_of"),
     ("completions", {"echo": True, "logprobs": 1}, "echo"),
-    ("completions", {"extra_body": {"guided_choice": ["a", "b"]}}, "guided_choice"),
+    ("completions", {"extra_body": {"guided_choice": []}}, "guided_choice"),
     ("completions", {"extra_body": {"truncate_prompt_tokens": 3}}, "truncate_prompt_tokens"),
 ])
 def test_unimplemented_fields_are_refused(client, endpoint, fields, param):
@@ -144,6 +145,34 @@ def test_unimplemented_fields_are_refused(client, endpoint, fields, param):
             client.completions.create(**{"model": "tiny", "prompt": PROMPT, "max_tokens": 2, **fields})
     error = e.value.body
     assert error["param"] == param and param.split(".")[-1] in error["message"], error
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["red", "green", "blue"]}},
+          "required": ["ok", "tag"], "additionalProperties": False}
+
+
+def test_json_schema_output_validates(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=40, temperature=0,
+                                         response_format=fmt)
+    obj = json.loads(out.choices[0].message.content)
+    assert set(obj) == {"ok", "tag"} and isinstance(obj["ok"], bool) and obj["tag"] in ("red", "green", "blue")
+    assert out.choices[0].finish_reason == "stop"
+    anything = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=60, temperature=0,
+                                              response_format={"type": "json_object"}, extra_body={"min_p": 0.5})
+    if anything.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    else:
+        assert anything.choices[0].message.content.startswith("{")
+
+
+def test_guided_choice_and_regex(client):
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=3,
+                                    extra_body={"guided_choice": ["alpha", "beta"]})
+    assert out.choices[0].text in ("alpha", "beta")
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0,
+                                    extra_body={"guided_regex": "[a-c]{4}"})
+    assert len(out.choices[0].text) == 4 and set(out.choices[0].text) <= set("abc")
 
 
 def test_no_op_values_are_accepted(client):

@@ -16,7 +16,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from peagle.engine.sampling_params import MAX_LOGPROBS
+from peagle.engine.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
 
 
 class ApiError(Exception):
@@ -42,17 +42,18 @@ class ApiError(Exception):
 # (answered as if absent). Any other value answers 400 naming the field.
 _NO_OP_VALUES: dict[str, tuple] = {
     "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False), "functions": ([],),
-    "response_format": ({"type": "text"},), "echo": (False,), "suffix": ("",), "logprobs": (False,),
+    "echo": (False,), "suffix": ("",), "logprobs": (False,),
     "prompt_logprobs": (), "use_beam_search": (False,), "length_penalty": (1, 1.0), "bad_words": ([],),
     "spaces_between_special_tokens": (True,), "continue_final_message": (False,), "priority": (0,),
     "store": (False,), "modalities": (["text"],), "service_tier": ("auto", "default"), "logits_processors": ([],),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structural_tag": (),
-    "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structured_outputs": (),
+    "structural_tag": (), "guided_decoding_backend": (), "guided_whitespace_pattern": (),
 }
 _NOT_SUPPORTED_WHY = {
     "tools": "tool calling is not supported yet", "tool_choice": "tool calling is not supported yet",
     "functions": "function calling is not supported", "function_call": "function calling is not supported",
-    "response_format": "structured output (json_object, json_schema) is not supported yet; only {\"type\": \"text\"}",
+    "guided_decoding_backend": "peagle has one structured-output backend (llguidance)",
+    "guided_whitespace_pattern": "JSON is written with ', ' and ': ' separators and no other whitespace",
+    "structural_tag": "structural tags are not supported",
     "best_of": "best_of > n is not supported", "use_beam_search": "beam search is not supported",
     "prompt_logprobs": "prompt logprobs are not supported", "suffix": "suffix (insertion) is not supported",
 }
@@ -75,6 +76,24 @@ class _Request(BaseModel):
 class StreamOptions(_Request):
     include_usage: bool = False
     continuous_usage_stats: Literal[False] = False
+
+
+class JsonSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema: response_format type json_schema takes a json_schema, and only it does")
+        return self
 
 
 class SamplingFields(_Request):
@@ -104,6 +123,37 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None  # an end-user id for the caller's own records; it changes no output
+    # Structured output (OpenAI's response_format, vLLM's guided_* and structured_outputs); at most one.
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
+
+    def structured_output(self) -> tuple[str, StructuredOutputsParams] | None:
+        """(the field that asked, its constraint), or None; ApiError(400) naming the field if it is malformed."""
+        given = []
+        rf = self.response_format
+        if rf is not None and rf.type != "text":
+            given.append(("response_format", {"json": rf.json_schema.schema_} if rf.json_schema else
+                          {"json_object": True}))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                given.append((name, {key: getattr(self, name)}))
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs", self.structured_outputs))
+        if not given:
+            return None
+        if len(given) > 1:
+            names = [n for n, _ in given]
+            raise ApiError(400, f"give one structured-output constraint, not {names}", param=names[1])
+        name, value = given[0]
+        try:
+            return name, StructuredOutputsParams.of(value)
+        except (ValueError, TypeError) as e:
+            raise ApiError(400, f"invalid value for '{name}': {e}", param=name) from None
 
     @field_validator("stop", mode="before")
     @classmethod

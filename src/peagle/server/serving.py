@@ -110,21 +110,29 @@ class Serving:
                                 f"(max_model_len {limit})", param=param, code="context_length_exceeded")
         return room if requested is None else requested
 
-    @staticmethod
-    def _sampling_params(req: SamplingFields, max_tokens: int) -> SamplingParams:
+    def _sampling_params(self, req: SamplingFields, max_tokens: int) -> SamplingParams:
+        structured = req.structured_output()
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty, max_tokens=max_tokens, min_tokens=req.min_tokens,
                 stop=req.stop, stop_token_ids=req.stop_token_ids, seed=req.seed, ignore_eos=req.ignore_eos,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens, logprobs=req.num_logprobs, logit_bias=req.logit_bias,
-                allowed_token_ids=req.allowed_token_ids,
+                allowed_token_ids=req.allowed_token_ids, structured_outputs=structured and structured[1],
             )
         except ValueError as e:
             field = str(e).split(" ", 1)[0]  # SamplingParams' messages start with the field's name
             raise ApiError(400, str(e), param=field if field in SamplingFields.model_fields else None) from None
+        if structured is None:
+            return params
+        from peagle.engine.structured_output import with_grammar
+
+        try:  # compiled here, so that a bad schema answers 400 naming the field that sent it
+            return with_grammar(params, self.tokenizer, self.engine.engine.model_config.vocab_size)
+        except ValueError as e:
+            raise ApiError(400, f"invalid value for '{structured[0]}': {e}", param=structured[0]) from None
 
     # ---- generation ------------------------------------------------------------------------------------------
 

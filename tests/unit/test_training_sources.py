@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
+import itertools
 import json
+import os
+import signal
 from importlib import resources
 from pathlib import Path
 from types import SimpleNamespace
@@ -162,7 +165,7 @@ def test_next_turn_does_not_repeat_an_end_of_turn_the_target_wrote(tiny_hf_check
     tokenizer = load_tokenizer(tiny_hf_checkpoint("llama", num_layers=1))
     turns = ChatTurns(tokenizer)
     chat = _Chat([{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Bye"}])
-    prompt = turns.first(chat)
+    prompt = tokenizer.encode_chat(chat.messages)
     answer = tokenizer.encode("Hello you") + [tokenizer.eos_token_ids[0]]
     turns.answered(chat, prompt, answer)
     nxt = turns.next_prompt(chat)
@@ -241,3 +244,32 @@ def test_short_code_prompts_ask_about_installed_functions_but_not_benchmark_pack
                                     "Multiply every value by factor and return the new list.")
     assert "Multiply" not in prompts["docstring"] and "out.append(v * factor)" in prompts["docstring"]
     assert all(code in prompts[k] for k in ("explain", "tests", "refactor"))
+
+
+def test_sigterm_keeps_finished_shards_and_a_rerun_completes(tiny_hf_checkpoint, tmp_path, monkeypatch):
+    from peagle.training import regenerate as regen_module
+
+    checkpoint = tiny_hf_checkpoint("llama", num_layers=1)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Question {i}?"}) + "\n" for i in range(6)))
+    real = regen_module.make_engine
+
+    def engine(*args, **kwargs):
+        e = real(*args, **kwargs)
+        step, calls = e.step, itertools.count()
+
+        def step_then_term():
+            if next(calls) == 5:
+                os.kill(os.getpid(), signal.SIGTERM)  # as `timeout -s TERM` does
+            return step()
+
+        e.step = step_then_term
+        return e
+
+    monkeypatch.setattr(regen_module, "make_engine", engine)
+    kw = {**KW, "max_num_seqs": 1}
+    stopped = regenerate(checkpoint, prompts, tmp_path / "d", max_tokens=3, batch_size=1, **kw)
+    assert 0 < stopped.prompts_done < 6
+    monkeypatch.setattr(regen_module, "make_engine", real)
+    assert regenerate(checkpoint, prompts, tmp_path / "d", max_tokens=3, batch_size=1, **kw).prompts_done == 6
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

@@ -20,9 +20,12 @@ data_sources.BenchmarkGuard).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
+import signal
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -170,10 +173,11 @@ class Feeder:
     wave at once.
     """
 
-    def __init__(self, engine, max_num_seqs: int):
+    def __init__(self, engine, max_num_seqs: int, stop: Callable[[], bool] = lambda: False):
         self.engine = engine
         self.capacity = max_num_seqs
         self.low = max(1, int(max_num_seqs * REFILL_BELOW))
+        self.stop = stop  # checked every step: True abandons the requests still running
         self._ids = itertools.count()
 
     def run(self, requests: Iterator[tuple[Any, list[int], Any]],
@@ -195,7 +199,7 @@ class Feeder:
                     key, prompt, params = request
                     rid = str(next(self._ids))
                     live[rid] = (key, engine.add_request(rid, prompt, params))
-            if not live:
+            if not live or self.stop():
                 return
             # Per step only the finished requests cost Python work here: their tokens are read once, at the end.
             for out in engine.step():
@@ -247,9 +251,6 @@ class ChatTurns:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.eos_text = {i: tokenizer.id_to_token(i) for i in tokenizer.eos_token_ids}
-
-    def first(self, chat: _Chat) -> list[int]:
-        return self.tokenizer.encode_chat(chat.messages)
 
     def answered(self, chat: _Chat, prompt: list[int], answer: list[int]) -> None:
         chat.loss_mask += [False] * (len(prompt) - len(chat.token_ids)) + [True] * len(answer)
@@ -401,17 +402,34 @@ def regenerate(
     writer = _ShardWriter(out, manifest, start, len(conversations), batch_size, progress)
     job = _Regeneration(tokenizer, writer, max_tokens, max_model_len, max_turns)
     began = time.perf_counter()
-    try:
-        job.run(Feeder(engine, max_num_seqs), conversations, start, multi_turn)
-    finally:
-        writer.close()
-        progress.close()
+    with _stop_on_sigterm() as stopped:
+        try:
+            job.run(Feeder(engine, max_num_seqs, stop=lambda: stopped.is_set()), conversations, start, multi_turn)
+        finally:
+            writer.close()
+            progress.close()
     seconds = time.perf_counter() - began
-    logger.info("regenerated %d prompts (%d answers, %d answer tokens) in %.1f s after engine start-up: "
-                "%.1f prompts/s, %.1f answers/s, %.0f answer tokens/s", len(conversations) - start, job.answers,
-                job.answer_tokens, seconds, (len(conversations) - start) / seconds, job.answers / seconds,
-                job.answer_tokens / seconds)
+    done = manifest.prompts_done - start
+    logger.info("%s: %d prompts in %d shards (%d answers, %d answer tokens in all) in %.1f s after engine "
+                "start-up: %.1f prompts/s, %.1f answers/s, %.0f answer tokens/s",
+                "stopped by SIGTERM; rerun to resume" if stopped.is_set() else "regenerated", done,
+                len(manifest.shards), job.answers, job.answer_tokens, seconds, done / seconds,
+                job.answers / seconds, job.answer_tokens / seconds)
     return manifest
+
+
+@contextlib.contextmanager
+def _stop_on_sigterm() -> Iterator[threading.Event]:
+    """SIGTERM (e.g. `timeout`) sets the event instead of killing the process, so finished shards are written."""
+    stopped = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stopped
+        return
+    previous = signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    try:
+        yield stopped
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class _Regeneration:

@@ -310,3 +310,49 @@ def test_schedule_ahead_refuses_waiting_admissions_budget_and_preemption():
     assert not sched.schedule_ahead([a, b], 1, 33)  # over the token budget
     assert not sched.schedule_ahead([a, b], 6, 1)  # 15 and 14 slots: would need preemption
     assert sched.num_running == 2 and list(sched.waiting) == [c]
+
+
+def run_chunked_step(sched, out, token=7):
+    """run_step for chunked prefill: a chunk that ends inside its span samples nothing."""
+    for seq, n in zip(out.seqs, out.num_scheduled_tokens):
+        if n < seq.num_new_tokens:
+            seq.commit_chunk(n)
+        else:
+            seq.commit(seq.draft_token_ids + [token])
+    return sched.release_finished()
+
+
+def test_chunked_prefill_never_stalls_running_decodes():
+    sched = Scheduler(make_config(max_num_batched_tokens=8, max_model_len=64, enable_chunked_prefill=True,
+                                  num_lookahead_slots=2))
+    a, b, long = make_seq("a", num_prompt=3), make_seq("b", num_prompt=4), make_seq("long", num_prompt=30)
+    for seq in (a, b):
+        sched.add(seq)
+    run_chunked_step(sched, sched.schedule())
+    a.draft_token_ids = [3, 4]
+    sched.add(long)
+    fed = []
+    while long.num_computed_tokens < long.num_prompt_tokens:
+        out = sched.schedule()
+        assert out.seqs[-2:] == [a, b] and out.num_scheduled_tokens[-2:] == [3, 1]  # every decode, every step
+        assert out.seqs[0] is long and out.num_prefill == 1 and sum(out.num_scheduled_tokens) <= 8
+        fed.append(out.num_scheduled_tokens[0])
+        run_chunked_step(sched, out)
+        a.draft_token_ids = [3, 4]
+    assert fed == [4, 4, 4, 4, 4, 4, 4, 2] and sum(fed) == 30  # the last chunk completes the prompt
+    assert long.output_token_ids == [7] and long.num_computed_tokens == 30
+
+
+def test_chunked_prefill_config_and_a_prompt_over_the_budget():
+    with pytest.raises(ValueError, match="enable_chunked_prefill"):
+        make_config(max_num_batched_tokens=16, max_model_len=64)
+    sched = Scheduler(make_config(max_num_batched_tokens=16, max_model_len=64, enable_chunked_prefill=True))
+    seq = make_seq("a", num_prompt=40, max_tokens=2)
+    sched.add(seq)
+    counts = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        counts.append(out.num_scheduled_tokens)
+        run_chunked_step(sched, out)
+    assert counts == [[16], [16], [8], [1]] and seq.output_token_ids == [7, 7]
+    assert sched.block_manager.num_used_blocks == 0

@@ -95,21 +95,31 @@ def reference_drafts(model, drafter, ctx: list[int], k: int, parallel: bool) -> 
     return drafts
 
 
-@pytest.mark.parametrize("method,k", [("peagle", 4), ("eagle3", 3)])
-def test_partial_acceptance_keeps_both_caches_consistent(target_dir, heads, reference, method, k):
+# Chunked prefill: a step of 12 tokens holds the decodes and a chunk of an 11-token prompt at most.
+CHUNKED = {"enable_chunked_prefill": True, "max_num_batched_tokens": 12}
+
+
+@pytest.mark.parametrize("method,k,chunked", [("peagle", 4, False), ("eagle3", 3, False), ("peagle", 4, True)])
+def test_partial_acceptance_keeps_both_caches_consistent(target_dir, heads, reference, method, k, chunked):
     """Drafts are replaced by the true continuation with random corruptions, so rounds accept 0..K drafts; the real
-    drafter still runs every round, and its proposals must equal a from-scratch recomputation."""
+    drafter still runs every round, and its proposals must equal a from-scratch recomputation (with chunked prefill
+    too: the drafter's cache fills chunk by chunk)."""
     parallel = method == "peagle"
-    llm = make_llm(target_dir, heads[method], k=k, parallel=parallel)
+    llm = make_llm(target_dir, heads[method], k=k, parallel=parallel, **(CHUNKED if chunked else {}))
     engine = llm.engine
     rng = random.Random(0)
     by_seq: dict[str, list[int]] = {}
     seen: list[tuple[list[int], list[int]]] = []
     real_execute = engine.runner.execute
+    num_chunks = 0
 
-    def execute(seqs, drafts, st, draft=True):
-        result = real_execute(seqs, drafts, st, draft)
+    def execute(seqs, drafts, st, draft=True, chunks=None):
+        nonlocal num_chunks
+        result = real_execute(seqs, drafts, st, draft, chunks)
         for i, seq in enumerate(seqs):
+            if chunks is not None and chunks[i] < seq.num_new_tokens:
+                num_chunks += 1  # a prefill chunk: nothing sampled, its drafts are dropped
+                continue
             ctx = seq.token_ids + result.output_tokens[i]
             seen.append((ctx, list(result.drafts[i])))
             ref = by_seq[seq.seq_id]
@@ -129,6 +139,7 @@ def test_partial_acceptance_keeps_both_caches_consistent(target_dir, heads, refe
     accepted = {a for o in outs for a in range(len(o.metrics.accepted_per_position))
                 if o.metrics.accepted_per_position[a]}
     assert max(accepted) == k - 1 and sum(o.metrics.num_accepted_tokens for o in outs) > 20
+    assert (num_chunks > 0) == chunked
     model = load_model(target_dir, dtype="float32")
     drafter = engine.runner.drafter
     with torch.inference_mode():
@@ -267,9 +278,10 @@ def oracle_proposer(runner, reference, k, rng):
     runner.propose = propose
 
 
-@pytest.mark.parametrize("method,k", [("peagle", 4), ("eagle3", 3)])
-def test_async_speculative_greedy_equals_plain_greedy(target_dir, heads, reference, method, k):
-    llm = make_llm(target_dir, heads[method], k=k, parallel=method == "peagle", async_scheduling=True)
+@pytest.mark.parametrize("method,k,chunked", [("peagle", 4, False), ("eagle3", 3, False), ("eagle3", 3, True)])
+def test_async_speculative_greedy_equals_plain_greedy(target_dir, heads, reference, method, k, chunked):
+    llm = make_llm(target_dir, heads[method], k=k, parallel=method == "peagle", async_scheduling=True,
+                   **(CHUNKED if chunked else {}))
     oracle_proposer(llm.engine.runner, reference, k, random.Random(1))
     launched = count_launches(llm.engine.runner)
     outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)

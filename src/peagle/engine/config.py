@@ -163,6 +163,8 @@ class EngineConfig:
     async_scheduling: bool = False
     # the target's linear layers run the split-K GEMV kernel (kernels/gemv.py) at <= 8 rows instead of cuBLAS
     decode_gemv: bool = False
+    # vLLM's name: prompts longer than a step's max_num_batched_tokens left by the decodes are prefilled in chunks
+    enable_chunked_prefill: bool = False
 
     def __post_init__(self):
         if self.load_format not in ("auto", "dummy"):

@@ -43,7 +43,7 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, block_size: int = 16, num_kv_blocks: int | None = None,
                  enforce_eager: bool = False, seed: int = 0, load_format: str = "auto",
                  synthetic_acceptance: Sequence[float] | None = None, async_scheduling: bool = False,
-                 decode_gemv: bool = False):
+                 decode_gemv: bool = False, enable_chunked_prefill: bool = False):
         import torch
 
         _check_unimplemented(tensor_parallel_size, enable_prefix_caching, trust_remote_code)
@@ -56,7 +56,7 @@ class LLM:
             enforce_eager=enforce_eager, seed=seed, speculative=SpeculativeConfig.from_dict(speculative_config),
             load_format=load_format,
             synthetic_acceptance=tuple(synthetic_acceptance) if synthetic_acceptance is not None else None,
-            async_scheduling=async_scheduling, decode_gemv=decode_gemv,
+            async_scheduling=async_scheduling, decode_gemv=decode_gemv, enable_chunked_prefill=enable_chunked_prefill,
         )
         check_max_model_len(config)
         self.engine = LLMEngine(config)

@@ -70,10 +70,13 @@ class LLMEngine:
         self.runner = ModelRunner(self.target, drafter, proposer_cls, k=self.k, block_size=block_size,
                                   num_blocks=num_blocks, max_model_len=self.max_model_len, device=self.device,
                                   dtype=self.dtype)
-        max_batched = config.max_num_batched_tokens or max(self.max_model_len, config.max_num_seqs * (self.k + 1))
+        # Without chunked prefill a step must hold a whole prompt; with it, vLLM's server default of 2048.
+        whole = 2048 if config.enable_chunked_prefill else self.max_model_len
+        max_batched = config.max_num_batched_tokens or max(whole, config.max_num_seqs * (self.k + 1))
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=self.max_model_len,
             block_size=block_size, num_blocks=num_blocks, num_lookahead_slots=2 * self.k,
+            enable_chunked_prefill=config.enable_chunked_prefill,
         ))
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer
                                        else self.model_config.eos_token_ids)
@@ -86,7 +89,7 @@ class LLMEngine:
             from peagle.engine.cuda_graph import CudaGraphs
 
             self.runner.graphs = CudaGraphs(self.runner, config.max_num_seqs, self._graph_ks())
-        self._inflight: tuple[list[Sequence], StepHandle] | None = None  # async scheduling: the launched step
+        self._inflight: _Launched | None = None  # async scheduling: the step whose answer is on its way
         if config.async_scheduling:
             self.runner.enable_async_copies(config.max_num_seqs)
         logger.info("engine ready: %s, %d KV blocks of %d, K=%d", config.model, num_blocks, block_size, self.k)
@@ -194,11 +197,13 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         if self.config.async_scheduling:
             return self._step_async()
-        sched, drafts, draft = self._schedule()
+        sched, drafts, draft, chunks = self._schedule()
         outputs: list[StepOutput] = []
         if sched.seqs:
-            result = self.runner.execute(sched.seqs, drafts, self._sampling_tensors(sched.seqs), draft=draft)
-            outputs = self._commit(sched.seqs, result)
+            chunked = {} if chunks is None else {"chunks": chunks}
+            result = self.runner.execute(sched.seqs, drafts, self._sampling_tensors(sched.seqs), draft=draft,
+                                         **chunked)
+            outputs = self._commit(_Launched(sched.seqs, None, chunks), result)
         return self._release(outputs)
 
     def _step_async(self) -> list[StepOutput]:
@@ -215,31 +220,34 @@ class LLMEngine:
         ahead = self._launch_ahead(prev) if prev is not None else None
         outputs: list[StepOutput] = []
         if prev is not None:
-            seqs, handle = prev
-            outputs = self._commit(seqs, handle.result(), None if ahead is None else ahead[1].k)
+            outputs = self._commit(prev, prev.handle.result(), None if ahead is None else ahead.handle.k)
         if ahead is None:
-            sched, drafts, draft = self._schedule()
+            sched, drafts, draft, chunks = self._schedule()
             if sched.seqs:
-                ahead = (sched.seqs, self.runner.launch(sched.seqs, drafts, self._sampling_tensors(sched.seqs),
-                                                        draft=draft))
+                st = self._sampling_tensors(sched.seqs)
+                ahead = _Launched(sched.seqs, self.runner.launch(sched.seqs, drafts, st, draft, chunks), chunks)
         self._inflight = ahead
         return self._release(outputs)
 
-    def _launch_ahead(self, prev: tuple[list[Sequence], StepHandle]) -> tuple[list[Sequence], StepHandle] | None:
+    def _launch_ahead(self, prev: _Launched) -> _Launched | None:
         """The decode step after `prev`, launched before prev's answer arrived; None when it needs the answer."""
-        prev_seqs, handle = prev
-        rows = [i for i, seq in enumerate(prev_seqs) if not seq.is_finished]
-        seqs = [prev_seqs[i] for i in rows]
+        if prev.chunks is not None:
+            return None  # a prefill chunk's answer is no next token
+        handle = prev.handle
+        rows = [i for i, seq in enumerate(prev.seqs) if not seq.is_finished]
+        seqs = [prev.seqs[i] for i in rows]
         if any(seq.sampling_params.needs_logits_processing for seq in seqs):
             return None  # penalties, min_tokens and grammars read the history and drafts the answer in flight holds
         k_policy = self.spec.adaptive.k_for(len(seqs), self.k) if self.spec else 0
         k = min(k_policy, handle.num_drafts)
         if not self.scheduler.schedule_ahead(seqs, handle.k + 1, k + 1):
             return None
-        return seqs, self.runner.launch_next(handle, rows, seqs, self._sampling_tensors(seqs), k, draft=k_policy > 0)
+        return _Launched(seqs, self.runner.launch_next(handle, rows, seqs, self._sampling_tensors(seqs), k,
+                                                       draft=k_policy > 0))
 
     def _schedule(self):
-        """The next step from the committed state: its scheduler output, each request's drafts, whether to draft."""
+        """The next step from the committed state: its scheduler output, each request's drafts, whether to draft,
+        and the tokens each request feeds when a prefill is chunked (else None)."""
         k = self.spec.adaptive.k_for(self.scheduler.num_running, self.k) if self.spec else 0
         for seq in self.scheduler.running:
             room = self.max_model_len - seq.num_tokens  # verify positions must stay inside max_model_len
@@ -247,15 +255,21 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         # The drafter runs unless the policy turned speculation off (K = 0); it still reads new prompts.
         draft = k > 0 or any(s.num_computed_tokens < s.num_tokens - 1 for s in sched.seqs)
-        return sched, [s.draft_token_ids for s in sched.seqs], draft
+        counts = sched.num_scheduled_tokens
+        chunks = counts if any(n < s.num_new_tokens for s, n in zip(sched.seqs, counts)) else None
+        return sched, [s.draft_token_ids for s in sched.seqs], draft, chunks
 
-    def _commit(self, seqs: list[Sequence], result: StepResult, next_k: int | None = None) -> list[StepOutput]:
+    def _commit(self, step: _Launched, result: StepResult, next_k: int | None = None) -> list[StepOutput]:
         """Apply a step's answer. `next_k`: the drafts the step launched after it verifies (async scheduling)."""
         now = time.monotonic()
         outputs = []
-        logprobs = result.logprobs or [None] * len(seqs)
-        for seq, tokens, drafts, lps in zip(seqs, result.output_tokens, result.drafts, logprobs):
+        logprobs = result.logprobs or [None] * len(step.seqs)
+        chunks = step.chunks or [None] * len(step.seqs)
+        for seq, tokens, drafts, lps, n in zip(step.seqs, result.output_tokens, result.drafts, logprobs, chunks):
             if seq.is_finished:  # finished or aborted while its step was in flight: the answer is dropped
+                continue
+            if n is not None and n < seq.num_new_tokens:  # a prefill chunk: nothing sampled
+                seq.commit_chunk(n)
                 continue
             before = seq.num_tokens
             seq.commit(tokens, now)
@@ -303,6 +317,16 @@ class LLMEngine:
 
     def text_of(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids) if self.tokenizer else ""
+
+
+@dataclass
+class _Launched:
+    """A launched step: its batch, the answer's handle (None once read), and the tokens each request fed when a
+    prefill was chunked (None when every request fed its whole span)."""
+
+    seqs: list[Sequence]
+    handle: StepHandle | None
+    chunks: list[int] | None = None
 
 
 def _random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int):

@@ -43,6 +43,7 @@ class StepInputs:
     num_drafts: np.ndarray  # [B] int64
     max_query_len: int
     num_real: int  # requests before padding
+    chunk_next: np.ndarray | None = None  # [B] int64 the prompt token after a prefill chunk, -1 for the others
 
 
 @dataclass
@@ -135,19 +136,28 @@ class ModelRunner:
 
     # ---- host side: sequences -> arrays -------------------------------------------------------------------------
 
-    def build_inputs(self, seqs, drafts: list[list[int]], k: int, pad_to: int | None = None) -> StepInputs:
-        if all(s.num_tokens - s.num_computed_tokens == 1 and len(d) == k for s, d in zip(seqs, drafts)):
+    def build_inputs(self, seqs, drafts: list[list[int]], k: int, pad_to: int | None = None,
+                     chunks: list[int] | None = None) -> StepInputs:
+        """`chunks`: tokens each request feeds when some prefill is chunked (else every whole uncomputed span)."""
+        if chunks is None and all(s.num_tokens - s.num_computed_tokens == 1 and len(d) == k
+                                  for s, d in zip(seqs, drafts)):
             return self._build_decode_inputs(seqs, drafts, k, pad_to or len(seqs))
-        return self._build_general_inputs(seqs, drafts, k, pad_to)
+        return self._build_general_inputs(seqs, drafts, k, pad_to, chunks)
 
-    def _build_general_inputs(self, seqs, drafts: list[list[int]], k: int, pad_to: int | None) -> StepInputs:
-        """Any mix of prefills (whole uncomputed spans) and decodes with up to k drafts."""
+    def _build_general_inputs(self, seqs, drafts: list[list[int]], k: int, pad_to: int | None,
+                              chunks: list[int] | None = None) -> StepInputs:
+        """Any mix of prefills (whole uncomputed spans, or chunks of them) and decodes with up to k drafts."""
         bs = self.block_size
         ids, pos, slots, lens = [], [], [], []
         tables = np.full((pad_to or len(seqs), self.max_blocks_per_seq), self.scratch_block, dtype=np.int32)
+        chunk_next = None if chunks is None else np.full(len(tables), -1, dtype=np.int64)
         for b, (seq, d) in enumerate(zip(seqs, drafts)):
             nc = seq.num_computed_tokens
             feed = seq.token_ids[nc:] + d
+            if chunks is not None and chunks[b] < len(feed):  # a prefill chunk: the drafter reads the next token
+                assert not d, seq
+                feed = feed[:chunks[b]]
+                chunk_next[b] = seq.token_ids[nc + chunks[b]]
             p = np.arange(nc, nc + len(feed), dtype=np.int64)
             table = np.asarray(seq.block_table, dtype=np.int64)
             ids.append(np.asarray(feed, dtype=np.int64))
@@ -175,7 +185,7 @@ class ModelRunner:
         return StepInputs(
             input_ids=np.concatenate(ids), positions=np.concatenate(pos), slot_mapping=np.concatenate(slots),
             query_start_loc=qsl, block_tables=tables, logit_rows=rows.astype(np.int64), drafts=drafts_arr,
-            num_drafts=nd, max_query_len=max(lens), num_real=len(seqs),
+            num_drafts=nd, max_query_len=max(lens), num_real=len(seqs), chunk_next=chunk_next,
         )
 
     def _build_decode_inputs(self, seqs, drafts: list[list[int]], k: int, b: int) -> StepInputs:
@@ -206,10 +216,12 @@ class ModelRunner:
     def to_device(self, inp: StepInputs) -> dict[str, torch.Tensor]:
         dev = self.device
         t = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
-        return {"input_ids": t(inp.input_ids), "positions": t(inp.positions), "slot_mapping": t(inp.slot_mapping),
-                "query_start_loc": t(inp.query_start_loc), "block_tables": t(inp.block_tables),
-                "logit_rows": t(inp.logit_rows.reshape(-1)), "drafts": t(inp.drafts),
-                "num_drafts": t(inp.num_drafts)}
+        x = {"input_ids": t(inp.input_ids), "positions": t(inp.positions), "slot_mapping": t(inp.slot_mapping),
+             "query_start_loc": t(inp.query_start_loc), "block_tables": t(inp.block_tables),
+             "logit_rows": t(inp.logit_rows.reshape(-1)), "drafts": t(inp.drafts), "num_drafts": t(inp.num_drafts)}
+        if inp.chunk_next is not None:
+            x["chunk_next"] = t(inp.chunk_next)
+        return x
 
     # ---- device side --------------------------------------------------------------------------------------------
 
@@ -258,22 +270,25 @@ class ModelRunner:
             drafts = self.propose(x, aux, x["num_drafts"] - v.num_accepted, v.next_tokens, k + 1)
         return _pack(v, drafts, b)
 
-    def execute(self, seqs, drafts: list[list[int]], st: SamplingTensors, draft: bool = True) -> StepResult:
+    def execute(self, seqs, drafts: list[list[int]], st: SamplingTensors, draft: bool = True,
+                chunks: list[int] | None = None) -> StepResult:
         """One step, answered on the host (`launch` and wait)."""
-        return self.launch(seqs, drafts, st, draft).result()
+        return self.launch(seqs, drafts, st, draft, chunks).result()
 
     @torch.inference_mode()
-    def launch(self, seqs, drafts: list[list[int]], st: SamplingTensors, draft: bool = True) -> StepHandle:
+    def launch(self, seqs, drafts: list[list[int]], st: SamplingTensors, draft: bool = True,
+               chunks: list[int] | None = None) -> StepHandle:
         """One step from the host's sequences. `draft=False` skips the drafter (speculation off for this step): no
-        drafts come back."""
+        drafts come back. `chunks`: tokens fed per request when a prefill is chunked; a chunk's answer is
+        meaningless (nothing is sampled), but the drafter reads the prompt token after it, so its cache fills."""
         k = max((len(d) for d in drafts), default=0)
         draft = draft and self.proposer is not None
-        graphed = self.graphs is not None and self.graphs.can_run(seqs, drafts, k, draft)
+        graphed = chunks is None and self.graphs is not None and self.graphs.can_run(seqs, drafts, k, draft)
         if graphed:
             inp = self.build_inputs(seqs, drafts, k, pad_to=self.graphs.bucket_for(len(seqs)))
             x = self.graphs.load_inputs(inp)
         else:
-            inp = self.build_inputs(seqs, drafts, k)
+            inp = self.build_inputs(seqs, drafts, k, chunks=chunks)
             x = self.to_device(inp)
         return self._run(x, st, k, inp.num_real, inp.max_query_len, graphed, draft)
 
@@ -339,6 +354,8 @@ class ModelRunner:
             pad = x["query_start_loc"].shape[0] - 1 - num_real
             num_rejected = x["num_drafts"][:num_real] - v.num_accepted
             next_tokens = v.next_tokens
+            if "chunk_next" in x:
+                next_tokens = torch.where(x["chunk_next"] >= 0, x["chunk_next"], next_tokens)
             if pad:
                 num_rejected = torch.cat([num_rejected, num_rejected.new_zeros(pad)])
                 next_tokens = torch.cat([next_tokens, next_tokens.new_zeros(pad)])

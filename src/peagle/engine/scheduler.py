@@ -6,9 +6,15 @@ Each `schedule()` builds one step:
    recently admitted running sequence not yet in this step is preempted by recompute (its blocks freed, back to
    the front of the waiting queue). A sequence that has nobody left to preempt goes back to waiting itself, or,
    when it runs alone and still does not fit, finishes with "length": the cache cannot hold it.
-2. Waiting sequences, in order, as prefills of their whole uncomputed span (no chunked prefill), while
-   `max_num_seqs`, the token budget and free blocks allow; none are admitted in a step that preempted.
+2. Waiting sequences, in order, as prefills of their whole uncomputed span, while `max_num_seqs`, the token
+   budget and free blocks allow; none are admitted in a step that preempted.
 The batch is empty only when nothing is left waiting or running, so the engine loop cannot livelock.
+
+With `enable_chunked_prefill` (vLLM's name) a prefill that does not fit the step's remaining token budget runs in
+chunks: it takes what the decodes left, and continues in later steps, after every running decode. A long prompt then
+delays the running decodes by at most one step of `max_num_batched_tokens` tokens, instead of running whole in one
+step. `SchedulerOutput.num_scheduled_tokens` says how many tokens each sequence feeds; a chunk that ends before the
+uncomputed span does samples nothing (`seq.commit_chunk`).
 
 The engine's step: `out = schedule()`; run `out.seqs` (may be empty: skip the model); `seq.commit(new_token_ids)`
 for each; `scheduler.finish(seq, "stop")` on a stop string; set `seq.draft_token_ids` for the next verification
@@ -44,6 +50,7 @@ class SchedulerConfig:
     block_size: int
     num_blocks: int
     num_lookahead_slots: int = 0
+    enable_chunked_prefill: bool = False
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks"):
@@ -55,10 +62,11 @@ class SchedulerConfig:
                              f"got {self.max_model_len!r}")
         if not isinstance(self.num_lookahead_slots, int) or self.num_lookahead_slots < 0:
             raise ValueError(f"num_lookahead_slots must be an int >= 0, got {self.num_lookahead_slots!r}")
-        if self.max_num_batched_tokens < self.max_model_len:
+        if self.max_num_batched_tokens < self.max_model_len and not self.enable_chunked_prefill:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
-                f"({self.max_model_len}): prompts and recomputed sequences are prefilled in one step"
+                f"({self.max_model_len}): prompts and recomputed sequences are prefilled in one step "
+                f"(or turn on enable_chunked_prefill)"
             )
         if self.max_num_batched_tokens < 1 + self.num_lookahead_slots:
             raise ValueError(
@@ -72,6 +80,7 @@ class SchedulerOutput:
     seqs: list[Sequence]  # the step's batch: the first num_prefill are prefills, the rest decodes
     num_prefill: int
     preempted: list[Sequence]  # preempted by recompute during this call (now waiting, without blocks)
+    num_scheduled_tokens: list[int]  # per sequence: tokens fed, seq.num_new_tokens unless a prefill chunk
 
 
 class Scheduler:
@@ -125,9 +134,12 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self._reap()
-        decodes, preempted, num_tokens = self._schedule_running()
-        prefills = [] if preempted else self._admit_waiting(num_tokens)
-        return SchedulerOutput(prefills + decodes, len(prefills), preempted)
+        chunks: dict[int, int] = {}  # id(seq) -> tokens fed, for prefill chunks
+        decodes, prefilling, preempted, num_tokens = self._schedule_running(chunks)
+        admitted = [] if preempted else self._admit_waiting(num_tokens, chunks)
+        seqs = admitted + prefilling + decodes
+        counts = [chunks.get(id(seq), seq.num_new_tokens) for seq in seqs]
+        return SchedulerOutput(seqs, len(admitted) + len(prefilling), preempted, counts)
 
     def schedule_ahead(self, seqs: list[Sequence], num_inflight_tokens: int, num_new_tokens: int) -> bool:
         """Async scheduling: reserve blocks for the step after the one in flight, before its answer arrives.
@@ -158,14 +170,16 @@ class Scheduler:
             self.block_manager.allocate(seq, num_slots)
         return True
 
-    def _schedule_running(self) -> tuple[list[Sequence], list[Sequence], int]:
+    def _schedule_running(self, chunks: dict[int, int]):
+        """Running decodes, oldest first; then, with chunked prefill, the running sequences still prefilling."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[Sequence] = []
         preempted: list[Sequence] = []
+        chunked = self.config.enable_chunked_prefill
         num_tokens = 0
         for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
-                continue
+            if seq.status is not SequenceStatus.RUNNING or (chunked and _is_prefilling(seq)):
+                continue  # preempted earlier in this loop, or a prefill chunk: after the decodes
             assert len(seq.draft_token_ids) <= self.config.num_lookahead_slots, seq
             n = seq.num_new_tokens
             if num_tokens + n > budget:
@@ -173,7 +187,16 @@ class Scheduler:
             if self._reserve(seq, scheduled, preempted):
                 scheduled.append(seq)
                 num_tokens += n
-        return scheduled, preempted, num_tokens
+        prefilling: list[Sequence] = []
+        for seq in list(self.running) if chunked else []:
+            if seq.status is not SequenceStatus.RUNNING or not _is_prefilling(seq) or num_tokens >= budget:
+                continue
+            if self._reserve(seq, scheduled + prefilling, preempted):
+                n = min(seq.num_new_tokens, budget - num_tokens)
+                chunks[id(seq)] = n
+                prefilling.append(seq)
+                num_tokens += n
+        return scheduled, prefilling, preempted, num_tokens
 
     def _reserve(self, seq: Sequence, scheduled: list[Sequence], preempted: list[Sequence]) -> bool:
         """Give a running `seq` blocks for its next step, preempting younger sequences; False if it lost its place."""
@@ -198,7 +221,7 @@ class Scheduler:
                 return candidate
         return None
 
-    def _admit_waiting(self, num_tokens: int) -> list[Sequence]:
+    def _admit_waiting(self, num_tokens: int, chunks: dict[int, int]) -> list[Sequence]:
         cfg = self.config
         admitted: list[Sequence] = []
         while self.waiting and len(self.running) < cfg.max_num_seqs:
@@ -208,16 +231,21 @@ class Scheduler:
                 self.waiting.popleft()
                 self._finish_out_of_kv(seq, num_slots)
                 continue
-            if num_tokens + seq.num_new_tokens > cfg.max_num_batched_tokens:
-                break
+            n = seq.num_new_tokens
+            if num_tokens + n > cfg.max_num_batched_tokens:
+                if not cfg.enable_chunked_prefill or num_tokens >= cfg.max_num_batched_tokens:
+                    break
+                n = cfg.max_num_batched_tokens - num_tokens
             if not self.block_manager.can_allocate(seq, num_slots):
                 break
+            if n < seq.num_new_tokens:
+                chunks[id(seq)] = n
             self.waiting.popleft()
             self.block_manager.allocate(seq, num_slots)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             admitted.append(seq)
-            num_tokens += seq.num_new_tokens
+            num_tokens += n
         return admitted
 
     def _preempt(self, seq: Sequence):
@@ -280,3 +308,8 @@ class Scheduler:
         for seq in finished:
             del self._seqs[seq.seq_id]
         return finished
+
+
+def _is_prefilling(seq: Sequence) -> bool:
+    """More than the last token is uncomputed: a prompt (or a recomputed sequence) not yet fully fed."""
+    return seq.num_tokens - seq.num_computed_tokens > 1

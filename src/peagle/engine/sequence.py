@@ -139,6 +139,12 @@ class Sequence:
         self.num_computed_tokens = len(self.token_ids) - 1
         return kept
 
+    def commit_chunk(self, num_tokens: int):
+        """Chunked prefill: the first `num_tokens` of the uncomputed span now have final target KV; nothing was
+        sampled (the span goes on past the chunk)."""
+        assert not self.draft_token_ids and self.num_computed_tokens + num_tokens < self.num_tokens, (self, num_tokens)
+        self.num_computed_tokens += num_tokens
+
     def _record_round(self, num_drafts: int, num_accepted: int):
         self.num_drafting_rounds += 1
         self.num_draft_tokens += num_drafts

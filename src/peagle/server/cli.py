@@ -49,6 +49,11 @@ def register(subparsers) -> None:
                         "(aliases bf16, fp16, fp32)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
+    p.add_argument("--enable-chunked-prefill", action="store_true",
+                   help="prefill long prompts in chunks of what the running decodes leave of each step's token budget, "
+                        "so they never stall the decodes for more than one step (vLLM's name; off by default)")
+    p.add_argument("--max-num-batched-tokens", type=int, metavar="N",
+                   help="tokens per step (default: max-model-len, or 2048 with --enable-chunked-prefill)")
     p.add_argument("--async-scheduling", action="store_true",
                    help="prepare the next step on the host while the GPU runs the current one (vLLM's name; off by "
                         "default until GPU timing shows it wins)")
@@ -73,6 +78,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
         enforce_eager=args.enforce_eager, seed=args.seed, speculative=spec, async_scheduling=args.async_scheduling,
+        enable_chunked_prefill=args.enable_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens,
     )
     check_max_model_len(config)
     engine = LLMEngine(config)

@@ -102,3 +102,35 @@ def test_plots_cover_what_was_measured(tmp_path):
     for png in written:
         data = png.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) < 100_000
+
+
+def test_schema_1_files_load_as_schema_2(tmp_path):
+    v1_point = {key: value for key, value in sample_points()[3].items()
+                if key not in ("adaptive", "temperature", "flags", "remeasured")}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"schema_version": 1, "kind": "peagle-bench", "command": "peagle bench --adaptive 8:7",
+                                "config": {"adaptive": [[8, 7]], "adaptive_above": 0}, "environment": {},
+                                "points": [v1_point, sample_points()[0]]}))
+    results = load_results(path)
+    assert results["schema_version"] == 2 and all(tuple(p) == POINT_KEYS for p in results["points"])
+    peagle, none = results["points"]
+    assert peagle["adaptive"] == {"thresholds": [[8, 7]], "above": 0} and none["adaptive"] is None
+    assert peagle["temperature"] == 0.0 and peagle["flags"] == [] and peagle["remeasured"] is None
+
+
+def test_bench_report_merges_runs_split_over_calls(tmp_path, capsys):
+    from peagle.cli import main
+
+    for name, points in (("a", sample_points()[:3]), ("b", sample_points()[3:])):
+        writer = ResultsWriter(tmp_path / name, f"peagle bench --part {name}", {"max_tokens": 256}, env={"gpu": None})
+        for p in points:
+            writer.add(p)
+    assert main(["bench-report", str(tmp_path / "a" / "results.json"), str(tmp_path / "b" / "results.json"),
+                 "--out", str(tmp_path / "all")]) == 0
+    merged = load_results(tmp_path / "all" / "results.json")
+    assert len(merged["points"]) == 7 and merged["config"]["merged_commands"] == [
+        "peagle bench --part a", "peagle bench --part b"]
+    assert "| 1 | 100.0 | 200.0 (K=3, AL 2.50) | 330.0 (K=7, AL 3.70) | 1.65x | 3.30x | 2.00x |" in (
+        tmp_path / "all" / "results.md").read_text()
+    assert main(["bench-report", str(tmp_path / "a" / "results.json"), str(tmp_path / "b" / "results.json")]) != 0
+    assert "--out DIR" in capsys.readouterr().err

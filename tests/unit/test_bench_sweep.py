@@ -8,7 +8,7 @@ import pytest
 
 from peagle.bench.datasets import Prompt
 from peagle.bench.engine_runner import EngineRunner
-from peagle.bench.report import POINT_KEYS, markdown
+from peagle.bench.report import POINT_KEYS, markdown, summary_line
 from peagle.bench.sweep import SweepConfig, run_benchmark, run_sweep
 
 STEP_S = 0.010  # fixed cost of one engine step
@@ -64,8 +64,11 @@ class FakeEngine:
     is -1 fail at their first step, as an over-long prompt does in the real engine.
     """
 
-    def __init__(self, clock: FakeClock, k: int = 0, accepted: int = 0, draft_s: float = 0.0, lose: bool = False):
+    def __init__(self, clock: FakeClock, k: int = 0, accepted: int = 0, draft_s: float = 0.0, lose: bool = False,
+                 verify_s: float = 0.0):
         self.clock, self.k, self.accepted, self.draft_s, self.lose = clock, k, accepted, draft_s, lose
+        self.verify_s = verify_s  # per running request and draft: verification that grows with the batch
+        self.extra_s = 0.0  # per step, to fake a stall
         self.running: dict[str, dict] = {}
         self.params_seen: list[int] = []
         self.temperatures_seen: list[float] = []
@@ -87,7 +90,8 @@ class FakeEngine:
         return {"running": len(self.running)}
 
     def step(self):
-        self.clock.t += STEP_S + PER_SEQ_S * len(self.running) + (self.draft_s if self.k else 0.0)
+        self.clock.t += (STEP_S + PER_SEQ_S * len(self.running) + (self.draft_s if self.k else 0.0)
+                         + self.verify_s * self.k * len(self.running) + self.extra_s)
         outputs = []
         for rid, r in list(self.running.items()):
             if r["bad"]:
@@ -331,3 +335,112 @@ def test_min_waves_reuses_prompts_when_the_dataset_runs_out():
     assert texts[8] == [texts[8][i % 10] for i in range(24)]
     with pytest.raises(ValueError, match="min_waves"):
         SweepConfig(model="unused", methods=("none",), min_waves=0)
+
+
+def test_min_seconds_adds_whole_waves_of_the_same_prompts():
+    clock = FakeClock()
+    engine = FakeEngine(clock)
+    m = runner(engine, clock, max_tokens=5).measure(prompts(4), 2, min_seconds=0.25)
+    wave = 5 * (STEP_S + 2 * PER_SEQ_S)  # 0.06 s: five steps of two requests
+    # 2 waves give 0.12 s, so waves are added while less than 0.25 s has passed: 5 waves, 10 requests.
+    assert m.num_prompts == 10 and m.wall_s == pytest.approx(5 * wave)
+    assert engine.params_seen == [2] * 4 + [5] * 10  # warm-up covers the distinct prompts only
+
+
+def test_request_plan_cycles_prompts_in_whole_waves():
+    from peagle.bench.measurement import RequestPlan
+
+    clock = FakeClock()
+    plan = RequestPlan(3, 3, 1.0, clock, clock())
+    assert [plan.take() for _ in range(3)] == [0, 1, 2]
+    assert [plan.take() for _ in range(3)] == [0, 1, 2]  # time left: another wave
+    clock.t += 1.0
+    assert plan.take() is None and RequestPlan(0, 1, 1.0, clock, clock()).take() is None
+
+
+def test_temperatures_make_tables_of_their_own(tmp_path):
+    config = SweepConfig(model="unused", draft_peagle="p", methods=("none", "peagle"), ks=(3,), concurrency=(1, 2),
+                         datasets=("mtbench",), num_prompts=2, max_tokens=6, temperatures=(0.0, 0.7))
+    engines = []
+
+    @contextlib.contextmanager
+    def open_runner(method, k, policy=None):
+        with fake_open_runner(FakeClock(), 6)(method, k, policy) as r:
+            engines.append(r.engine)
+            yield r
+
+    results, files = run_benchmark(config, tmp_path, "peagle bench --test", open_runner)
+    assert [(p["method"], p["temperature"], p["concurrency"]) for p in results["points"][:4]] == [
+        ("none", 0.0, 1), ("none", 0.0, 2), ("none", 0.7, 1), ("none", 0.7, 2)]
+    assert set(engines[0].temperatures_seen) == {0.0, 0.7}  # warm-up and measured requests alike
+    table = (tmp_path / "results.md").read_text()
+    assert table.index("## Greedy") < table.index("## Temperature 0.7 sampling")
+    assert {p.name for p in files["plots"]} >= {"throughput_mtbench.png", "throughput_mtbench_t0.7.png"}
+    assert "speedup_peagle_vs_none_t0.7" in summary_line(results, files)
+
+
+def test_a_stalled_point_is_remeasured_with_the_same_engine(tmp_path):
+    config = SweepConfig(model="unused", methods=("none",), concurrency=(1, 2, 4, 8), datasets=("mtbench",),
+                         num_prompts=8, max_tokens=4)
+    opened = []
+
+    @contextlib.contextmanager
+    def open_runner(method, k, policy=None):
+        with fake_open_runner(FakeClock(), 4)(method, k, policy) as r:
+            real, calls = r.measure, []
+
+            def measure(ps, c, **options):
+                calls.append(c)
+                r.engine.extra_s = 0.05 if calls.count(4) == 1 and c == 4 else 0.0  # the first c=4 stalls
+                return real(ps, c, **options)
+
+            r.measure = measure
+            opened.append(calls)
+            yield r
+
+    results, _ = run_benchmark(config, tmp_path, "peagle bench --test", open_runner)
+    assert opened == [[1, 2, 4, 8, 4]]  # one engine; c=4 measured again at the end of its row
+    by_c = {p["concurrency"]: p for p in results["points"]}
+    assert by_c[4]["remeasured"]["tokens_per_s"] < 0.5 * by_c[4]["tokens_per_s"]
+    assert all(p["flags"] == [] for p in results["points"])
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["points"][2]["remeasured"] == by_c[4]["remeasured"]  # the file has the second measurement
+    assert "1 point(s) re-measured once, 0 still flagged" in (tmp_path / "results.md").read_text()
+
+
+def test_calibrate_writes_the_policy_beside_the_head_and_measures_it(tmp_path):
+    head = tmp_path / "head"
+    head.mkdir()
+    config = SweepConfig(model="unused", draft_peagle=str(head), methods=("none", "peagle"), ks=(3, 5),
+                         concurrency=(1, 8, 64), datasets=("mtbench",), num_prompts=4, max_tokens=16,
+                         calibrate=("peagle",))
+    rows = []
+
+    @contextlib.contextmanager
+    def open_runner(method, k, policy=None):
+        rows.append((method, k, policy))
+        clock = FakeClock()
+        # Acceptance saturates at 3 drafts; verification costs grow with K and the batch: K=3 wins alone, plain
+        # decoding wins from 8 requests on.
+        engine = FakeEngine(clock) if method == "none" else FakeEngine(clock, k=k, accepted=3, draft_s=0.002,
+                                                                       verify_s=0.005)
+        yield runner(engine, clock, 16)
+
+    results, files = run_benchmark(config, tmp_path / "out", "peagle bench --calibrate", open_runner)
+    policy = {"thresholds": [[2, 3]], "above": 0}
+    assert rows[-1] == ("peagle", 3, policy)  # measured last, as a row of its own
+    saved = json.loads((head / "adaptive.json").read_text())
+    assert {k: saved[k] for k in ("thresholds", "above")} == policy
+    assert [r["winner"] for r in saved["calibration"]["table"]] == [3, 0, 0]
+    assert files["policies"] == {"peagle": head / "adaptive.json"}
+    assert (tmp_path / "out" / "adaptive-peagle.json").is_file()
+    adaptive = [p for p in results["points"] if p["adaptive"]]
+    assert len(adaptive) == 3 and all(p["adaptive"] == policy and p["k"] == 3 for p in adaptive)
+    assert "P-EAGLE adaptive (2:3,above:0) tok/s" in (tmp_path / "out" / "results.md").read_text()
+    # A later run can measure the head's policy without deriving it again.
+    again = SweepConfig(model="unused", draft_peagle=str(head), methods=("peagle",), ks=(3,), adaptive_head=True)
+    assert again.groups()[-1] == ("peagle", 3, policy)
+    with pytest.raises(ValueError, match="--calibrate compares K against no speculation"):
+        SweepConfig(model="unused", draft_peagle=str(head), methods=("peagle",), calibrate=("peagle",))
+    with pytest.raises(ValueError, match="is not a directory"):
+        SweepConfig(model="unused", draft_peagle="dummy", methods=("none", "peagle"), calibrate=("peagle",))

@@ -101,12 +101,13 @@ def _register_bench(subparsers) -> None:
     engine.add_argument("--adaptive", type=_adaptive, metavar="BOUND:K,...[,above:K] | head",
                         help="adds an adaptive row per speculative method: e.g. 8:7,32:5,above:3 verifies 7 drafts "
                              "while at most 8 requests run, 5 up to 32, 3 beyond (K 0 turns speculation off in its "
-                             "band); 'head': the policy in each head's adaptive.json")
-    engine.add_argument("--calibrate", action="store_true",
-                        help="derive each head's adaptive policy from the fixed-K rows (needs --methods none and "
-                             "eagle3/peagle): per concurrency the K, 0 = no speculation, with the most tokens/s; "
-                             "writes it to HEAD/adaptive.json (the head's default in LLM and peagle serve when no "
-                             "policy is given) and measures it as a row of its own")
+                             "band); 'head': the policy in the adaptive.json of each head that has one")
+    engine.add_argument("--calibrate", nargs="?", const="all", metavar="METHODS",
+                        help="derive the heads' adaptive policies from the fixed-K rows (needs --methods none and "
+                             "eagle3/peagle; METHODS: a comma list of those to calibrate, default all): per "
+                             "concurrency the K, 0 = no speculation, with the most tokens/s; writes it to "
+                             "HEAD/adaptive.json (the head's default in LLM and peagle serve when no policy is "
+                             "given) and measures it as a row of its own")
     engine.add_argument("--llm-option", type=_llm_option, action="append", default=[], metavar="KEY=VALUE",
                         help="any further LLM(...) keyword, VALUE as JSON (repeatable; recorded in the results)")
     checks = p.add_argument_group("hygiene: points far off their neighbours or stalled are re-measured once")
@@ -169,10 +170,17 @@ def sweep_config_from_args(args: argparse.Namespace):
         hf_baselines=args.hf_baselines, hf_num_prompts=args.hf_num_prompts, hf_batch_sizes=args.hf_batch_sizes,
         note=_note(args), tokenizer=args.tokenizer, load_format=args.load_format,
         synthetic_acceptance=args.synthetic_acceptance,
-        adaptive=policy[0], adaptive_above=policy[1], adaptive_head=args.adaptive == "head", calibrate=args.calibrate,
+        adaptive=policy[0], adaptive_above=policy[1], adaptive_head=args.adaptive == "head",
+        calibrate=_calibrated(args.calibrate, args.methods),
         hygiene=HygieneRules(drop_tolerance=args.flag_tolerance, stall_factor=args.stall_factor),
         remeasure=not args.no_remeasure,
     )
+
+
+def _calibrated(text: str | None, methods: tuple[str, ...]) -> tuple[str, ...]:
+    if text is None:
+        return ()
+    return tuple(m for m in methods if m != "none") if text == "all" else _names(text)
 
 
 def _note(args: argparse.Namespace) -> str | None:
@@ -213,7 +221,11 @@ def run_bench_report(args: argparse.Namespace) -> int:
     from peagle.bench.report import ResultsWriter, load_results, merge_results, print_outcome
     from peagle.bench.sweep import write_summaries
 
-    results = merge_results([load_results(path) for path in args.results])
+    runs = [load_results(path) for path in args.results]
+    for run, path in zip(runs, args.results):
+        if json.loads(path.read_text())["schema_version"] == 1:
+            _check_after_the_run(run["points"])
+    results = merge_results(runs)
     out = args.out or args.results[0].parent
     path = args.results[0]
     if len(args.results) > 1:
@@ -226,6 +238,14 @@ def run_bench_report(args: argparse.Namespace) -> int:
     files = write_summaries(results, out, path)
     print_outcome(results, files)
     return 0
+
+
+def _check_after_the_run(points: list[dict]) -> None:
+    """Flags on a schema 1 run's points, which had no hygiene checks (nothing is re-measured after the run)."""
+    from peagle.bench.hygiene import flag_points
+
+    for i, why in flag_points(points).items():
+        points[i]["flags"] = why
 
 
 def _register_testbed(subparsers) -> None:

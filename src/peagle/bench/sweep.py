@@ -70,12 +70,12 @@ class SweepConfig:
     load_format: str = "auto"
     synthetic_acceptance: tuple[float, ...] | None = None
     # Adaptive rows, one per speculative method: this policy ((running-request bound, K), ...) and K above the last
-    # bound; `adaptive_head`: each head's adaptive.json; `calibrate`: derive each head's policy from the fixed-K
-    # rows (with no speculation as K = 0), write it beside the head and measure it.
+    # bound; `adaptive_head`: the adaptive.json of each head that has one; `calibrate`: for these methods, derive
+    # the head's policy from the fixed-K rows (no speculation as K = 0), write it beside the head and measure it.
     adaptive: tuple[tuple[int, int], ...] = ()
     adaptive_above: int | None = None
     adaptive_head: bool = False
-    calibrate: bool = False
+    calibrate: tuple[str, ...] = ()
     # Hygiene: a point far off its neighbours, or stalled, is re-measured once (remeasure=False: only flagged).
     hygiene: HygieneRules = field(default_factory=HygieneRules)
     remeasure: bool = True
@@ -99,8 +99,15 @@ class SweepConfig:
             raise ValueError("min_seconds must be >= 0 and temperatures a non-empty list of numbers >= 0")
         if (self.has_policy or self.adaptive_head or self.calibrate) and self.url:
             raise ValueError("adaptive rows and --calibrate run in process: the server fixes its own policy")
-        if self.calibrate and ("none" not in self.methods or self.methods == ("none",)):
-            raise ValueError("--calibrate compares K against no speculation: give --methods none and eagle3/peagle")
+        if self.calibrate and ("none" not in self.methods or not set(self.calibrate) <= set(self.methods)
+                               or "none" in self.calibrate):
+            raise ValueError("--calibrate compares K against no speculation: give --methods none and the "
+                             f"eagle3/peagle methods to calibrate (got methods {self.methods}, calibrate "
+                             f"{self.calibrate})")
+        for method in self.calibrate:
+            if not Path(str(self.draft(method))).is_dir():
+                raise ValueError(f"--calibrate writes {POLICY_FILE} beside the {method} head: "
+                                 f"{self.draft(method)} is not a directory")
         if self.calibrate and self.adaptive_head:
             raise ValueError("--calibrate already measures the policy it writes beside the head: drop --adaptive head")
         if self.synthetic_acceptance is not None:
@@ -145,12 +152,14 @@ class SweepConfig:
             policy = {"thresholds": [list(t) for t in self.adaptive], "above": self.adaptive_above}
             rows += [(m, self.policy_k(policy), policy) for m in self.speculative_methods]
         if self.adaptive_head:
-            for m in self.speculative_methods:
-                path = Path(str(self.draft(m))) / POLICY_FILE
-                if not path.is_file():
-                    raise ValueError(f"--adaptive head: {path} does not exist (write it with peagle bench --calibrate)")
-                policy = read_policy(path)
-                rows.append((m, self.policy_k(policy), policy))
+            paths = {m: Path(str(self.draft(m))) / POLICY_FILE for m in self.speculative_methods}
+            if not any(path.is_file() for path in paths.values()):
+                raise ValueError(f"--adaptive head: none of {sorted(map(str, paths.values()))} exists (write one "
+                                 "with peagle bench --calibrate)")
+            for m, path in paths.items():
+                if path.is_file():
+                    policy = read_policy(path)
+                    rows.append((m, self.policy_k(policy), policy))
         return rows
 
     def policy_k(self, policy: dict) -> int:
@@ -220,25 +229,24 @@ def run_sweep(config: SweepConfig, open_runner: OpenRunner, sink: Sink,
               prompts: dict[str, list[Prompt]] | None = None, on_policy: OnPolicy | None = None) -> list[dict]:
     """Measures every row x temperature x dataset x concurrency point into `sink`; returns the points.
 
-    With `config.calibrate`, each speculative method's policy is derived from the fixed-K rows once they are
+    For each method in `config.calibrate`, the policy is derived from the fixed-K rows once they are
     measured, handed to `on_policy` (which writes it) and measured as a row of its own."""
     prompts = load_datasets(config) if prompts is None else prompts
     rows = config.groups()
     per_row = len(config.temperatures) * len(prompts) * len(config.concurrency)
-    calibrated = len(config.speculative_methods) if config.calibrate else 0
+    calibrated = len(config.calibrate)
     bar = tqdm(total=(len(rows) + calibrated) * per_row, desc="bench", unit="point")
     points: list[dict] = []
     fixed = [r for r in rows if r[2] is None]
     for row in fixed:
         points += _measure_row(config, open_runner, row, prompts, sink, bar)
     adaptive = [r for r in rows if r[2] is not None]
-    if config.calibrate:
-        for method in config.speculative_methods:
-            policy, table = derive_policy(points, method)
-            logger.info("calibrated %s policy: %s", method, policy_text(policy))
-            if on_policy is not None:
-                on_policy(method, policy, table)
-            adaptive.append((method, config.policy_k(policy), policy))
+    for method in config.calibrate:
+        policy, table = derive_policy(points, method)
+        logger.info("calibrated %s policy: %s", method, policy_text(policy))
+        if on_policy is not None:
+            on_policy(method, policy, table)
+        adaptive.append((method, config.policy_k(policy), policy))
     for row in adaptive:
         points += _measure_row(config, open_runner, row, prompts, sink, bar)
     bar.close()

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One script for the GPU machine: builds, checks and times peagle in stages that fit one call each.
-#   bash scripts/device/run.sh STAGE      (STAGE: stage_a | gpu_tests | stage_b | bench | final | scale | teacher)
+#   bash scripts/device/run.sh STAGE      (STAGE: stage_a | gpu_tests | stage_b | bench | bench2 | final | scale | teacher)
 # Large inputs travel in ignored folders named by the caller (.stage_a, .stage_b: halves of the testbed GGUF;
 # .whl: wheels missing on the machine; .gpu: prompt files). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
 # A session's plan, one call each, fired back to back while the machine stays warm (about 27 device minutes):
 #   stage_a && scale   carry .stage_a .whl        the first GGUF half; the 8B shape with the adaptive policy
 #   stage_b            carry .stage_b .whl .gpu   convert, regenerate, train three heads (TRAIN_SECS), GPU tests
-#   bench              the sweep with the HF baselines, then P-EAGLE under the adaptive policy
+#   bench              MT-Bench: the whole K x concurrency grid, then P-EAGLE's calibrated adaptive policy
+#   bench2             HumanEval and long code with that policy, the HF baselines, one report of both
 #   final              long context, greedy equality with the trained heads, training memory, the teacher's
 #                      attention variants, engine timing
 #                      (FINAL_SOAK=1 adds the server soak and the sampling check)
@@ -102,22 +103,53 @@ case "$stage" in
       cp "$W/train-$m/profile.txt" "$OUT/profile-$m.txt" 2>/dev/null || true
     done
     ;;
-  bench)
-    # The seeds' experiment: methods x K x concurrency on MT-Bench and HumanEval, then the HF baselines on the same
-    # prompts. results.json is rewritten after every point, so a run cut by the time limit keeps what it measured.
+  bench|bench2)
+    # The seeds' experiment (issue 15), in two calls of about 8.5 device minutes each. Every point runs >= 3 waves
+    # and >= 5 s (BENCH_WAVES, BENCH_MIN_S); a point far off its neighbours, or stalled, is re-measured once; and
+    # results.json is rewritten after every point, so a run cut by its time limit keeps what it measured.
+    #   bench:  MT-Bench, the whole grid: none, EAGLE-3 and P-EAGLE at K 3/5/7/11 (BENCH_K), concurrency 1-64
+    #           (BENCH_C); then --calibrate derives P-EAGLE's adaptive policy from those rows, writes it beside a
+    #           linked copy of the head ($W/heads/peagle-cal/adaptive.json; later stages keep the fixed-K head)
+    #           and measures it as a row of its own.
+    #   bench2: HumanEval and the long-code set at concurrency BENCH2_C (1,64; 1,8,64 adds about 2 minutes) with
+    #           that policy as its own row; the HF baselines on MT-Bench and HumanEval; one report of both calls
+    #           (bench-report of bench-t0, bench2, bench-hf) in $OUT/sweep.
+    # A sampled table is one more call: BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head (bench) or BENCH2_TEMPS=0.7 (bench2).
     link_heads
-    timeout -s INT ${BENCH_SECS:-540} $py -m peagle bench --model "$W/smollm2" --draft-eagle3 "$W/heads/eagle3" \
-      --draft-peagle "$W/heads/peagle" --methods none,eagle3,peagle --k ${BENCH_K:-3,5,7} \
-      --concurrency ${BENCH_C:-1,2,4,8,16,32,64} --datasets mtbench,humaneval --num-prompts ${BENCH_N:-24} \
-      --min-waves ${BENCH_WAVES:-3} \
-      --max-tokens 128 --max-model-len 4096 --hf-baselines --hf-num-prompts ${HF_N:-4} --hf-batch-sizes 1,64 \
-      --out "$OUT/bench" 2>&1 | grep -v -E "^\s*$|it/s\]|point/s\]" | tail -60 || true
-    # The adaptive policy (K by running requests) against the fixed-K rows above, same prompts, same machine.
-    timeout -s INT ${ADAPTIVE_SECS:-75} $py -m peagle bench --model "$W/smollm2" --draft-peagle "$W/heads/peagle" \
-      --methods peagle --k 7 --adaptive ${ADAPTIVE:-8:7,16:5,32:3,above:0} --concurrency ${BENCH_C:-1,2,4,8,16,32,64} \
-      --datasets mtbench,humaneval --num-prompts ${BENCH_N:-24} --min-waves ${BENCH_WAVES:-3} --max-tokens 128 \
-      --max-model-len 4096 \
-      --out "$OUT/bench-adaptive" 2>&1 | grep -v -E "^\s*$|it/s\]|point/s\]" | tail -20 || true
+    cal="$W/heads/peagle-cal"
+    mkdir -p "$cal"
+    for f in "$W/heads/peagle"/*; do
+      [ "$(basename "$f")" = adaptive.json ] || ln -sfn "$(readlink -f "$f")" "$cal/"
+    done
+    sweep() {  # out_dir time_limit_s peagle-bench-arguments...
+      local out=$1 secs=$2; shift 2
+      timeout -s INT "$secs" $py -m peagle bench --model "$W/smollm2" --draft-eagle3 "$W/heads/eagle3" \
+        --draft-peagle "$cal" --max-tokens 128 --num-prompts ${BENCH_N:-24} --min-waves ${BENCH_WAVES:-3} \
+        --min-seconds ${BENCH_MIN_S:-5} --out "$out" "$@" 2>&1 | grep -v -E "^\s*$|it/s\]|point/s\]" | tail -40 || true
+      [ -f "$out/results.md" ] || $py -m peagle bench-report "$out/results.json" > /dev/null 2>&1 || true
+    }
+    if [ "$stage" = bench ]; then
+      temps=${BENCH_TEMPS:-0}
+      adaptive=(--calibrate peagle)
+      [ "${BENCH_ADAPTIVE:-calibrate}" = head ] && adaptive=(--adaptive head)
+      sweep "$OUT/bench-t${temps//,/_}" ${BENCH_SECS:-530} --methods none,eagle3,peagle --k ${BENCH_K:-3,5,7,11} \
+        --concurrency ${BENCH_C:-1,2,4,8,16,32,64} --datasets ${BENCH_DATASETS:-mtbench} --temperature "$temps" \
+        --max-model-len 4096 "${adaptive[@]}"
+    else
+      adaptive=()
+      [ -f "$cal/adaptive.json" ] && adaptive=(--adaptive head)
+      sweep "$OUT/bench2" ${BENCH2_SECS:-330} --methods none,eagle3,peagle --k ${BENCH_K:-3,5,7,11} \
+        --concurrency ${BENCH2_C:-1,64} --datasets ${BENCH2_DATASETS:-humaneval,longcode} \
+        --temperature ${BENCH2_TEMPS:-0} --max-model-len 8192 "${adaptive[@]}"
+      # transformers generate (greedy) beside a no-speculation point; the P-EAGLE rows come from the runs above.
+      sweep "$OUT/bench-hf" ${HF_SECS:-150} --methods none --concurrency 1 --datasets mtbench,humaneval \
+        --max-model-len 4096 --hf-baselines --hf-num-prompts ${HF_N:-4} --hf-batch-sizes 1,64
+      runs=()
+      for r in "$W"/results/bench-t*/results.json "$OUT/bench2/results.json" "$OUT/bench-hf/results.json"; do
+        [ -f "$r" ] && runs+=("$r")
+      done
+      [ ${#runs[@]} -gt 0 ] && $py -m peagle bench-report "${runs[@]}" --out "$OUT/sweep" | tail -1 || true
+    fi
     ;;
   final)
     # Long-context acceptance (heads trained at 8K vs 2K), the server soak, training memory, the 8B shape.

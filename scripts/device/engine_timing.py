@@ -14,7 +14,11 @@ CUDA time) is written to DIR/profile-METHOD-kK-bB.txt: where "other" goes.
 Variants (one engine each, timed side by side per method): `sync` is the engine as before; `async` schedules the next
 step while the GPU runs the current one (async_scheduling: "other" then is the host time the GPU waits for, and
 `ahead_share` the rounds launched before the previous answer arrived); `gemv` runs the target's linear layers at
-<= 8 rows through the split-K GEMV kernel (decode_gemv: it changes the GPU columns); `async+gemv` both.
+<= 8 rows through the split-K GEMV kernel (decode_gemv: it changes the GPU columns); `async+gemv` both;
+`chunked` prefills in chunks of what the decodes leave of 512 tokens per step (enable_chunked_prefill).
+With --stall N, each variant also times the stall a new N-token prompt causes: 8 requests decode, the prompt
+arrives, and `stall_max_ms` is the longest step until its first token, against `stall_decode_ms`, a decode step's
+median before it arrived (without chunking, one step prefills the whole prompt).
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from peagle.models.loader import load_tokenizer
 CONFIGS = {"none": ("none", None, 0, False), "peagle": ("peagle", "peagle", 7, True),
            "eagle3-k3": ("eagle3", "eagle3", 3, False), "eagle3-k7": ("eagle3", "eagle3", 7, False)}
 VARIANTS = {"sync": {}, "async": {"async_scheduling": True}, "gemv": {"decode_gemv": True},
-            "async+gemv": {"async_scheduling": True, "decode_gemv": True}}
+            "async+gemv": {"async_scheduling": True, "decode_gemv": True},
+            "chunked": {"enable_chunked_prefill": True, "max_num_batched_tokens": 512}}
 
 
 def gpu_ms(fn, iters=50) -> float:
@@ -115,6 +120,31 @@ def measure(llm, prompts, batch: int, k: int, rounds: int = 40, profile_path=Non
     return row
 
 
+def measure_stall(llm, prompts, prompt_len: int, batch: int = 8, rounds: int = 20) -> dict:
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
+    for i in range(batch):
+        eng.add_request(f"s-{i}", prompts[i % len(prompts)], params)
+    while eng.scheduler.num_waiting or any(s.num_computed_tokens == 0 for s in eng.scheduler.running):
+        eng.step()
+    before = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        eng.step()
+        before.append(time.perf_counter() - t0)
+    long_prompt = [t for p in prompts for t in p][:prompt_len]
+    seq = eng.add_request("s-long", long_prompt, params)
+    during = []
+    while seq.num_output_tokens == 0:
+        t0 = time.perf_counter()
+        eng.step()
+        during.append(time.perf_counter() - t0)
+    for s in list(eng.scheduler.running):
+        eng.abort_request(s.seq_id)
+    return {"batch": batch, "stall_prompt_tokens": len(long_prompt), "stall_decode_ms": 1e3 * statistics.median(before),
+            "stall_max_ms": 1e3 * max(during), "stall_steps": len(during), "stall_ttft_ms": 1e3 * sum(during)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("target")
@@ -123,6 +153,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--methods", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS)} (those with a --head)")
     ap.add_argument("--variants", default="sync", help=f"engine variants timed side by side: {', '.join(VARIANTS)}")
+    ap.add_argument("--stall", type=int, metavar="N", help="also time the stall a new N-token prompt causes")
     ap.add_argument("--profile", metavar="DIR", help="also write a torch.profiler table per method and batch here")
     args = ap.parse_args(argv)
     heads = dict(h.split("=", 1) for h in args.head)
@@ -150,6 +181,10 @@ def main(argv=None) -> int:
                 with open(args.out, "w") as f:  # after every row: a run cut short keeps what it measured
                     json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f,
                               indent=1)
+            if args.stall:
+                row = {"method": name, "variant": variant, "k": k, **measure_stall(llm, prompts, args.stall)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
             del llm
             gc.collect()
             torch.cuda.empty_cache()
@@ -161,8 +196,15 @@ def print_table(rows) -> None:
     cols = ("method", "variant", "batch", "k", "round_ms", "gpu_round_ms", "target_ms", "host_build_ms", "other_ms",
             "other_share", "ahead_share", "output_tokens_per_s")
     print(" | ".join(cols))
-    for row in rows:
+    for row in (r for r in rows if "round_ms" in r):
         print(" | ".join(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in cols))
+    stalls = [r for r in rows if "stall_max_ms" in r]
+    if stalls:
+        cols = ("method", "variant", "stall_prompt_tokens", "stall_decode_ms", "stall_max_ms", "stall_steps",
+                "stall_ttft_ms")
+        print(" | ".join(cols))
+        for row in stalls:
+            print(" | ".join(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in cols))
 
 
 if __name__ == "__main__":

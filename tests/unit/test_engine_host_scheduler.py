@@ -346,6 +346,8 @@ def test_chunked_prefill_never_stalls_running_decodes():
 def test_chunked_prefill_config_and_a_prompt_over_the_budget():
     with pytest.raises(ValueError, match="enable_chunked_prefill"):
         make_config(max_num_batched_tokens=16, max_model_len=64)
+    with pytest.raises(ValueError, match="starve"):  # 4 decodes of 1 + 3 drafts would fill every step
+        make_config(max_num_batched_tokens=15, enable_chunked_prefill=True, num_lookahead_slots=6)
     sched = Scheduler(make_config(max_num_batched_tokens=16, max_model_len=64, enable_chunked_prefill=True))
     seq = make_seq("a", num_prompt=40, max_tokens=2)
     sched.add(seq)

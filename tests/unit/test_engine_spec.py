@@ -95,8 +95,8 @@ def reference_drafts(model, drafter, ctx: list[int], k: int, parallel: bool) -> 
     return drafts
 
 
-# Chunked prefill: a step of 12 tokens holds the decodes and a chunk of an 11-token prompt at most.
-CHUNKED = {"enable_chunked_prefill": True, "max_num_batched_tokens": 12}
+# Chunked prefill: a step of 16 tokens holds the decodes (3 x 5 at most) and what they leave of a prompt.
+CHUNKED = {"enable_chunked_prefill": True, "max_num_batched_tokens": 16}
 
 
 @pytest.mark.parametrize("method,k,chunked", [("peagle", 4, False), ("eagle3", 3, False), ("peagle", 4, True)])

@@ -68,6 +68,13 @@ class SchedulerConfig:
                 f"({self.max_model_len}): prompts and recomputed sequences are prefilled in one step "
                 f"(or turn on enable_chunked_prefill)"
             )
+        per_decode = 1 + self.num_lookahead_slots // 2  # the last token and K drafts
+        if self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_num_seqs * per_decode:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs x (1 + K) "
+                f"({self.max_num_seqs * per_decode}) with enable_chunked_prefill: prefill chunks get what the "
+                f"decodes leave, and would starve behind a full batch of decodes"
+            )
         if self.max_num_batched_tokens < 1 + self.num_lookahead_slots:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= 1 + num_lookahead_slots "

@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
 # One script for the GPU machine: builds, checks and times peagle in stages that fit one call each.
-#   bash scripts/device/run.sh STAGE      (STAGE: stage_a | gpu_tests | stage_b | bench | bench2 | final | scale | teacher)
+#   bash scripts/device/run.sh STAGE  (STAGE: stage_a | gpu_tests | data | throughput | train | wait | heads | ablate |
+#                                      stage_b | bench | bench2 | final | scale | teacher)
 # Large inputs travel in ignored folders named by the caller (.stage_a, .stage_b: halves of the testbed GGUF;
-# .whl: wheels missing on the machine; .gpu: prompt files). Everything built lives under $W (kept while the
-# machine stays warm); results are copied to $OUT.
-# A session's plan, one call each, fired back to back while the machine stays warm (about 27 device minutes):
+# .whl: wheels missing on the machine, gguf at least; .gpu: prompt files; .old: an earlier source tree to time
+# against). Everything built lives under $W (kept while the machine stays warm); results are copied to $OUT.
+# This session's plan (issues 14 and 19), one call each, back to back while the machine stays warm:
+#   stage_a                      carry .stage_a .whl         the first GGUF half
+#   throughput && data && train  carry .stage_b .whl .gpu .old  convert; the trainer of .old/src vs today's, each
+#                                alone on the GPU; synthesise prompts and regenerate the training data; start both
+#                                heads' training in the background (TRAIN_MIN minutes, same data and time)
+#   wait && heads                the heads finish; served acceptance at K 3/5/7/11 and the walk-vs-served check
+#   ablate                       recipe A/B runs side by side on the same data, scored by the walk
+# The plan of earlier sessions:
 #   stage_a && scale   carry .stage_a .whl        the first GGUF half; the 8B shape with the adaptive policy
 #   stage_b            carry .stage_b .whl .gpu   convert, regenerate, train three heads (TRAIN_SECS), GPU tests
 #   bench              MT-Bench: the whole K x concurrency grid, then P-EAGLE's calibrated adaptive policy
@@ -12,7 +20,8 @@
 #   final              long context, greedy equality with the trained heads, training memory, the teacher's
 #                      attention variants, engine timing
 #                      (FINAL_SOAK=1 adds the server soak and the sampling check)
-# .gpu holds sharegpt_{train,test}.jsonl.gz and longcode_train.jsonl.gz (scripts/build_longcode.py --train).
+# .gpu holds sharegpt_train_turns.jsonl.gz (human turns of ShareGPT's train split), longcode_train.jsonl.gz
+# (scripts/build_longcode.py --train) and, for stage_b, sharegpt_train.jsonl.gz.
 # At most 8 files come back from a call: a stage that leaves more under $OUT packs them into $OUT/STAGE.tar.gz.
 set -euo pipefail
 W=${PEAGLE_WORK:-${TMPDIR:-/tmp}/peagle-device}
@@ -65,6 +74,107 @@ case "$stage" in
     ;;
   gpu_tests)
     $py -m pytest tests/gpu -q 2>&1 | tee "$OUT/gpu_tests.log"
+    ;;
+  throughput)
+    # Training throughput: the trainer of an earlier tree (.old/src) against today's, each run alone on the GPU,
+    # 8K packs; a count of synchronisations per step of today's trainer; a profile of today's P-EAGLE step.
+    need_model
+    zcat .gpu/sharegpt_train_turns.jsonl.gz | head -3000 > "$W/tp_prompts.jsonl"
+    [ -d "$W/data-tp" ] || timeout 100 $py -m peagle regenerate --model "$W/smollm2" \
+      --prompts "$W/tp_prompts.jsonl" --out "$W/data-tp" --max-tokens 384 --max-model-len 2048 2>&1 | tail -2
+    timeout ${TP_TIMEOUT:-330} $py scripts/device/train_throughput.py "$W/smollm2" "$OUT/train_throughput.json" \
+      --data "$W/data-tp" --seconds ${TP_SECS:-40} --sync-check "$PWD/src" --profile new-peagle \
+      --runs old-peagle=.old/src:peagle:8:8192:1 new-peagle="$PWD/src":peagle:8:8192:1 \
+             old-eagle3=.old/src:eagle3:7:8192:1 new-eagle3="$PWD/src":eagle3:7:8192:1 \
+             ${TP_EXTRA:-new-peagle-b4="$PWD/src":peagle:8:8192:4} 2>&1 | grep -v Warning | tail -12 || true
+    ;;
+  data)
+    # Training data at scale: self-synthesised prompts, every human turn of ShareGPT's train split answered turn by
+    # turn, long standard-library code prompts. Each command is time-bounded and resumable.
+    need_model
+    timeout ${SYNTH_SECS:-60} $py -m peagle synthesize --model "$W/smollm2" --out "$W/synth.jsonl" \
+      --count ${SYNTH_COUNT:-30000} --seed 0 --max-tokens 128 2>&1 | tail -2 || true
+    timeout ${REGEN_SECS:-150} $py -m peagle regenerate --model "$W/smollm2" \
+      --prompts .gpu/sharegpt_train_turns.jsonl.gz --multi-turn --max-turns 4 --out "$W/data-sharegpt" \
+      --max-tokens 512 --max-model-len 4096 2>&1 | tail -2 || true
+    [ -f "$W/synth.jsonl" ] && timeout ${SYNTH_REGEN_SECS:-80} $py -m peagle regenerate --model "$W/smollm2" \
+      --prompts "$W/synth.jsonl" --out "$W/data-synth" --max-tokens 512 --max-model-len 2048 2>&1 | tail -2 || true
+    timeout ${LONG_REGEN_SECS:-30} $py -m peagle regenerate --model "$W/smollm2" \
+      --prompts .gpu/longcode_train.jsonl.gz --out "$W/data-long" --max-tokens 256 --max-model-len 8192 \
+      2>&1 | tail -2 || true
+    for d in data-sharegpt data-synth data-long; do
+      $py -c "import json,sys; m=json.load(open('$W/$d/manifest.json')); s=[x for x in m['shards'] if x['file']];
+print('$d', sum(x['num_documents'] for x in s), 'documents', sum(x['num_tokens'] for x in s), 'tokens')" || true
+    done
+    ;;
+  train)
+    # Both heads on the same data for the same time, side by side, in the background (they outlive this call);
+    # `wait` collects them.
+    data=()
+    for d in data-sharegpt data-synth data-long; do
+      $py -c "import json,sys; sys.exit(not any(s['file'] for s in json.load(open('$W/$d/manifest.json'))['shards']))" \
+        2>/dev/null && data+=("$W/$d")
+    done
+    launch() {  # name method k_train max_length batch_size extra...
+      local name=$1 method=$2 k=$3 len=$4 bs=$5; shift 5
+      setsid $py -m peagle train --target "$W/smollm2" --data "${data[@]}" --method $method --out "$W/train-$name" \
+        --steps 1000000 --k-train $k --max-length $len --batch-size $bs --lr ${TRAIN_LR:-1e-3} --schedule cosine \
+        --save-every 500 --eval-every ${EVAL_EVERY:-400} --time-limit ${TRAIN_MIN:-9} "$@" \
+        > "$W/train-$name.log" 2>&1 < /dev/null &
+      echo $! > "$W/train-$name.pid"
+    }
+    launch peagle peagle ${PEAGLE_K:-12} 8192 ${PEAGLE_BS:-2} ${PEAGLE_ARGS:-}
+    launch eagle3 eagle3 ${EAGLE3_K:-7} 8192 ${EAGLE3_BS:-1} ${EAGLE3_ARGS:-}
+    sleep ${TRAIN_PEEK:-45}
+    for m in peagle eagle3; do tail -3 "$W/train-$m.log"; done
+    ;;
+  wait)
+    for m in peagle eagle3; do
+      while [ -f "$W/train-$m.pid" ] && kill -0 "$(cat "$W/train-$m.pid")" 2> /dev/null; do sleep 5; done
+      grep -E "schedule ends|eval at|Error|error" "$W/train-$m.log" | tail -4 || true
+      cp "$W/train-$m.log" "$OUT/"
+      cp "$W/train-$m/train_log.jsonl" "$OUT/train-$m.jsonl" 2>/dev/null || true
+    done
+    link_heads
+    ;;
+  heads)
+    # Served acceptance of the two heads (greedy, concurrency 1) and the walk against serving on held-out documents.
+    link_heads
+    data=()
+    for d in data-sharegpt data-synth data-long; do [ -d "$W/$d" ] && data+=("$W/$d"); done
+    timeout ${HEADS_BENCH_SECS:-240} $py -m peagle bench --model "$W/smollm2" --draft-eagle3 "$W/heads/eagle3" \
+      --draft-peagle "$W/heads/peagle" --methods none,eagle3,peagle --k ${HEADS_K:-3,5,7,11} --concurrency 1 \
+      --datasets mtbench,humaneval --num-prompts ${HEADS_N:-24} --max-tokens 256 --max-model-len 4096 \
+      --out "$OUT/heads-bench" 2>&1 | grep -v -E "^\s*$|it/s\]|point/s\]" | tail -30 || true
+    for m in peagle eagle3; do
+      timeout ${WALK_SECS:-110} $py scripts/device/walk_check.py "$W/smollm2" "$W/heads/$m" "$OUT/walk-$m.json" \
+        --data "${data[@]}" --k 7 --dtypes ${WALK_DTYPES:-float32,bfloat16} 2>&1 | grep -E "^\{|Error" || true
+    done
+    ;;
+  ablate)
+    # Recipe A/B: short P-EAGLE runs side by side on the same data for the same time, scored by the walk.
+    data=()
+    for d in data-sharegpt data-synth data-long; do [ -d "$W/$d" ] && data+=("$W/$d"); done
+    variant() {  # name extra...
+      local name=$1; shift
+      $py -m peagle train --target "$W/smollm2" --data "${data[@]}" --method peagle --out "$W/ab-$name" \
+        --steps 1000000 --k-train 8 --max-length 8192 --batch-size 1 --lr 1e-3 --schedule cosine \
+        --save-every 1000000 --eval-every 1000000 --time-limit ${AB_MIN:-3} "$@" > "$W/ab-$name.log" 2>&1 &
+    }
+    variant base
+    variant lr3e-4 --lr 3e-4
+    variant frozen-head --freeze-lm-head
+    variant decay0.8 --depth-decay 0.8
+    variant cod0.7 --cod-r 0.7
+    variant layers2 --num-layers 2
+    variant vocab32k --draft-vocab-size 32000
+    wait || true
+    for f in "$W"/ab-*/train_log.jsonl; do
+      name=$(basename "$(dirname "$f")"); cp "$f" "$OUT/$name.jsonl"
+      $py -c "import json; r=[json.loads(l) for l in open('$f')]; e=[x for x in r if x['kind']=='eval'][-1];
+t=[x for x in r if x['kind']=='train']; print('$name', 'steps', t[-1]['step'], 'walk_al', e['walk_al'].get('7'),
+'sim_al', e['sim_al'].get('7'), 'acc', e['acc'][:4])" || true
+    done
     ;;
   stage_b)
     # Convert; answer the training prompts (ShareGPT, and long standard-library code prompts); train three heads at

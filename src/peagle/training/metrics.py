@@ -56,13 +56,17 @@ def response_spans(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> list[tuple
     return spans
 
 
-def walk(lead: list[int], spans: list[tuple[int, int]], k: int) -> tuple[int, int]:
-    """(accepted drafts, rounds) of greedy serving with k drafts per round over the response spans."""
+def walk(lead: list[int], spans: list[tuple[int, int]], k: int, cap: bool = True) -> tuple[int, int]:
+    """(accepted drafts, rounds) of greedy serving with k drafts per round over the response spans.
+
+    With `cap`, a round accepts nothing past the end of its span. The engine counts what the verifier accepted
+    before it cuts the output at max_tokens (vLLM's convention), so a walk that is compared with it round for
+    round over a response cut short of its document runs with cap=False."""
     accepted = rounds = 0
     for start, end in spans:
         u = max(start + 1, 2)  # the next token to produce; the first response token came from the prefill
         while u < end:
-            m = min(lead[u - 2], k, end - u)
+            m = min(lead[u - 2], k, end - u) if cap else min(lead[u - 2], k)
             accepted, rounds, u = accepted + m, rounds + 1, u + m + 1
     return accepted, rounds
 

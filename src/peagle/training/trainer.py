@@ -483,11 +483,13 @@ class Trainer:
             logger.info("--time-limit: %.3f s per step, so the schedule ends at step %d instead of %d",
                         record["seconds_per_step"], record["total_steps"], record["requested_steps"])
         elif kind == "train":
-            logger.info("step %d/%d loss %.4f acc %s lr %.2e %.0f positions/s", step, self.total_steps,
-                        record["loss"], record["acc"][:4], record["lr"], record["positions_per_s"])
+            logger.info("step %d/%d loss %.4f acc %s lr %.2e %.0f tokens/s %.0f positions/s", step,
+                        self.total_steps, record["loss"], record["acc"][:4], record["lr"], record["tokens_per_s"],
+                        record["positions_per_s"])
         elif kind == "eval":
-            logger.info("eval at step %d: loss %.4f acc %s simulated AL@%d %.3f", step, record["loss"],
-                        record["acc"][:4], self.cfg.k_train, record["sim_al"][str(self.cfg.k_train)])
+            k = str(self.cfg.k_train)
+            logger.info("eval at step %d: loss %.4f acc %s walk AL@%s %.3f (simulated %.3f)", step, record["loss"],
+                        record["acc"][:4], k, record["walk_al"][k], record["sim_al"][k])
         if self._tensorboard is not None:
             for key, value in _scalars(record):
                 self._tensorboard.add_scalar(f"{kind}/{key}", value, step)
@@ -552,6 +554,19 @@ def config_record(cfg: TrainConfig) -> dict:
     return {k: plain(v) for k, v in asdict(cfg).items()}
 
 
+def split_sources(data_dirs, tokenizer: Tokenizer, vocab_size: int, eval_fraction: float, max_eval: int,
+                  seed: int) -> tuple[list[Document], list[Document]]:
+    """(train, held_out) documents of several data directories. Each source is held out from, so that the held-out
+    scores speak for the whole mixture: `max_eval` documents at most, shared out between the sources."""
+    train_docs, held_docs = [], []
+    for i, data_dir in enumerate(data_dirs):
+        share = max_eval // len(data_dirs) + (i < max_eval % len(data_dirs))
+        train, held = split_documents(read_documents(data_dir, tokenizer, vocab_size), eval_fraction, share, seed)
+        train_docs += train
+        held_docs += held
+    return train_docs, held_docs
+
+
 def build_trainer(cfg: TrainConfig, dist: DistContext) -> Trainer:
     """Loads the target, the data and a drafter (fresh or --init) and checks that they fit together."""
     target_config = ModelConfig.from_dir(cfg.target)
@@ -563,14 +578,8 @@ def build_trainer(cfg: TrainConfig, dist: DistContext) -> Trainer:
     if not cfg.resume and complete_checkpoints(cfg.out / CHECKPOINTS):
         raise FileExistsError(f"{cfg.out} already holds checkpoints; pass --resume to continue or choose another --out")
     tokenizer = load_tokenizer(cfg.target)
-    # Every data source is held out from, so that the held-out scores speak for the whole mixture.
-    train_docs, held_docs = [], []
-    for i, data_dir in enumerate(cfg.data):
-        share = cfg.max_eval_documents // len(cfg.data) + (i < cfg.max_eval_documents % len(cfg.data))
-        train, held = split_documents(read_documents(data_dir, tokenizer, target_config.vocab_size),
-                                      cfg.eval_fraction, share, cfg.seed)
-        train_docs += train
-        held_docs += held
+    train_docs, held_docs = split_sources(cfg.data, tokenizer, target_config.vocab_size, cfg.eval_fraction,
+                                          cfg.max_eval_documents, cfg.seed)
     logger.info("%d training documents, %d held out", len(train_docs), len(held_docs))
     target = load_model(cfg.target, "bfloat16" if dist.device.type == "cuda" else "float32", dist.device)
     drafter = _make_drafter(cfg, target, tokenizer, train_docs).to(dist.device)

@@ -121,7 +121,8 @@ def test_schema_1_files_load_as_schema_2(tmp_path):
 def test_bench_report_merges_runs_split_over_calls(tmp_path, capsys):
     from peagle.cli import main
 
-    for name, points in (("a", sample_points()[:3]), ("b", sample_points()[3:])):
+    slower_again = make_point("mtbench", "none", None, 1, measurement(90.0))  # measured again by run b
+    for name, points in (("a", sample_points()[:3]), ("b", [*sample_points()[3:], slower_again])):
         writer = ResultsWriter(tmp_path / name, f"peagle bench --part {name}", {"max_tokens": 256}, env={"gpu": None})
         for p in points:
             writer.add(p)

@@ -184,13 +184,17 @@ def upgrade_v1(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def merge_results(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Several runs' results as one (the first run's header; each run's command under config.merged_commands)."""
+    """Several runs' results as one: the first run's header, each run's command under config.merged_commands, and
+    each point once (a point measured again by a later run, e.g. a baseline's companion row, keeps the first)."""
     if len(runs) == 1:
         return runs[0]
     first = runs[0]
     config = {**first.get("config", {}), "merged_commands": [r.get("command", "") for r in runs]}
+    points: dict[tuple, dict] = {}
+    for p in (p for r in runs for p in r["points"]):
+        points.setdefault((p["dataset"], variant(p), p["k"], p["temperature"], p["concurrency"]), p)
     return {**first, "command": " && ".join(r.get("command", "") for r in runs), "config": config,
-            "points": [p for r in runs for p in r["points"]]}
+            "points": list(points.values())}
 
 
 # ---- summaries -------------------------------------------------------------------------------------------------

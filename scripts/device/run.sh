@@ -229,7 +229,7 @@ t=[x for x in r if x['kind']=='train']; print('$name', 'steps', t[-1]['step'], '
     cal="$W/heads/peagle-cal"
     mkdir -p "$cal"
     for f in "$W/heads/peagle"/*; do
-      [ "$(basename "$f")" = adaptive.json ] || ln -sfn "$(readlink -f "$f")" "$cal/"
+      [ -e "$f" ] && [ "$(basename "$f")" != adaptive.json ] && ln -sfn "$(readlink -f "$f")" "$cal/"
     done
     sweep() {  # out_dir time_limit_s peagle-bench-arguments...
       local out=$1 secs=$2; shift 2
@@ -248,11 +248,11 @@ t=[x for x in r if x['kind']=='train']; print('$name', 'steps', t[-1]['step'], '
     else
       adaptive=()
       [ -f "$cal/adaptive.json" ] && adaptive=(--adaptive head)
-      sweep "$OUT/bench2" ${BENCH2_SECS:-330} --methods none,eagle3,peagle --k ${BENCH_K:-3,5,7,11} \
+      sweep "$OUT/bench2" ${BENCH2_SECS:-360} --methods none,eagle3,peagle --k ${BENCH_K:-3,5,7,11} \
         --concurrency ${BENCH2_C:-1,64} --datasets ${BENCH2_DATASETS:-humaneval,longcode} \
         --temperature ${BENCH2_TEMPS:-0} --max-model-len 8192 "${adaptive[@]}"
       # transformers generate (greedy) beside a no-speculation point; the P-EAGLE rows come from the runs above.
-      sweep "$OUT/bench-hf" ${HF_SECS:-150} --methods none --concurrency 1 --datasets mtbench,humaneval \
+      sweep "$OUT/bench-hf" ${HF_SECS:-140} --methods none --concurrency 1 --datasets mtbench,humaneval \
         --max-model-len 4096 --hf-baselines --hf-num-prompts ${HF_N:-4} --hf-batch-sizes 1,64
       runs=()
       for r in "$W"/results/bench-t*/results.json "$OUT/bench2/results.json" "$OUT/bench-hf/results.json"; do

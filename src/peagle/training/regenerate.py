@@ -402,7 +402,7 @@ def regenerate(
     writer = _ShardWriter(out, manifest, start, len(conversations), batch_size, progress)
     job = _Regeneration(tokenizer, writer, max_tokens, max_model_len, max_turns)
     began = time.perf_counter()
-    with _stop_on_sigterm() as stopped:
+    with stop_on_sigterm() as stopped:
         try:
             job.run(Feeder(engine, max_num_seqs, stop=lambda: stopped.is_set()), conversations, start, multi_turn)
         finally:
@@ -419,7 +419,7 @@ def regenerate(
 
 
 @contextlib.contextmanager
-def _stop_on_sigterm() -> Iterator[threading.Event]:
+def stop_on_sigterm() -> Iterator[threading.Event]:
     """SIGTERM (e.g. `timeout`) sets the event instead of killing the process, so finished shards are written."""
     stopped = threading.Event()
     if threading.current_thread() is not threading.main_thread():

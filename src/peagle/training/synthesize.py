@@ -22,7 +22,7 @@ from pathlib import Path
 from peagle.models.loader import load_tokenizer
 from peagle.models.tokenizer import Tokenizer
 from peagle.training.data_sources import BenchmarkGuard, normalise, write_jsonl
-from peagle.training.regenerate import Feeder, make_engine
+from peagle.training.regenerate import Feeder, make_engine, stop_on_sigterm
 
 logger = logging.getLogger(__name__)
 
@@ -166,21 +166,23 @@ def synthesize(model: str | Path, out: str | Path, cfg: SynthesisConfig, *, dtyp
         return None
 
     share = 0.8  # the kept share assumed for the first round; later rounds use the measured one
-    for round_ in range(cfg.max_rounds):
-        need = cfg.count - len(kept)
-        if need <= 0:
-            break
-        n = math.ceil(need / max(share, 0.05) * 1.1)
-        before_sampled, before_kept = stats.sampled, len(kept)
-        first = stats.sampled
-        stats.sampled += n
-        Feeder(engine, cfg.max_num_seqs).run(((j, prefix, params) for j in range(first, first + n)), finished)
-        got = len(kept) - before_kept
-        logger.info("round %d: %d of %d samples kept (%d in all)", round_, got, stats.sampled - before_sampled,
-                    len(kept))
-        if got == 0:
-            break
-        share = len(kept) / stats.sampled
+    with stop_on_sigterm() as stopped:
+        for round_ in range(cfg.max_rounds):
+            need = cfg.count - len(kept)
+            if need <= 0 or stopped.is_set():
+                break
+            n = math.ceil(need / max(share, 0.05) * 1.1)
+            first, before_kept = stats.sampled, len(kept)
+            Feeder(engine, cfg.max_num_seqs, stop=stopped.is_set).run(
+                ((j, prefix, params) for j in range(first, first + n)), finished)
+            stats.sampled = first + n if not stopped.is_set() else len(kept) + sum(stats.rejected.values())
+            got = len(kept) - before_kept
+            logger.info("round %d: %d of %d samples kept (%d in all)", round_, got, stats.sampled - first, len(kept))
+            if got == 0:
+                break
+            share = len(kept) / stats.sampled
+    if stopped.is_set():
+        logger.warning("stopped by SIGTERM: writing the %d prompts kept so far", len(kept))
     texts = [kept[j] for j in sorted(kept)][:cfg.count]
     stats.kept = len(texts)
     system = [{"role": "system", "content": cfg.system}] if cfg.system is not None else []

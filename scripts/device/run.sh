@@ -21,7 +21,7 @@
 #                      attention variants, engine timing
 #                      (FINAL_SOAK=1 adds the server soak and the sampling check)
 # .gpu holds sharegpt_train_turns.jsonl.gz (human turns of ShareGPT's train split), longcode_train.jsonl.gz
-# (scripts/build_longcode.py --train) and, for stage_b, sharegpt_train.jsonl.gz.
+# (scripts/build_longcode.py --train), code_short.jsonl.gz (--train --short) and, for stage_b, sharegpt_train.jsonl.gz.
 # At most 8 files come back from a call: a stage that leaves more under $OUT packs them into $OUT/STAGE.tar.gz.
 set -euo pipefail
 W=${PEAGLE_WORK:-${TMPDIR:-/tmp}/peagle-device}
@@ -99,10 +99,13 @@ case "$stage" in
       --max-tokens 512 --max-model-len 4096 2>&1 | tail -2 || true
     [ -f "$W/synth.jsonl" ] && timeout ${SYNTH_REGEN_SECS:-80} $py -m peagle regenerate --model "$W/smollm2" \
       --prompts "$W/synth.jsonl" --out "$W/data-synth" --max-tokens 512 --max-model-len 2048 2>&1 | tail -2 || true
+    [ -f .gpu/code_short.jsonl.gz ] && timeout ${CODE_REGEN_SECS:-50} $py -m peagle regenerate --model "$W/smollm2" \
+      --prompts .gpu/code_short.jsonl.gz --out "$W/data-code" --max-tokens 512 --max-model-len 4096 \
+      2>&1 | tail -2 || true
     timeout ${LONG_REGEN_SECS:-30} $py -m peagle regenerate --model "$W/smollm2" \
       --prompts .gpu/longcode_train.jsonl.gz --out "$W/data-long" --max-tokens 256 --max-model-len 8192 \
       2>&1 | tail -2 || true
-    for d in data-sharegpt data-synth data-long; do
+    for d in data-sharegpt data-synth data-code data-long; do
       $py -c "import json,sys; m=json.load(open('$W/$d/manifest.json')); s=[x for x in m['shards'] if x['file']];
 print('$d', sum(x['num_documents'] for x in s), 'documents', sum(x['num_tokens'] for x in s), 'tokens')" || true
     done
@@ -111,7 +114,7 @@ print('$d', sum(x['num_documents'] for x in s), 'documents', sum(x['num_tokens']
     # Both heads on the same data for the same time, side by side, in the background (they outlive this call);
     # `wait` collects them.
     data=()
-    for d in data-sharegpt data-synth data-long; do
+    for d in data-sharegpt data-synth data-code data-long; do
       $py -c "import json,sys; sys.exit(not any(s['file'] for s in json.load(open('$W/$d/manifest.json'))['shards']))" \
         2>/dev/null && data+=("$W/$d")
     done
@@ -141,7 +144,7 @@ print('$d', sum(x['num_documents'] for x in s), 'documents', sum(x['num_tokens']
     # Served acceptance of the two heads (greedy, concurrency 1) and the walk against serving on held-out documents.
     link_heads
     data=()
-    for d in data-sharegpt data-synth data-long; do [ -d "$W/$d" ] && data+=("$W/$d"); done
+    for d in data-sharegpt data-synth data-code data-long; do [ -d "$W/$d" ] && data+=("$W/$d"); done
     timeout ${HEADS_BENCH_SECS:-240} $py -m peagle bench --model "$W/smollm2" --draft-eagle3 "$W/heads/eagle3" \
       --draft-peagle "$W/heads/peagle" --methods none,eagle3,peagle --k ${HEADS_K:-3,5,7,11} --concurrency 1 \
       --datasets mtbench,humaneval --num-prompts ${HEADS_N:-24} --max-tokens 256 --max-model-len 4096 \
@@ -154,7 +157,7 @@ print('$d', sum(x['num_documents'] for x in s), 'documents', sum(x['num_tokens']
   ablate)
     # Recipe A/B: short P-EAGLE runs side by side on the same data for the same time, scored by the walk.
     data=()
-    for d in data-sharegpt data-synth data-long; do [ -d "$W/$d" ] && data+=("$W/$d"); done
+    for d in data-sharegpt data-synth data-code data-long; do [ -d "$W/$d" ] && data+=("$W/$d"); done
     variant() {  # name extra...
       local name=$1; shift
       $py -m peagle train --target "$W/smollm2" --data "${data[@]}" --method peagle --out "$W/ab-$name" \

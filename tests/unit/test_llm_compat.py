@@ -143,3 +143,10 @@ def test_min_p_keeps_only_likely_tokens(llm):
     hot = llm.generate("Hello", SamplingParams(temperature=1.5, min_p=1.0, max_tokens=10, ignore_eos=True, seed=3),
                        use_tqdm=False)
     assert hot[0].token_ids == greedy[0].token_ids
+
+
+def test_chat_with_tools_needs_a_template_that_renders_them(llm):
+    out = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match="tools"):
+        llm.chat([{"role": "user", "content": "Hi"}], tools=[{"type": "function", "function": {"name": "f"}}])

@@ -94,12 +94,15 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True, *,
              add_generation_prompt: bool = True, tools: list | None = None) -> list[RequestOutput]:
-        if tools:
-            raise ValueError("tools are not supported by peagle yet")
+        """`tools` (OpenAI's function definitions) are rendered by the chat template, as vLLM's chat() does; the
+        output is text (parse calls with peagle.server.tool_calls.parse_tool_calls)."""
         if self.tokenizer is None:
             raise ValueError("this model directory has no tokenizer, so chat() cannot apply a chat template")
+        if tools and "tools" not in (self.tokenizer.chat_template or ""):
+            raise ValueError("tools: this model's chat template does not render tools")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(c, add_generation_prompt=add_generation_prompt)}
+        prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(c, add_generation_prompt=add_generation_prompt,
+                                                                   tools=tools or None)}
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

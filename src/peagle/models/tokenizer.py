@@ -91,10 +91,10 @@ class Tokenizer:
                 "this tokenizer has no chat template (none in tokenizer_config.json or chat_template.jinja); "
                 "pass a raw prompt instead of chat messages"
             )
-        context = {**self.special_tokens, **template_kwargs}
+        # tools and documents may come in template_kwargs (as transformers takes them); None when not given.
+        context = {"tools": None, "documents": None, **self.special_tokens, **template_kwargs}
         return _compile(self.chat_template).render(
-            messages=list(messages), tools=None, documents=None, add_generation_prompt=add_generation_prompt,
-            **context,
+            messages=list(messages), add_generation_prompt=add_generation_prompt, **context,
         )
 
     def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True, **template_kwargs: Any

@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 from peagle.server.async_engine import AsyncEngine, RequestFailed
 from peagle.server.protocol import ApiError, DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, parse_request
 from peagle.server.serving import ClientGone, Serving
+from peagle.server.tool_calls import template_supports_tools
 
 DEFAULT_MAX_QUEUE = 256
 
@@ -104,8 +105,11 @@ def _tokenizer_router(serving: Serving) -> APIRouter:
         serving.check_model(req.model)
         tok = tokenizer()
         if req.messages is not None:
-            ids = serving.render_chat([m.model_dump(exclude_none=True) for m in req.messages],
-                                      req.add_generation_prompt, False)
+            if req.tools and not template_supports_tools(tok.chat_template):
+                raise ApiError(400, "this model's chat template does not render tools", param="tools")
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            ids = serving.render_chat([m.template_message() for m in req.messages], req.add_generation_prompt,
+                                      False, tools)
         else:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return JSONResponse({"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids})

@@ -49,7 +49,7 @@ _NO_OP_VALUES: dict[str, tuple] = {
     "structural_tag": (), "guided_decoding_backend": (), "guided_whitespace_pattern": (),
 }
 _NOT_SUPPORTED_WHY = {
-    "tools": "tool calling is not supported yet", "tool_choice": "tool calling is not supported yet",
+    "tools": "tools belong to /v1/chat/completions", "tool_choice": "tools belong to /v1/chat/completions",
     "functions": "function calling is not supported", "function_call": "function calling is not supported",
     "guided_decoding_backend": "peagle has one structured-output backend (llguidance)",
     "guided_whitespace_pattern": "JSON is written with ', ' and ': ' separators and no other whitespace",
@@ -186,18 +186,34 @@ class SamplingFields(_Request):
         raise NotImplementedError
 
 
+class CalledFunction(_Request):
+    name: str
+    arguments: str  # JSON text
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, arguments: str) -> str:
+        try:
+            parsed = json.loads(arguments)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"arguments must be JSON text: {e}") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("arguments must be a JSON object")
+        return arguments
+
+
+class MessageToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str
+    content: str | None = None
     name: str | None = None  # passed to the chat template, which decides what it means
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_tool_calls(cls, data):
-        if isinstance(data, dict) and data.get("tool_calls"):
-            raise ValueError("tool_calls: assistant tool-call turns are not supported yet (tool calling is not "
-                             "implemented)")
-        return data
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -211,6 +227,49 @@ class ChatMessage(_Request):
             raise ValueError("content must be a string or a list of {\"type\": \"text\", \"text\": ...} parts")
         return content
 
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: content is required (only an assistant turn with tool_calls may omit it)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only assistant turns carry tool_calls")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id: only tool turns carry tool_call_id")
+        return self
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as Hugging Face chat templates read it (tool-call arguments as objects)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content or ""}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None  # forced calls always follow the schema
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -219,6 +278,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):
@@ -226,13 +288,37 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs: top_logprobs needs logprobs: true")
         return self
 
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self):
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice: tool_choice other than 'none' needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in self.tool_names:
+            raise ValueError(f"tool_choice: '{choice.function.name}' is not one of the tools {self.tool_names}")
+        return self
+
+    @property
+    def tool_names(self) -> list[str]:
+        return [t.function.name for t in self.tools or []]
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the output is parsed for tool calls (tools given and tool_choice not 'none')."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forced_tool(self) -> tuple[bool, str | None]:
+        """(calls are forced, the function they must call or None for any)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return True, self.tool_choice.function.name
+        return self.tool_choice == "required", None
+
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
-                for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_message() for m in self.messages]
 
 
 class CompletionRequest(SamplingFields):
@@ -274,6 +360,7 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -350,7 +437,8 @@ class _Response(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict] = []
 
 
 class TopLogprob(BaseModel):
@@ -390,7 +478,7 @@ class ChatCompletionResponse(_Response):
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
-    delta: dict[str, str]  # only the keys this chunk carries: role on the first, content after
+    delta: dict[str, Any]  # only the keys this chunk carries: role on the first, then content or tool_calls
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -468,17 +556,22 @@ class ChatFormat:
         return self._chunk([ChatChunkChoice(index=index, delta={"role": "assistant", "content": ""})])
 
     def chunk(self, text: str, finish_reason: str | None = None, *, index: int = 0,
-              logprobs: TextLogprobs | None = None, stop_reason=None) -> ChatCompletionChunk:
-        return self._chunk([ChatChunkChoice(index=index, delta={"content": text} if text else {},
-                                            finish_reason=finish_reason, logprobs=self.logprobs(logprobs),
-                                            stop_reason=stop_reason)])
+              logprobs: TextLogprobs | None = None, stop_reason=None,
+              tool_calls: list[dict] | None = None) -> ChatCompletionChunk:
+        delta: dict[str, Any] = {"content": text} if text else {}
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
+        return self._chunk([ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason,
+                                            logprobs=self.logprobs(logprobs), stop_reason=stop_reason)])
 
     def usage_chunk(self, usage: UsageInfo) -> ChatCompletionChunk:
         return self._chunk([], usage)
 
     def response(self, choices: list["Choice"], usage: UsageInfo) -> ChatCompletionResponse:
-        body = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
-                           logprobs=self.logprobs(c.logprobs), stop_reason=c.stop_reason) for c in choices]
+        body = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text if c.text or not c.tool_calls
+                                                                   else None, tool_calls=c.tool_calls or []),
+                           finish_reason=c.finish_reason, logprobs=self.logprobs(c.logprobs),
+                           stop_reason=c.stop_reason) for c in choices]
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=body, usage=usage)
 
 
@@ -529,3 +622,4 @@ class Choice(BaseModel):
     finish_reason: str | None
     stop_reason: int | str | None = None
     logprobs: Any = None  # TextLogprobs
+    tool_calls: list[dict] | None = None  # wire format, chat only

@@ -19,9 +19,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from peagle.engine.outputs import StepOutput
-from peagle.engine.sampling_params import SamplingParams
+from peagle.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from peagle.server.async_engine import AsyncEngine, RequestFailed, RequestStream
 from peagle.server.output_text import OutputText
+from peagle.server.tool_calls import ToolCall, ToolCallParser, forcing_grammar, template_supports_tools
 from peagle.server.protocol import (
     ApiError, ChatCompletionRequest, ChatFormat, Choice, CompletionFormat, CompletionRequest, SamplingFields,
     UsageInfo, parse_request,
@@ -55,7 +56,8 @@ class Serving:
         prompt_ids = self._chat_prompt(req)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._max_tokens(prompt_ids, req.max_completion_tokens or req.max_tokens, "messages", param)
-        return await self._generate(request, req, prompt_ids, max_tokens, ChatFormat(self.model_name))
+        return await self._generate(request, req, prompt_ids, max_tokens, ChatFormat(self.model_name),
+                                    tools=req.calls_tools)
 
     async def completions(self, request: Request) -> Response:
         req = parse_request(await request.body(), CompletionRequest)
@@ -79,11 +81,24 @@ class Serving:
         if self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer, so chat messages cannot be rendered; "
                                 "send token ids to /v1/completions instead", param="messages")
-        return self.render_chat(req.template_messages(), req.add_generation_prompt, req.add_special_tokens)
+        tools = None
+        supported = template_supports_tools(self.tokenizer.chat_template)
+        if req.tools:
+            if not supported:
+                raise ApiError(400, "this model's chat template does not render tools in the Hermes <tool_call> "
+                                    "format, the one peagle parses", param="tools")
+            tools = [t.model_dump(exclude_none=True) for t in req.tools]
+        calls = next((i for i, m in enumerate(req.messages) if m.tool_calls), None)
+        if calls is not None and not supported:
+            raise ApiError(400, "this model's chat template does not render tool_calls, so the turn's calls would "
+                                "be lost", param=f"messages[{calls}].tool_calls")
+        return self.render_chat(req.template_messages(), req.add_generation_prompt, req.add_special_tokens, tools)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool) -> list[int]:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool,
+                    tools: list[dict] | None = None) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tools=tools)
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
         # The template writes the special tokens itself; add_special_tokens (vLLM's, default off) adds more.
@@ -110,8 +125,20 @@ class Serving:
                                 f"(max_model_len {limit})", param=param, code="context_length_exceeded")
         return room if requested is None else requested
 
-    def _sampling_params(self, req: SamplingFields, max_tokens: int) -> SamplingParams:
+    @staticmethod
+    def _constraint(req: SamplingFields) -> tuple[str, StructuredOutputsParams] | None:
         structured = req.structured_output()
+        forced, name = req.forced_tool if isinstance(req, ChatCompletionRequest) and req.tools else (False, None)
+        if not forced:
+            return structured
+        if structured is not None:
+            raise ApiError(400, f"tool_choice forces tool calls, which {structured[0]} would constrain too: give "
+                                f"one of them", param=structured[0])
+        tools = [t.function.model_dump() for t in req.tools]
+        return "tool_choice", StructuredOutputsParams(grammar=forcing_grammar(tools, name, req.parallel_tool_calls))
+
+    def _sampling_params(self, req: SamplingFields, max_tokens: int) -> SamplingParams:
+        structured = self._constraint(req)
         try:
             params = SamplingParams(
                 n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
@@ -137,9 +164,9 @@ class Serving:
     # ---- generation ------------------------------------------------------------------------------------------
 
     async def _generate(self, request: Request, req: SamplingFields, prompt_ids: list[int], max_tokens: int,
-                        fmt: Format, echo: str | None = None) -> Response:
+                        fmt: Format, echo: str | None = None, tools: bool = False) -> Response:
         params = self._sampling_params(req, max_tokens)
-        choices = await self._submit(fmt.id, prompt_ids, params)
+        choices = await self._submit(fmt.id, prompt_ids, params, tools)
 
         def close():
             for c in choices:
@@ -161,7 +188,8 @@ class Serving:
         events = self._events(choices, outputs, first, fmt, req.include_usage, echo)
         return _EventStream(events, on_close=close)
 
-    async def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> list["_Choice"]:
+    async def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      tools: bool = False) -> list["_Choice"]:
         children = params.parallel_children()
         if self.num_in_flight + len(children) > self.max_in_flight:
             raise ApiError(503, f"the server is at capacity ({self.num_in_flight} requests in flight); "
@@ -177,7 +205,7 @@ class Serving:
                 except BaseException:
                     self.num_in_flight -= 1
                     raise
-                choices.append(_Choice(index, stream, child, self.tokenizer, prompt_ids, self.eos_token_ids))
+                choices.append(_Choice(index, stream, child, self.tokenizer, prompt_ids, self.eos_token_ids, tools))
         except BaseException as e:
             for c in choices:  # the siblings already queued
                 self._close(c.stream)
@@ -196,8 +224,9 @@ class Serving:
         async for index, out in _merged([c.stream for c in choices]):
             choices[index].feed(out)
         usage = UsageInfo.of(choices[0].stream.num_prompt_tokens, sum(c.num_tokens for c in choices))
-        done = [Choice(index=c.index, text=(echo or "") + c.text.text, finish_reason=c.finish_reason,
-                       stop_reason=c.stop_reason, logprobs=c.logprobs) for c in choices]
+        done = [Choice(index=c.index, text=(echo or "") + c.content, finish_reason=c.finish_reason,
+                       stop_reason=c.stop_reason, logprobs=c.logprobs,
+                       tool_calls=[t.wire() for t in c.tool_calls] or None) for c in choices]
         return JSONResponse(fmt.response(done, usage).model_dump())
 
     async def _events(self, choices: list["_Choice"], outputs: AsyncIterator[tuple[int, StepOutput]],
@@ -221,8 +250,10 @@ class Serving:
                 if delta or logprobs:
                     extra = {"offset": offset} if isinstance(fmt, CompletionFormat) else {}
                     yield _sse(fmt.chunk(delta, index=index, logprobs=logprobs, **extra))
+                if out.finished and c.tool_calls:
+                    yield _sse(fmt.chunk("", index=index, tool_calls=[t.wire(i) for i, t in enumerate(c.tool_calls)]))
                 if out.finished:
-                    yield _sse(fmt.chunk("", finish_reason=out.finish_reason, index=index, stop_reason=c.stop_reason))
+                    yield _sse(fmt.chunk("", finish_reason=c.finish_reason, index=index, stop_reason=c.stop_reason))
                 try:
                     item = await outputs.__anext__()
                 except StopAsyncIteration:
@@ -242,7 +273,7 @@ class _Choice:
     """One of a request's n sequences: its engine stream, text, logprobs and why it ended."""
 
     def __init__(self, index: int, stream: RequestStream, params: SamplingParams, tokenizer, prompt_ids: list[int],
-                 eos_token_ids: frozenset[int]):
+                 eos_token_ids: frozenset[int], tools: bool = False):
         self.index = index
         self.stream = stream
         self.params = params
@@ -254,6 +285,13 @@ class _Choice:
         self.logprobs: list | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.tool_parser = ToolCallParser() if tools else None
+        self.tool_calls: list[ToolCall] = []
+        self._content = ""  # the text sent as content (all of it without tools)
+
+    @property
+    def content(self) -> str:
+        return self._content
 
     def feed(self, out: StepOutput) -> tuple[str, list | None]:
         """The text this output completes and its tokens' logprobs (None when not asked for)."""
@@ -265,8 +303,14 @@ class _Choice:
             if not self.params.include_stop_str_in_output:  # vLLM leaves the stopping token's text out
                 ids = ids[:-1]
         delta = self.text.feed(ids) + (self.text.finish() if out.finished else "")
+        if self.tool_parser is not None:
+            delta = self.tool_parser.feed(delta)
+            if out.finished:
+                rest, self.tool_calls = self.tool_parser.finish()
+                delta += rest
+        self._content += delta
         if out.finished:
-            self.finish_reason = out.finish_reason
+            self.finish_reason = "tool_calls" if self.tool_calls else out.finish_reason
             if self.text.stop_string is not None:
                 self.stop_reason = self.text.stop_string
         logprobs = None

@@ -135,3 +135,19 @@ def test_bench_report_merges_runs_split_over_calls(tmp_path, capsys):
         tmp_path / "all" / "results.md").read_text()
     assert main(["bench-report", str(tmp_path / "a" / "results.json"), str(tmp_path / "b" / "results.json")]) != 0
     assert "--out DIR" in capsys.readouterr().err
+
+
+def test_bench_report_calibrates_from_saved_results(tmp_path):
+    from peagle.cli import main
+
+    writer = ResultsWriter(tmp_path / "run", "peagle bench", {"model": "m"}, env={"gpu": "test"})
+    for c, (none, k3, k7) in {1: (100, 250, 330), 8: (700, 900, 800), 64: (4000, 3000, 2500)}.items():
+        writer.add(make_point("mtbench", "none", None, c, measurement(none)))
+        writer.add(make_point("mtbench", "peagle", 3, c, measurement(k3, 2.0)))
+        writer.add(make_point("mtbench", "peagle", 7, c, measurement(k7, 3.0)))
+    head = tmp_path / "head"
+    head.mkdir()
+    assert main(["bench-report", str(writer.path), "--calibrate", f"peagle={head}"]) == 0
+    saved = json.loads((head / "adaptive.json").read_text())
+    assert {k: saved[k] for k in ("thresholds", "above")} == {"thresholds": [[2, 7], [22, 3]], "above": 0}
+    assert main(["bench-report", str(writer.path), "--calibrate", "peagle"]) != 0

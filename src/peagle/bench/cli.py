@@ -214,6 +214,9 @@ def _register_bench_report(subparsers) -> None:
     p.add_argument("results", type=Path, nargs="+", help="results.json files written by peagle bench")
     p.add_argument("--out", type=Path, help="directory for results.md and plots (default: beside the first file; "
                    "with several files, a merged results.json is written there too)")
+    p.add_argument("--calibrate", action="append", default=[], metavar="METHOD=HEAD_DIR",
+                   help="derive METHOD's adaptive policy from these results, as peagle bench --calibrate does, and "
+                        "write it to HEAD_DIR/adaptive.json (repeatable; e.g. a run cut before its calibration)")
     p.set_defaults(func=run_bench_report)
 
 
@@ -236,8 +239,26 @@ def run_bench_report(args: argparse.Namespace) -> int:
         writer.flush()
         path = writer.path
     files = write_summaries(results, out, path)
+    files["policies"] = {m: _write_policy_from(results, m, head) for m, head in map(_method_head, args.calibrate)}
     print_outcome(results, files)
     return 0
+
+
+def _method_head(text: str) -> tuple[str, Path]:
+    method, sep, head = text.partition("=")
+    if not sep or method not in ("eagle3", "peagle") or not Path(head).is_dir():
+        raise ValueError(f"--calibrate takes METHOD=HEAD_DIR (eagle3 or peagle, an existing directory), got {text!r}")
+    return method, Path(head)
+
+
+def _write_policy_from(results: dict, method: str, head: Path) -> Path:
+    from peagle.bench.calibration import POLICY_FILE, derive_policy, write_policy
+
+    policy, table = derive_policy(results["points"], method)
+    record = {"method": method, "model": results["config"].get("model"), "head": str(head),
+              "gpu": results["environment"].get("gpu"), "created_utc": results["created_utc"],
+              "command": results["command"], "derived_by": "peagle bench-report --calibrate", "table": table}
+    return write_policy(head / POLICY_FILE, policy, record)
 
 
 def _check_after_the_run(points: list[dict]) -> None:

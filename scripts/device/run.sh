@@ -250,6 +250,9 @@ t=[x for x in r if x['kind']=='train']; print('$name', 'steps', t[-1]['step'], '
         --max-model-len 4096 "${adaptive[@]}"
     else
       adaptive=()
+      if [ ! -f "$cal/adaptive.json" ] && [ -f "$W/results/bench-t0/results.json" ]; then  # bench was cut before it
+        $py -m peagle bench-report "$W/results/bench-t0/results.json" --calibrate peagle="$cal" | tail -1 || true
+      fi
       [ -f "$cal/adaptive.json" ] && adaptive=(--adaptive head)
       sweep "$OUT/bench2" ${BENCH2_SECS:-360} --methods none,eagle3,peagle --k ${BENCH_K:-3,5,7,11} \
         --concurrency ${BENCH2_C:-1,64} --datasets ${BENCH2_DATASETS:-humaneval,longcode} \

@@ -296,7 +296,7 @@ def test_async_scheduling_under_preemption_aborts_and_the_adaptive_policy(target
     spec = {"method": "eagle3", "model": heads["peagle"], "num_speculative_tokens": 3, "parallel_drafting": True,
             "adaptive": {"thresholds": [[2, 3]], "above": 0}}
     llm = LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
-              max_num_seqs=6, num_kv_blocks=14, async_scheduling=True)
+              max_num_seqs=6, num_kv_blocks=6, async_scheduling=True)
     engine = llm.engine
     oracle_proposer(engine.runner, reference, 3, random.Random(2))
     lengths = [8, 40, 12, 40, 16, 20]
@@ -305,6 +305,9 @@ def test_async_scheduling_under_preemption_aborts_and_the_adaptive_policy(target
     tokens = {str(i): [] for i in range(len(PROMPTS))}
     finished = {}
     steps = 0
+    preempted = []
+    real_preempt = engine.scheduler._preempt
+    engine.scheduler._preempt = lambda seq: preempted.append(seq.seq_id) or real_preempt(seq)
     while engine.has_unfinished_requests():
         for out in engine.step():
             tokens[out.request_id] += out.new_token_ids
@@ -312,8 +315,9 @@ def test_async_scheduling_under_preemption_aborts_and_the_adaptive_policy(target
                 finished[out.request_id] = out.finish_reason
         steps += 1
         if steps == 6:
+            assert "3" in [seq.seq_id for seq in engine._inflight.seqs]
             assert engine.abort_request("3")  # in flight: its answer is dropped
-    assert "3" not in finished
+    assert "3" not in finished and preempted
     for i, (prompt, ref, n) in enumerate(zip(PROMPTS, reference, lengths)):
         if i != 3:
             assert tokens[str(i)] == ref[len(prompt):len(prompt) + n] and finished[str(i)] == "length"

@@ -27,7 +27,8 @@ def main(request_file: str, result_file: str) -> None:
 
     request = json.loads(open(request_file).read())
     # The CPU build sizes its KV cache from this fraction of the machine's memory; eager mode starts in about 40 s
-    # instead of about 160 s with compilation.
+    # instead of about 160 s with compilation; the "uni" executor (with VLLM_ENABLE_V1_MULTIPROCESSING=0 from the
+    # caller) keeps engine and worker in this process, which saves two interpreter starts per engine.
     llm = LLM(model=request["target"], dtype="float32", max_model_len=request.get("max_model_len", 512),
               max_num_seqs=len(request["prompts"]), gpu_memory_utilization=0.3, enforce_eager=True, seed=0,
               speculative_config=request["speculative_config"], disable_log_stats=False, distributed_executor_backend="uni")
@@ -39,5 +40,5 @@ def main(request_file: str, result_file: str) -> None:
         json.dump(result, f)
 
 
-if __name__ == "__main__":  # vLLM spawns its engine process, which re-imports this file
+if __name__ == "__main__":  # vLLM may spawn its engine process, which re-imports this file
     main(*sys.argv[1:3])

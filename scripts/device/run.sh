@@ -79,7 +79,7 @@ case "$stage" in
     # Training throughput: the trainer of an earlier tree (.old/src) against today's, each run alone on the GPU,
     # 8K packs; a count of synchronisations per step of today's trainer; a profile of today's P-EAGLE step.
     need_model
-    zcat .gpu/sharegpt_train_turns.jsonl.gz | head -3000 > "$W/tp_prompts.jsonl"
+    (zcat .gpu/sharegpt_train_turns.jsonl.gz || true) | head -3000 > "$W/tp_prompts.jsonl"
     [ -d "$W/data-tp" ] || timeout 100 $py -m peagle regenerate --model "$W/smollm2" \
       --prompts "$W/tp_prompts.jsonl" --out "$W/data-tp" --max-tokens 384 --max-model-len 2048 2>&1 | tail -2
     timeout ${TP_TIMEOUT:-330} $py scripts/device/train_throughput.py "$W/smollm2" "$OUT/train_throughput.json" \
@@ -103,7 +103,7 @@ case "$stage" in
       --prompts .gpu/code_short.jsonl.gz --out "$W/data-code" --max-tokens 512 --max-model-len 4096 \
       2>&1 | tail -2 || true
     timeout ${LONG_REGEN_SECS:-30} $py -m peagle regenerate --model "$W/smollm2" \
-      --prompts .gpu/longcode_train.jsonl.gz --out "$W/data-long" --max-tokens 256 --max-model-len 8192 \
+      --prompts .gpu/longcode_train.jsonl.gz --exclude-overlap --out "$W/data-long" --max-tokens 256 --max-model-len 8192 \
       2>&1 | tail -2 || true
     for d in data-sharegpt data-synth data-code data-long; do
       $py -c "import json,sys; m=json.load(open('$W/$d/manifest.json')); s=[x for x in m['shards'] if x['file']];

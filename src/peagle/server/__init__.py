@@ -1,5 +1,15 @@
-"""The OpenAI-compatible HTTP server: `create_app(engine, served_model_name, ...)` and `peagle serve`."""
+"""The OpenAI-compatible HTTP server: `create_app(engine, served_model_name, ...)` and `peagle serve`.
 
-from peagle.server.app import create_app
+`create_app` is imported on first use, so that the other commands run where the web stack is not installed."""
 
-__all__ = ["create_app"]
+__all__ = ["DEFAULT_MAX_QUEUE", "create_app"]
+
+DEFAULT_MAX_QUEUE = 256  # requests accepted beyond --max-num-seqs before 503
+
+
+def __getattr__(name):
+    if name == "create_app":
+        from peagle.server.app import create_app
+
+        return create_app
+    raise AttributeError(f"module 'peagle.server' has no attribute {name!r}")

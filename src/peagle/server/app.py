@@ -11,12 +11,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
+from peagle.server import DEFAULT_MAX_QUEUE
 from peagle.server.async_engine import AsyncEngine, RequestFailed
 from peagle.server.protocol import ApiError, DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, parse_request
 from peagle.server.serving import ClientGone, Serving
 from peagle.server.tool_calls import template_supports_tools
-
-DEFAULT_MAX_QUEUE = 256
 
 
 def create_app(engine, served_model_name: str, api_key: str | None = None,

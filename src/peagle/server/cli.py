@@ -6,7 +6,7 @@ import argparse
 import logging
 import os
 
-from peagle.server.app import DEFAULT_MAX_QUEUE
+from peagle.server import DEFAULT_MAX_QUEUE
 
 logger = logging.getLogger(__name__)
 

@@ -74,11 +74,13 @@ def sync_check(target: Path, data: list[Path], src: str, scratch: Path, steps: i
     """Synchronisations per step of the trainer in `src`, P-EAGLE at 8K, in a child process."""
     code = f"""
 import json, sys, warnings, torch
+from pathlib import Path
 sys.path.insert(0, {src!r})
 from peagle.training.config import TrainConfig
 from peagle.training.distributed import DistContext
 from peagle.training.trainer import build_trainer, Prefetcher
-cfg = TrainConfig(target={str(target)!r}, data={[str(d) for d in data]!r}, out={str(scratch / 'sync')!r},
+cfg = TrainConfig(target=Path({str(target)!r}), data=[Path(d) for d in {[str(d) for d in data]!r}],
+                  out=Path({str(scratch / 'sync')!r}),
                   method="peagle", k_train=8, max_length=8192, steps=1000, save_every=10**9, eval_every=10**9,
                   eval_fraction=0.0, log_every=10**6)
 trainer = build_trainer(cfg, DistContext(0, 1, torch.device("cuda")))

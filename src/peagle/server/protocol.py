@@ -98,7 +98,8 @@ class ResponseFormat(_Request):
 
 class SamplingFields(_Request):
     """The sampling options both endpoints share. Extensions beyond OpenAI's (top_k, min_p, min_tokens, ...) are
-    vLLM's extra parameters, with vLLM's meanings."""
+    vLLM's extra parameters, with vLLM's meanings. Each endpoint's request spells logprobs its own way and says
+    what it asked for as `num_logprobs` (top alternatives per token, None for none)."""
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -179,11 +180,6 @@ class SamplingFields(_Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
-
-    @property
-    def num_logprobs(self) -> int | None:
-        """Top alternatives per token the client asked for, or None for no logprobs."""
-        raise NotImplementedError
 
 
 class CalledFunction(_Request):

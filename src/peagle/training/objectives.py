@@ -73,9 +73,10 @@ class Objective(ABC):
         return stats
 
     @torch.no_grad()
-    def evaluate(self, drafter: Drafter, target: LlamaModel, teacher: TeacherPass,
-                 vocab_map: torch.Tensor | None = None) -> EvalStats:
-        """Every element to depth K on a held-out sequence; the loss is summed (denominator 1) for pooling."""
+    def score(self, drafter: Drafter, target: LlamaModel, teacher: TeacherPass,
+              vocab_map: torch.Tensor | None = None) -> tuple[Layout, StepStats, torch.Tensor]:
+        """Every element to depth K of a sequence, in one forward: (its full layout, the summed loss and per-depth
+        counts, whether each charged element's draft equals the target's argmax)."""
         seq = teacher.sequence
         host = PackedSequence(seq.token_ids.cpu(), seq.loss_mask.cpu(), seq.doc_ids.cpu())
         layout = full_layout(host.doc_ids, host.loss_mask, self.k)
@@ -87,7 +88,14 @@ class Objective(ABC):
             hidden = self.forward(drafter, teacher, part.layout, part.depth_counts)
             loss, by_depth, correct = charged_loss(drafter, table, part, hidden, 1.0, self.k, self.loss_chunk)
             stats = StepStats(loss, plan.charged_per_depth, by_depth)
-        return EvalStats.of(stats, layout, correct, host.loss_mask, host.doc_ids, self.k)
+        return layout, stats, correct
+
+    def evaluate(self, drafter: Drafter, target: LlamaModel, teacher: TeacherPass,
+                 vocab_map: torch.Tensor | None = None) -> EvalStats:
+        """Held-out scores of one sequence; the loss is summed (denominator 1) for pooling."""
+        layout, stats, correct = self.score(drafter, target, teacher, vocab_map)
+        seq = teacher.sequence
+        return EvalStats.of(stats, layout, correct, seq.loss_mask.cpu(), seq.doc_ids.cpu(), self.k)
 
 
 class PEagleObjective(Objective):

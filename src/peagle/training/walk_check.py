@@ -17,12 +17,9 @@ import torch
 
 from peagle.drafters.checkpoint import load_drafter
 from peagle.models.loader import load_model
-from peagle.training.cod import full_layout
 from peagle.training.data import Document, PackedSequence
-from peagle.training.forward import charged_loss
 from peagle.training.metrics import leading_right, response_spans, walk
 from peagle.training.objectives import Eagle3Objective, PEagleObjective, draft_to_target_ids
-from peagle.training.plan import plan_step
 from peagle.training.teacher import run_target
 
 
@@ -54,14 +51,9 @@ def walked(target_dir: Path, head_dir: Path, turns, k: int, dtype: str, device: 
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and dtype != "float32")
     result = []
     for prompt, response, seq in turns:
-        layout = full_layout(seq.doc_ids, seq.loss_mask, k)
-        plan = plan_step(seq, layout, k).to(device)
         teacher = run_target(target, seq, drafter.config.aux_layer_ids, device)
         with autocast:
-            table = objective.table(target, teacher, plan, vocab_map)
-            part = plan.forwards[0]
-            hidden = objective.forward(drafter, teacher, part.layout, part.depth_counts)
-            _, _, correct = charged_loss(drafter, table, part, hidden, 1.0, k)
+            layout, _, correct = objective.score(drafter, target, teacher, vocab_map)
         lead, _ = leading_right(layout, correct, len(seq), k)
         span = (len(prompt), len(prompt) + len(response))
         result.append(walk(lead.tolist(), [span], k, cap=False))

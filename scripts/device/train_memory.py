@@ -23,7 +23,7 @@ import torch
 
 from peagle.training.config import TrainConfig
 from peagle.training.distributed import DistContext
-from peagle.training.trainer import build_trainer
+from peagle.training.trainer import LOG_FILE, build_trainer
 
 COUNTED_FROM = 2  # steps before this index compile new shapes
 
@@ -48,14 +48,13 @@ def measure(target: Path, data: list[Path], length: int, segments: int, steps: i
     cfg = TrainConfig(target=target_for(target, length, scratch), data=tuple(data),
                       out=scratch / f"run-{length}-{segments}", method="peagle", k_train=8, num_segments=segments,
                       max_length=length, steps=steps, save_every=10 ** 9, eval_every=10 ** 9, eval_fraction=0.0,
-                      loss_chunk=loss_chunk)
+                      loss_chunk=loss_chunk, log_every=1)  # every step read back alone: its own time and memory
     point = {"max_length": length, "num_segments": segments, "loss_chunk": loss_chunk}
     try:
         trainer = build_trainer(cfg, DistContext(0, 1, device))
-        records = []
-        for _ in range(steps):
-            records.append(trainer.train_step())
-            trainer.step += 1
+        trainer.train()
+        rows = [json.loads(line) for line in (cfg.out / LOG_FILE).read_text().splitlines()]
+        records = [r for r in rows if r["kind"] == "train"]
     except torch.OutOfMemoryError as e:
         point["error"] = f"out of memory: {str(e).splitlines()[0]}"
         return point

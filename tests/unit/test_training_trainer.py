@@ -310,3 +310,27 @@ def test_several_data_directories_are_mixed(setup, tmp_path):
     one, two = build_trainer(cfg, cpu), build_trainer(both, cpu)
     assert len(two.data.documents) == len(one.data.documents) + 10
     assert json.loads((tmp_path / "out2" / "train_config.json").read_text())["data"] == [str(data), str(other)]
+
+
+def test_feature_noise_changes_training_not_evaluation_and_repeats_with_its_seed(setup, tmp_path, one_thread):
+    checkpoint, data = setup
+    cpu = DistContext(0, 1, torch.device("cpu"))
+    common = ("--steps", "3", "--save-every", "100")
+    runs = {}
+    for name, extra in (("plain", ()), ("noisy", ("--feature-noise", "0.5")), ("again", ("--feature-noise", "0.5"))):
+        trainer = build_trainer(_config(checkpoint, data, tmp_path / name, *common, *extra), cpu)
+        seq = trainer.prepare(0, 0).plans[0].sequence
+        clean = trainer._teacher(seq)
+        if name == "plain":
+            assert trainer._noisy(clean, 0) is clean
+        else:
+            noisy = trainer._noisy(clean, 0)
+            delta = (noisy.features - clean.features).float()
+            assert delta.std().item() == pytest.approx(0.5, rel=0.1)  # the asked-for std, on features only
+            assert torch.equal(noisy.hidden, clean.hidden)  # the teacher distribution is untouched
+            assert not torch.equal(trainer._noisy(clean, 1).features, noisy.features)  # a draw per micro-batch
+        assert trainer.train() == 0
+        runs[name] = _losses(tmp_path / name)
+    assert runs["noisy"] == runs["again"]  # the same seed draws the same noise
+    assert runs["noisy"][0][1] != runs["plain"][0][1]
+    assert main(_args(checkpoint, data, tmp_path / "bad", "--steps", "1", "--feature-noise", "-1")) == 1

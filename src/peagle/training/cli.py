@@ -121,6 +121,9 @@ def register(subparsers) -> None:
                        help="weight the loss of a depth-d element by GAMMA**d (default 1: all depths alike)")
     train.add_argument("--freeze-lm-head", action="store_true",
                        help="keep the draft head's output rows as initialised from the target (not trained)")
+    train.add_argument("--feature-noise", type=float, default=0.0, metavar="STD",
+                       help="add Gaussian noise of this standard deviation to the target features the drafter reads "
+                            "in training (not in evaluation; speculators uses 0.05; default 0: none)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--init", type=Path, metavar="DRAFTER_DIR", help="start from an existing head")
     train.add_argument("--draft-vocab-size", type=int,
@@ -185,6 +188,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         aux_layer_ids=tuple(args.aux_layer_ids) if args.aux_layer_ids else None, feature_cache=args.feature_cache,
         time_limit_minutes=args.time_limit, profile_steps=args.profile_steps, log_every=args.log_every,
         depth_decay=args.depth_decay, freeze_lm_head=args.freeze_lm_head,
+        feature_noise=args.feature_noise,
     )
 
 

@@ -49,12 +49,15 @@ class TrainConfig:
     log_every: int = 10  # steps whose statistics are read from the device at once (one wait per interval)
     depth_decay: float = 1.0  # loss weight decay ** depth per element (SpecForge uses 0.8)
     freeze_lm_head: bool = False  # keep the draft head at its initial rows (the target's), as speculators does
+    feature_noise: float = 0.0  # std of Gaussian noise added to the target features in training (speculators: 0.05)
 
     def __post_init__(self):
         dirs = (self.data,) if isinstance(self.data, (str, Path)) else tuple(self.data)
         if not dirs:
             raise ValueError("--data needs at least one data directory")
         object.__setattr__(self, "data", tuple(Path(d) for d in dirs))
+        if not 0.0 <= self.feature_noise < float("inf"):
+            raise ValueError(f"--feature-noise must be a non-negative standard deviation, got {self.feature_noise}")
         if self.profile_steps < 0:
             raise ValueError(f"--profile-steps must be non-negative, got {self.profile_steps}")
         if self.time_limit_minutes is not None and self.time_limit_minutes <= 0:

@@ -275,8 +275,8 @@ class Trainer:
         else:
             denominator = max(prepared.weight, 1.0)
         stats = StepStats.zero(self.cfg.k_train, self.dist.device)
-        for plan in prepared.plans:
-            teacher = self._teacher(plan.sequence)
+        for micro, plan in enumerate(prepared.plans):
+            teacher = self._noisy(self._teacher(plan.sequence), micro)
             with self.autocast:
                 stats = stats + self.objective.backward(self.drafter, self.target, teacher,
                                                         plan.to(self.dist.device), denominator, self.vocab_map)
@@ -320,6 +320,18 @@ class Trainer:
         if self.cache is not None:
             return self.cache.run(seq, self.aux_layer_ids, self.dist.device)
         return run_target(self.target, seq, self.aux_layer_ids, self.dist.device)
+
+    def _noisy(self, teacher: TeacherPass, micro: int) -> TeacherPass:
+        """The teacher pass with Gaussian noise of std --feature-noise on its features (training only), drawn from a
+        generator seeded by (seed, step, process, micro-batch) so that a resumed run draws the same noise."""
+        if not self.cfg.feature_noise:
+            return teacher
+        features = teacher.features
+        seed = sequence_seed(self.cfg.seed, self.step, self.dist.rank * 1024 + micro)
+        gen = torch.Generator(features.device).manual_seed(seed)
+        noise = torch.randn(features.shape, generator=gen, device=features.device, dtype=torch.float32)
+        noisy = (features.float() + self.cfg.feature_noise * noise).to(features.dtype)
+        return TeacherPass(teacher.sequence, noisy, teacher.hidden)
 
     def _plan(self, part: list[tuple[int, int, PackedSequence]]) -> StepPlan:
         layouts = []

@@ -164,6 +164,13 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown method(s) or variant(s) {unknown}")
     rows = []
+
+    def keep(row: dict) -> None:
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        with open(args.out, "w") as f:  # after every row: a run cut short keeps what it measured
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+
     for name, head, k, parallel in (CONFIGS[m] for m in args.methods.split(",")):
         if head is not None and head not in heads:
             continue
@@ -176,15 +183,9 @@ def main(argv=None) -> int:
                 tag = "" if variant == "sync" else f"-{variant}"
                 path = f"{args.profile}/profile-{name}-k{k}-b{b}{tag}.txt" if args.profile else None
                 row = {"method": name, "variant": variant, **measure(llm, prompts, b, k, profile_path=path)}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                with open(args.out, "w") as f:  # after every row: a run cut short keeps what it measured
-                    json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f,
-                              indent=1)
+                keep(row)
             if args.stall:
-                row = {"method": name, "variant": variant, "k": k, **measure_stall(llm, prompts, args.stall)}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                keep({"method": name, "variant": variant, "k": k, **measure_stall(llm, prompts, args.stall)})
             del llm
             gc.collect()
             torch.cuda.empty_cache()

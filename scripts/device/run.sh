@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # One script for the GPU machine: builds, checks and times peagle in stages that fit one call each.
-#   bash scripts/device/run.sh STAGE  (STAGE: stage_a | gpu_tests | data | throughput | train | wait | heads | ablate |
+#   bash scripts/device/run.sh STAGE  (STAGE: stage_a | gpu_tests | throughput | engine | data | train | wait | heads | ablate |
 #                                      stage_b | bench | bench2 | final | scale | teacher)
 # Large inputs travel in ignored folders named by the caller (.stage_a, .stage_b: halves of the testbed GGUF;
 # .whl: wheels missing on the machine, gguf at least; .gpu: prompt files; .old: an earlier source tree to time
 # against). Everything built lives under $W (kept while the machine stays warm); results are copied to $OUT.
-# This session's plan (issues 14 and 19), one call each, back to back while the machine stays warm:
-#   stage_a                      carry .stage_a .whl         the first GGUF half
-#   throughput && data && train  carry .stage_b .whl .gpu .old  convert; the trainer of .old/src vs today's, each
-#                                alone on the GPU; synthesise prompts and regenerate the training data; start both
-#                                heads' training in the background (TRAIN_MIN minutes, same data and time)
-#   wait && heads                the heads finish; served acceptance at K 3/5/7/11 and the walk-vs-served check
-#   ablate                       recipe A/B runs side by side on the same data, scored by the walk
+# This session's plan (issues 14, 19, 16), one call each, back to back while the machine stays warm:
+#   stage_a                 carry .stage_a .whl            the first GGUF half
+#   throughput; engine      carry .stage_b .whl .gpu .old  convert; the trainer of .old/src vs today's, each alone on
+#                           the GPU, fixed steps, with profiles; the engine's variants (issue 16)
+#   data && train           synthesise prompts and regenerate the training data; start three heads' training in the
+#                           background (TRAIN_MIN minutes, same data and time: two P-EAGLE recipes and EAGLE-3)
+#   wait                    up to WAIT_SECS for the heads
+#   wait && heads           served acceptance at K 3/7/11 and the walk-vs-served check in fp32 and bf16
+#   ablate                  recipe A/B runs side by side on the same data, scored by the walk
 # The plan of earlier sessions:
 #   stage_a && scale   carry .stage_a .whl        the first GGUF half; the 8B shape with the adaptive policy
 #   stage_b            carry .stage_b .whl .gpu   convert, regenerate, train three heads (TRAIN_SECS), GPU tests
@@ -55,9 +57,18 @@ random_heads() {
   done
 }
 
+data_dirs() {  # the training data directories with at least one complete shard, in a fixed order
+  local d
+  for d in "$W"/data-sharegpt* "$W"/data-synth* "$W"/data-code "$W"/data-long; do
+    [ -f "$d/manifest.json" ] && $py -c "import json,sys; sys.exit(not any(s['file'] for s in json.load(open('$d/manifest.json'))['shards']))" \
+      2>/dev/null && echo "$d"
+  done
+  return 0
+}
+
 link_heads() {  # the newest complete head of each training run under $W/heads/NAME
   mkdir -p "$W/heads"
-  for m in peagle eagle3 peagle2k; do
+  for m in ${HEADS:-peagle peagle-b eagle3}; do
     if [ -f "$W/train-$m/final/config.json" ]; then ln -sfn "$W/train-$m/final" "$W/heads/$m"
     elif ls -d "$W/train-$m/checkpoints/step-"* > /dev/null 2>&1; then
       ln -sfn "$(ls -d "$W/train-$m/checkpoints/step-"* | tail -1)" "$W/heads/$m"
@@ -83,57 +94,89 @@ case "$stage" in
     [ -d "$W/data-tp" ] || timeout 100 $py -m peagle regenerate --model "$W/smollm2" \
       --prompts "$W/tp_prompts.jsonl" --out "$W/data-tp" --max-tokens 384 --max-model-len 2048 2>&1 | tail -2
     timeout ${TP_TIMEOUT:-330} $py scripts/device/train_throughput.py "$W/smollm2" "$OUT/train_throughput.json" \
-      --data "$W/data-tp" --seconds ${TP_SECS:-40} --sync-check "$PWD/src" --profile new-peagle \
+      --data "$W/data-tp" --steps ${TP_STEPS:-70} --sync-check "$PWD/src" --profile new-peagle old-peagle \
       --runs old-peagle=.old/src:peagle:8:8192:1 new-peagle="$PWD/src":peagle:8:8192:1 \
              old-eagle3=.old/src:eagle3:7:8192:1 new-eagle3="$PWD/src":eagle3:7:8192:1 \
              ${TP_EXTRA:-new-peagle-b4="$PWD/src":peagle:8:8192:4} 2>&1 | grep -v Warning | tail -12 || true
     ;;
+  engine)
+    # Issue 16: the engine's variants side by side (a random P-EAGLE head: a round's cost, not its acceptance).
+    need_model
+    random_heads
+    timeout ${ENGINE_SECS:-150} $py scripts/device/engine_timing.py "$W/smollm2" "$OUT/engine_timing.json" \
+      --head peagle="$W/heads/random-peagle" --methods none,peagle --variants ${ENGINE_VARIANTS:-sync,async,gemv,async+gemv,chunked} \
+      --stall 2048 2>&1 | grep -E "^\{|Error|error" | tail -5 || true
+    ;;
   data)
     # Training data at scale: self-synthesised prompts, every human turn of ShareGPT's train split answered turn by
-    # turn, long standard-library code prompts. Each command is time-bounded and resumable.
+    # turn, short and long standard-library code prompts. Each command is time-bounded and resumable; the two big
+    # sources run as two processes each (--part i/2, their own KV blocks), side by side on the one GPU.
     need_model
-    timeout ${SYNTH_SECS:-60} $py -m peagle synthesize --model "$W/smollm2" --out "$W/synth.jsonl" \
-      --count ${SYNTH_COUNT:-30000} --seed 0 --max-tokens 128 2>&1 | tail -2 || true
-    timeout ${REGEN_SECS:-150} $py -m peagle regenerate --model "$W/smollm2" \
-      --prompts .gpu/sharegpt_train_turns.jsonl.gz --multi-turn --max-turns 4 --out "$W/data-sharegpt" \
-      --max-tokens 512 --max-model-len 4096 2>&1 | tail -2 || true
-    [ -f "$W/synth.jsonl" ] && timeout ${SYNTH_REGEN_SECS:-80} $py -m peagle regenerate --model "$W/smollm2" \
-      --prompts "$W/synth.jsonl" --out "$W/data-synth" --max-tokens 512 --max-model-len 2048 2>&1 | tail -2 || true
-    [ -f .gpu/code_short.jsonl.gz ] && timeout ${CODE_REGEN_SECS:-50} $py -m peagle regenerate --model "$W/smollm2" \
-      --prompts .gpu/code_short.jsonl.gz --out "$W/data-code" --max-tokens 512 --max-model-len 4096 \
-      2>&1 | tail -2 || true
-    timeout ${LONG_REGEN_SECS:-30} $py -m peagle regenerate --model "$W/smollm2" \
-      --prompts .gpu/longcode_train.jsonl.gz --exclude-overlap --out "$W/data-long" --max-tokens 256 --max-model-len 8192 \
-      2>&1 | tail -2 || true
-    for d in data-sharegpt data-synth data-code data-long; do
-      $py -c "import json,sys; m=json.load(open('$W/$d/manifest.json')); s=[x for x in m['shards'] if x['file']];
-print('$d', sum(x['num_documents'] for x in s), 'documents', sum(x['num_tokens'] for x in s), 'tokens')" || true
+    kv=${REGEN_KV_BLOCKS:-40000}
+    regen() {  # out_dir seconds regenerate-arguments...
+      local out=$1 secs=$2; shift 2
+      timeout $secs $py -m peagle regenerate --model "$W/smollm2" --out "$W/$out" --num-kv-blocks $kv "$@" \
+        > "$W/$out.log" 2>&1 || true
+    }
+    (
+      timeout ${SYNTH_SECS:-45} $py -m peagle synthesize --model "$W/smollm2" --out "$W/synth.jsonl" \
+        --count ${SYNTH_COUNT:-30000} --seed 0 --max-tokens 128 > "$W/synth.log" 2>&1 || true
+      if [ -f "$W/synth.jsonl" ]; then
+        for i in 0 1; do
+          regen data-synth.$i ${SYNTH_REGEN_SECS:-110} --prompts "$W/synth.jsonl" --part $i/2 --max-tokens 512 \
+            --max-model-len 2048 &
+        done
+        wait
+      fi
+    ) &
+    for i in 0 1; do
+      regen data-sharegpt.$i ${REGEN_SECS:-160} --prompts .gpu/sharegpt_train_turns.jsonl.gz --multi-turn \
+        --max-turns 4 --part $i/2 --max-tokens 512 --max-model-len 4096 &
+    done
+    wait
+    [ -f .gpu/code_short.jsonl.gz ] && regen data-code ${CODE_REGEN_SECS:-50} --prompts .gpu/code_short.jsonl.gz \
+      --max-tokens 512 --max-model-len 4096 &
+    regen data-long ${LONG_REGEN_SECS:-50} --prompts .gpu/longcode_train.jsonl.gz --exclude-overlap \
+      --max-tokens 256 --max-model-len 8192 &
+    wait
+    tail -n 2 "$W"/synth.log "$W"/data-*.log | grep -v "^$" | cut -c1-200 || true
+    for d in $(data_dirs); do
+      $py -c "import json,sys; m=json.load(open('$d/manifest.json')); s=[x for x in m['shards'] if x['file']];
+print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['num_tokens'] for x in s), 'tokens')" || true
     done
     ;;
   train)
-    # Both heads on the same data for the same time, side by side, in the background (they outlive this call);
-    # `wait` collects them.
-    data=()
-    for d in data-sharegpt data-synth data-code data-long; do
-      $py -c "import json,sys; sys.exit(not any(s['file'] for s in json.load(open('$W/$d/manifest.json'))['shards']))" \
-        2>/dev/null && data+=("$W/$d")
-    done
+    # Three heads on the same data for the same time, side by side, in the background (they outlive this call);
+    # `wait` collects them. peagle: our defaults; peagle-b: the public recipes' choices together (speculators:
+    # frozen lm_head, lr 6e-4, COD 0.7 / 0.2, feature noise 0.05, 32K draft vocabulary; SpecForge: depth decay 0.8);
+    # eagle3: the baseline.
+    data=($(data_dirs))
     launch() {  # name method k_train max_length batch_size extra...
       local name=$1 method=$2 k=$3 len=$4 bs=$5; shift 5
       setsid $py -m peagle train --target "$W/smollm2" --data "${data[@]}" --method $method --out "$W/train-$name" \
         --steps 1000000 --k-train $k --max-length $len --batch-size $bs --lr ${TRAIN_LR:-1e-3} --schedule cosine \
-        --save-every 500 --eval-every ${EVAL_EVERY:-400} --time-limit ${TRAIN_MIN:-9} "$@" \
+        --save-every 500 --eval-every ${EVAL_EVERY:-500} --time-limit ${TRAIN_MIN:-10} "$@" \
         > "$W/train-$name.log" 2>&1 < /dev/null &
       echo $! > "$W/train-$name.pid"
     }
-    launch peagle peagle ${PEAGLE_K:-12} 8192 ${PEAGLE_BS:-2} ${PEAGLE_ARGS:-}
+    launch peagle peagle ${PEAGLE_K:-8} 8192 ${PEAGLE_BS:-1} ${PEAGLE_ARGS:-}
+    launch peagle-b peagle ${PEAGLE_K:-8} 8192 ${PEAGLE_BS:-1} ${PEAGLE_B_ARGS:---lr 6e-4 --freeze-lm-head --cod-r 0.7 \
+      --cod-r-min 0.2 --feature-noise 0.05 --draft-vocab-size 32000 --depth-decay 0.8}
     launch eagle3 eagle3 ${EAGLE3_K:-7} 8192 ${EAGLE3_BS:-1} ${EAGLE3_ARGS:-}
     sleep ${TRAIN_PEEK:-45}
-    for m in peagle eagle3; do tail -3 "$W/train-$m.log"; done
+    for m in peagle peagle-b eagle3; do tail -2 "$W/train-$m.log" | cut -c1-300; done
     ;;
   wait)
-    for m in peagle eagle3; do
-      while [ -f "$W/train-$m.pid" ] && kill -0 "$(cat "$W/train-$m.pid")" 2> /dev/null; do sleep 5; done
+    # At most WAIT_SECS (a call's limit is 10 minutes): a run still going is left running for the next `wait`.
+    deadline=$(( $(date +%s) + ${WAIT_SECS:-560} ))
+    for m in ${HEADS:-peagle peagle-b eagle3}; do
+      while [ -f "$W/train-$m.pid" ] && kill -0 "$(cat "$W/train-$m.pid")" 2> /dev/null; do
+        if [ "$(date +%s)" -ge $deadline ]; then
+          echo "train-$m still running"; grep -E "eval at|schedule ends" "$W/train-$m.log" | tail -2 || true
+          exit 0
+        fi
+        sleep 5
+      done
       grep -E "schedule ends|eval at|Error|error" "$W/train-$m.log" | tail -4 || true
       cp "$W/train-$m.log" "$OUT/"
       cp "$W/train-$m/train_log.jsonl" "$OUT/train-$m.jsonl" 2>/dev/null || true
@@ -141,23 +184,25 @@ print('$d', sum(x['num_documents'] for x in s), 'documents', sum(x['num_tokens']
     link_heads
     ;;
   heads)
-    # Served acceptance of the two heads (greedy, concurrency 1) and the walk against serving on held-out documents.
+    # Served acceptance of the heads (greedy, concurrency 1) and the walk against serving on held-out documents.
     link_heads
-    data=()
-    for d in data-sharegpt data-synth data-code data-long; do [ -d "$W/$d" ] && data+=("$W/$d"); done
-    timeout ${HEADS_BENCH_SECS:-240} $py -m peagle bench --model "$W/smollm2" --draft-eagle3 "$W/heads/eagle3" \
-      --draft-peagle "$W/heads/peagle" --methods none,eagle3,peagle --k ${HEADS_K:-3,5,7,11} --concurrency 1 \
-      --datasets mtbench,humaneval --num-prompts ${HEADS_N:-24} --max-tokens 256 --max-model-len 4096 \
-      --out "$OUT/heads-bench" 2>&1 | grep -v -E "^\s*$|it/s\]|point/s\]" | tail -30 || true
-    for m in peagle eagle3; do
-      timeout ${WALK_SECS:-110} $py scripts/device/walk_check.py "$W/smollm2" "$W/heads/$m" "$OUT/walk-$m.json" \
+    data=($(data_dirs))
+    timeout ${HEADS_BENCH_SECS:-200} $py -m peagle bench --model "$W/smollm2" --draft-eagle3 "$W/heads/eagle3" \
+      --draft-peagle "$W/heads/peagle" --methods none,eagle3,peagle --k ${HEADS_K:-3,7,11} --concurrency 1 \
+      --datasets mtbench,humaneval --num-prompts ${HEADS_N:-12} --max-tokens 256 --max-model-len 4096 \
+      --out "$OUT/heads-bench" 2>&1 | grep -v -E "^\s*$|it/s\]|point/s\]" | tail -24 || true
+    [ -d "$W/heads/peagle-b" ] && timeout ${HEADS_BENCH_SECS:-200} $py -m peagle bench --model "$W/smollm2" \
+      --draft-peagle "$W/heads/peagle-b" --methods peagle --k ${HEADS_K:-3,7,11} --concurrency 1 \
+      --datasets mtbench,humaneval --num-prompts ${HEADS_N:-12} --max-tokens 256 --max-model-len 4096 \
+      --out "$OUT/heads-bench-b" 2>&1 | grep -v -E "^\s*$|it/s\]|point/s\]" | tail -12 || true
+    for m in ${WALK_HEADS:-peagle eagle3}; do
+      timeout ${WALK_SECS:-100} $py scripts/device/walk_check.py "$W/smollm2" "$W/heads/$m" "$OUT/walk-$m.json" \
         --data "${data[@]}" --k 7 --dtypes ${WALK_DTYPES:-float32,bfloat16} 2>&1 | grep -E "^\{|Error" || true
     done
     ;;
   ablate)
     # Recipe A/B: short P-EAGLE runs side by side on the same data for the same time, scored by the walk.
-    data=()
-    for d in data-sharegpt data-synth data-code data-long; do [ -d "$W/$d" ] && data+=("$W/$d"); done
+    data=($(data_dirs))
     variant() {  # name extra...
       local name=$1; shift
       $py -m peagle train --target "$W/smollm2" --data "${data[@]}" --method peagle --out "$W/ab-$name" \

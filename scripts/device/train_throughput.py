@@ -2,10 +2,12 @@
 GPU, and a count of host-device synchronisations inside the new trainer's steps.
 
 Usage: python scripts/device/train_throughput.py TARGET_DIR OUT.json --data DIR [DIR ...]
-       --runs NAME=SRC:METHOD:K_TRAIN:MAX_LENGTH:BATCH [...] [--seconds 45] [--skip-steps 10] [--sync-check SRC]
+       --runs NAME=SRC:METHOD:K_TRAIN:MAX_LENGTH:BATCH [...] [--steps 70 | --seconds 45] [--skip-steps 10]
+       [--sync-check SRC]
 Each run is `python -m peagle train` with PYTHONPATH=SRC (a source tree: today's `src`, or an older one unpacked
-for comparison), --time-limit SECONDS, a fresh head; its train_log.jsonl gives tokens/s, positions/s, MFU and GPU
-busy share, as medians over the steps after the first SKIP (compilation of new shapes). --sync-check runs a few
+for comparison), a fresh head, and either --steps STEPS (every run does the same work, however long its compilation
+takes) or --time-limit SECONDS; its train_log.jsonl gives tokens/s, positions/s, MFU and GPU busy share, as medians
+over the steps after the first SKIP (compilation of new shapes). --sync-check runs a few
 steps of the trainer in SRC in-process with CUDA's sync debug mode on and reports how many synchronisations each
 step made (the logging interval is set beyond the checked steps, so none of its intended reads count).
 Prints a table, then one JSON line.
@@ -31,12 +33,13 @@ def parse_run(text: str) -> dict:
             "batch_size": int(batch)}
 
 
-def train_args(target: Path, data: list[Path], out: Path, run: dict, seconds: float, extra: list[str]) -> list[str]:
+def train_args(target: Path, data: list[Path], out: Path, run: dict, seconds: float, steps: int,
+               extra: list[str]) -> list[str]:
+    budget = ["--steps", str(steps)] if steps else ["--steps", "100000", "--time-limit", str(seconds / 60)]
     return [sys.executable, "-m", "peagle", "train", "--target", str(target), "--data", *map(str, data),
             "--method", run["method"], "--out", str(out), "--k-train", str(run["k_train"]),
             "--max-length", str(run["max_length"]), "--batch-size", str(run["batch_size"]), "--lr", "1e-3",
-            "--steps", "100000", "--time-limit", str(seconds / 60), "--save-every", "1000000",
-            "--eval-every", "1000000", "--eval-fraction", "0", *extra]
+            *budget, "--save-every", "1000000", "--eval-every", "1000000", "--eval-fraction", "0", *extra]
 
 
 def median(rows: list[dict], key: str):
@@ -44,14 +47,18 @@ def median(rows: list[dict], key: str):
     return statistics.median(values) if values else None
 
 
-def measure(target: Path, data: list[Path], run: dict, seconds: float, skip: int, scratch: Path,
-            profile: bool) -> dict:
+def measure(target: Path, data: list[Path], run: dict, seconds: float, steps: int, skip: int, scratch: Path,
+            profile: bool, timeout: float) -> dict:
     out = scratch / run["name"]
     extra = ["--profile-steps", "3"] if profile else []
     env = {**os.environ, "PYTHONPATH": run["src"] + os.pathsep + os.environ.get("PYTHONPATH", "")}
     start = time.monotonic()
-    done = subprocess.run(train_args(target, data, out, run, seconds, extra), env=env, capture_output=True,
-                          text=True, timeout=seconds + 240)
+    try:
+        done = subprocess.run(train_args(target, data, out, run, seconds, steps, extra), env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        return {**run, "wall_s": round(time.monotonic() - start, 1), "error": f"timed out after {timeout:.0f} s: "
+                + (e.stderr or b"")[-1500:].decode(errors="replace")}
     point = {**run, "wall_s": round(time.monotonic() - start, 1), "returncode": done.returncode}
     log = out / "train_log.jsonl"
     if done.returncode != 0 or not log.is_file():
@@ -112,20 +119,23 @@ def main() -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--data", type=Path, nargs="+", required=True)
     parser.add_argument("--runs", nargs="+", required=True, type=parse_run, metavar="NAME=SRC:METHOD:K:LEN:BATCH")
-    parser.add_argument("--seconds", type=float, default=45.0)
+    parser.add_argument("--seconds", type=float, default=45.0, help="time limit of each run (without --steps)")
+    parser.add_argument("--steps", type=int, default=0, help="optimizer steps of each run (instead of --seconds)")
+    parser.add_argument("--run-timeout", type=float, default=240.0, help="seconds a run may take in all")
     parser.add_argument("--skip-steps", type=int, default=10)
     parser.add_argument("--profile", nargs="*", default=[], metavar="NAME", help="runs that also write a profile")
     parser.add_argument("--sync-check", metavar="SRC", help="count synchronisations per step of this tree's trainer")
     args = parser.parse_args()
-    result = {"target": str(args.target), "seconds": args.seconds, "skip_steps": args.skip_steps, "runs": []}
+    result = {"target": str(args.target), "seconds": None if args.steps else args.seconds, "steps": args.steps or None,
+              "skip_steps": args.skip_steps, "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         if args.sync_check:
             result["sync_check"] = sync_check(args.target, args.data, args.sync_check, scratch)
             print("sync check:", json.dumps(result["sync_check"]), flush=True)
         for run in args.runs:
-            point = measure(args.target, args.data, run, args.seconds, args.skip_steps, scratch,
-                            run["name"] in args.profile)
+            point = measure(args.target, args.data, run, args.seconds, args.steps, args.skip_steps, scratch,
+                            run["name"] in args.profile, args.run_timeout)
             if "profile" in point:
                 text = Path(point["profile"]).read_text()
                 point["profile"] = text[:6000]

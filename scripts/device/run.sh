@@ -7,12 +7,14 @@
 # against). Everything built lives under $W (kept while the machine stays warm); results are copied to $OUT.
 # This session's plan (issues 14, 19, 16), one call each, back to back while the machine stays warm:
 #   stage_a                 carry .stage_a .whl            the first GGUF half
-#   throughput; engine      carry .stage_b .whl .gpu .old  convert; the trainer of .old/src vs today's, each alone on
-#                           the GPU, fixed steps, with profiles; the engine's variants (issue 16)
-#   data && train           synthesise prompts and regenerate the training data; start three heads' training in the
-#                           background (TRAIN_MIN minutes, same data and time: two P-EAGLE recipes and EAGLE-3)
+#   throughput              carry .stage_b .whl .gpu .old  convert; the trainer of .old/src vs today's, each alone on
+#                           the GPU, fixed steps, with profiles
+#   data && train           carry .gpu: synthesise prompts and regenerate the training data; start three heads'
+#                           training in the background (TRAIN_MIN minutes, same data and time: two P-EAGLE recipes
+#                           and EAGLE-3)
 #   wait                    up to WAIT_SECS for the heads
-#   wait && heads           served acceptance at K 3/7/11 and the walk-vs-served check in fp32 and bf16
+#   wait && heads; engine   served acceptance at K 3/7/11, the walk-vs-served check in fp32 and bf16 for the P-EAGLE
+#                           recipe with the better held-out walk and for EAGLE-3; the engine's variants (issue 16)
 #   ablate                  recipe A/B runs side by side on the same data, scored by the walk
 # The plan of earlier sessions:
 #   stage_a && scale   carry .stage_a .whl        the first GGUF half; the 8B shape with the adaptive policy
@@ -187,6 +189,17 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
     # Served acceptance of the heads (greedy, concurrency 1) and the walk against serving on held-out documents.
     link_heads
     data=($(data_dirs))
+    # The P-EAGLE recipe whose last held-out walk at K=7 is higher gets the walk-vs-served check.
+    best=$($py -c "
+import json, sys
+def walk(name):
+    try:
+        rows = [json.loads(l) for l in open('$W/train-' + name + '/train_log.jsonl')]
+        return [r for r in rows if r['kind'] == 'eval'][-1]['walk_al']['7']
+    except Exception:
+        return -1.0
+print(max(('peagle', 'peagle-b'), key=walk))")
+    echo "best P-EAGLE recipe by the held-out walk: $best"
     timeout ${HEADS_BENCH_SECS:-200} $py -m peagle bench --model "$W/smollm2" --draft-eagle3 "$W/heads/eagle3" \
       --draft-peagle "$W/heads/peagle" --methods none,eagle3,peagle --k ${HEADS_K:-3,7,11} --concurrency 1 \
       --datasets mtbench,humaneval --num-prompts ${HEADS_N:-12} --max-tokens 256 --max-model-len 4096 \
@@ -195,7 +208,7 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
       --draft-peagle "$W/heads/peagle-b" --methods peagle --k ${HEADS_K:-3,7,11} --concurrency 1 \
       --datasets mtbench,humaneval --num-prompts ${HEADS_N:-12} --max-tokens 256 --max-model-len 4096 \
       --out "$OUT/heads-bench-b" 2>&1 | grep -v -E "^\s*$|it/s\]|point/s\]" | tail -12 || true
-    for m in ${WALK_HEADS:-peagle eagle3}; do
+    for m in ${WALK_HEADS:-$best eagle3}; do
       timeout ${WALK_SECS:-100} $py scripts/device/walk_check.py "$W/smollm2" "$W/heads/$m" "$OUT/walk-$m.json" \
         --data "${data[@]}" --k 7 --dtypes ${WALK_DTYPES:-float32,bfloat16} 2>&1 | grep -E "^\{|Error" || true
     done

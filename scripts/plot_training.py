@@ -1,0 +1,62 @@
+"""Held-out acceptance over training time, one line per run, from `peagle train` logs (train_log.jsonl).
+
+Usage: python scripts/plot_training.py NAME=LOG.jsonl [NAME=LOG.jsonl ...] --out PLOT.png [--k 7]
+Each eval row's `walk_al` at K (the serving walk over held-out documents) is drawn against the run's training time,
+the sum of its train rows' `step_s` up to that step (evaluation time left out), with the simulated AL dashed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def curve(log: Path, k: int) -> tuple[list[float], list[float], list[float]]:
+    """(minutes, walk AL at k, simulated AL at k) at each evaluation of one run."""
+    minutes, walk, simulated, elapsed = [], [], [], 0.0
+    for line in log.read_text().splitlines():
+        row = json.loads(line)
+        if row["kind"] == "train":
+            elapsed += row.get("step_s") or 0.0
+        elif row["kind"] == "eval" and str(k) in row.get("walk_al", {}):
+            minutes.append(elapsed / 60)
+            walk.append(row["walk_al"][str(k)])
+            simulated.append(row["sim_al"][str(k)])
+    return minutes, walk, simulated
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", metavar="NAME=LOG.jsonl")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--k", type=int, default=7)
+    args = ap.parse_args()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for spec in args.runs:
+        name, _, path = spec.partition("=")
+        minutes, walk, simulated = curve(Path(path), args.k)
+        if not minutes:
+            print(f"{path}: no evaluation with walk_al at K={args.k}", file=sys.stderr)
+            continue
+        (line,) = ax.plot(minutes, walk, marker="o", label=f"{name}: walk")
+        ax.plot(minutes, simulated, linestyle="--", color=line.get_color(), alpha=0.6, label=f"{name}: simulated")
+    ax.set_xlabel("training time (minutes)")
+    ax.set_ylabel(f"held-out acceptance length at K={args.k}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=110)
+    print(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -11,11 +11,13 @@ and reports "other" = round wall time - the round's GPU time: what the host adds
 With --profile DIR, 10 more rounds per method and batch run under torch.profiler and their operator table (CPU and
 CUDA time) is written to DIR/profile-METHOD-kK-bB.txt: where "other" goes.
 
-Variants (one engine each, timed side by side per method): `sync` is the engine as before; `async` schedules the next
+Variants (one engine each, timed side by side per method): `sync` is the engine without async scheduling (the
+default before run 5; `async` is the default on CUDA since); `async` schedules the next
 step while the GPU runs the current one (async_scheduling: "other" then is the host time the GPU waits for, and
 `ahead_share` the rounds launched before the previous answer arrived); `gemv` runs the target's linear layers at
 <= 8 rows through the split-K GEMV kernel (decode_gemv: it changes the GPU columns); `async+gemv` both;
-`chunked` prefills in chunks of what the decodes leave of 512 tokens per step (enable_chunked_prefill).
+`chunked` prefills in chunks of what the decodes leave of 512 tokens per step (enable_chunked_prefill);
+`async+chunked` both.
 With --stall N, each variant also times the stall a new N-token prompt causes: 8 requests decode, the prompt
 arrives, and `stall_max_ms` is the longest step until its first token, against `stall_decode_ms`, a decode step's
 median before it arrived (without chunking, one step prefills the whole prompt).
@@ -38,9 +40,11 @@ from peagle.models.loader import load_tokenizer
 
 CONFIGS = {"none": ("none", None, 0, False), "peagle": ("peagle", "peagle", 7, True),
            "eagle3-k3": ("eagle3", "eagle3", 3, False), "eagle3-k7": ("eagle3", "eagle3", 7, False)}
-VARIANTS = {"sync": {}, "async": {"async_scheduling": True}, "gemv": {"decode_gemv": True},
+VARIANTS = {"sync": {"async_scheduling": False}, "async": {"async_scheduling": True},
+            "gemv": {"async_scheduling": False, "decode_gemv": True},
             "async+gemv": {"async_scheduling": True, "decode_gemv": True},
-            "chunked": {"enable_chunked_prefill": True, "max_num_batched_tokens": 512}}
+            "chunked": {"async_scheduling": False, "enable_chunked_prefill": True, "max_num_batched_tokens": 512},
+            "async+chunked": {"async_scheduling": True, "enable_chunked_prefill": True, "max_num_batched_tokens": 512}}
 
 
 def gpu_ms(fn, iters=50) -> float:

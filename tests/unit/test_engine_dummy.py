@@ -96,3 +96,17 @@ def test_kv_sizing_collects_dropped_engines_first_and_explains_a_shortfall(confi
     free[0] = 1 * 2**30  # 9 GiB held elsewhere: not even one sequence fits under 0.9 x 10 GiB
     with pytest.raises(ValueError, match=r"9\.0 of 10\.0 GiB already in use.*another LLM still referenced"):
         engine._num_blocks(None)
+
+
+def test_async_scheduling_defaults_on_for_cuda_devices_only():
+    from peagle.cli import build_parser
+
+    assert EngineConfig(model="m", device="cuda").async_scheduling is True
+    assert EngineConfig(model="m", device="cuda:1").async_scheduling is True
+    assert EngineConfig(model="m", device="cpu").async_scheduling is False
+    assert EngineConfig(model="m", device="cuda", async_scheduling=False).async_scheduling is False
+    assert EngineConfig(model="m", device="cpu", async_scheduling=True).async_scheduling is True
+    parse = build_parser().parse_args
+    assert parse(["serve", "m"]).async_scheduling is None
+    assert parse(["serve", "m", "--no-async-scheduling"]).async_scheduling is False
+    assert parse(["serve", "m", "--async-scheduling"]).async_scheduling is True

@@ -12,7 +12,7 @@ With --profile DIR, 10 more rounds per method and batch run under torch.profiler
 CUDA time) is written to DIR/profile-METHOD-kK-bB.txt: where "other" goes.
 
 Variants (one engine each, timed side by side per method): `sync` is the engine without async scheduling (the
-default before run 5; `async` is the default on CUDA since); `async` schedules the next
+default); `async` schedules the next
 step while the GPU runs the current one (async_scheduling: "other" then is the host time the GPU waits for, and
 `ahead_share` the rounds launched before the previous answer arrived); `gemv` runs the target's linear layers at
 <= 8 rows through the split-K GEMV kernel (decode_gemv: it changes the GPU columns); `async+gemv` both;

@@ -98,15 +98,13 @@ def test_kv_sizing_collects_dropped_engines_first_and_explains_a_shortfall(confi
         engine._num_blocks(None)
 
 
-def test_async_scheduling_defaults_on_for_cuda_devices_only():
+
+def test_async_scheduling_is_off_unless_asked_for():
     from peagle.cli import build_parser
 
-    assert EngineConfig(model="m", device="cuda").async_scheduling is True
-    assert EngineConfig(model="m", device="cuda:1").async_scheduling is True
-    assert EngineConfig(model="m", device="cpu").async_scheduling is False
-    assert EngineConfig(model="m", device="cuda", async_scheduling=False).async_scheduling is False
-    assert EngineConfig(model="m", device="cpu", async_scheduling=True).async_scheduling is True
+    assert EngineConfig(model="m", device="cuda").async_scheduling is False
+    assert EngineConfig(model="m", device="cuda", async_scheduling=True).async_scheduling is True
     parse = build_parser().parse_args
-    assert parse(["serve", "m"]).async_scheduling is None
+    assert parse(["serve", "m"]).async_scheduling is False
     assert parse(["serve", "m", "--no-async-scheduling"]).async_scheduling is False
     assert parse(["serve", "m", "--async-scheduling"]).async_scheduling is True

@@ -54,9 +54,10 @@ def register(subparsers) -> None:
                         "so they never stall the decodes for more than one step (vLLM's name; off by default)")
     p.add_argument("--max-num-batched-tokens", type=int, metavar="N",
                    help="tokens per step (default: max-model-len, or 2048 with --enable-chunked-prefill)")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="prepare the next step on the host while the GPU runs the current one (vLLM's name; default: "
-                        "on for CUDA devices, where it hides the host's share of a step, off on the CPU)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                   help="prepare the next step on the host while the GPU runs the current one (vLLM's name; off by "
+                        "default: 1.14x at batch 1 and 1.38x at batch 64 on an H200, on by default once greedy "
+                        "equality with it on is checked on the GPU)")
     p.add_argument("--seed", type=int, metavar="N", default=0,
                    help="engine seed (default 0; requests may pass their own)")
     p.set_defaults(func=_serve)

@@ -1,12 +1,15 @@
 """Device check for the engine: speculative greedy output vs plain greedy output, with CUDA graphs.
 
 Usage: python scripts/device/engine_check.py TARGET_DIR OUT.json --head eagle3=DIR --head peagle=DIR
-       [--num-prompts 32] [--max-tokens 128] [--dtypes float32,bfloat16] [--sampling]
+       [--num-prompts 32] [--max-tokens 128] [--dtypes float32,bfloat16] [--sampling] [--async-scheduling]
 fp32: outputs must be identical. bf16: verifying several tokens in one pass may flip a near-tie, so the report gives
 the identical count and, for every divergence, the target's top-2 logit gap at the first differing position
 (recomputed from scratch in fp32 over the plain-greedy prefix).
 With --sampling: seeded sampled requests (temperature 0.8, top-p 0.95) under CUDA graphs must give the same tokens
 as under enforce_eager, with each method (the sampling path, graphed).
+With --async-scheduling the checked engines (plain and speculative) schedule asynchronously and are compared with
+plain greedy output of an engine that does not: the check that async scheduling is lossless under CUDA graphs and
+real asynchronous copies.
 """
 
 from __future__ import annotations
@@ -27,11 +30,15 @@ METHODS = {"eagle3": (3, False), "peagle": (7, True)}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for dry runs of this script
 
 
-def run(target, prompts, max_tokens, dtype, head=None, k=0, parallel=False, eager=False, sampled=False):
+MAX_MODEL_LEN = {"value": 2048}
+
+
+def run(target, prompts, max_tokens, dtype, head=None, k=0, parallel=False, eager=False, sampled=False,
+        async_scheduling=False):
     spec = None if head is None else {"method": "eagle3", "model": head, "num_speculative_tokens": k,
                                       "parallel_drafting": parallel}
-    llm = LLM(model=target, speculative_config=spec, dtype=dtype, max_model_len=2048, max_num_seqs=32,
-              enforce_eager=eager)
+    llm = LLM(model=target, speculative_config=spec, dtype=dtype, max_model_len=MAX_MODEL_LEN["value"], max_num_seqs=32,
+              enforce_eager=eager, async_scheduling=async_scheduling)
     if sampled:
         params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=max_tokens, ignore_eos=True)
                   for i in range(len(prompts))]
@@ -65,7 +72,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--sampling", action="store_true", help="seeded sampling: CUDA graphs vs eager only")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="greedy check: comma list of float32, bfloat16")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="the checked engines schedule asynchronously (the reference does not)")
+    ap.add_argument("--max-model-len", type=int, default=2048)
     args = ap.parse_args(argv)
+    MAX_MODEL_LEN["value"] = args.max_model_len
     dtypes = args.dtypes.split(",")
     if not dtypes or set(dtypes) - {"float32", "bfloat16"}:
         ap.error(f"--dtypes takes float32 and/or bfloat16, got {args.dtypes!r}")
@@ -79,18 +90,21 @@ def main(argv=None) -> int:
     fp32_model = load_model(args.target, dtype="float32", device=DEVICE)
     for dtype in dtypes:
         base, _ = run(args.target, prompts, args.max_tokens, dtype)
-        for method, head in heads.items():
-            k, parallel = METHODS[method]
+        checked = [("none", None), *heads.items()] if args.async_scheduling else list(heads.items())
+        for method, head in checked:
+            k, parallel = METHODS.get(method, (0, False))
             for eager in (False, True) if dtype == "bfloat16" and method == "peagle" else (False,):
-                spec, outs = run(args.target, prompts, args.max_tokens, dtype, head, k, parallel, eager)
+                spec, outs = run(args.target, prompts, args.max_tokens, dtype, head, k, parallel, eager,
+                                 async_scheduling=args.async_scheduling)
                 same = [a == b for a, b in zip(base, spec)]
                 entry = {"dtype": dtype, "method": method, "k": k, "enforce_eager": eager,
+                         "async_scheduling": args.async_scheduling,
                          "identical": sum(same), "of": len(same),
                          "mean_acceptance_length": sum(o.metrics.acceptance_length or 1 for o in outs) / len(outs),
                          "divergences": [near_tie(fp32_model, p, b, s)
                                          for p, b, s, ok in zip(prompts, base, spec, same) if not ok]}
                 report["checks"].append(entry)
-                print(f"{dtype} {method} K={k} eager={eager}: identical {sum(same)}/{len(same)}; "
+                print(f"{dtype} {method} K={k} eager={eager} async={args.async_scheduling}: identical {sum(same)}/{len(same)}; "
                       f"divergence gaps {[round(d['top2_gap_fp32'], 4) for d in entry['divergences']]}", flush=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One script for the GPU machine: builds, checks and times peagle in stages that fit one call each.
-#   bash scripts/device/run.sh STAGE  (STAGE: stage_a | gpu_tests | throughput | engine | data | train | wait | heads | ablate |
+#   bash scripts/device/run.sh STAGE  (STAGE: stage_a | gpu_tests | throughput | engine | data | train | wait | heads | check |
+#                                      ablate |
 #                                      stage_b | bench | bench2 | final | scale | teacher)
 # Large inputs travel in ignored folders named by the caller (.stage_a, .stage_b: halves of the testbed GGUF;
 # .whl: wheels missing on the machine, gguf at least; .gpu: prompt files; .old: an earlier source tree to time
@@ -211,6 +212,16 @@ print(max(('peagle', 'peagle-b'), key=walk))")
     for m in ${WALK_HEADS:-$best eagle3}; do
       timeout ${WALK_SECS:-100} $py scripts/device/walk_check.py "$W/smollm2" "$W/heads/$m" "$OUT/walk-$m.json" \
         --data "${data[@]}" --k 7 --dtypes ${WALK_DTYPES:-float32,bfloat16} 2>&1 | grep -E "^\{|Error" || true
+    done
+    ;;
+  check)
+    # Greedy equality with the trained heads under CUDA graphs: as the engine runs by default, then with async
+    # scheduling (the check before async scheduling can be on by default).
+    link_heads
+    for mode in "" --async-scheduling; do
+      timeout ${CHECK_SECS:-120} $py scripts/device/engine_check.py "$W/smollm2" "$OUT/engine_check${mode:+-async}.json" \
+        --dtypes ${CHECK_DTYPES:-float32} --head eagle3="$W/heads/eagle3" --head peagle="$W/heads/${CHECK_PEAGLE:-peagle}" \
+        $mode 2>&1 | grep -E "identical|Error" || true
     done
     ;;
   ablate)

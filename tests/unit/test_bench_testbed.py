@@ -211,7 +211,7 @@ def test_h200_plan_uses_every_data_source_and_trains_both_heads_side_by_side(off
     for c in (eagle3, peagle):
         assert args_after(c.argv, "--data") == list(map(str, data))  # the same data for both
         assert arg(c.argv, "--time-limit") == "9" and arg(c.argv, "--max-length") == "8192"
-        assert arg(c.argv, "--lr") == "1e-3" and arg(c.argv, "--schedule") == "cosine"
+        assert "--lr" not in c.argv and "--schedule" not in c.argv  # the trainer's default recipe
     assert (arg(eagle3.argv, "--method"), arg(eagle3.argv, "--num-layers"), arg(eagle3.argv, "--k-train")) == (
         "eagle3", "1", "7")
     assert (arg(peagle.argv, "--method"), arg(peagle.argv, "--num-layers"), arg(peagle.argv, "--k-train")) == (

@@ -317,18 +317,21 @@ def test_feature_noise_changes_training_not_evaluation_and_repeats_with_its_seed
     cpu = DistContext(0, 1, torch.device("cpu"))
     common = ("--steps", "3", "--save-every", "100")
     runs = {}
-    for name, extra in (("plain", ()), ("noisy", ("--feature-noise", "0.5")), ("again", ("--feature-noise", "0.5"))):
+    for name, extra in (("plain", ("--feature-noise", "0")), ("noisy", ("--feature-noise", "0.5")),
+                        ("again", ("--feature-noise", "0.5"))):
         trainer = build_trainer(_config(checkpoint, data, tmp_path / name, *common, *extra), cpu)
-        seq = trainer.prepare(0, 0).plans[0].sequence
-        clean = trainer._teacher(seq)
+        plan = trainer.prepare(0, 0).plans[0]
+        clean = trainer._teacher(plan.sequence)
+        assert len(plan.noise_seeds) == 1 and plan.noise_seeds[0][1] == len(plan.sequence)
         if name == "plain":
-            assert trainer._noisy(clean, 0) is clean
+            assert trainer._noisy(clean, plan.noise_seeds) is clean
         else:
-            noisy = trainer._noisy(clean, 0)
+            noisy = trainer._noisy(clean, plan.noise_seeds)
             delta = (noisy.features - clean.features).float()
             assert delta.std().item() == pytest.approx(0.5, rel=0.1)  # the asked-for std, on features only
             assert torch.equal(noisy.hidden, clean.hidden)  # the teacher distribution is untouched
-            assert not torch.equal(trainer._noisy(clean, 1).features, noisy.features)  # a draw per micro-batch
+            other = trainer.prepare(0, 1).plans[0].noise_seeds
+            assert other != plan.noise_seeds  # each sequence draws its own noise
         assert trainer.train() == 0
         runs[name] = _losses(tmp_path / name)
     assert runs["noisy"] == runs["again"]  # the same seed draws the same noise

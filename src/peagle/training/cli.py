@@ -80,12 +80,12 @@ def register(subparsers) -> None:
     train.add_argument("--out", type=Path, required=True, help="output directory (checkpoints, logs, final/)")
     train.add_argument("--num-layers", type=int, help="drafter layers (default 4 for peagle, 1 for eagle3)")
     train.add_argument("--k-train", type=int, default=8, help="drafting depth trained (default 8)")
-    train.add_argument("--cod-r", type=float, default=0.8, help="COD keep ratio per depth (default 0.8)")
+    train.add_argument("--cod-r", type=float, default=0.7, help="COD keep ratio per depth (default 0.7)")
     train.add_argument("--cod-r-min", type=float, default=0.2, help="COD floor (default 0.2)")
     train.add_argument("--num-segments", type=int, default=1,
                        help="sequence partition segments: more segments, less memory (peagle; default 1)")
     train.add_argument("--max-length", type=int, default=2048, help="tokens per packed sequence (default 2048)")
-    train.add_argument("--lr", type=float, default=1e-4)
+    train.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (default 6e-4)")
     train.add_argument("--weight-decay", type=float, default=0.0)
     train.add_argument("--warmup-steps", type=int, help="linear warmup steps (default 2%% of the steps; with --time-limit at most 30)")
     length = train.add_mutually_exclusive_group(required=True)
@@ -93,7 +93,7 @@ def register(subparsers) -> None:
     length.add_argument("--epochs", type=float, help="passes over the training data")
     train.add_argument("--batch-size", type=int, default=1, help="packed sequences per micro-batch per process")
     train.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    train.add_argument("--schedule", choices=SCHEDULES, default="linear", help="decay after warmup")
+    train.add_argument("--schedule", choices=SCHEDULES, default="cosine", help="decay after warmup (default cosine)")
     train.add_argument("--max-grad-norm", type=float, default=1.0)
     train.add_argument("--save-every", type=int, default=1000, help="checkpoint every N steps")
     train.add_argument("--eval-every", type=int, default=500, help="held-out evaluation every N steps")
@@ -117,17 +117,19 @@ def register(subparsers) -> None:
     train.add_argument("--log-every", type=int, default=10, metavar="N",
                        help="read the statistics from the device every N steps (the step itself never waits for "
                             "the GPU; default 10)")
-    train.add_argument("--depth-decay", type=float, default=1.0, metavar="GAMMA",
-                       help="weight the loss of a depth-d element by GAMMA**d (default 1: all depths alike)")
-    train.add_argument("--freeze-lm-head", action="store_true",
-                       help="keep the draft head's output rows as initialised from the target (not trained)")
-    train.add_argument("--feature-noise", type=float, default=0.0, metavar="STD",
+    train.add_argument("--depth-decay", type=float, default=0.8, metavar="GAMMA",
+                       help="weight the loss of a depth-d element by GAMMA**d (default 0.8; 1: all depths alike)")
+    train.add_argument("--freeze-lm-head", action=argparse.BooleanOptionalAction, default=True,
+                       help="keep the draft head's output rows as initialised from the target's (default; "
+                            "--no-freeze-lm-head trains them)")
+    train.add_argument("--feature-noise", type=float, default=0.05, metavar="STD",
                        help="add Gaussian noise of this standard deviation to the target features the drafter reads "
-                            "in training (not in evaluation; speculators uses 0.05; default 0: none)")
+                            "in training (not in evaluation; default 0.05; 0: none)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--init", type=Path, metavar="DRAFTER_DIR", help="start from an existing head")
     train.add_argument("--draft-vocab-size", type=int,
-                       help="restrict the head to the N most frequent response tokens (default: full vocabulary)")
+                       help="restrict the head to the N most frequent response tokens (default 32000, or the "
+                            "target's whole vocabulary if smaller; 0: the whole vocabulary)")
     train.set_defaults(func=_train)
 
 

@@ -44,6 +44,7 @@ class StepPlan:
     charged_per_depth: torch.Tensor  # [K] int64
     weight_sum: float  # the micro-batch's share of the loss denominator
     num_elements: int
+    noise_seeds: tuple[tuple[int, int], ...] = ()  # (seed, length) of each packed sequence: its feature noise
 
     def to(self, device: torch.device | str) -> "StepPlan":
         """The plan with its index tensors on `device` (the sequence stays on the host: the teacher moves it)."""

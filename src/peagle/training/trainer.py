@@ -17,7 +17,7 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -31,7 +31,7 @@ from peagle.models.llama import LlamaModel
 from peagle.models.loader import load_model, load_tokenizer
 from peagle.models.tokenizer import Tokenizer
 from peagle.training.cod import Layout
-from peagle.training.config import TIME_LIMITED_WARMUP, TrainConfig
+from peagle.training.config import DEFAULT_DRAFT_VOCAB, TIME_LIMITED_WARMUP, TrainConfig
 from peagle.training.data import Document, PackedSequence, TrainingData, pack, read_documents, split_documents
 from peagle.training.distributed import DistContext
 from peagle.training.flops import StepFlops, peak_flops
@@ -77,6 +77,9 @@ def fitted_total_steps(step: int, total: int, seconds_per_step: float, seconds_l
     more than asked for. The learning rate then decays to zero when the time runs out, not at a step never reached."""
     reachable = step + int(seconds_left * (1.0 - FIT_RESERVE) / max(seconds_per_step, 1e-9))
     return max(step + 1, min(total, reachable))
+
+
+NOISE_SEED = 7919  # offsets --seed for the feature noise, so that it does not repeat the COD sampling's stream
 
 
 def sequence_seed(seed: int, epoch: int, index: int) -> int:
@@ -275,8 +278,8 @@ class Trainer:
         else:
             denominator = max(prepared.weight, 1.0)
         stats = StepStats.zero(self.cfg.k_train, self.dist.device)
-        for micro, plan in enumerate(prepared.plans):
-            teacher = self._noisy(self._teacher(plan.sequence), micro)
+        for plan in prepared.plans:
+            teacher = self._noisy(self._teacher(plan.sequence), plan.noise_seeds)
             with self.autocast:
                 stats = stats + self.objective.backward(self.drafter, self.target, teacher,
                                                         plan.to(self.dist.device), denominator, self.vocab_map)
@@ -321,15 +324,17 @@ class Trainer:
             return self.cache.run(seq, self.aux_layer_ids, self.dist.device)
         return run_target(self.target, seq, self.aux_layer_ids, self.dist.device)
 
-    def _noisy(self, teacher: TeacherPass, micro: int) -> TeacherPass:
-        """The teacher pass with Gaussian noise of std --feature-noise on its features (training only), drawn from a
-        generator seeded by (seed, step, process, micro-batch) so that a resumed run draws the same noise."""
+    def _noisy(self, teacher: TeacherPass, seeds: tuple[tuple[int, int], ...]) -> TeacherPass:
+        """The teacher pass with Gaussian noise of std --feature-noise on its features (training only). Each packed
+        sequence draws its own noise from a generator seeded by (seed, epoch, index): the same noise however the
+        sequences are batched, split over processes or resumed."""
         if not self.cfg.feature_noise:
             return teacher
         features = teacher.features
-        seed = sequence_seed(self.cfg.seed, self.step, self.dist.rank * 1024 + micro)
-        gen = torch.Generator(features.device).manual_seed(seed)
-        noise = torch.randn(features.shape, generator=gen, device=features.device, dtype=torch.float32)
+        noise = torch.cat([
+            torch.randn((length, features.shape[1]), generator=torch.Generator(features.device).manual_seed(seed),
+                        device=features.device, dtype=torch.float32)
+            for seed, length in seeds])
         noisy = (features.float() + self.cfg.feature_noise * noise).to(features.dtype)
         return TeacherPass(teacher.sequence, noisy, teacher.hidden)
 
@@ -340,7 +345,8 @@ class Trainer:
             layouts.append(self.objective.sample_layout(seq, gen))
         seqs = [seq for _, _, seq in part]
         layout = Layout.concat(layouts, [len(s) for s in seqs], [len(s.doc_lengths) for s in seqs])
-        return self.objective.plan(PackedSequence.concat(seqs), layout)
+        seeds = tuple((sequence_seed(self.cfg.seed + NOISE_SEED, epoch, index), len(seq)) for epoch, index, seq in part)
+        return replace(self.objective.plan(PackedSequence.concat(seqs), layout), noise_seeds=seeds)
 
     # ---- evaluation ----
 
@@ -609,10 +615,14 @@ def _make_drafter(cfg: TrainConfig, target: LlamaModel, tokenizer: Tokenizer, tr
         if drafter.config.method != cfg.method:
             raise ValueError(f"--init {cfg.init} is a {drafter.config.method} head but --method is {cfg.method}")
     else:
-        corpus = [d.token_ids[d.loss_mask].tolist() for d in train_docs] if cfg.draft_vocab_size else None
+        parts = TargetParts.from_dir(cfg.target, tokenizer)
+        # A draft vocabulary as large as the target's is the target's own, in order (no frequency count needed).
+        size = DEFAULT_DRAFT_VOCAB if cfg.draft_vocab_size is None else cfg.draft_vocab_size
+        size = size if 0 < size < target.config.vocab_size else None
+        corpus = [d.token_ids[d.loss_mask].tolist() for d in train_docs] if size else None
         drafter = Drafter.for_target(
-            TargetParts.from_dir(cfg.target, tokenizer), cfg.method, cfg.layers,
-            draft_vocab=cfg.draft_vocab_size, vocab_corpus=corpus, aux_layer_ids=cfg.aux_layer_ids,
+            parts, cfg.method, cfg.layers,
+            draft_vocab=size, vocab_corpus=corpus, aux_layer_ids=cfg.aux_layer_ids,
             num_speculative_tokens=min(cfg.k_train, DEFAULT_NUM_SPECULATIVE_TOKENS[cfg.method]), seed=cfg.seed,
         )
     drafter = drafter.float().requires_grad_(True).train()

@@ -55,3 +55,29 @@ def test_eval_stats_from_a_full_layout():
     # anchor 1 predicts token 3 at depth 0 (right) and 4 at depth 1 (wrong): leads 1,1,1,2,1,1.
     assert complete.tolist() == [False, True, True, True, True, True, True, False, False, False]
     assert stats.acceptance_length(2) == pytest.approx(1 + 7 / 6)
+
+
+def test_walk_per_source_splits_the_walk_by_document_group():
+    # Two documents, each prompt 0..2 then response: document 0 (source 1) right three deep everywhere, document 1
+    # (source 0) wrong everywhere. K = 2.
+    n0, n1, k = 10, 8, 2
+    doc_ids = torch.cat([torch.zeros(n0, dtype=torch.long), torch.ones(n1, dtype=torch.long)])
+    mask = torch.cat([torch.arange(n0) >= 3, torch.arange(n1) >= 3])
+    layout = full_layout(doc_ids, mask, k)
+    charged = layout.weight > 0
+    correct = doc_ids[layout.anchor[charged]] == 0
+    total = torch.bincount(layout.depth[charged], minlength=k)
+    stats = EvalStats.of(StepStats(torch.zeros(()), total, torch.zeros(k, dtype=torch.long)), layout, correct,
+                         mask, doc_ids, k, doc_groups=[1, 0], num_groups=3)
+    assert stats.walked_groups.shape == (3, k, 2)
+    assert torch.equal(stats.walked_groups.sum(0), stats.walked)  # the groups split the whole walk
+    assert stats.walk_acceptance_length(2, group=0) == pytest.approx(1.0)  # nothing accepted
+    # Document 0 walked alone: every draft right, so rounds accept 2 each (the last what is left).
+    first = full_layout(doc_ids[:n0], mask[:n0], k)
+    right = torch.ones(int((first.weight > 0).sum()), dtype=torch.bool)
+    alone = EvalStats.of(StepStats(torch.zeros(()), total, torch.zeros(k, dtype=torch.long)), first, right,
+                         mask[:n0], doc_ids[:n0], k)
+    assert stats.walked_groups[1].tolist() == alone.walked.tolist() and alone.walked[1].tolist() == [4, 2]
+    assert stats.walked_groups[2].sum() == 0 and torch.isnan(torch.tensor(stats.walk_acceptance_length(2, group=2)))
+    combined = stats + stats
+    assert torch.equal(combined.walked_groups, 2 * stats.walked_groups)

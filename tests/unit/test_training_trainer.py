@@ -337,3 +337,22 @@ def test_feature_noise_changes_training_not_evaluation_and_repeats_with_its_seed
     assert runs["noisy"] == runs["again"]  # the same seed draws the same noise
     assert runs["noisy"][0][1] != runs["plain"][0][1]
     assert main(_args(checkpoint, data, tmp_path / "bad", "--steps", "1", "--feature-noise", "-1")) == 1
+
+
+def test_evaluation_walks_each_data_source_apart(setup, tmp_path):
+    checkpoint, data = setup
+    other = write_dataset(tmp_path / "other", checkpoint, num_docs=12, seed=2)
+    cpu = DistContext(0, 1, torch.device("cpu"))
+    cfg = train_config(build_parser().parse_args([*_args(checkpoint, data, tmp_path / "out", "--steps", "1"),
+                                                  "--data", str(data), str(other), "--eval-fraction", "0.25"]))
+    trainer = build_trainer(cfg, cpu)
+    assert sorted(set(trainer.held_source)) == [0, 1]  # both sources are held out from
+    row = trainer.evaluate()
+    by_source = row["walk_al_by_source"]
+    assert set(by_source) == {data.name, other.name}
+    for walks in by_source.values():
+        assert set(walks) == set(row["walk_al"]) and all(v >= 1.0 for v in walks.values())
+    # The pooled walk lies between the sources' walks at every K.
+    for j in row["walk_al"]:
+        values = [w[j] for w in by_source.values()]
+        assert min(values) - 1e-9 <= row["walk_al"][j] <= max(values) + 1e-9

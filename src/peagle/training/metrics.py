@@ -80,19 +80,29 @@ class EvalStats:
     stats: StepStats
     leading: torch.Tensor  # [K + 1] int64
     walked: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.long))  # [K, 2] int64
+    # the walk per group of documents (the data source each came from): [G, K, 2] int64
+    walked_groups: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0, 2, dtype=torch.long))
 
     def __add__(self, other: "EvalStats") -> "EvalStats":
-        walked = other.walked if not self.walked.numel() else (
-            self.walked if not other.walked.numel() else self.walked + other.walked)
-        return EvalStats(self.stats + other.stats, self.leading + other.leading, walked)
+        return EvalStats(self.stats + other.stats, self.leading + other.leading, _sum(self.walked, other.walked),
+                         _sum(self.walked_groups, other.walked_groups))
 
     @classmethod
     def of(cls, stats: StepStats, layout: Layout, correct: torch.Tensor, loss_mask: torch.Tensor,
-           doc_ids: torch.Tensor, k: int) -> "EvalStats":
+           doc_ids: torch.Tensor, k: int, doc_groups: list[int] | None = None, num_groups: int = 0
+           ) -> "EvalStats":
+        """`doc_groups[i]`: the group of the sequence's document i (its data source), for `walked_groups`."""
         lead, complete = leading_right(layout, correct, loss_mask.numel(), k)
         spans, lead_list = response_spans(loss_mask, doc_ids), lead.tolist()
         walked = torch.tensor([walk(lead_list, spans, j) for j in range(1, k + 1)], dtype=torch.long)
-        return cls(stats, torch.bincount(lead[complete], minlength=k + 1), walked.view(k, 2))
+        groups = torch.zeros(num_groups, k, 2, dtype=torch.long)
+        if doc_groups is not None and num_groups:
+            docs = doc_ids.cpu().tolist()
+            for g in range(num_groups):
+                mine = [span for span in spans if doc_groups[docs[span[0]]] == g]
+                if mine:
+                    groups[g] = torch.tensor([walk(lead_list, mine, j) for j in range(1, k + 1)], dtype=torch.long)
+        return cls(stats, torch.bincount(lead[complete], minlength=k + 1), walked.view(k, 2), groups)
 
     def acceptance_length(self, k: int) -> float:
         """Simulated acceptance length with k drafts: 1 + E[min(matched prefix, k)] (the bonus token counts)."""
@@ -102,12 +112,17 @@ class EvalStats:
         matched = torch.arange(self.leading.numel()).clamp(max=k)
         return 1.0 + float((matched * self.leading).sum()) / n
 
-    def walk_acceptance_length(self, k: int) -> float:
-        """1 + accepted / rounds of the walk with k drafts per round (the engine's definition)."""
-        accepted, rounds = self.walked[k - 1].tolist()
+    def walk_acceptance_length(self, k: int, group: int | None = None) -> float:
+        """1 + accepted / rounds of the walk with k drafts per round (the engine's definition), over every document
+        or those of one group."""
+        accepted, rounds = (self.walked[k - 1] if group is None else self.walked_groups[group, k - 1]).tolist()
         return 1.0 + accepted / rounds if rounds else float("nan")
 
     def conditional_accuracy(self) -> list[float]:
         """P(draft j correct | drafts 1..j-1 correct), j = 1..K: the chain that the acceptance length multiplies."""
         reach = torch.flip(torch.cumsum(torch.flip(self.leading, [0]), 0), [0])  # reach[j] = #(leading >= j)
         return [float(reach[j + 1] / reach[j]) if reach[j] else float("nan") for j in range(self.leading.numel() - 1)]
+
+
+def _sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return b if not a.numel() else (a if not b.numel() else a + b)

@@ -139,9 +139,11 @@ class Prefetcher:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, target: LlamaModel, drafter: Drafter, data: TrainingData,
-                 held_out: list[PackedSequence], dist: DistContext):
+                 held_out: list[PackedSequence], dist: DistContext, held_source: list[int] | None = None):
+        """`held_source[i]`: the --data directory of held-out document i (the `sources` of `held_out`'s packs)."""
         self.cfg, self.target, self.drafter, self.data, self.held_out, self.dist = (
             cfg, target, drafter, data, held_out, dist)
+        self.held_source = held_source
         self.objective = make_objective(cfg)
         self.aux_layer_ids = drafter.config.aux_layer_ids
         self.global_batch = cfg.batch_size * cfg.grad_accum * dist.world_size
@@ -354,28 +356,42 @@ class Trainer:
         """Per-depth accuracy, the simulated acceptance length and the serving walk's acceptance length
         (`metrics.py`) on held-out sequences, at every K up to K_train."""
         k = self.cfg.k_train
-        total = EvalStats(StepStats.zero(k), torch.zeros(k + 1, dtype=torch.long), torch.zeros(k, 2, dtype=torch.long))
+        names = source_names(self.cfg.data)
+        groups = len(names) if self.held_source is not None else 0
+        total = EvalStats(StepStats.zero(k), torch.zeros(k + 1, dtype=torch.long), torch.zeros(k, 2, dtype=torch.long),
+                          torch.zeros(groups, k, 2, dtype=torch.long))
         self.drafter.eval()
         for seq in self.held_out[self.dist.rank::self.dist.world_size]:
             teacher = run_target(self.target, seq, self.aux_layer_ids, self.dist.device)
+            doc_groups = [self.held_source[i] for i in seq.sources] if groups and seq.sources else None
             with self.autocast:
-                result = self.objective.evaluate(self.drafter, self.target, teacher, self.vocab_map)
+                result = self.objective.evaluate(self.drafter, self.target, teacher, self.vocab_map, doc_groups,
+                                                 groups)
             total = total + EvalStats(StepStats(result.stats.loss.cpu(), result.stats.total.cpu(),
-                                                result.stats.correct.cpu()), result.leading, result.walked)
+                                                result.stats.correct.cpu()), result.leading, result.walked,
+                                      result.walked_groups)
         self.drafter.train()
         flat = torch.cat([total.stats.loss.double().view(1), total.stats.total.double(),
-                          total.stats.correct.double(), total.leading.double(), total.walked.double().flatten()])
+                          total.stats.correct.double(), total.leading.double(), total.walked.double().flatten(),
+                          total.walked_groups.double().flatten()])
         flat = self.dist.all_reduce(flat.to(self.dist.device)).cpu()
         stats = StepStats(flat[0], flat[1:1 + k].long(), flat[1 + k:1 + 2 * k].long())
-        result = EvalStats(stats, flat[1 + 2 * k:2 + 3 * k].long(), flat[2 + 3 * k:].long().view(k, 2))
+        walked_end = 2 + 5 * k
+        result = EvalStats(stats, flat[1 + 2 * k:2 + 3 * k].long(), flat[2 + 3 * k:walked_end].long().view(k, 2),
+                           flat[walked_end:].long().view(groups, k, 2))
         charged = int(stats.total.sum())
-        return {
+        row = {
             "loss": float(stats.loss) / max(charged, 1), "acc": _round(stats.accuracy()),
             "cond_acc": _round(result.conditional_accuracy()),
             "sim_al": {str(j): round(result.acceptance_length(j), 4) for j in range(1, k + 1)},
             "walk_al": {str(j): round(result.walk_acceptance_length(j), 4) for j in range(1, k + 1)},
             "rollouts": int(result.leading.sum()), "rounds": int(result.walked[-1, 1]),
         }
+        if groups:
+            row["walk_al_by_source"] = {
+                name: {str(j): round(result.walk_acceptance_length(j, g), 4) for j in range(1, k + 1)}
+                for g, name in enumerate(names) if int(result.walked_groups[g, -1, 1])}
+        return row
 
     # ---- checkpoints ----
 
@@ -576,13 +592,27 @@ def split_sources(data_dirs, tokenizer: Tokenizer, vocab_size: int, eval_fractio
                   seed: int) -> tuple[list[Document], list[Document]]:
     """(train, held_out) documents of several data directories. Each source is held out from, so that the held-out
     scores speak for the whole mixture: `max_eval` documents at most, shared out between the sources."""
-    train_docs, held_docs = [], []
+    train_docs, held_docs, _ = split_sources_by_name(data_dirs, tokenizer, vocab_size, eval_fraction, max_eval, seed)
+    return train_docs, held_docs
+
+
+def split_sources_by_name(data_dirs, tokenizer: Tokenizer, vocab_size: int, eval_fraction: float, max_eval: int,
+                          seed: int) -> tuple[list[Document], list[Document], list[int]]:
+    """`split_sources` and, for each held-out document, the index of its data directory in `data_dirs`."""
+    train_docs, held_docs, held_source = [], [], []
     for i, data_dir in enumerate(data_dirs):
         share = max_eval // len(data_dirs) + (i < max_eval % len(data_dirs))
         train, held = split_documents(read_documents(data_dir, tokenizer, vocab_size), eval_fraction, share, seed)
         train_docs += train
         held_docs += held
-    return train_docs, held_docs
+        held_source += [i] * len(held)
+    return train_docs, held_docs, held_source
+
+
+def source_names(data_dirs) -> list[str]:
+    """A short name per data directory (its folder name; the index added where two share one)."""
+    names = [Path(d).name or str(d) for d in data_dirs]
+    return [f"{n}#{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]
 
 
 def build_trainer(cfg: TrainConfig, dist: DistContext) -> Trainer:
@@ -596,8 +626,8 @@ def build_trainer(cfg: TrainConfig, dist: DistContext) -> Trainer:
     if not cfg.resume and complete_checkpoints(cfg.out / CHECKPOINTS):
         raise FileExistsError(f"{cfg.out} already holds checkpoints; pass --resume to continue or choose another --out")
     tokenizer = load_tokenizer(cfg.target)
-    train_docs, held_docs = split_sources(cfg.data, tokenizer, target_config.vocab_size, cfg.eval_fraction,
-                                          cfg.max_eval_documents, cfg.seed)
+    train_docs, held_docs, held_source = split_sources_by_name(cfg.data, tokenizer, target_config.vocab_size,
+                                                               cfg.eval_fraction, cfg.max_eval_documents, cfg.seed)
     logger.info("%d training documents, %d held out", len(train_docs), len(held_docs))
     target = load_model(cfg.target, "bfloat16" if dist.device.type == "cuda" else "float32", dist.device)
     drafter = _make_drafter(cfg, target, tokenizer, train_docs).to(dist.device)
@@ -605,7 +635,8 @@ def build_trainer(cfg: TrainConfig, dist: DistContext) -> Trainer:
         cfg.out.mkdir(parents=True, exist_ok=True)
         (cfg.out / "train_config.json").write_text(json.dumps(config_record(cfg), indent=1) + "\n")
     held_out = pack(held_docs, range(len(held_docs)), cfg.max_length)
-    return Trainer(cfg, target, drafter, TrainingData(train_docs, cfg.max_length, cfg.seed), held_out, dist)
+    return Trainer(cfg, target, drafter, TrainingData(train_docs, cfg.max_length, cfg.seed), held_out, dist,
+                   held_source)
 
 
 def _make_drafter(cfg: TrainConfig, target: LlamaModel, tokenizer: Tokenizer, train_docs: list[Document]

@@ -119,7 +119,7 @@ case "$stage" in
     regen() {  # out_dir seconds regenerate-arguments...
       local out=$1 secs=$2; shift 2
       timeout $secs $py -m peagle regenerate --model "$W/smollm2" --out "$W/$out" --num-kv-blocks $kv "$@" \
-        > "$W/$out.log" 2>&1 || true
+        ${REGEN_EXTRA:-} > "$W/$out.log" 2>&1 || true  # REGEN_EXTRA=--async-scheduling once `check` passed
     }
     (
       timeout ${SYNTH_SECS:-45} $py -m peagle synthesize --model "$W/smollm2" --out "$W/synth.jsonl" \

@@ -273,3 +273,19 @@ def test_sigterm_keeps_finished_shards_and_a_rerun_completes(tiny_hf_checkpoint,
     monkeypatch.setattr(regen_module, "make_engine", real)
     assert regenerate(checkpoint, prompts, tmp_path / "d", max_tokens=3, batch_size=1, **kw).prompts_done == 6
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_multi_turn_regeneration_with_async_scheduling_writes_the_same_documents(tiny_hf_checkpoint, tmp_path):
+    checkpoint = tiny_hf_checkpoint("llama", num_layers=2)
+    path = tmp_path / "turns.jsonl"
+    conversations = [[f"Tell me about item {i}.", "And then?", "Why?"] for i in range(5)]
+    path.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": t} for t in turns]}) + "\n"
+                            for turns in conversations))
+    docs = []
+    for name, flag in (("sync", False), ("async", True)):
+        regenerate(checkpoint, path, tmp_path / name, max_tokens=4, batch_size=2, multi_turn=True,
+                   async_scheduling=flag, **KW)
+        docs.append(read_documents(tmp_path / name, load_tokenizer(checkpoint), 400))
+    assert len(docs[0]) == len(docs[1]) == 5
+    for a, b in zip(*docs):
+        assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.loss_mask, b.loss_mask)

@@ -39,6 +39,9 @@ def register(subparsers) -> None:
     regen.add_argument("--num-kv-blocks", type=int,
                        help="KV-cache blocks of 16 tokens (default: sized from free GPU memory)")
     regen.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    regen.add_argument("--async-scheduling", action="store_true",
+                       help="the engine schedules each step while the GPU runs the one before (the same greedy "
+                            "output; off by default, as in `peagle serve`)")
     regen.add_argument("--speculative-config", type=_json_object,
                        help='speculate while generating (same output, faster), e.g. '
                             '\'{"method": "eagle3", "model": "HEAD", "num_speculative_tokens": 7}\'')
@@ -159,6 +162,7 @@ def _regenerate(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, multi_turn=args.multi_turn,
         max_turns=args.max_turns, exclude_overlap=args.exclude_overlap, part=args.part,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
+        async_scheduling=args.async_scheduling,
     )
     docs = sum(s["num_documents"] for s in manifest.shards)
     tokens = sum(s["num_tokens"] for s in manifest.shards)

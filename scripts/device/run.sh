@@ -100,7 +100,9 @@ case "$stage" in
       --data "$W/data-tp" --steps ${TP_STEPS:-70} --sync-check "$PWD/src" --profile new-peagle old-peagle \
       --runs old-peagle=.old/src:peagle:8:8192:1 new-peagle="$PWD/src":peagle:8:8192:1 \
              old-eagle3=.old/src:eagle3:7:8192:1 new-eagle3="$PWD/src":eagle3:7:8192:1 \
-             ${TP_EXTRA:-new-peagle-b4="$PWD/src":peagle:8:8192:4} 2>&1 | grep -v Warning | tail -12 || true
+             ${TP_EXTRA:-new-peagle-compiled="$PWD/src":peagle:8:8192:1:--compile-elementwise \
+                         new-eagle3-compiled="$PWD/src":eagle3:7:8192:1:--compile-elementwise} \
+             2>&1 | grep -v Warning | tail -12 || true
     ;;
   engine)
     # Issue 16: the engine's variants side by side (a random P-EAGLE head: a round's cost, not its acceptance).

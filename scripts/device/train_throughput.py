@@ -2,7 +2,7 @@
 GPU, and a count of host-device synchronisations inside the new trainer's steps.
 
 Usage: python scripts/device/train_throughput.py TARGET_DIR OUT.json --data DIR [DIR ...]
-       --runs NAME=SRC:METHOD:K_TRAIN:MAX_LENGTH:BATCH [...] [--steps 70 | --seconds 45] [--skip-steps 10]
+       --runs NAME=SRC:METHOD:K_TRAIN:MAX_LENGTH:BATCH[:ARG,...] [...] [--steps 70 | --seconds 45] [--skip-steps 10]
        [--sync-check SRC]
 Each run is `python -m peagle train` with PYTHONPATH=SRC (a source tree: today's `src`, or an older one unpacked
 for comparison), a fresh head, and either --steps STEPS (every run does the same work, however long its compilation
@@ -27,10 +27,12 @@ from pathlib import Path
 
 
 def parse_run(text: str) -> dict:
+    """NAME=SRC:METHOD:K_TRAIN:MAX_LENGTH:BATCH[:ARG,ARG...] (the optional last field: more `peagle train`
+    arguments, comma-separated, e.g. --compile-elementwise)."""
     name, _, spec = text.partition("=")
-    src, method, k, length, batch = spec.split(":")
+    src, method, k, length, batch, *extra = spec.split(":", 5)
     return {"name": name, "src": src, "method": method, "k_train": int(k), "max_length": int(length),
-            "batch_size": int(batch)}
+            "batch_size": int(batch), "extra": [a for a in (extra[0].split(",") if extra else []) if a]}
 
 
 def train_args(target: Path, data: list[Path], out: Path, run: dict, seconds: float, steps: int,
@@ -39,7 +41,8 @@ def train_args(target: Path, data: list[Path], out: Path, run: dict, seconds: fl
     return [sys.executable, "-m", "peagle", "train", "--target", str(target), "--data", *map(str, data),
             "--method", run["method"], "--out", str(out), "--k-train", str(run["k_train"]),
             "--max-length", str(run["max_length"]), "--batch-size", str(run["batch_size"]), "--lr", "1e-3",
-            *budget, "--save-every", "1000000", "--eval-every", "1000000", "--eval-fraction", "0", *extra]
+            *budget, "--save-every", "1000000", "--eval-every", "1000000", "--eval-fraction", "0",
+            *run.get("extra", []), *extra]
 
 
 def median(rows: list[dict], key: str):

@@ -2,12 +2,13 @@
 
 The element-wise steps (RMSNorm, add + RMSNorm, RoPE, SiLU-and-mul) go through `peagle.kernels`, which runs fused
 Triton kernels on the GPU and the PyTorch references elsewhere. The kernels have no backward, so whenever autograd
-is recording (training) the references run instead.
+is recording (training) the references run instead, or what the trainer installed in TRAINING_OPS.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import nn
@@ -17,9 +18,17 @@ from peagle.models.attention import AttentionBackend
 from peagle.models.config import ModelConfig
 
 
+# Differentiable implementations to use instead of the references while autograd records (training): the trainer
+# installs compiled ones here (peagle.training.compiled_ops); empty, the references run.
+TRAINING_OPS: dict[str, Callable] = {}
+
+
 def _op(name: str):
-    """The fused kernel dispatch when no gradient is needed, else the differentiable reference."""
-    return getattr(kernels, name if not torch.is_grad_enabled() else f"{name}_ref")
+    """The fused kernel dispatch when no gradient is needed, else the differentiable reference (or the training
+    implementation installed for it)."""
+    if not torch.is_grad_enabled():
+        return getattr(kernels, name)
+    return TRAINING_OPS.get(name) or getattr(kernels, f"{name}_ref")
 
 
 class RMSNorm(nn.Module):

@@ -128,6 +128,10 @@ def register(subparsers) -> None:
     train.add_argument("--feature-noise", type=float, default=0.05, metavar="STD",
                        help="add Gaussian noise of this standard deviation to the target features the drafter reads "
                             "in training (not in evaluation; default 0.05; 0: none)")
+    train.add_argument("--compile-elementwise", action="store_true",
+                       help="compile the drafter's element-wise steps (RMSNorm, RoPE, SiLU-and-mul) for training; "
+                            "each is checked against its reference first and kept as the reference if it differs "
+                            "or fails (off by default until timed on the GPU)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--init", type=Path, metavar="DRAFTER_DIR", help="start from an existing head")
     train.add_argument("--draft-vocab-size", type=int,
@@ -194,7 +198,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         aux_layer_ids=tuple(args.aux_layer_ids) if args.aux_layer_ids else None, feature_cache=args.feature_cache,
         time_limit_minutes=args.time_limit, profile_steps=args.profile_steps, log_every=args.log_every,
         depth_decay=args.depth_decay, freeze_lm_head=args.freeze_lm_head,
-        feature_noise=args.feature_noise,
+        feature_noise=args.feature_noise, compile_elementwise=args.compile_elementwise,
     )
 
 

@@ -630,6 +630,10 @@ def build_trainer(cfg: TrainConfig, dist: DistContext) -> Trainer:
                                                                cfg.eval_fraction, cfg.max_eval_documents, cfg.seed)
     logger.info("%d training documents, %d held out", len(train_docs), len(held_docs))
     target = load_model(cfg.target, "bfloat16" if dist.device.type == "cuda" else "float32", dist.device)
+    if cfg.compile_elementwise:
+        from peagle.training import compiled_ops
+
+        compiled_ops.install(dist.device)
     drafter = _make_drafter(cfg, target, tokenizer, train_docs).to(dist.device)
     if dist.is_main:
         cfg.out.mkdir(parents=True, exist_ok=True)

@@ -6,8 +6,9 @@ q/k/v of the testbed drafter's shape (9 query heads, 3 KV heads, head_dim 64). T
 timings after warm-up:
 - the tiles classified on the GPU from the rule (`dense_tiles`) and on the host from the layout (`block_tiles`);
 - compiled flex_attention forward, and forward + backward, per variant: `rule` (the trainer's mask_mod),
-  `ranges` (the same visibility from per-query key ranges: two comparisons per pair), and `rule-64` (rule with
-  64 x 64 kernel tiles).
+  `ranges` (the same visibility from per-query key ranges: two comparisons per pair), `rule-64` (rule with
+  64 x 64 kernel tiles), and `rule-dynamic` / `rule-64-dynamic` (compiled for symbolic shapes, as in the trainer,
+  whose layouts change size every step).
 Writes OUT.json after every measurement (a run cut short keeps what it measured) and prints one JSON line.
 """
 
@@ -66,7 +67,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--doc-tokens", type=int, default=600)
     ap.add_argument("--k", type=int, default=8)
-    ap.add_argument("--variants", default="rule,ranges,rule-64")
+    ap.add_argument("--variants", default="rule,rule-64,rule-dynamic,rule-64-dynamic")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     num_docs = -(-args.tokens // args.doc_tokens)
@@ -101,8 +102,11 @@ def main() -> int:
     k = torch.randn(1, 3, n, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(1, 3, n, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
     device_tiles = tiles.map(lambda t: t.to(dev))
-    flex = torch.compile(flex_attention)
+    static_flex, dynamic_flex = torch.compile(flex_attention), torch.compile(flex_attention, dynamic=True)
     for variant in args.variants.split(","):
+        # "-dynamic": compiled for symbolic shapes, as the trainer's attention ends up after its second step (every
+        # step's layout has another number of elements)
+        flex = dynamic_flex if variant.endswith("-dynamic") else static_flex
         t0 = time.perf_counter()
         block = build_block_mask(lay, tiles=device_tiles)
         options = None
@@ -110,9 +114,9 @@ def main() -> int:
             block = BlockMask.from_kv_blocks(device_tiles.kv_num, device_tiles.kv_idx, device_tiles.full_num,
                                              device_tiles.full_idx, BLOCK_SIZE=BLOCK_SIZE,
                                              mask_mod=ranges_mask_mod(lay, args.k), seq_lengths=(n, n))
-        elif variant == "rule-64":
+        elif variant in ("rule-64", "rule-64-dynamic"):
             options = {"BLOCK_M": 64, "BLOCK_N": 64}
-        elif variant != "rule":
+        elif variant not in ("rule", "rule-dynamic"):
             continue
 
         def fwd():
@@ -128,7 +132,7 @@ def main() -> int:
             row = {"fwd_ms": cuda_ms(fwd), "fwd_bwd_ms": cuda_ms(fwd_bwd),
                    "compile_and_time_s": round(time.perf_counter() - t0, 1)}
             if variant != "rule":
-                base = flex(q, k, v, block_mask=build_block_mask(lay, tiles=device_tiles), enable_gqa=True)
+                base = static_flex(q, k, v, block_mask=build_block_mask(lay, tiles=device_tiles), enable_gqa=True)
                 row["max_abs_diff_vs_rule"] = float((reference - base.detach().float()).abs().max())
         except Exception as e:  # noqa: BLE001 - a variant that fails to compile is reported, not fatal
             row = {"error": f"{type(e).__name__}: {str(e)[:300]}"}

@@ -26,7 +26,9 @@ _FALLBACK = {"on": os.environ.get("PEAGLE_TRAIN_ATTENTION", "flex") == "blockspa
 
 @functools.cache
 def _compiled_flex_attention():
-    return torch.compile(flex_attention)
+    # Every step's layout has another number of elements: compiled for symbolic shapes from the first call (the
+    # default would compile for the first shape, then again for symbolic ones at the second).
+    return torch.compile(flex_attention, dynamic=True)
 
 
 def _cuda_attention(q, k, v, block_mask):

@@ -6,7 +6,15 @@
 # Large inputs travel in ignored folders named by the caller (.stage_a, .stage_b: halves of the testbed GGUF;
 # .whl: wheels missing on the machine, gguf at least; .gpu: prompt files; .old: an earlier source tree to time
 # against). Everything built lives under $W (kept while the machine stays warm); results are copied to $OUT.
-# This session's plan (issues 14, 19, 16), one call each, back to back while the machine stays warm:
+# The next session's plan, one call each, back to back (run 5's calls with its lessons: WALK_SECS 150 for both dtypes):
+#   stage_a                                    carry .stage_a .whl
+#   throughput                                 carry .stage_b .whl .gpu .old  (TP_STEPS=50; rows with
+#                                              --compile-elementwise come last)
+#   data && TRAIN_MIN=9 train                  carry .gpu
+#   WAIT_SECS=560 wait
+#   WAIT_SECS=200 wait && WALK_SECS=150 heads; check; engine
+#   then, if time is left: flex_timing.py (no staging needed) or the `ablate` stage.
+# Run 5's plan (issues 14, 19, 16), one call each, back to back while the machine stays warm:
 #   stage_a                 carry .stage_a .whl            the first GGUF half
 #   throughput              carry .stage_b .whl .gpu .old  convert; the trainer of .old/src vs today's, each alone on
 #                           the GPU, fixed steps, with profiles
@@ -152,21 +160,21 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
     ;;
   train)
     # Three heads on the same data for the same time, side by side, in the background (they outlive this call);
-    # `wait` collects them. peagle: our defaults; peagle-b: the public recipes' choices together (speculators:
-    # frozen lm_head, lr 6e-4, COD 0.7 / 0.2, feature noise 0.05, 32K draft vocabulary; SpecForge: depth decay 0.8);
-    # eagle3: the baseline.
+    # `wait` collects them. peagle: `peagle train`'s defaults (since run 5 the public recipes' choices: frozen 32K
+    # lm_head, lr 6e-4 cosine, COD 0.7 / 0.2, depth decay 0.8, feature noise 0.05); peagle-b: the same with one part
+    # of that bundle taken back (PEAGLE_B_ARGS; by default the trained full-vocabulary head, to see how much of
+    # run 5's win was the head); eagle3: the baseline with the same defaults.
     data=($(data_dirs))
     launch() {  # name method k_train max_length batch_size extra...
       local name=$1 method=$2 k=$3 len=$4 bs=$5; shift 5
       setsid $py -m peagle train --target "$W/smollm2" --data "${data[@]}" --method $method --out "$W/train-$name" \
-        --steps 1000000 --k-train $k --max-length $len --batch-size $bs --lr ${TRAIN_LR:-1e-3} --schedule cosine \
+        --steps 1000000 --k-train $k --max-length $len --batch-size $bs ${TRAIN_ARGS:-} \
         --save-every 500 --eval-every ${EVAL_EVERY:-500} --time-limit ${TRAIN_MIN:-10} "$@" \
         > "$W/train-$name.log" 2>&1 < /dev/null &
       echo $! > "$W/train-$name.pid"
     }
     launch peagle peagle ${PEAGLE_K:-8} 8192 ${PEAGLE_BS:-1} ${PEAGLE_ARGS:-}
-    launch peagle-b peagle ${PEAGLE_K:-8} 8192 ${PEAGLE_BS:-1} ${PEAGLE_B_ARGS:---lr 6e-4 --freeze-lm-head --cod-r 0.7 \
-      --cod-r-min 0.2 --feature-noise 0.05 --draft-vocab-size 32000 --depth-decay 0.8}
+    launch peagle-b peagle ${PEAGLE_K:-8} 8192 ${PEAGLE_BS:-1} ${PEAGLE_B_ARGS:---no-freeze-lm-head --draft-vocab-size 0}
     launch eagle3 eagle3 ${EAGLE3_K:-7} 8192 ${EAGLE3_BS:-1} ${EAGLE3_ARGS:-}
     sleep ${TRAIN_PEEK:-45}
     for m in peagle peagle-b eagle3; do tail -2 "$W/train-$m.log" | cut -c1-300; done

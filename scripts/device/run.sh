@@ -240,16 +240,18 @@ print(max(('peagle', 'peagle-b'), key=walk))")
     variant() {  # name extra...
       local name=$1; shift
       $py -m peagle train --target "$W/smollm2" --data "${data[@]}" --method peagle --out "$W/ab-$name" \
-        --steps 1000000 --k-train 8 --max-length 8192 --batch-size 1 --lr 1e-3 --schedule cosine \
+        --steps 1000000 --k-train 8 --max-length 8192 --batch-size 1 \
         --save-every 1000000 --eval-every 1000000 --time-limit ${AB_MIN:-3} "$@" > "$W/ab-$name.log" 2>&1 &
     }
+    # Each variant takes back or changes one choice of the default recipe.
     variant base
-    variant lr3e-4 --lr 3e-4
-    variant frozen-head --freeze-lm-head
-    variant decay0.8 --depth-decay 0.8
-    variant cod0.7 --cod-r 0.7
+    variant lr1e-3 --lr 1e-3
+    variant trained-head --no-freeze-lm-head
+    variant no-decay --depth-decay 1
+    variant no-noise --feature-noise 0
+    variant cod0.8 --cod-r 0.8
     variant layers2 --num-layers 2
-    variant vocab32k --draft-vocab-size 32000
+    variant full-vocab --draft-vocab-size 0
     wait || true
     for f in "$W"/ab-*/train_log.jsonl; do
       name=$(basename "$(dirname "$f")"); cp "$f" "$OUT/$name.jsonl"

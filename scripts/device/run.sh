@@ -220,7 +220,7 @@ print(max(('peagle', 'peagle-b'), key=walk))")
       --datasets mtbench,humaneval --num-prompts ${HEADS_N:-12} --max-tokens 256 --max-model-len 4096 \
       --out "$OUT/heads-bench-b" 2>&1 | grep -v -E "^\s*$|it/s\]|point/s\]" | tail -12 || true
     for m in ${WALK_HEADS:-$best eagle3}; do
-      timeout ${WALK_SECS:-100} $py scripts/device/walk_check.py "$W/smollm2" "$W/heads/$m" "$OUT/walk-$m.json" \
+      timeout ${WALK_SECS:-150} $py scripts/device/walk_check.py "$W/smollm2" "$W/heads/$m" "$OUT/walk-$m.json" \
         --data "${data[@]}" --k 7 --dtypes ${WALK_DTYPES:-float32,bfloat16} 2>&1 | grep -E "^\{|Error" || true
     done
     ;;

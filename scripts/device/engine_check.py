@@ -30,14 +30,11 @@ METHODS = {"eagle3": (3, False), "peagle": (7, True)}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for dry runs of this script
 
 
-MAX_MODEL_LEN = {"value": 2048}
-
-
 def run(target, prompts, max_tokens, dtype, head=None, k=0, parallel=False, eager=False, sampled=False,
-        async_scheduling=False):
+        async_scheduling=False, max_model_len=2048):
     spec = None if head is None else {"method": "eagle3", "model": head, "num_speculative_tokens": k,
                                       "parallel_drafting": parallel}
-    llm = LLM(model=target, speculative_config=spec, dtype=dtype, max_model_len=MAX_MODEL_LEN["value"], max_num_seqs=32,
+    llm = LLM(model=target, speculative_config=spec, dtype=dtype, max_model_len=max_model_len, max_num_seqs=32,
               enforce_eager=eager, async_scheduling=async_scheduling)
     if sampled:
         params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=max_tokens, ignore_eos=True)
@@ -76,7 +73,6 @@ def main(argv=None) -> int:
                     help="the checked engines schedule asynchronously (the reference does not)")
     ap.add_argument("--max-model-len", type=int, default=2048)
     args = ap.parse_args(argv)
-    MAX_MODEL_LEN["value"] = args.max_model_len
     dtypes = args.dtypes.split(",")
     if not dtypes or set(dtypes) - {"float32", "bfloat16"}:
         ap.error(f"--dtypes takes float32 and/or bfloat16, got {args.dtypes!r}")
@@ -89,13 +85,13 @@ def main(argv=None) -> int:
         return sampling_check(args, heads, prompts, report)
     fp32_model = load_model(args.target, dtype="float32", device=DEVICE)
     for dtype in dtypes:
-        base, _ = run(args.target, prompts, args.max_tokens, dtype)
+        base, _ = run(args.target, prompts, args.max_tokens, dtype, max_model_len=args.max_model_len)
         checked = [("none", None), *heads.items()] if args.async_scheduling else list(heads.items())
         for method, head in checked:
             k, parallel = METHODS.get(method, (0, False))
             for eager in (False, True) if dtype == "bfloat16" and method == "peagle" else (False,):
                 spec, outs = run(args.target, prompts, args.max_tokens, dtype, head, k, parallel, eager,
-                                 async_scheduling=args.async_scheduling)
+                                 async_scheduling=args.async_scheduling, max_model_len=args.max_model_len)
                 same = [a == b for a, b in zip(base, spec)]
                 entry = {"dtype": dtype, "method": method, "k": k, "enforce_eager": eager,
                          "async_scheduling": args.async_scheduling,
@@ -115,8 +111,10 @@ def main(argv=None) -> int:
 def sampling_check(args, heads, prompts, report) -> int:
     for method, head in [("none", None), *heads.items()]:
         k, parallel = METHODS.get(method, (0, False))
-        graphed, outs = run(args.target, prompts, args.max_tokens, "bfloat16", head, k, parallel, False, True)
-        eager, _ = run(args.target, prompts, args.max_tokens, "bfloat16", head, k, parallel, True, True)
+        graphed, outs = run(args.target, prompts, args.max_tokens, "bfloat16", head, k, parallel, False, True,
+                            max_model_len=args.max_model_len)
+        eager, _ = run(args.target, prompts, args.max_tokens, "bfloat16", head, k, parallel, True, True,
+                       max_model_len=args.max_model_len)
         same = sum(a == b for a, b in zip(graphed, eager))
         entry = {"sampling": "temperature 0.8, top_p 0.95, seeded", "method": method, "k": k,
                  "graphs_equal_eager": same, "of": len(prompts),

@@ -36,7 +36,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     tokenizer = load_tokenizer(args.target)
-    _, held = split_sources(args.data, tokenizer, ModelConfig.from_dir(args.target).vocab_size, args.eval_fraction,
+    _, held, _ = split_sources(args.data, tokenizer, ModelConfig.from_dir(args.target).vocab_size, args.eval_fraction,
                             args.max_documents, args.seed)
     turns = first_turns(held)
     result = {"head": str(args.head), "k": args.k, "documents": len(turns), "by_dtype": {}}

@@ -70,7 +70,10 @@ def test_walk_per_source_splits_the_walk_by_document_group():
     stats = EvalStats.of(StepStats(torch.zeros(()), total, torch.zeros(k, dtype=torch.long)), layout, correct,
                          mask, doc_ids, k, doc_groups=[1, 0], num_groups=3)
     assert stats.walked_groups.shape == (3, k, 2)
-    assert torch.equal(stats.walked_groups.sum(0), stats.walked)  # the groups split the whole walk
+    ungrouped = EvalStats.of(StepStats(torch.zeros(()), total, torch.zeros(k, dtype=torch.long)), layout, correct,
+                             mask, doc_ids, k)
+    assert torch.equal(stats.walked, ungrouped.walked)  # the groups split the whole walk
+    assert torch.equal(stats.walked_groups.sum(0), ungrouped.walked)
     assert stats.walk_acceptance_length(2, group=0) == pytest.approx(1.0)  # nothing accepted
     # Document 0 walked alone: every draft right, so rounds accept 2 each (the last what is left).
     first = full_layout(doc_ids[:n0], mask[:n0], k)

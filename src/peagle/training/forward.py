@@ -13,6 +13,7 @@ and the statistics stay on the device until the trainer reads them once per logg
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -34,8 +35,7 @@ def peagle_passes(depth_counts: tuple[int, ...]) -> list[tuple[int, int, int]]:
 
 def ttt_passes(depth_counts: tuple[int, ...]) -> list[tuple[int, int, int]]:
     """EAGLE-3's chained passes: the elements of depth d against every element of depth <= d."""
-    ends = torch.cumsum(torch.tensor(depth_counts, dtype=torch.long), 0).tolist()
-    return [(end - count, end, end) for end, count in zip(ends, depth_counts)]
+    return [(end - count, end, end) for end, count in zip(itertools.accumulate(depth_counts), depth_counts)]
 
 
 def peagle_forward(drafter: Drafter, teacher: TeacherPass, layout: Layout, depth_counts: tuple[int, ...],

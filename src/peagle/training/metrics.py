@@ -94,14 +94,16 @@ class EvalStats:
         """`doc_groups[i]`: the group of the sequence's document i (its data source), for `walked_groups`."""
         lead, complete = leading_right(layout, correct, loss_mask.numel(), k)
         spans, lead_list = response_spans(loss_mask, doc_ids), lead.tolist()
-        walked = torch.tensor([walk(lead_list, spans, j) for j in range(1, k + 1)], dtype=torch.long)
         groups = torch.zeros(num_groups, k, 2, dtype=torch.long)
-        if doc_groups is not None and num_groups:
+        if doc_groups is not None and num_groups:  # the walk is a sum over spans: walk each group's, then add up
             docs = doc_ids.cpu().tolist()
             for g in range(num_groups):
                 mine = [span for span in spans if doc_groups[docs[span[0]]] == g]
                 if mine:
                     groups[g] = torch.tensor([walk(lead_list, mine, j) for j in range(1, k + 1)], dtype=torch.long)
+            walked = groups.sum(0)
+        else:
+            walked = torch.tensor([walk(lead_list, spans, j) for j in range(1, k + 1)], dtype=torch.long)
         return cls(stats, torch.bincount(lead[complete], minlength=k + 1), walked.view(k, 2), groups)
 
     def acceptance_length(self, k: int) -> float:

@@ -589,16 +589,10 @@ def config_record(cfg: TrainConfig) -> dict:
 
 
 def split_sources(data_dirs, tokenizer: Tokenizer, vocab_size: int, eval_fraction: float, max_eval: int,
-                  seed: int) -> tuple[list[Document], list[Document]]:
-    """(train, held_out) documents of several data directories. Each source is held out from, so that the held-out
-    scores speak for the whole mixture: `max_eval` documents at most, shared out between the sources."""
-    train_docs, held_docs, _ = split_sources_by_name(data_dirs, tokenizer, vocab_size, eval_fraction, max_eval, seed)
-    return train_docs, held_docs
-
-
-def split_sources_by_name(data_dirs, tokenizer: Tokenizer, vocab_size: int, eval_fraction: float, max_eval: int,
-                          seed: int) -> tuple[list[Document], list[Document], list[int]]:
-    """`split_sources` and, for each held-out document, the index of its data directory in `data_dirs`."""
+                  seed: int) -> tuple[list[Document], list[Document], list[int]]:
+    """(train, held_out, held_source) documents of several data directories; held_source[i] is the index in
+    `data_dirs` of held-out document i. Each source is held out from, so that the held-out scores speak for the
+    whole mixture: `max_eval` documents at most, shared out between the sources."""
     train_docs, held_docs, held_source = [], [], []
     for i, data_dir in enumerate(data_dirs):
         share = max_eval // len(data_dirs) + (i < max_eval % len(data_dirs))
@@ -626,8 +620,8 @@ def build_trainer(cfg: TrainConfig, dist: DistContext) -> Trainer:
     if not cfg.resume and complete_checkpoints(cfg.out / CHECKPOINTS):
         raise FileExistsError(f"{cfg.out} already holds checkpoints; pass --resume to continue or choose another --out")
     tokenizer = load_tokenizer(cfg.target)
-    train_docs, held_docs, held_source = split_sources_by_name(cfg.data, tokenizer, target_config.vocab_size,
-                                                               cfg.eval_fraction, cfg.max_eval_documents, cfg.seed)
+    train_docs, held_docs, held_source = split_sources(cfg.data, tokenizer, target_config.vocab_size,
+                                                       cfg.eval_fraction, cfg.max_eval_documents, cfg.seed)
     logger.info("%d training documents, %d held out", len(train_docs), len(held_docs))
     target = load_model(cfg.target, "bfloat16" if dist.device.type == "cuda" else "float32", dist.device)
     if cfg.compile_elementwise:

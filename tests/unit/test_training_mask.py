@@ -11,8 +11,8 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from peagle.training.attention import FlexAttention, KVChain, block_sparse_attention
 from peagle.training.cod import cod_sample
-from peagle.training.mask import (BLOCK_SIZE, block_tiles, build_block_mask, dense_mask_reference, dense_tiles,
-                                  layout_mask_mod)
+from peagle.training.mask import (BLOCK_SIZE, _ordered_by_anchor, block_tiles, build_block_mask, dense_mask_reference,
+                                  dense_tiles, layout_mask_mod)
 
 
 def _layout(seed, num_docs=3, k=6):
@@ -149,6 +149,7 @@ def test_host_tiles_of_a_layout_out_of_anchor_order_fall_back_to_the_rule():
     n0 = int((layout.depth == 0).sum())
     order = torch.cat([torch.arange(n0).flip(0), torch.arange(n0, len(layout))])
     shuffled = layout.select(order)
+    assert _ordered_by_anchor(layout) and not _ordered_by_anchor(shuffled)
     _same_tiles(block_tiles(shuffled), dense_tiles(shuffled))
     reference = dense_mask_reference(shuffled)
     mask = build_block_mask(shuffled, tiles=block_tiles(shuffled))

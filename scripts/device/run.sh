@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # One script for the GPU machine: builds, checks and times peagle in stages that fit one call each.
-#   bash scripts/device/run.sh STAGE  (STAGE: stage_a | gpu_tests | throughput | engine | data | train | wait | heads | check |
-#                                      ablate |
+#   bash scripts/device/run.sh STAGE  (STAGE: stage_a | gpu_tests | throughput | engine | data | train | wait | heads | walk |
+#                                      check | ablate |
 #                                      stage_b | bench | bench2 | final | scale | teacher)
 # Large inputs travel in ignored folders named by the caller (.stage_a, .stage_b: halves of the testbed GGUF;
 # .whl: wheels missing on the machine, gguf at least; .gpu: prompt files; .old: an earlier source tree to time
 # against). Everything built lives under $W (kept while the machine stays warm); results are copied to $OUT.
-# The next session's plan, one call each, back to back (run 5's calls with its lessons: WALK_SECS 150 for both dtypes):
+# The next session's plan, one call each, back to back (two heads, not three, so each trains longer; the
+# correctness checks run beside the training on its newest checkpoints, which they need only to accept drafts):
 #   stage_a                                    carry .stage_a .whl
-#   throughput                                 carry .stage_b .whl .gpu .old  (TP_STEPS=50; rows with
-#                                              --compile-elementwise come last)
-#   data && TRAIN_MIN=9 train                  carry .gpu
-#   WAIT_SECS=560 wait
-#   WAIT_SECS=200 wait && WALK_SECS=150 heads; check; engine
-#   then, if time is left: flex_timing.py (no staging needed) or the `ablate` stage.
+#   engine && data && TRAIN_MIN=13 train       carry .stage_b .whl .gpu  (the engine timed on an idle GPU first)
+#   check && walk                              (the newest checkpoints; the heads keep training)
+#   WAIT_SECS=300 wait && heads
+#   then, if time is left: throughput (TP_EXTRA rows only) or flex_timing.py or the `ablate` stage.
+# Run 6's plan (what run 5 left):
 # Run 5's plan (issues 14, 19, 16), one call each, back to back while the machine stays warm:
 #   stage_a                 carry .stage_a .whl            the first GGUF half
 #   throughput              carry .stage_b .whl .gpu .old  convert; the trainer of .old/src vs today's, each alone on
@@ -77,13 +77,29 @@ data_dirs() {  # the training data directories with at least one complete shard,
   return 0
 }
 
-link_heads() {  # the newest complete head of each training run under $W/heads/NAME
-  mkdir -p "$W/heads"
-  for m in ${HEADS:-peagle peagle-b eagle3}; do
-    if [ -f "$W/train-$m/final/config.json" ]; then ln -sfn "$W/train-$m/final" "$W/heads/$m"
-    elif ls -d "$W/train-$m/checkpoints/step-"* > /dev/null 2>&1; then
-      ln -sfn "$(ls -d "$W/train-$m/checkpoints/step-"* | tail -1)" "$W/heads/$m"
-    else echo "no trained $m head under $W/train-$m"; fi
+link_heads() {  # $W/heads/NAME: each training run's final head, else a copy of its newest complete checkpoint
+  # (copied: a running trainer deletes its older checkpoints, and a check reloads the head for each engine it builds)
+  mkdir -p "$W/heads" "$W/snap"
+  local m c
+  for m in ${HEADS:-peagle eagle3}; do
+    if [ -f "$W/train-$m/final/config.json" ]; then ln -sfn "$W/train-$m/final" "$W/heads/$m"; continue; fi
+    c=$(ls -d "$W/train-$m/checkpoints/step-"*/trainer_state.pt 2> /dev/null | tail -1 || true)
+    if [ -z "$c" ]; then echo "no trained $m head under $W/train-$m"; continue; fi
+    c=$(dirname "$c")
+    rm -rf "$W/snap/$m" && mkdir -p "$W/snap/$m"
+    find "$c" -maxdepth 1 -type f ! -name trainer_state.pt -exec cp {} "$W/snap/$m/" \;
+    echo "$m: $(basename "$c") (training goes on)"
+    ln -sfn "$W/snap/$m" "$W/heads/$m"
+  done
+}
+
+walk_check() {  # the walk check of each head in WALK_HEADS (default: the heads of HEADS)
+  local data m
+  data=($(data_dirs))
+  for m in ${WALK_HEADS:-${HEADS:-peagle eagle3}}; do
+    [ -e "$W/heads/$m" ] || { echo "no $m head for the walk check"; continue; }
+    timeout ${WALK_SECS:-150} $py scripts/device/walk_check.py "$W/smollm2" "$W/heads/$m" "$OUT/walk-$m.json" \
+      --data "${data[@]}" --k 7 --dtypes ${WALK_DTYPES:-float32,bfloat16} 2>&1 | grep -E "^\{|Error" || true
   done
 }
 
@@ -100,17 +116,25 @@ case "$stage" in
   throughput)
     # Training throughput: the trainer of an earlier tree (.old/src) against today's, each run alone on the GPU,
     # 8K packs; a count of synchronisations per step of today's trainer; a profile of today's P-EAGLE step.
+    # TP_RUNS replaces the rows (e.g. today's trainer only, with and without --compile-elementwise, on the training
+    # data of an earlier `data` call: TP_DATA=$W/data-sharegpt.0).
     need_model
-    (zcat .gpu/sharegpt_train_turns.jsonl.gz || true) | head -3000 > "$W/tp_prompts.jsonl"
-    [ -d "$W/data-tp" ] || timeout 100 $py -m peagle regenerate --model "$W/smollm2" \
-      --prompts "$W/tp_prompts.jsonl" --out "$W/data-tp" --max-tokens 384 --max-model-len 2048 2>&1 | tail -2
+    tp_data=${TP_DATA:-$W/data-tp}
+    if [ ! -d "$tp_data" ]; then
+      (zcat .gpu/sharegpt_train_turns.jsonl.gz || true) | head -3000 > "$W/tp_prompts.jsonl"
+      timeout 100 $py -m peagle regenerate --model "$W/smollm2" \
+        --prompts "$W/tp_prompts.jsonl" --out "$tp_data" --max-tokens 384 --max-model-len 2048 2>&1 | tail -2
+    fi
+    new="$PWD/src"
+    runs=${TP_RUNS:-"old-peagle=.old/src:peagle:8:8192:1 new-peagle=$new:peagle:8:8192:1
+      old-eagle3=.old/src:eagle3:7:8192:1 new-eagle3=$new:eagle3:7:8192:1
+      new-peagle-compiled=$new:peagle:8:8192:1:--compile-elementwise
+      new-eagle3-compiled=$new:eagle3:7:8192:1:--compile-elementwise"}
+    profile=(--profile new-peagle)
+    [ -d .old/src ] && profile+=(old-peagle)
     timeout ${TP_TIMEOUT:-330} $py scripts/device/train_throughput.py "$W/smollm2" "$OUT/train_throughput.json" \
-      --data "$W/data-tp" --steps ${TP_STEPS:-70} --sync-check "$PWD/src" --profile new-peagle old-peagle \
-      --runs old-peagle=.old/src:peagle:8:8192:1 new-peagle="$PWD/src":peagle:8:8192:1 \
-             old-eagle3=.old/src:eagle3:7:8192:1 new-eagle3="$PWD/src":eagle3:7:8192:1 \
-             ${TP_EXTRA:-new-peagle-compiled="$PWD/src":peagle:8:8192:1:--compile-elementwise \
-                         new-eagle3-compiled="$PWD/src":eagle3:7:8192:1:--compile-elementwise} \
-             2>&1 | grep -v Warning | tail -12 || true
+      --data "$tp_data" --steps ${TP_STEPS:-70} --sync-check "$new" "${profile[@]}" --runs $runs \
+      2>&1 | grep -v Warning | tail -12 || true
     ;;
   engine)
     # Issue 16: the engine's variants side by side (a random P-EAGLE head: a round's cost, not its acceptance).
@@ -159,11 +183,11 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
     done
     ;;
   train)
-    # Three heads on the same data for the same time, side by side, in the background (they outlive this call);
-    # `wait` collects them. peagle: `peagle train`'s defaults (since run 5 the public recipes' choices: frozen 32K
-    # lm_head, lr 6e-4 cosine, COD 0.7 / 0.2, depth decay 0.8, feature noise 0.05); peagle-b: the same with one part
-    # of that bundle taken back (PEAGLE_B_ARGS; by default the trained full-vocabulary head, to see how much of
-    # run 5's win was the head); eagle3: the baseline with the same defaults.
+    # The heads of HEADS on the same data for the same time, side by side, in the background (they outlive this
+    # call); `wait` collects them. peagle: `peagle train`'s defaults (since run 5 the public recipes' choices: frozen
+    # 32K lm_head, lr 6e-4 cosine, COD 0.7 / 0.2, depth decay 0.8, feature noise 0.05); eagle3: the baseline with the
+    # same defaults; peagle-b (HEADS="peagle peagle-b eagle3"): the P-EAGLE defaults with one part of that bundle
+    # taken back (PEAGLE_B_ARGS; by default the trained full-vocabulary head).
     data=($(data_dirs))
     launch() {  # name method k_train max_length batch_size extra...
       local name=$1 method=$2 k=$3 len=$4 bs=$5; shift 5
@@ -173,16 +197,22 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
         > "$W/train-$name.log" 2>&1 < /dev/null &
       echo $! > "$W/train-$name.pid"
     }
-    launch peagle peagle ${PEAGLE_K:-8} 8192 ${PEAGLE_BS:-1} ${PEAGLE_ARGS:-}
-    launch peagle-b peagle ${PEAGLE_K:-8} 8192 ${PEAGLE_BS:-1} ${PEAGLE_B_ARGS:---no-freeze-lm-head --draft-vocab-size 0}
-    launch eagle3 eagle3 ${EAGLE3_K:-7} 8192 ${EAGLE3_BS:-1} ${EAGLE3_ARGS:-}
+    for m in ${HEADS:-peagle eagle3}; do
+      case $m in
+        peagle) launch peagle peagle ${PEAGLE_K:-8} 8192 ${PEAGLE_BS:-1} ${PEAGLE_ARGS:-} ;;
+        peagle-b) launch peagle-b peagle ${PEAGLE_K:-8} 8192 ${PEAGLE_BS:-1} \
+                    ${PEAGLE_B_ARGS:---no-freeze-lm-head --draft-vocab-size 0} ;;
+        eagle3) launch eagle3 eagle3 ${EAGLE3_K:-7} 8192 ${EAGLE3_BS:-1} ${EAGLE3_ARGS:-} ;;
+        *) echo "unknown head $m"; exit 2 ;;
+      esac
+    done
     sleep ${TRAIN_PEEK:-45}
-    for m in peagle peagle-b eagle3; do tail -2 "$W/train-$m.log" | cut -c1-300; done
+    for m in ${HEADS:-peagle eagle3}; do tail -2 "$W/train-$m.log" | cut -c1-300; done
     ;;
   wait)
     # At most WAIT_SECS (a call's limit is 10 minutes): a run still going is left running for the next `wait`.
     deadline=$(( $(date +%s) + ${WAIT_SECS:-560} ))
-    for m in ${HEADS:-peagle peagle-b eagle3}; do
+    for m in ${HEADS:-peagle eagle3}; do
       while [ -f "$W/train-$m.pid" ] && kill -0 "$(cat "$W/train-$m.pid")" 2> /dev/null; do
         if [ "$(date +%s)" -ge $deadline ]; then
           echo "train-$m still running"; grep -E "eval at|schedule ends" "$W/train-$m.log" | tail -2 || true
@@ -197,32 +227,23 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
     link_heads
     ;;
   heads)
-    # Served acceptance of the heads (greedy, concurrency 1) and the walk against serving on held-out documents.
+    # Served acceptance of the heads (greedy, concurrency 1); WALK_HEADS adds the walk check of those heads.
     link_heads
-    data=($(data_dirs))
-    # The P-EAGLE recipe whose last held-out walk at K=7 is higher gets the walk-vs-served check.
-    best=$($py -c "
-import json, sys
-def walk(name):
-    try:
-        rows = [json.loads(l) for l in open('$W/train-' + name + '/train_log.jsonl')]
-        return [r for r in rows if r['kind'] == 'eval'][-1]['walk_al']['7']
-    except Exception:
-        return -1.0
-print(max(('peagle', 'peagle-b'), key=walk))")
-    echo "best P-EAGLE recipe by the held-out walk: $best"
     timeout ${HEADS_BENCH_SECS:-200} $py -m peagle bench --model "$W/smollm2" --draft-eagle3 "$W/heads/eagle3" \
       --draft-peagle "$W/heads/peagle" --methods none,eagle3,peagle --k ${HEADS_K:-3,7,11} --concurrency 1 \
       --datasets mtbench,humaneval --num-prompts ${HEADS_N:-12} --max-tokens 256 --max-model-len 4096 \
       --out "$OUT/heads-bench" 2>&1 | grep -v -E "^\s*$|it/s\]|point/s\]" | tail -24 || true
-    [ -d "$W/heads/peagle-b" ] && timeout ${HEADS_BENCH_SECS:-200} $py -m peagle bench --model "$W/smollm2" \
+    [ ! -e "$W/heads/peagle-b" ] || timeout ${HEADS_BENCH_SECS:-200} $py -m peagle bench --model "$W/smollm2" \
       --draft-peagle "$W/heads/peagle-b" --methods peagle --k ${HEADS_K:-3,7,11} --concurrency 1 \
       --datasets mtbench,humaneval --num-prompts ${HEADS_N:-12} --max-tokens 256 --max-model-len 4096 \
       --out "$OUT/heads-bench-b" 2>&1 | grep -v -E "^\s*$|it/s\]|point/s\]" | tail -12 || true
-    for m in ${WALK_HEADS:-$best eagle3}; do
-      timeout ${WALK_SECS:-150} $py scripts/device/walk_check.py "$W/smollm2" "$W/heads/$m" "$OUT/walk-$m.json" \
-        --data "${data[@]}" --k 7 --dtypes ${WALK_DTYPES:-float32,bfloat16} 2>&1 | grep -E "^\{|Error" || true
-    done
+    [ -z "${WALK_HEADS:-}" ] || walk_check
+    ;;
+  walk)
+    # The held-out walk against serving on the same documents (a consistency check: any head that accepts drafts
+    # will do, so it can run on the newest checkpoints while the heads train).
+    link_heads
+    walk_check
     ;;
   check)
     # Greedy equality with the trained heads under CUDA graphs: as the engine runs by default, then with async

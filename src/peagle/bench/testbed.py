@@ -204,13 +204,13 @@ def h200_scale() -> Scale:
     many conversations as 160 s allow), side by side with self-synthesised prompts (45 s) and their answers (110
     s), ShareGPT and the synthesised prompts two processes each; then short and long standard-library code prompts
     side by side (50 s); answers of up to 512 tokens; then EAGLE-3 (1 layer, K_train 7) and P-EAGLE (4 layers,
-    K_train 8) trained side by side on 8K packs for 9 minutes each with `peagle train`'s default recipe. Wall
-    limits: 30 + 30 + 60 + 60 s before the data, 160 + 50 s of data, 660 s for the heads: 17.5 minutes. The commands
+    K_train 8) trained side by side on 8K packs for 11 minutes each with `peagle train`'s default recipe. Wall
+    limits: 30 + 30 + 60 + 60 s before the data, 160 + 50 s of data, 780 s for the heads: 19.5 minutes. The commands
     and the data schedule follow the device script's `data` and `train` stages (short code prompts from the
     standard library alone here)."""
     return Scale(name="h200", target="smollm2", regenerate_parts=2, num_kv_blocks=40_000, download_s=600,
                  unpack_s=30, model_s=60, prompts_s=60, synthesize_s=45, sharegpt_s=160, synth_responses_s=110,
-                 code_responses_s=50, long_code_responses_s=50, train_minutes=9, train_overhead_s=120,
+                 code_responses_s=50, long_code_responses_s=50, train_minutes=11, train_overhead_s=120,
                  budget_s=20 * 60)
 
 

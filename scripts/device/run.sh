@@ -7,13 +7,12 @@
 # .whl: wheels missing on the machine, gguf at least; .gpu: prompt files; .old: an earlier source tree to time
 # against). Everything built lives under $W (kept while the machine stays warm); results are copied to $OUT.
 # The next session's plan, one call each, back to back (two heads, not three, so each trains longer; the
-# correctness checks run beside the training on its newest checkpoints, which they need only to accept drafts):
-#   stage_a                                    carry .stage_a .whl
-#   engine && data && TRAIN_MIN=13 train       carry .stage_b .whl .gpu  (the engine timed on an idle GPU first)
-#   check && walk                              (the newest checkpoints; the heads keep training)
-#   WAIT_SECS=300 wait && heads
-#   then, if time is left: throughput (TP_EXTRA rows only) or flex_timing.py or the `ablate` stage.
-# Run 6's plan (what run 5 left):
+# correctness checks run beside the training on copies of its newest checkpoints, which need only accept drafts):
+#   stage_a                                                        carry .stage_a .whl
+#   engine; data && TRAIN_MIN=11 train                             carry .stage_b .whl .gpu  (engine on an idle GPU)
+#   CHECK_SECS=120 check; WALK_HEADS=peagle WALK_SECS=140 walk     (the heads keep training)
+#   WAIT_SECS=240 wait && WALK_HEADS=eagle3 WALK_SECS=130 heads
+#   then, if time is left: TP_DATA=$W/data-sharegpt.0 TP_RUNS="new-peagle=... new-peagle-compiled=..." throughput
 # Run 5's plan (issues 14, 19, 16), one call each, back to back while the machine stays warm:
 #   stage_a                 carry .stage_a .whl            the first GGUF half
 #   throughput              carry .stage_b .whl .gpu .old  convert; the trainer of .old/src vs today's, each alone on

@@ -9,10 +9,10 @@
 # The next session's plan, one call each, back to back (two heads, not three, so each trains longer; the
 # correctness checks run beside the training on copies of its newest checkpoints, which need only accept drafts):
 #   stage_a                                                        carry .stage_a .whl
-#   engine; data && TRAIN_MIN=11 train                             carry .stage_b .whl .gpu  (engine on an idle GPU)
-#   CHECK_SECS=120 check; WALK_HEADS=peagle WALK_SECS=140 walk     (the heads keep training)
+#   data && TRAIN_MIN=11 train                                     carry .stage_b .whl .gpu
+#   CKPT_WAIT=240 CHECK_SECS=120 check; WALK_HEADS=peagle WALK_SECS=140 walk     (the heads keep training)
 #   WAIT_SECS=240 wait && WALK_HEADS=eagle3 WALK_SECS=130 heads
-#   then, if time is left: TP_DATA=$W/data-sharegpt.0 TP_RUNS="new-peagle=... new-peagle-compiled=..." throughput
+# and later, on a fresh machine: stage_a; then engine (carry .stage_b .whl; prefill graphs among the variants).
 # Run 5's plan (issues 14, 19, 16), one call each, back to back while the machine stays warm:
 #   stage_a                 carry .stage_a .whl            the first GGUF half
 #   throughput              carry .stage_b .whl .gpu .old  convert; the trainer of .old/src vs today's, each alone on
@@ -74,6 +74,16 @@ data_dirs() {  # the training data directories with at least one complete shard,
       2>/dev/null && echo "$d"
   done
   return 0
+}
+
+await_checkpoints() {  # up to CKPT_WAIT seconds for every running head of HEADS to have a complete checkpoint
+  local deadline=$(( $(date +%s) + ${CKPT_WAIT:-0} )) m
+  for m in ${HEADS:-peagle eagle3}; do
+    while [ ! -f "$W/train-$m/final/config.json" ] && \
+          ! ls "$W/train-$m/checkpoints/step-"*/trainer_state.pt > /dev/null 2>&1 && [ "$(date +%s)" -lt $deadline ]; do
+      sleep 5
+    done
+  done
 }
 
 link_heads() {  # $W/heads/NAME: each training run's final head, else a copy of its newest complete checkpoint
@@ -241,12 +251,14 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
   walk)
     # The held-out walk against serving on the same documents (a consistency check: any head that accepts drafts
     # will do, so it can run on the newest checkpoints while the heads train).
+    await_checkpoints
     link_heads
     walk_check
     ;;
   check)
     # Greedy equality with the trained heads under CUDA graphs: as the engine runs by default, then with async
     # scheduling (the check before async scheduling can be on by default).
+    await_checkpoints
     link_heads
     for mode in "" --async-scheduling; do
       timeout ${CHECK_SECS:-120} $py scripts/device/engine_check.py "$W/smollm2" "$OUT/engine_check${mode:+-async}.json" \

@@ -1,4 +1,4 @@
-"""CUDA graphs for pure decode steps, per (batch bucket, K).
+"""CUDA graphs for decode steps, per (batch bucket, K), and for general steps, per (token bucket, request bucket, K).
 
 A host launch of the 30-layer target costs ~20 ms eagerly on a slow host and ~3 ms replayed, so every decode step
 of the common shape (one uncomputed token and K drafts per request) replays graphs. Batches are padded up to the
@@ -10,11 +10,16 @@ two more per bucket ("greedy_resume", and "draft" at K = 0) hold the step that t
 Inputs arrive through two flat staging buffers (int64 and int32), one host-to-device copy each. With async
 scheduling the next decode step's int64 inputs are built on the device (`load_next_inputs`): only the block tables
 and two small per-request arrays cross, from pinned memory, so the copy does not wait for the step in flight.
+
+General steps (prefills, prefill chunks, prefills beside decodes) replay `GeneralGraphs` when the engine is built
+with `prefill_cuda_graphs`: an eager step of the 30-layer target costs ~13 ms of host launches whatever its size, so
+a short prompt's time to first token was mostly launch cost. See that class for its buckets and padding.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -23,9 +28,30 @@ from tqdm import tqdm
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# General steps: token buckets are powers of two from 16 up to the step budget, capped (a larger step's compute
+# dwarfs its launch cost, so it runs eagerly); request buckets stop at 16 (eight decodes and new prompts fit).
+TOKEN_BUCKET_MIN = 16
+TOKEN_BUCKET_CAP = 2048
+REQUEST_BUCKETS = (1, 2, 4, 8, 16)
+MAX_GENERAL_KEYS = 64  # (T, B, K) keys with graphs; steps of further keys run eagerly
+
+
+def capture_graph(fn, pool, error_mode: str = "global") -> tuple[torch.cuda.CUDAGraph, object]:
+    """Capture `fn` after one warm-up call (it compiles kernels and settles the allocator) on a side stream."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.inference_mode():
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=error_mode):
+            out = fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph, out
 
 
 class CudaGraphs:
+    fused_greedy = True  # a greedy round replays as one graph ("greedy")
+
     def __init__(self, runner, max_num_seqs: int, ks: list[int]):
         self.runner = runner
         self.buckets = [b for b in DEFAULT_BUCKETS if b < max_num_seqs] + [max_num_seqs]
@@ -118,16 +144,8 @@ class CudaGraphs:
         return self._replay("draft")
 
     def _capture(self, key, fn):
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.inference_mode():
-            fn()  # warm-up: compiles kernels, settles the allocator
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                out = fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graphs[key] = (graph, out)
-        return out
+        self.graphs[key] = capture_graph(fn, self.pool)
+        return self.graphs[key][1]
 
     def _capture_all(self):
         r = self.runner
@@ -179,3 +197,144 @@ class CudaGraphs:
         x["block_tables"].fill_(r.scratch_block)
         self.num_rejected[:b].zero_()
         self.next_tokens[:b].zero_()
+
+
+def token_buckets(max_num_batched_tokens: int) -> list[int]:
+    cap = min(max_num_batched_tokens, TOKEN_BUCKET_CAP)
+    out = []
+    t = TOKEN_BUCKET_MIN
+    while t < cap:
+        out.append(t)
+        t *= 2
+    return out + [cap]
+
+
+def request_buckets(max_num_seqs: int) -> list[int]:
+    cap = min(max_num_seqs, REQUEST_BUCKETS[-1])
+    return [b for b in REQUEST_BUCKETS if b < cap] + [cap]
+
+
+class GeneralGraphs:
+    """CUDA graphs for general steps, per (T tokens, B requests, K drafts verified at most per request).
+
+    The paged attention kernel sizes its grid from max_query_len and B, and each program reads its request's rows
+    from query_start_loc (tiles past a request's rows do nothing), so one graph captured at max_query_len = T serves
+    every step of at most T fed tokens and B requests, whatever their split between prefills and decodes.
+    `ModelRunner.pad_inputs` pads a step to its bucket: padding tokens belong to no request and write only the
+    scratch KV block; padding requests are empty. Per key there is a "target" graph (the target forward, logits at
+    the verified rows) and, with a drafter, a "draft" graph; verification runs eagerly between them, as for sampled
+    decode steps. Both write their outputs into static buffers shared by all keys, so a key costs its graphs and no
+    memory of its own beyond the shared pool.
+
+    Graphs are captured on a key's first use (a one-time cost of a few captures, logged), at most MAX_GENERAL_KEYS
+    keys. `capture=False` (the CPU, tests) runs the same functions eagerly over the same padded static buffers.
+    """
+
+    fused_greedy = False
+
+    def __init__(self, runner, max_num_batched_tokens: int, max_num_seqs: int, *, pool=None, capture: bool = True):
+        self.runner = runner
+        self.token_buckets = token_buckets(max_num_batched_tokens)
+        self.request_buckets = request_buckets(max_num_seqs)
+        tmax, bmax, kmax = self.token_buckets[-1], self.request_buckets[-1], runner.k
+        self.width = runner.max_blocks_per_seq
+        dev = runner.device
+        self.i64 = torch.zeros(3 * tmax + bmax * (2 * kmax + 3), dtype=torch.long, device=dev)
+        self.i32 = torch.zeros(bmax + 1 + bmax * self.width, dtype=torch.int32, device=dev)
+        self.num_rejected = torch.zeros(bmax, dtype=torch.long, device=dev)
+        self.next_tokens = torch.zeros(bmax, dtype=torch.long, device=dev)
+        cfg = runner.target.config
+        self.logits = torch.zeros(bmax * (kmax + 1), cfg.vocab_size, dtype=torch.float32, device=dev)
+        num_aux = len(runner.aux_layer_ids or ())
+        self.aux = (torch.zeros(tmax, num_aux * cfg.hidden_size, dtype=runner.dtype, device=dev) if num_aux
+                    else None)
+        self.pool = pool
+        self.capture = capture and dev.type == "cuda"
+        self.graphs: dict[tuple[str, int, int, int], tuple[torch.cuda.CUDAGraph, object]] = {}
+        self.captured: set[tuple[int, int, int]] = set()
+        self.failed: set[tuple[int, int, int]] = set()
+        self.current: tuple[int, int, int] | None = None
+
+    def key_for(self, num_tokens: int, num_requests: int, k: int) -> tuple[int, int, int] | None:
+        """The (T, B, K) bucket of a step, or None when it runs eagerly."""
+        if num_tokens > self.token_buckets[-1] or num_requests > self.request_buckets[-1]:
+            return None
+        key = (next(t for t in self.token_buckets if t >= num_tokens),
+               next(b for b in self.request_buckets if b >= num_requests), k)
+        if key in self.failed or (key not in self.captured and len(self.captured) >= MAX_GENERAL_KEYS):
+            return None
+        return key
+
+    def _views(self, key: tuple[int, int, int]) -> dict[str, torch.Tensor]:
+        t, b, k = key
+        sizes = (t, t, t, b * (k + 1), b * k, b, b)
+        ids, pos, slots, rows, drafts, nd, chunk_next = self.i64[:sum(sizes)].split(sizes)
+        qsl, tables = self.i32[:b + 1 + b * self.width].split((b + 1, b * self.width))
+        return {"input_ids": ids, "positions": pos, "slot_mapping": slots, "logit_rows": rows,
+                "drafts": drafts.view(b, k), "num_drafts": nd, "chunk_next": chunk_next, "query_start_loc": qsl,
+                "block_tables": tables.view(b, self.width)}
+
+    def load_inputs(self, inp, key: tuple[int, int, int]) -> dict[str, torch.Tensor]:
+        """`inp`, padded to `key` (`ModelRunner.pad_inputs`), into the static buffers: two host-to-device copies."""
+        t, b, _ = key
+        assert len(inp.input_ids) == t and len(inp.query_start_loc) == b + 1, (key, inp.max_query_len)
+        self.current = key
+        host64 = np.concatenate([inp.input_ids, inp.positions, inp.slot_mapping, inp.logit_rows.ravel(),
+                                 inp.drafts.ravel(), inp.num_drafts, inp.chunk_next])
+        host32 = np.concatenate([inp.query_start_loc, inp.block_tables.ravel()])
+        self.i64[:len(host64)].copy_(torch.from_numpy(host64), non_blocking=True)
+        self.i32[:len(host32)].copy_(torch.from_numpy(host32), non_blocking=True)
+        return self._views(key)
+
+    def run_target(self):
+        return self._replay("target", self._target_fn)
+
+    def run_proposer(self, num_rejected, next_tokens):
+        b = self.current[1]
+        self.num_rejected[:b].copy_(num_rejected)
+        self.next_tokens[:b].copy_(next_tokens)
+        return self._replay("draft", self._draft_fn)
+
+    def _target_fn(self, t: int, b: int, k: int):
+        x, rows = self._views((t, b, k)), b * (k + 1)
+        logits_out = self.logits[:rows]
+        aux_out = None if self.aux is None else self.aux[:t]
+
+        def fn():
+            logits, aux = self.runner.target_forward(x, t)
+            logits_out.copy_(logits)
+            if aux_out is not None:
+                aux_out.copy_(aux)
+            return logits_out, aux_out
+        return fn
+
+    def _draft_fn(self, t: int, b: int, k: int):
+        x = self._views((t, b, k))
+        aux, nrej, nxt = self.aux[:t], self.num_rejected[:b], self.next_tokens[:b]
+        return lambda: self.runner.propose(x, aux, nrej, nxt, t)
+
+    def _replay(self, kind: str, make_fn):
+        key = self.current
+        if (kind, *key) in self.graphs:
+            graph, out = self.graphs[(kind, *key)]
+            graph.replay()
+            return out
+        fn = make_fn(*key)
+        if not self.capture or key in self.failed:
+            return fn()
+        start = time.perf_counter()
+        try:
+            # Captured while serving: other threads (an HTTP server's) may call CUDA meanwhile, which only this
+            # thread's capture must not see.
+            graph, out = capture_graph(fn, self.pool, error_mode="thread_local")
+        except Exception as e:  # noqa: BLE001 - an eager step is slower, not wrong
+            logger.warning("could not capture the %s graph of general steps %s (%s: %s); they run eagerly",
+                           kind, key, type(e).__name__, e)
+            self.failed.add(key)
+            return fn()
+        self.graphs[(kind, *key)] = (graph, out)
+        self.captured.add(key)
+        logger.info("captured the %s CUDA graph of general steps of %d tokens, %d requests, K=%d in %.0f ms",
+                    kind, *key, 1e3 * (time.perf_counter() - start))
+        graph.replay()
+        return out

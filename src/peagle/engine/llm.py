@@ -43,7 +43,8 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, block_size: int = 16, num_kv_blocks: int | None = None,
                  enforce_eager: bool = False, seed: int = 0, load_format: str = "auto",
                  synthetic_acceptance: Sequence[float] | None = None, async_scheduling: bool = False,
-                 decode_gemv: bool = False, enable_chunked_prefill: bool = False):
+                 decode_gemv: bool = False, enable_chunked_prefill: bool = False,
+                 prefill_cuda_graphs: bool = False):
         import torch
 
         _check_unimplemented(tensor_parallel_size, enable_prefix_caching, trust_remote_code)
@@ -57,6 +58,7 @@ class LLM:
             load_format=load_format,
             synthetic_acceptance=tuple(synthetic_acceptance) if synthetic_acceptance is not None else None,
             async_scheduling=async_scheduling, decode_gemv=decode_gemv, enable_chunked_prefill=enable_chunked_prefill,
+            prefill_cuda_graphs=prefill_cuda_graphs,
         )
         check_max_model_len(config)
         self.engine = LLMEngine(config)

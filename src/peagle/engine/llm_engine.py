@@ -89,6 +89,8 @@ class LLMEngine:
             from peagle.engine.cuda_graph import CudaGraphs
 
             self.runner.graphs = CudaGraphs(self.runner, config.max_num_seqs, self._graph_ks())
+            if config.prefill_cuda_graphs:
+                self.runner.general_graphs = self.general_graphs()
         self._inflight: _Launched | None = None  # async scheduling: the step whose answer is on its way
         if config.async_scheduling:
             self.runner.enable_async_copies(config.max_num_seqs)
@@ -103,6 +105,15 @@ class LLMEngine:
         policy = self.spec.adaptive
         ks = {self.k} | {k for _, k in policy.thresholds} | ({policy.above} if policy.above is not None else set())
         return sorted({min(k, self.k) for k in ks})
+
+    def general_graphs(self, capture: bool = True):
+        """Graphs for general steps (prefill_cuda_graphs), sharing the decode graphs' memory pool. capture=False
+        runs their functions eagerly over the same padded static buffers (the padding's path on the CPU)."""
+        from peagle.engine.cuda_graph import GeneralGraphs
+
+        pool = self.runner.graphs.pool if self.runner.graphs is not None else None
+        return GeneralGraphs(self.runner, self.scheduler.config.max_num_batched_tokens, self.config.max_num_seqs,
+                             pool=pool, capture=capture)
 
     def _load_drafter(self):
         if self.spec is None:

@@ -2,7 +2,9 @@
 
 One step: the target verifies every request's fed tokens (uncomputed tokens plus drafts) in one forward, the verifier
 accepts drafts losslessly, and the proposer drafts the next K tokens from the verified batch. Pure decode steps of
-the common shape replay CUDA graphs (cuda_graph.py); everything else runs eagerly through the same functions.
+the common shape replay CUDA graphs (cuda_graph.py); with prefill graphs on, so do general steps (prefills, chunks,
+prefills beside decodes) up to a token and request bucket, padded by `pad_inputs`; everything else runs eagerly
+through the same functions.
 
 A step is launched (`launch`, from the host's sequences) and answered later (`StepHandle.result()`, the step's one
 device-to-host copy); `execute` does both. With async scheduling the engine launches the next decode step before
@@ -108,6 +110,7 @@ class ModelRunner:
                                          dcfg.num_key_value_heads, dcfg.head_dim, dtype, device)
             self.proposer = proposer_cls(drafter, draft_kv, block_size, self.k)
         self.graphs = None  # CudaGraphs, set by the engine on CUDA
+        self.general_graphs = None  # GeneralGraphs, set by the engine with prefill_cuda_graphs
         self.synthetic_acceptance: tuple[float, ...] | None = None  # benchmarking only (see EngineConfig)
         self._pinned: list[torch.Tensor] | None = None  # async answers: two pinned buffers and their events
         self._events: list[torch.cuda.Event] = []
@@ -213,6 +216,34 @@ class ModelRunner:
             num_drafts=np.full(b, k, dtype=np.int64), max_query_len=k + 1, num_real=n,
         )
 
+    def pad_inputs(self, inp: StepInputs, t: int, b: int) -> StepInputs:
+        """`inp` (unpadded) padded to a general graph's bucket of t tokens and b requests, at max_query_len t.
+
+        Padding tokens follow the real ones and belong to no request (rows past query_start_loc[-1]: attention
+        neither reads nor writes them, the draft batch gives them no KV); their KV goes to the scratch block.
+        Padding requests are empty spans at the end, verify no drafts and take their logits from the last real row.
+        """
+        n, num_req, k = len(inp.input_ids), len(inp.query_start_loc) - 1, inp.drafts.shape[1]
+        assert n <= t and num_req <= b and inp.num_real == num_req, (n, t, num_req, b)
+        fill = np.arange(t - n, dtype=np.int64) % self.block_size  # positions and slots inside the scratch block
+        extra = b - num_req
+        tables = np.full((b, self.max_blocks_per_seq), self.scratch_block, dtype=np.int32)
+        tables[:num_req] = inp.block_tables
+        chunk_next = np.full(b, -1, dtype=np.int64)
+        if inp.chunk_next is not None:
+            chunk_next[:num_req] = inp.chunk_next
+        return StepInputs(
+            input_ids=np.concatenate([inp.input_ids, np.zeros(t - n, dtype=np.int64)]),
+            positions=np.concatenate([inp.positions, fill]),
+            slot_mapping=np.concatenate([inp.slot_mapping, self.scratch_block * self.block_size + fill]),
+            query_start_loc=np.concatenate([inp.query_start_loc, np.full(extra, n, dtype=np.int32)]),
+            block_tables=tables,
+            logit_rows=np.concatenate([inp.logit_rows, np.full((extra, k + 1), n - 1, dtype=np.int64)]),
+            drafts=np.concatenate([inp.drafts, np.zeros((extra, k), dtype=np.int64)]),
+            num_drafts=np.concatenate([inp.num_drafts, np.zeros(extra, dtype=np.int64)]),
+            max_query_len=t, num_real=inp.num_real, chunk_next=chunk_next,
+        )
+
     def to_device(self, inp: StepInputs) -> dict[str, torch.Tensor]:
         dev = self.device
         t = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
@@ -283,14 +314,17 @@ class ModelRunner:
         meaningless (nothing is sampled), but the drafter reads the prompt token after it, so its cache fills."""
         k = max((len(d) for d in drafts), default=0)
         draft = draft and self.proposer is not None
-        graphed = chunks is None and self.graphs is not None and self.graphs.can_run(seqs, drafts, k, draft)
-        if graphed:
+        if chunks is None and self.graphs is not None and self.graphs.can_run(seqs, drafts, k, draft):
             inp = self.build_inputs(seqs, drafts, k, pad_to=self.graphs.bucket_for(len(seqs)))
-            x = self.graphs.load_inputs(inp)
-        else:
-            inp = self.build_inputs(seqs, drafts, k, chunks=chunks)
-            x = self.to_device(inp)
-        return self._run(x, st, k, inp.num_real, inp.max_query_len, graphed, draft)
+            return self._run(self.graphs.load_inputs(inp), st, k, inp.num_real, inp.max_query_len, self.graphs,
+                             draft)
+        inp = self.build_inputs(seqs, drafts, k, chunks=chunks)
+        general = self.general_graphs
+        key = None if general is None else general.key_for(len(inp.input_ids), len(seqs), k)
+        if key is None:
+            return self._run(self.to_device(inp), st, k, inp.num_real, inp.max_query_len, None, draft)
+        inp = self.pad_inputs(inp, key[0], key[1])
+        return self._run(general.load_inputs(inp, key), st, k, inp.num_real, inp.max_query_len, general, draft)
 
     @torch.inference_mode()
     def launch_next(self, prev: StepHandle, rows: list[int], seqs, st: SamplingTensors, k: int,
@@ -313,7 +347,7 @@ class ModelRunner:
             x, src_d, base_d = self._next_inputs_eager(src, base, tables, k)
         kernels.advance_decode_inputs(prev.packed, src_d, base_d, x["block_tables"], prev.k, k, self.block_size,
                                       self.scratch_block, x)
-        return self._run(x, st, k, len(seqs), k + 1, graphed, draft)
+        return self._run(x, st, k, len(seqs), k + 1, self.graphs if graphed else None, draft)
 
     def build_next_inputs(self, seqs, rows: list[int], pad_to: int):
         """Host arrays for `launch_next`: per request the packed row it reads (-1 = padding), its token count
@@ -339,13 +373,14 @@ class ModelRunner:
         return x, torch.from_numpy(src).to(dev), torch.from_numpy(base).to(dev)
 
     def _run(self, x: dict[str, torch.Tensor], st: SamplingTensors, k: int, num_real: int, max_query_len: int,
-             graphed: bool, draft: bool) -> StepHandle:
-        """Verify and draft over inputs already on the device; the answer starts its way to the host."""
-        if graphed:
-            if st.all_greedy and st.processing is None and st.logprob_requests is None \
+             graphs, draft: bool) -> StepHandle:
+        """Verify and draft over inputs already on the device; the answer starts its way to the host. `graphs`:
+        the CudaGraphs or GeneralGraphs whose buffers hold the inputs (None: eager)."""
+        if graphs is not None:
+            if graphs.fused_greedy and st.all_greedy and st.processing is None and st.logprob_requests is None \
                     and self.synthetic_acceptance is None:
-                return self._handle(self.graphs.run_greedy(num_real, draft), k)
-            logits, aux = self.graphs.run_target()
+                return self._handle(graphs.run_greedy(num_real, draft), k)
+            logits, aux = graphs.run_target()
         else:
             logits, aux = self.target_forward(x, max_query_len)
         v = self.verify(logits, x, st, k, num_real)
@@ -355,12 +390,13 @@ class ModelRunner:
             num_rejected = x["num_drafts"][:num_real] - v.num_accepted
             next_tokens = v.next_tokens
             if "chunk_next" in x:
-                next_tokens = torch.where(x["chunk_next"] >= 0, x["chunk_next"], next_tokens)
+                chunk_next = x["chunk_next"][:num_real]
+                next_tokens = torch.where(chunk_next >= 0, chunk_next, next_tokens)
             if pad:
                 num_rejected = torch.cat([num_rejected, num_rejected.new_zeros(pad)])
                 next_tokens = torch.cat([next_tokens, next_tokens.new_zeros(pad)])
-            if graphed:
-                new_drafts = self.graphs.run_proposer(num_rejected, next_tokens)
+            if graphs is not None:
+                new_drafts = graphs.run_proposer(num_rejected, next_tokens)
             else:
                 new_drafts = self.propose(x, aux, num_rejected, next_tokens, max_query_len)
             new_drafts = new_drafts[:num_real]

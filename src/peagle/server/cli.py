@@ -58,6 +58,10 @@ def register(subparsers) -> None:
                    help="prepare the next step on the host while the GPU runs the current one (vLLM's name; off by "
                         "default: 1.14x at batch 1 and 1.38x at batch 64 on an H200, on by default once greedy "
                         "equality with it on is checked on the GPU)")
+    p.add_argument("--prefill-cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
+                   help="replay CUDA graphs for steps that prefill (whole prompts, chunks, prompts beside decodes) "
+                        "of up to 2048 tokens and 16 requests, not only for decode steps; each shape is captured on "
+                        "first use (off by default until timed and checked on the GPU)")
     p.add_argument("--seed", type=int, metavar="N", default=0,
                    help="engine seed (default 0; requests may pass their own)")
     p.set_defaults(func=_serve)
@@ -80,6 +84,7 @@ def _serve(args: argparse.Namespace) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
         enforce_eager=args.enforce_eager, seed=args.seed, speculative=spec, async_scheduling=args.async_scheduling,
         enable_chunked_prefill=args.enable_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_cuda_graphs=args.prefill_cuda_graphs,
     )
     check_max_model_len(config)
     engine = LLMEngine(config)

@@ -2,6 +2,7 @@
 
 Usage: python scripts/device/engine_check.py TARGET_DIR OUT.json --head eagle3=DIR --head peagle=DIR
        [--num-prompts 32] [--max-tokens 128] [--dtypes float32,bfloat16] [--sampling] [--async-scheduling]
+       [--prefill-cuda-graphs]
 fp32: outputs must be identical. bf16: verifying several tokens in one pass may flip a near-tie, so the report gives
 the identical count and, for every divergence, the target's top-2 logit gap at the first differing position
 (recomputed from scratch in fp32 over the plain-greedy prefix).
@@ -10,6 +11,9 @@ as under enforce_eager, with each method (the sampling path, graphed).
 With --async-scheduling the checked engines (plain and speculative) schedule asynchronously and are compared with
 plain greedy output of an engine that does not: the check that async scheduling is lossless under CUDA graphs and
 real asynchronous copies.
+With --prefill-cuda-graphs the checked engines (plain and speculative) replay CUDA graphs for steps that prefill too
+(captured on first use) and are compared with plain greedy output of an engine that runs those steps eagerly; it
+combines with --async-scheduling. With --sampling it turns them on in the graphed engine.
 """
 
 from __future__ import annotations
@@ -31,11 +35,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for dry 
 
 
 def run(target, prompts, max_tokens, dtype, head=None, k=0, parallel=False, eager=False, sampled=False,
-        async_scheduling=False, max_model_len=2048):
+        async_scheduling=False, max_model_len=2048, prefill_cuda_graphs=False):
     spec = None if head is None else {"method": "eagle3", "model": head, "num_speculative_tokens": k,
                                       "parallel_drafting": parallel}
     llm = LLM(model=target, speculative_config=spec, dtype=dtype, max_model_len=max_model_len, max_num_seqs=32,
-              enforce_eager=eager, async_scheduling=async_scheduling)
+              enforce_eager=eager, async_scheduling=async_scheduling, prefill_cuda_graphs=prefill_cuda_graphs)
     if sampled:
         params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=max_tokens, ignore_eos=True)
                   for i in range(len(prompts))]
@@ -71,6 +75,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="float32,bfloat16", help="greedy check: comma list of float32, bfloat16")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="the checked engines schedule asynchronously (the reference does not)")
+    ap.add_argument("--prefill-cuda-graphs", action="store_true",
+                    help="the checked engines replay CUDA graphs for prefill steps too (the reference does not)")
     ap.add_argument("--max-model-len", type=int, default=2048)
     args = ap.parse_args(argv)
     dtypes = args.dtypes.split(",")
@@ -86,21 +92,24 @@ def main(argv=None) -> int:
     fp32_model = load_model(args.target, dtype="float32", device=DEVICE)
     for dtype in dtypes:
         base, _ = run(args.target, prompts, args.max_tokens, dtype, max_model_len=args.max_model_len)
-        checked = [("none", None), *heads.items()] if args.async_scheduling else list(heads.items())
+        engine_variant = args.async_scheduling or args.prefill_cuda_graphs
+        checked = [("none", None), *heads.items()] if engine_variant else list(heads.items())
         for method, head in checked:
             k, parallel = METHODS.get(method, (0, False))
             for eager in (False, True) if dtype == "bfloat16" and method == "peagle" else (False,):
                 spec, outs = run(args.target, prompts, args.max_tokens, dtype, head, k, parallel, eager,
-                                 async_scheduling=args.async_scheduling, max_model_len=args.max_model_len)
+                                 async_scheduling=args.async_scheduling, max_model_len=args.max_model_len,
+                                 prefill_cuda_graphs=args.prefill_cuda_graphs)
                 same = [a == b for a, b in zip(base, spec)]
                 entry = {"dtype": dtype, "method": method, "k": k, "enforce_eager": eager,
-                         "async_scheduling": args.async_scheduling,
+                         "async_scheduling": args.async_scheduling, "prefill_cuda_graphs": args.prefill_cuda_graphs,
                          "identical": sum(same), "of": len(same),
                          "mean_acceptance_length": sum(o.metrics.acceptance_length or 1 for o in outs) / len(outs),
                          "divergences": [near_tie(fp32_model, p, b, s)
                                          for p, b, s, ok in zip(prompts, base, spec, same) if not ok]}
                 report["checks"].append(entry)
-                print(f"{dtype} {method} K={k} eager={eager} async={args.async_scheduling}: identical {sum(same)}/{len(same)}; "
+                print(f"{dtype} {method} K={k} eager={eager} async={args.async_scheduling} "
+                      f"prefill_graphs={args.prefill_cuda_graphs}: identical {sum(same)}/{len(same)}; "
                       f"divergence gaps {[round(d['top2_gap_fp32'], 4) for d in entry['divergences']]}", flush=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
@@ -112,11 +121,12 @@ def sampling_check(args, heads, prompts, report) -> int:
     for method, head in [("none", None), *heads.items()]:
         k, parallel = METHODS.get(method, (0, False))
         graphed, outs = run(args.target, prompts, args.max_tokens, "bfloat16", head, k, parallel, False, True,
-                            max_model_len=args.max_model_len)
+                            max_model_len=args.max_model_len, prefill_cuda_graphs=args.prefill_cuda_graphs)
         eager, _ = run(args.target, prompts, args.max_tokens, "bfloat16", head, k, parallel, True, True,
                        max_model_len=args.max_model_len)
         same = sum(a == b for a, b in zip(graphed, eager))
         entry = {"sampling": "temperature 0.8, top_p 0.95, seeded", "method": method, "k": k,
+                 "prefill_cuda_graphs": args.prefill_cuda_graphs,
                  "graphs_equal_eager": same, "of": len(prompts),
                  "mean_acceptance_length": sum(o.metrics.acceptance_length or 1 for o in outs) / len(outs)}
         report["checks"].append(entry)

@@ -1,7 +1,8 @@
 """Per-round time breakdown of the engine on the GPU: target verify, drafting, everything else.
 
 Usage: python scripts/device/engine_timing.py TARGET_DIR OUT.json --head eagle3=DIR --head peagle=DIR
-       [--methods none,peagle] [--variants sync,async,gemv,async+gemv]
+       [--methods none,peagle] [--variants sync,async,gemv,async+gemv,prefill-graphs] [--stall N] [--arrivals]
+       [--ttft-prompts 16]
 For each method, engine variant and batch size (1 and 64) it runs real requests to a steady decode state, then times
 - the whole round (engine.step wall time, median over N rounds),
 - the whole round's GPU work (the greedy round's CUDA graph replayed alone, timed with CUDA events), and inside it
@@ -17,10 +18,18 @@ step while the GPU runs the current one (async_scheduling: "other" then is the h
 `ahead_share` the rounds launched before the previous answer arrived); `gemv` runs the target's linear layers at
 <= 8 rows through the split-K GEMV kernel (decode_gemv: it changes the GPU columns); `async+gemv` both;
 `chunked` prefills in chunks of what the decodes leave of 512 tokens per step (enable_chunked_prefill);
-`async+chunked` both.
+`async+chunked` both; `prefill-graphs` replays CUDA graphs for steps that prefill too (prefill_cuda_graphs),
+`async+prefill-graphs` with async scheduling.
+Each variant first times the time to first token at concurrency 1 (`ttft_p50_ms`, median over --ttft-prompts MT-Bench
+first turns: from add_request to the step that returns the token). Prefill graphs are captured on a shape's first
+use, so the prompts run twice: the first pass is reported as `ttft_cold_p50_ms`, the second is the measurement.
 With --stall N, each variant also times the stall a new N-token prompt causes: 8 requests decode, the prompt
 arrives, and `stall_max_ms` is the longest step until its first token, against `stall_decode_ms`, a decode step's
-median before it arrived (without chunking, one step prefills the whole prompt).
+median before it arrived (without chunking, one step prefills the whole prompt); `stall_ratio` is their ratio. The
+scenario runs twice and the second is reported (`stall_cold_max_ms`: the first, graph captures included).
+With --arrivals, each variant also runs a closed loop at concurrency 8 (a new MT-Bench request, 64 tokens, as each
+finishes; 48 requests, twice, the second reported) and reports the inter-token latencies of all requests,
+`itl_p50_ms` and `itl_p99_ms` (the time between consecutive steps that return tokens to a request).
 """
 
 from __future__ import annotations
@@ -44,7 +53,9 @@ VARIANTS = {"sync": {"async_scheduling": False}, "async": {"async_scheduling": T
             "gemv": {"async_scheduling": False, "decode_gemv": True},
             "async+gemv": {"async_scheduling": True, "decode_gemv": True},
             "chunked": {"async_scheduling": False, "enable_chunked_prefill": True, "max_num_batched_tokens": 512},
-            "async+chunked": {"async_scheduling": True, "enable_chunked_prefill": True, "max_num_batched_tokens": 512}}
+            "async+chunked": {"async_scheduling": True, "enable_chunked_prefill": True, "max_num_batched_tokens": 512},
+            "prefill-graphs": {"async_scheduling": False, "prefill_cuda_graphs": True},
+            "async+prefill-graphs": {"async_scheduling": True, "prefill_cuda_graphs": True}}
 
 
 def gpu_ms(fn, iters=50) -> float:
@@ -124,11 +135,70 @@ def measure(llm, prompts, batch: int, k: int, rounds: int = 40, profile_path=Non
     return row
 
 
-def measure_stall(llm, prompts, prompt_len: int, batch: int = 8, rounds: int = 20) -> dict:
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def first_token_s(eng, request_id: str, prompt: list[int]) -> float:
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    t0 = time.perf_counter()
+    eng.add_request(request_id, prompt, params)
+    while not any(o.request_id == request_id and o.new_token_ids for o in eng.step()):
+        pass
+    return time.perf_counter() - t0
+
+
+def measure_ttft(llm, prompts, n: int) -> dict:
+    """Time to first token at concurrency 1; the first pass captures the prefill graphs' shapes (see the docstring)."""
+    eng = llm.engine
+    passes = []
+    for p in range(2):
+        passes.append([first_token_s(eng, f"ttft{p}-{i}", prompt) for i, prompt in enumerate(prompts[:n])])
+        while eng.has_unfinished_requests():
+            eng.step()
+    cold, warm = passes
+    return {"ttft_prompts": len(warm), "ttft_prompt_tokens_p50": statistics.median(len(p) for p in prompts[:n]),
+            "ttft_p50_ms": 1e3 * statistics.median(warm), "ttft_p90_ms": 1e3 * percentile(warm, 0.9),
+            "ttft_cold_p50_ms": 1e3 * statistics.median(cold)}
+
+
+def closed_loop_itl(eng, prompts, tag: str, batch: int, num_requests: int, max_tokens: int) -> list[float]:
+    """Inter-token latencies of a closed loop of `batch` requests, a new one added as each finishes."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    last: dict[str, float] = {}
+    gaps, added = [], 0
+    while added < num_requests or eng.has_unfinished_requests():
+        while added < num_requests and eng.scheduler.num_running + eng.scheduler.num_waiting < batch:
+            eng.add_request(f"{tag}-{added}", prompts[added % len(prompts)], params)
+            added += 1
+        outs = eng.step()
+        now = time.perf_counter()
+        for o in outs:
+            if o.new_token_ids and o.request_id in last:
+                gaps.append(now - last[o.request_id])
+            last[o.request_id] = now
+    return gaps
+
+
+def measure_arrivals(llm, prompts, batch: int = 8, num_requests: int = 48, max_tokens: int = 64) -> dict:
+    eng = llm.engine
+    cold = closed_loop_itl(eng, prompts, "arrivals0", batch, num_requests, max_tokens)
+    warm = closed_loop_itl(eng, prompts, "arrivals1", batch, num_requests, max_tokens)
+    return {"batch": batch, "arrivals": num_requests, "itl_p50_ms": 1e3 * statistics.median(warm),
+            "itl_p99_ms": 1e3 * percentile(warm, 0.99), "itl_cold_p99_ms": 1e3 * percentile(cold, 0.99)}
+
+
+def measure_stall(llm, prompts, prompt_len: int) -> dict:
+    cold, warm = (stall_once(llm, prompts, prompt_len, tag) for tag in ("s0", "s1"))
+    return {**warm, "stall_cold_max_ms": cold["stall_max_ms"]}
+
+
+def stall_once(llm, prompts, prompt_len: int, tag: str, batch: int = 8, rounds: int = 20) -> dict:
     eng = llm.engine
     params = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
     for i in range(batch):
-        eng.add_request(f"s-{i}", prompts[i % len(prompts)], params)
+        eng.add_request(f"{tag}-{i}", prompts[i % len(prompts)], params)
     while eng.scheduler.num_waiting or any(s.num_computed_tokens == 0 for s in eng.scheduler.running):
         eng.step()
     before = []
@@ -137,7 +207,7 @@ def measure_stall(llm, prompts, prompt_len: int, batch: int = 8, rounds: int = 2
         eng.step()
         before.append(time.perf_counter() - t0)
     long_prompt = [t for p in prompts for t in p][:prompt_len]
-    seq = eng.add_request("s-long", long_prompt, params)
+    seq = eng.add_request(f"{tag}-long", long_prompt, params)
     during = []
     while seq.num_output_tokens == 0:
         t0 = time.perf_counter()
@@ -145,8 +215,12 @@ def measure_stall(llm, prompts, prompt_len: int, batch: int = 8, rounds: int = 2
         during.append(time.perf_counter() - t0)
     for s in list(eng.scheduler.running):
         eng.abort_request(s.seq_id)
-    return {"batch": batch, "stall_prompt_tokens": len(long_prompt), "stall_decode_ms": 1e3 * statistics.median(before),
-            "stall_max_ms": 1e3 * max(during), "stall_steps": len(during), "stall_ttft_ms": 1e3 * sum(during)}
+    while eng.has_unfinished_requests():  # the aborted requests leave the engine
+        eng.step()
+    decode_ms, max_ms = 1e3 * statistics.median(before), 1e3 * max(during)
+    return {"batch": batch, "stall_prompt_tokens": len(long_prompt), "stall_decode_ms": decode_ms,
+            "stall_max_ms": max_ms, "stall_ratio": max_ms / decode_ms, "stall_steps": len(during),
+            "stall_ttft_ms": 1e3 * sum(during)}
 
 
 def main(argv=None) -> int:
@@ -158,6 +232,9 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS)} (those with a --head)")
     ap.add_argument("--variants", default="sync", help=f"engine variants timed side by side: {', '.join(VARIANTS)}")
     ap.add_argument("--stall", type=int, metavar="N", help="also time the stall a new N-token prompt causes")
+    ap.add_argument("--arrivals", action="store_true", help="also time inter-token latencies as requests arrive")
+    ap.add_argument("--ttft-prompts", type=int, default=16, metavar="N",
+                    help="MT-Bench first turns for the time to first token at concurrency 1 (default 16; 0: skip)")
     ap.add_argument("--profile", metavar="DIR", help="also write a torch.profiler table per method and batch here")
     args = ap.parse_args(argv)
     heads = dict(h.split("=", 1) for h in args.head)
@@ -183,6 +260,8 @@ def main(argv=None) -> int:
         for variant in args.variants.split(","):
             llm = LLM(model=args.target, speculative_config=spec, dtype="bfloat16", max_model_len=4096,
                       max_num_seqs=64, **VARIANTS[variant])
+            if args.ttft_prompts:
+                keep({"method": name, "variant": variant, "k": k, **measure_ttft(llm, prompts, args.ttft_prompts)})
             for b in map(int, args.batches.split(",")):
                 tag = "" if variant == "sync" else f"-{variant}"
                 path = f"{args.profile}/profile-{name}-k{k}-b{b}{tag}.txt" if args.profile else None
@@ -190,6 +269,8 @@ def main(argv=None) -> int:
                 keep(row)
             if args.stall:
                 keep({"method": name, "variant": variant, "k": k, **measure_stall(llm, prompts, args.stall)})
+            if args.arrivals:
+                keep({"method": name, "variant": variant, "k": k, **measure_arrivals(llm, prompts)})
             del llm
             gc.collect()
             torch.cuda.empty_cache()
@@ -203,13 +284,16 @@ def print_table(rows) -> None:
     print(" | ".join(cols))
     for row in (r for r in rows if "round_ms" in r):
         print(" | ".join(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in cols))
-    stalls = [r for r in rows if "stall_max_ms" in r]
-    if stalls:
-        cols = ("method", "variant", "stall_prompt_tokens", "stall_decode_ms", "stall_max_ms", "stall_steps",
-                "stall_ttft_ms")
-        print(" | ".join(cols))
-        for row in stalls:
-            print(" | ".join(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in cols))
+    for key, cols in (("ttft_p50_ms", ("method", "variant", "ttft_prompts", "ttft_prompt_tokens_p50", "ttft_p50_ms",
+                                       "ttft_p90_ms", "ttft_cold_p50_ms")),
+                      ("stall_max_ms", ("method", "variant", "stall_prompt_tokens", "stall_decode_ms", "stall_max_ms",
+                                        "stall_ratio", "stall_steps", "stall_ttft_ms", "stall_cold_max_ms")),
+                      ("itl_p99_ms", ("method", "variant", "batch", "itl_p50_ms", "itl_p99_ms", "itl_cold_p99_ms"))):
+        selected = [r for r in rows if key in r]
+        if selected:
+            print(" | ".join(cols))
+            for row in selected:
+                print(" | ".join(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in cols))
 
 
 if __name__ == "__main__":

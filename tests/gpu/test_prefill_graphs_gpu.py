@@ -1,0 +1,78 @@
+"""General-step CUDA graphs (prefill_cuda_graphs) on the GPU: greedy output with them equals the output of eager
+general steps, token for token in fp32, without speculation and with EAGLE-3 and P-EAGLE drafting, with chunked
+prefill and async scheduling; and a captured graph's replay equals an eager call of its function on the same static
+buffers. Timing: scripts/device/engine_timing.py --variants sync,prefill-graphs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from peagle import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 4096, "hidden_size": 256,
+          "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "head_dim": 64, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+          "tie_word_embeddings": False, "eos_token_id": 0}
+# Prompt lengths across token buckets, more prompts than max_num_seqs: new prompts prefill beside running decodes.
+PROMPTS = [[5 + i % 50 for i in range(n)] for n in (3, 17, 40, 9, 130, 300, 1, 64)]
+SPECS = {"none": None,
+         "eagle3": {"method": "eagle3", "model": "dummy", "num_speculative_tokens": 3},
+         "peagle": {"method": "eagle3", "model": "dummy", "num_speculative_tokens": 5, "parallel_drafting": True}}
+VARIANTS = {"plain": {}, "chunked": {"enable_chunked_prefill": True, "max_num_batched_tokens": 64},
+            "async": {"async_scheduling": True}}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-llama")
+    (d / "config.json").write_text(json.dumps(CONFIG))
+    return str(d)
+
+
+def make_llm(model_dir, method, graphs, **kw):
+    return LLM(model=model_dir, load_format="dummy", dtype="float32", max_model_len=512, max_num_seqs=4,
+               speculative_config=SPECS[method], prefill_cuda_graphs=graphs, **kw)
+
+
+def params():
+    return [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("method", sorted(SPECS))
+def test_graphed_general_steps_keep_greedy_output(model_dir, method, variant):
+    outs = {}
+    for graphs in (False, True):
+        llm = make_llm(model_dir, method, graphs, **VARIANTS[variant])
+        outs[graphs] = [o.token_ids for o in llm.generate(PROMPTS, params(), use_tqdm=False)]
+        general = llm.engine.runner.general_graphs
+        if graphs:
+            assert general.captured and not general.failed, (general.captured, general.failed)
+            assert all(("draft", *key) in general.graphs for key in general.captured) == (method != "none")
+        else:
+            assert general is None
+        del llm
+        torch.cuda.empty_cache()
+    assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("method", ["none", "peagle"])
+def test_replay_equals_an_eager_call_on_the_static_buffers(model_dir, method):
+    llm = make_llm(model_dir, method, True)
+    llm.generate(PROMPTS, params(), use_tqdm=False)
+    general = llm.engine.runner.general_graphs
+    key = general.current  # the static buffers still hold this key's last inputs
+    graph, (logits, aux) = general.graphs[("target", *key)]
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = (logits.clone(), None if aux is None else aux.clone())
+    with torch.inference_mode():
+        eager_logits, eager_aux = general._target_fn(*key)()
+    torch.testing.assert_close(replayed[0], eager_logits, atol=1e-5, rtol=1e-5)
+    if aux is not None:
+        torch.testing.assert_close(replayed[1], eager_aux, atol=1e-5, rtol=1e-5)

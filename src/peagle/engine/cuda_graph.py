@@ -40,12 +40,14 @@ def capture_graph(fn, pool, error_mode: str = "global") -> tuple[torch.cuda.CUDA
     """Capture `fn` after one warm-up call (it compiles kernels and settles the allocator) on a side stream."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.inference_mode():
-        fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=error_mode):
-            out = fn()
-    torch.cuda.current_stream().wait_stream(stream)
+    try:
+        with torch.cuda.stream(stream), torch.inference_mode():
+            fn()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=error_mode):
+                out = fn()
+    finally:  # a failed capture falls back to an eager call, which must follow the warm-up too
+        torch.cuda.current_stream().wait_stream(stream)
     return graph, out
 
 

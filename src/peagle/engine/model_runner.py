@@ -261,7 +261,7 @@ class ModelRunner:
                                  max_query_len)
         out = self.target(x["input_ids"], x["positions"], PagedAttention(self.target_kv, meta, self.target_scale),
                           self.aux_layer_ids)
-        hidden = out.hidden if all_rows else out.hidden[x["logit_rows"]]
+        hidden = out.hidden if all_rows else out.hidden.index_select(0, x["logit_rows"])
         return self.target.compute_logits(hidden), out.aux  # [B*(k+1), V], [T, F]
 
     def propose(self, x: dict[str, torch.Tensor], aux, num_rejected, next_tokens, max_query_len: int):

@@ -356,3 +356,13 @@ def test_evaluation_walks_each_data_source_apart(setup, tmp_path):
     for j in row["walk_al"]:
         values = [w[j] for w in by_source.values()]
         assert min(values) - 1e-9 <= row["walk_al"][j] <= max(values) + 1e-9
+
+
+def test_scalars_flatten_nested_eval_rows_for_tensorboard():
+    # An eval row holds dicts of dicts (walk_al_by_source); tensorboard's add_scalar takes numbers only.
+    from peagle.training.trainer import _scalars
+
+    row = {"kind": "eval", "step": 500, "loss": 2.5, "acc": [0.8, None, 0.4], "walk_al": {"7": 3.1},
+           "walk_al_by_source": {"data-code": {"3": 2.0, "7": 2.9}}, "resumed": True, "note": "text"}
+    assert dict(_scalars(row)) == {"loss": 2.5, "acc/1": 0.8, "acc/3": 0.4, "walk_al/7": 3.1,
+                                   "walk_al_by_source/data-code/3": 2.0, "walk_al_by_source/data-code/7": 2.9}

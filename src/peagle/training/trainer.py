@@ -566,17 +566,18 @@ def _round(values: list[float]) -> list[float]:
     return [round(v, 4) if v == v else None for v in values]
 
 
-def _scalars(record: dict):
+def _scalars(record: dict, prefix: str = ""):
+    """(tag, number) for every number in a log record, nested lists and dicts (walk_al_by_source) flattened."""
     for key, value in record.items():
-        if isinstance(value, (int, float)) and key not in ("kind", "step"):
-            yield key, value
+        tag = f"{prefix}{key}"
+        if isinstance(value, bool) or key in ("kind", "step") and not prefix:
+            continue
+        if isinstance(value, (int, float)):
+            yield tag, value
         elif isinstance(value, list):
-            for i, v in enumerate(value):
-                if v is not None:
-                    yield f"{key}/{i + 1}", v
+            yield from _scalars({str(i + 1): v for i, v in enumerate(value)}, f"{tag}/")
         elif isinstance(value, dict):
-            for k, v in value.items():
-                yield f"{key}/{k}", v
+            yield from _scalars(value, f"{tag}/")
 
 
 def config_record(cfg: TrainConfig) -> dict:

@@ -366,3 +366,16 @@ def test_scalars_flatten_nested_eval_rows_for_tensorboard():
            "walk_al_by_source": {"data-code": {"3": 2.0, "7": 2.9}}, "resumed": True, "note": "text"}
     assert dict(_scalars(row)) == {"loss": 2.5, "acc/1": 0.8, "acc/3": 0.4, "walk_al/7": 3.1,
                                    "walk_al_by_source/data-code/3": 2.0, "walk_al_by_source/data-code/7": 2.9}
+
+
+def test_answer_tokens_count_like_document_by_document():
+    from peagle.drafters.vocab import count_tokens
+    from peagle.training.data import Document
+    from peagle.training.trainer import _answer_tokens
+
+    g = torch.Generator().manual_seed(0)
+    docs = [Document(torch.randint(0, 50, (n,), generator=g), torch.rand(n, generator=g) > 0.4) for n in (1, 7, 30)]
+    docs.append(Document(torch.tensor([3, 4]), torch.tensor([False, False])))
+    per_doc = count_tokens([d.token_ids[d.loss_mask].tolist() for d in docs], 50)
+    assert torch.equal(count_tokens([_answer_tokens(docs)], 50), per_doc)
+    assert int(per_doc.sum()) == sum(int(d.loss_mask.sum()) for d in docs)

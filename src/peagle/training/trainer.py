@@ -638,6 +638,10 @@ def build_trainer(cfg: TrainConfig, dist: DistContext) -> Trainer:
                    held_source)
 
 
+def _answer_tokens(docs: list[Document]) -> torch.Tensor:  # [N] the loss-masked token ids of all documents
+    return torch.cat([d.token_ids for d in docs])[torch.cat([d.loss_mask for d in docs])]
+
+
 def _make_drafter(cfg: TrainConfig, target: LlamaModel, tokenizer: Tokenizer, train_docs: list[Document]
                   ) -> Drafter:
     if cfg.init is not None:
@@ -649,7 +653,9 @@ def _make_drafter(cfg: TrainConfig, target: LlamaModel, tokenizer: Tokenizer, tr
         # A draft vocabulary as large as the target's is the target's own, in order (no frequency count needed).
         size = DEFAULT_DRAFT_VOCAB if cfg.draft_vocab_size is None else cfg.draft_vocab_size
         size = size if 0 < size < target.config.vocab_size else None
-        corpus = [d.token_ids[d.loss_mask].tolist() for d in train_docs] if size else None
+        # One sequence of every answer token: counting document by document cost minutes of small CPU ops on
+        # the GPU machine (two trainers' threads oversubscribing its cores).
+        corpus = [_answer_tokens(train_docs)] if size else None
         drafter = Drafter.for_target(
             parts, cfg.method, cfg.layers,
             draft_vocab=size, vocab_corpus=corpus, aux_layer_ids=cfg.aux_layer_ids,

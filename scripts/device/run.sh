@@ -198,13 +198,15 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
     # same defaults; peagle-b (HEADS="peagle peagle-b eagle3"): the P-EAGLE defaults with one part of that bundle
     # taken back (PEAGLE_B_ARGS; by default the trained full-vocabulary head).
     data=($(data_dirs))
+    # The trainers outlive this call, so they run from a copy of the code in $W: the next call replaces the
+    # working tree (and a carried folder) under them, and a deleted working directory breaks their compilers.
+    rm -rf "$W/code" && mkdir -p "$W/code" && cp -r src "$W/code/"
     launch() {  # name method k_train max_length batch_size extra...
       local name=$1 method=$2 k=$3 len=$4 bs=$5; shift 5
-      setsid $py -m peagle train --target "$W/smollm2" --data "${data[@]}" --method $method --out "$W/train-$name" \
-        --steps 1000000 --k-train $k --max-length $len --batch-size $bs ${TRAIN_ARGS:-} \
+      (cd "$W" && PYTHONPATH="$W/code/src:/tmp/site" setsid $py -m peagle train --target "$W/smollm2" \
+        --data "${data[@]}" --method $method --out "$W/train-$name" --steps 1000000 --k-train $k --max-length $len --batch-size $bs ${TRAIN_ARGS:-} \
         --save-every 500 --eval-every ${EVAL_EVERY:-500} --time-limit ${TRAIN_MIN:-10} "$@" \
-        > "$W/train-$name.log" 2>&1 < /dev/null &
-      echo $! > "$W/train-$name.pid"
+        > "$W/train-$name.log" 2>&1 < /dev/null & echo $! > "$W/train-$name.pid")
     }
     for m in ${HEADS:-peagle eagle3}; do
       case $m in

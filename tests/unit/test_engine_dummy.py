@@ -99,12 +99,15 @@ def test_kv_sizing_collects_dropped_engines_first_and_explains_a_shortfall(confi
 
 
 
-def test_async_scheduling_is_off_unless_asked_for():
+def test_async_scheduling_is_on_unless_turned_off():
     from peagle.cli import build_parser
 
-    assert EngineConfig(model="m", device="cuda").async_scheduling is False
-    assert EngineConfig(model="m", device="cuda", async_scheduling=True).async_scheduling is True
+    assert EngineConfig(model="m", device="cuda").async_scheduling is True
+    assert EngineConfig(model="m", device="cuda", async_scheduling=False).async_scheduling is False
     parse = build_parser().parse_args
-    assert parse(["serve", "m"]).async_scheduling is False
+    assert parse(["serve", "m"]).async_scheduling is True
     assert parse(["serve", "m", "--no-async-scheduling"]).async_scheduling is False
     assert parse(["serve", "m", "--async-scheduling"]).async_scheduling is True
+    assert parse(["regenerate", "--model", "m", "--prompts", "p", "--out", "o"]).async_scheduling is True
+    assert parse(["regenerate", "--model", "m", "--prompts", "p", "--out", "o",
+                  "--no-async-scheduling"]).async_scheduling is False

@@ -54,6 +54,7 @@ def heads(target_dir, tmp_path_factory):
 def make_llm(target_dir, head, method, padded: bool, **kw):
     spec = None if head is None else {"method": "eagle3", "model": head, "num_speculative_tokens": 3,
                                       "parallel_drafting": method == "peagle"}
+    kw.setdefault("async_scheduling", False)  # the variants ask for async scheduling where they test it
     llm = LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
               **ENGINE, **kw)
     if padded:

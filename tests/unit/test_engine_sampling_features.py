@@ -39,8 +39,11 @@ def make_llm(target_dir, head=None, method="peagle", k=3):
     spec = None
     if head is not None:
         spec = {"method": "eagle3", "model": head, "num_speculative_tokens": k, "parallel_drafting": method == "peagle"}
+    # Synchronous: the oracle drafts below replace the answers of `runner.execute`, the synchronous step (async
+    # scheduling commits each step through `launch` instead, and runs requests with processing without launching
+    # ahead).
     return LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
-               max_num_seqs=4)
+               max_num_seqs=4, async_scheduling=False)
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,7 @@ def make_llm(target_dir, head=None, k=3, parallel=False, **kw):
     if head is not None:
         spec = {"method": "eagle3", "model": head, "num_speculative_tokens": k, "parallel_drafting": parallel}
     kw.setdefault("max_num_seqs", 3)
+    kw.setdefault("async_scheduling", False)  # the synchronous path; the async tests below ask for theirs
     return LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
                **kw)
 
@@ -185,7 +186,7 @@ def test_adaptive_policy_turns_speculation_off_and_on(target_dir, heads, referen
     spec = {"method": "eagle3", "model": heads[method], "num_speculative_tokens": 3,
             "parallel_drafting": method == "peagle", "adaptive": {"thresholds": [[2, 3]], "above": 0}}
     llm = LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
-              max_num_seqs=6)
+              max_num_seqs=6, async_scheduling=False)  # steps counted through the synchronous `execute`
     runner = llm.engine.runner
     steps = []
     real_execute = runner.execute

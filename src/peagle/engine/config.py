@@ -160,9 +160,8 @@ class EngineConfig:
     load_format: str = "auto"
     synthetic_acceptance: tuple[float, ...] | None = None
     # vLLM's name: the host schedules and prepares step n+1 while the GPU runs step n (1.14x at batch 1, 1.38x at
-    # batch 64 on an H200, BENCHMARKS.md run 5). Off by default until greedy equality with it on is checked on the
-    # GPU (CUDA graphs and real asynchronous copies: the CPU tests cannot see a race there)
-    async_scheduling: bool = False
+    # batch 64 on an H200, BENCHMARKS.md run 5; greedy output identical under CUDA graphs with trained heads, run 6)
+    async_scheduling: bool = True
     # the target's linear layers run the split-K GEMV kernel (kernels/gemv.py) at <= 8 rows instead of cuBLAS
     decode_gemv: bool = False
     # vLLM's name: prompts longer than a step's max_num_batched_tokens left by the decodes are prefilled in chunks

@@ -42,7 +42,7 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
                  gpu_memory_utilization: float = 0.9, block_size: int = 16, num_kv_blocks: int | None = None,
                  enforce_eager: bool = False, seed: int = 0, load_format: str = "auto",
-                 synthetic_acceptance: Sequence[float] | None = None, async_scheduling: bool = False,
+                 synthetic_acceptance: Sequence[float] | None = None, async_scheduling: bool = True,
                  decode_gemv: bool = False, enable_chunked_prefill: bool = False,
                  prefill_cuda_graphs: bool = False):
         import torch

@@ -39,9 +39,9 @@ def register(subparsers) -> None:
     regen.add_argument("--num-kv-blocks", type=int,
                        help="KV-cache blocks of 16 tokens (default: sized from free GPU memory)")
     regen.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    regen.add_argument("--async-scheduling", action="store_true",
+    regen.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                        help="the engine schedules each step while the GPU runs the one before (the same greedy "
-                            "output; off by default, as in `peagle serve`)")
+                            "output; on by default, as in `peagle serve`)")
     regen.add_argument("--speculative-config", type=_json_object,
                        help='speculate while generating (same output, faster), e.g. '
                             '\'{"method": "eagle3", "model": "HEAD", "num_speculative_tokens": 7}\'')

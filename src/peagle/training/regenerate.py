@@ -215,7 +215,7 @@ class Feeder:
 
 def make_engine(model: Path, *, speculative_config: dict | None, dtype: str, device: str | None,
                 max_model_len: int, max_num_seqs: int, seed: int = 0, num_kv_blocks: int | None = None,
-                gpu_memory_utilization: float = 0.9, async_scheduling: bool = False):
+                gpu_memory_utilization: float = 0.9, async_scheduling: bool = True):
     from peagle import LLM
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -360,7 +360,7 @@ def regenerate(
     part: tuple[int, int] | None = None,
     num_kv_blocks: int | None = None,
     gpu_memory_utilization: float = 0.9,
-    async_scheduling: bool = False,
+    async_scheduling: bool = True,
 ) -> Manifest:
     """Answers the prompts with the target and writes shards + manifest to `out`; resumes a previous run there.
 

@@ -1,6 +1,6 @@
 """Held-out acceptance over training time, one line per run, from `peagle train` logs (train_log.jsonl).
 
-Usage: python scripts/plot_training.py NAME=LOG.jsonl [NAME=LOG.jsonl ...] --out PLOT.png [--k 7]
+Usage: python scripts/plot_training.py NAME=LOG.jsonl[.gz] [NAME=LOG.jsonl[.gz] ...] --out PLOT.png [--k 7]
 Each eval row's `walk_al` at K (the serving walk over held-out documents) is drawn against the run's training time,
 the sum of its train rows' `step_s` up to that step (evaluation time left out), with the simulated AL dashed.
 """
@@ -8,6 +8,7 @@ the sum of its train rows' `step_s` up to that step (evaluation time left out), 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -16,7 +17,8 @@ from pathlib import Path
 def curve(log: Path, k: int) -> tuple[list[float], list[float], list[float]]:
     """(minutes, walk AL at k, simulated AL at k) at each evaluation of one run."""
     minutes, walk, simulated, elapsed = [], [], [], 0.0
-    for line in log.read_text().splitlines():
+    text = gzip.decompress(log.read_bytes()).decode() if log.suffix == ".gz" else log.read_text()
+    for line in text.splitlines():
         row = json.loads(line)
         if row["kind"] == "train":
             elapsed += row.get("step_s") or 0.0

@@ -84,3 +84,23 @@ def test_walk_per_source_splits_the_walk_by_document_group():
     assert stats.walked_groups[2].sum() == 0 and torch.isnan(torch.tensor(stats.walk_acceptance_length(2, group=2)))
     combined = stats + stats
     assert torch.equal(combined.walked_groups, 2 * stats.walked_groups)
+
+
+def test_walk_tokens_cover_the_first_tokens_of_each_response_only():
+    # Prompt 0..2, response 3..9 (7 tokens), K = 2. The head is wrong from anchors 2..4 and right two deep from
+    # anchors 5 on, as in an answer that falls into a loop: the loop's easy rounds lie past a 3-token horizon.
+    n, k = 10, 2
+    doc_ids = torch.zeros(n, dtype=torch.long)
+    mask = torch.arange(n) >= 3
+    layout = full_layout(doc_ids, mask, k)
+    charged = layout.weight > 0
+    correct = layout.anchor[charged] >= 5
+    total = torch.bincount(layout.depth[charged], minlength=k)
+    stats = lambda **kw: EvalStats.of(StepStats(torch.zeros(()), total, torch.zeros(k, dtype=torch.long)),  # noqa
+                                      layout, correct, mask, doc_ids, k, **kw)
+    # Whole response: the prefill gives 3; rounds from anchors 2, 3, 4 accept nothing (the target gives 4, 5, 6);
+    # anchor 5 accepts 7, 8 and the target gives 9: 4 rounds, 2 accepted.
+    assert stats().walked[1].tolist() == [2, 4]
+    # The first 3 response tokens (3..5): rounds from anchors 2 and 3 produce 4 and 5, nothing accepted.
+    assert stats(walk_tokens=3).walked[1].tolist() == [0, 2]
+    assert stats(walk_tokens=100).walked[1].tolist() == [2, 4]

@@ -103,6 +103,10 @@ def register(subparsers) -> None:
     train.add_argument("--keep-checkpoints", type=int, default=2, help="most recent checkpoints kept")
     train.add_argument("--eval-fraction", type=float, default=0.01, help="documents held out (default 1%%)")
     train.add_argument("--max-eval-documents", type=int, default=64)
+    train.add_argument("--walk-max-tokens", type=int, default=256, metavar="N",
+                       help="the held-out walk (walk_al) covers the first N tokens of each response, as serving with "
+                            "max_tokens N does: a small target's greedy answers end in loops that inflate it past "
+                            "the benchmarks' 256 tokens (default 256; 0: whole responses)")
     train.add_argument("--loss-chunk", type=int, default=4096, help="positions per loss chunk (memory)")
     train.add_argument("--aux-layer-ids", type=int, nargs=3, metavar="ID",
                        help="target layers feeding the drafter (default 2, L/2, L-3)")
@@ -193,7 +197,8 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         steps=args.steps, epochs=args.epochs, batch_size=args.batch_size, grad_accum=args.grad_accum,
         schedule=args.schedule, max_grad_norm=args.max_grad_norm, save_every=args.save_every,
         eval_every=args.eval_every, keep_checkpoints=args.keep_checkpoints, eval_fraction=args.eval_fraction,
-        max_eval_documents=args.max_eval_documents, loss_chunk=args.loss_chunk, seed=args.seed,
+        max_eval_documents=args.max_eval_documents, walk_max_tokens=args.walk_max_tokens,
+        loss_chunk=args.loss_chunk, seed=args.seed,
         resume=args.resume, init=args.init, draft_vocab_size=args.draft_vocab_size,
         aux_layer_ids=tuple(args.aux_layer_ids) if args.aux_layer_ids else None, feature_cache=args.feature_cache,
         time_limit_minutes=args.time_limit, profile_steps=args.profile_steps, log_every=args.log_every,

@@ -43,6 +43,8 @@ class TrainConfig:
     keep_checkpoints: int = 2
     eval_fraction: float = 0.01
     max_eval_documents: int = 64
+    # the held-out walk covers the first N tokens of each response (the benchmarks' max_tokens); 0: whole responses
+    walk_max_tokens: int = 256
     loss_chunk: int = 4096
     seed: int = 0
     resume: bool = False
@@ -101,6 +103,8 @@ class TrainConfig:
             raise ValueError(f"--warmup-steps must be non-negative, got {self.warmup_steps}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.walk_max_tokens < 0:
+            raise ValueError(f"--walk-max-tokens must be >= 0 (0: whole responses), got {self.walk_max_tokens}")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 0:

@@ -89,11 +89,16 @@ class EvalStats:
 
     @classmethod
     def of(cls, stats: StepStats, layout: Layout, correct: torch.Tensor, loss_mask: torch.Tensor,
-           doc_ids: torch.Tensor, k: int, doc_groups: list[int] | None = None, num_groups: int = 0
-           ) -> "EvalStats":
-        """`doc_groups[i]`: the group of the sequence's document i (its data source), for `walked_groups`."""
+           doc_ids: torch.Tensor, k: int, doc_groups: list[int] | None = None, num_groups: int = 0,
+           walk_tokens: int | None = None) -> "EvalStats":
+        """`doc_groups[i]`: the group of the sequence's document i (its data source), for `walked_groups`.
+        `walk_tokens`: the walk covers at most that many tokens of each response, as serving with max_tokens does
+        (greedy answers of a small target end in loops that a speculator accepts whole: past the benchmarks'
+        horizon they would inflate the walk)."""
         lead, complete = leading_right(layout, correct, loss_mask.numel(), k)
         spans, lead_list = response_spans(loss_mask, doc_ids), lead.tolist()
+        if walk_tokens:
+            spans = [(start, min(end, start + walk_tokens)) for start, end in spans]
         groups = torch.zeros(num_groups, k, 2, dtype=torch.long)
         if doc_groups is not None and num_groups:  # the walk is a sum over spans: walk each group's, then add up
             docs = doc_ids.cpu().tolist()

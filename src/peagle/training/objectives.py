@@ -102,14 +102,14 @@ class Objective(ABC):
         return layout, stats, correct
 
     def evaluate(self, drafter: Drafter, target: LlamaModel, teacher: TeacherPass,
-                 vocab_map: torch.Tensor | None = None, doc_groups: list[int] | None = None, num_groups: int = 0
-                 ) -> EvalStats:
+                 vocab_map: torch.Tensor | None = None, doc_groups: list[int] | None = None, num_groups: int = 0,
+                 walk_tokens: int | None = None) -> EvalStats:
         """Held-out scores of one sequence; the loss is summed (denominator 1) for pooling. `doc_groups`: the group
-        (data source) of each of its documents, for the walk per group."""
+        (data source) of each of its documents, for the walk per group; `walk_tokens`: see `EvalStats.of`."""
         layout, stats, correct = self.score(drafter, target, teacher, vocab_map)
         seq = teacher.sequence
         return EvalStats.of(stats, layout, correct, seq.loss_mask.cpu(), seq.doc_ids.cpu(), self.k, doc_groups,
-                            num_groups)
+                            num_groups, walk_tokens)
 
 
 class PEagleObjective(Objective):

@@ -366,7 +366,7 @@ class Trainer:
             doc_groups = [self.held_source[i] for i in seq.sources] if groups and seq.sources else None
             with self.autocast:
                 result = self.objective.evaluate(self.drafter, self.target, teacher, self.vocab_map, doc_groups,
-                                                 groups)
+                                                 groups, self.cfg.walk_max_tokens or None)
             total = total + EvalStats(StepStats(result.stats.loss.cpu(), result.stats.total.cpu(),
                                                 result.stats.correct.cpu()), result.leading, result.walked,
                                       result.walked_groups)
@@ -386,6 +386,7 @@ class Trainer:
             "sim_al": {str(j): round(result.acceptance_length(j), 4) for j in range(1, k + 1)},
             "walk_al": {str(j): round(result.walk_acceptance_length(j), 4) for j in range(1, k + 1)},
             "rollouts": int(result.leading.sum()), "rounds": int(result.walked[-1, 1]),
+            "walk_max_tokens": self.cfg.walk_max_tokens,
         }
         if groups:
             row["walk_al_by_source"] = {

@@ -55,7 +55,9 @@ VARIANTS = {"sync": {"async_scheduling": False}, "async": {"async_scheduling": T
             "chunked": {"async_scheduling": False, "enable_chunked_prefill": True, "max_num_batched_tokens": 512},
             "async+chunked": {"async_scheduling": True, "enable_chunked_prefill": True, "max_num_batched_tokens": 512},
             "prefill-graphs": {"async_scheduling": False, "prefill_cuda_graphs": True},
-            "async+prefill-graphs": {"async_scheduling": True, "prefill_cuda_graphs": True}}
+            "async+prefill-graphs": {"async_scheduling": True, "prefill_cuda_graphs": True},
+            "async+chunked+prefill-graphs": {"async_scheduling": True, "enable_chunked_prefill": True,
+                                             "max_num_batched_tokens": 512, "prefill_cuda_graphs": True}}
 
 
 def gpu_ms(fn, iters=50) -> float:

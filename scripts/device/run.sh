@@ -6,13 +6,24 @@
 # Large inputs travel in ignored folders named by the caller (.stage_a, .stage_b: halves of the testbed GGUF;
 # .whl: wheels missing on the machine, gguf at least; .gpu: prompt files; .old: an earlier source tree to time
 # against). Everything built lives under $W (kept while the machine stays warm); results are copied to $OUT.
-# The next session's plan, one call each, back to back (two heads, not three, so each trains longer; the
-# correctness checks run beside the training on copies of its newest checkpoints, which need only accept drafts):
+# The next session's plan (run 7), one call each, back to back; fire them one at a time (a failed call must not
+# start the next), from a tree no one is editing (the device gets a copy of the working tree, uncommitted edits too):
+#   stage_a                                                         carry .stage_a .whl (the tree must stay < 5 MiB)
+#   ANSWER_TOKENS=256 data && TRAIN_MIN=7.5 TRAIN_ARGS="--draft-vocab-size 0" train    carry .stage_b .whl .gpu
+#        (run 6 with one change, answers of 256 tokens instead of 512: its A/B on the served AL)
+#   CKPT_WAIT=150 CHECK_SECS=110 check; WALK_HEADS=peagle WALK_SECS=130 walk   (beside the training: async + prefill
+#        graphs greedy equality with trained heads, and the walk against serving)
+#   WAIT_SECS=300 wait && HEADS_K=3,7,11 heads
+#   ENGINE_SECS=240 engine                                          (idle GPU: TTFT, stall, ITL with prefill graphs)
+#   then, with time left: ablate (AB_MIN=3) or throughput (TP_DATA=$W/data-sharegpt.0 TP_RUNS="new-peagle=$PWD/src:
+#        peagle:8:8192:1 new-peagle-compiled=$PWD/src:peagle:8:8192:1:--compile-elementwise" TP_STEPS=30).
+# Run 6's plan (what was run: stage_a; data && TRAIN_MIN=11 train; then, the trainers broken by a replaced working
+# directory and a tensorboard crash, TRAIN_MIN=7.5 TRAIN_ARGS="--draft-vocab-size 0" train from a copy in /tmp; wait;
+# HEADS_K=3,7 heads; engine_check --async-scheduling):
 #   stage_a                                                        carry .stage_a .whl
 #   data && TRAIN_MIN=11 train                                     carry .stage_b .whl .gpu
 #   CKPT_WAIT=240 CHECK_SECS=120 check; WALK_HEADS=peagle WALK_SECS=140 walk     (the heads keep training)
 #   WAIT_SECS=240 wait && WALK_HEADS=eagle3 WALK_SECS=130 heads
-# and later, on a fresh machine: stage_a; then engine (carry .stage_b .whl; prefill graphs among the variants).
 # Run 5's plan (issues 14, 19, 16), one call each, back to back while the machine stays warm:
 #   stage_a                 carry .stage_a .whl            the first GGUF half
 #   throughput              carry .stage_b .whl .gpu .old  convert; the trainer of .old/src vs today's, each alone on
@@ -146,30 +157,35 @@ case "$stage" in
       2>&1 | grep -v Warning | tail -12 || true
     ;;
   engine)
-    # Issue 16: the engine's variants side by side (a random P-EAGLE head: a round's cost, not its acceptance).
+    # Issue 16: the engine's variants side by side (a random P-EAGLE head: a round's cost, not its acceptance):
+    # TTFT at concurrency 1, the stall a new 512-token prompt causes among 8 decodes, ITL as requests arrive.
     need_model
     random_heads
     timeout ${ENGINE_SECS:-150} $py scripts/device/engine_timing.py "$W/smollm2" "$OUT/engine_timing.json" \
-      --head peagle="$W/heads/random-peagle" --methods none,peagle --variants ${ENGINE_VARIANTS:-sync,async,gemv,async+gemv,chunked} \
-      --stall 2048 2>&1 | grep -E "^\{|Error|error" | tail -5 || true
+      --head peagle="$W/heads/random-peagle" --methods none,peagle \
+      --variants ${ENGINE_VARIANTS:-async,async+prefill-graphs,async+chunked,async+chunked+prefill-graphs} \
+      --stall ${ENGINE_STALL:-512} --arrivals 2>&1 | grep -E "^\{|Error|error" | tail -5 || true
     ;;
   data)
     # Training data at scale: self-synthesised prompts, every human turn of ShareGPT's train split answered turn by
     # turn, short and long standard-library code prompts. Each command is time-bounded and resumable; the two big
     # sources run as two processes each (--part i/2, their own KV blocks), side by side on the one GPU.
+    # ANSWER_TOKENS: the answers' max_tokens (512 up to run 6; the target's greedy answers loop past ~256 tokens,
+    # scripts/repetition_check.py, so run 7 tries the benchmarks' 256: twice the prompts in the same time).
     need_model
     kv=${REGEN_KV_BLOCKS:-40000}
+    answer=${ANSWER_TOKENS:-512}
     regen() {  # out_dir seconds regenerate-arguments...
       local out=$1 secs=$2; shift 2
       timeout $secs $py -m peagle regenerate --model "$W/smollm2" --out "$W/$out" --num-kv-blocks $kv "$@" \
-        ${REGEN_EXTRA:-} > "$W/$out.log" 2>&1 || true  # REGEN_EXTRA=--async-scheduling once `check` passed
+        ${REGEN_EXTRA:-} > "$W/$out.log" 2>&1 || true  # REGEN_EXTRA: more arguments of every regenerate
     }
     (
       timeout ${SYNTH_SECS:-45} $py -m peagle synthesize --model "$W/smollm2" --out "$W/synth.jsonl" \
         --count ${SYNTH_COUNT:-30000} --seed 0 --max-tokens 128 > "$W/synth.log" 2>&1 || true
       if [ -f "$W/synth.jsonl" ]; then
         for i in 0 1; do
-          regen data-synth.$i ${SYNTH_REGEN_SECS:-110} --prompts "$W/synth.jsonl" --part $i/2 --max-tokens 512 \
+          regen data-synth.$i ${SYNTH_REGEN_SECS:-110} --prompts "$W/synth.jsonl" --part $i/2 --max-tokens $answer \
             --max-model-len 2048 &
         done
         wait
@@ -177,11 +193,11 @@ case "$stage" in
     ) &
     for i in 0 1; do
       regen data-sharegpt.$i ${REGEN_SECS:-160} --prompts .gpu/sharegpt_train_turns.jsonl.gz --multi-turn \
-        --max-turns 4 --part $i/2 --max-tokens 512 --max-model-len 4096 &
+        --max-turns 4 --part $i/2 --max-tokens $answer --max-model-len 4096 &
     done
     wait
     [ -f .gpu/code_short.jsonl.gz ] && regen data-code ${CODE_REGEN_SECS:-50} --prompts .gpu/code_short.jsonl.gz \
-      --max-tokens 512 --max-model-len 4096 &
+      --max-tokens $answer --max-model-len 4096 &
     regen data-long ${LONG_REGEN_SECS:-50} --prompts .gpu/longcode_train.jsonl.gz --exclude-overlap \
       --max-tokens 256 --max-model-len 8192 &
     wait
@@ -258,14 +274,24 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
     walk_check
     ;;
   check)
-    # Greedy equality with the trained heads under CUDA graphs: as the engine runs by default, then with async
-    # scheduling (the check before async scheduling can be on by default).
+    # Greedy equality with the trained heads under CUDA graphs, one engine mode per CHECK_MODES entry (',' joins
+    # flags; "sync": the engine_check default, no async scheduling): by default async scheduling (the engine's
+    # default since run 6) with the CUDA graphs of prefill steps, the check before those can be on by default.
     await_checkpoints
     link_heads
-    for mode in "" --async-scheduling; do
-      timeout ${CHECK_SECS:-120} $py scripts/device/engine_check.py "$W/smollm2" "$OUT/engine_check${mode:+-async}.json" \
+    for mode in ${CHECK_MODES:-async,prefill}; do  # e.g. CHECK_MODES="sync async,prefill"
+      flags=""
+      for part in ${mode//,/ }; do
+        case $part in
+          sync) ;;
+          async) flags+=" --async-scheduling" ;;
+          prefill) flags+=" --prefill-cuda-graphs" ;;
+          *) echo "unknown check mode $part"; exit 2 ;;
+        esac
+      done
+      timeout ${CHECK_SECS:-120} $py scripts/device/engine_check.py "$W/smollm2" "$OUT/engine_check-${mode//,/-}.json" \
         --dtypes ${CHECK_DTYPES:-float32} --head eagle3="$W/heads/eagle3" --head peagle="$W/heads/${CHECK_PEAGLE:-peagle}" \
-        $mode 2>&1 | grep -E "identical|Error" || true
+        $flags 2>&1 | grep -E "identical|Error" || true
     done
     ;;
   ablate)

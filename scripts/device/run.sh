@@ -15,7 +15,7 @@
 #        graphs greedy equality with trained heads, and the walk against serving)
 #   WAIT_SECS=300 wait && HEADS_K=3,7,11 heads
 #   ENGINE_SECS=240 engine                                          (idle GPU: TTFT, stall, ITL with prefill graphs)
-#   then, with time left: ablate (AB_MIN=3) or throughput (TP_DATA=$W/data-sharegpt.0 TP_RUNS="new-peagle=$PWD/src:
+#   then, with time left: AB_MIN=4 AB_VARIANTS="base lr1e-3 layers2 k11" AB_ARGS="--draft-vocab-size 0" ablate, or throughput (TP_DATA=$W/data-sharegpt.0 TP_RUNS="new-peagle=$PWD/src:
 #        peagle:8:8192:1 new-peagle-compiled=$PWD/src:peagle:8:8192:1:--compile-elementwise" TP_STEPS=30).
 # Run 6's plan (what was run: stage_a; data && TRAIN_MIN=11 train; then, the trainers broken by a replaced working
 # directory and a tensorboard crash, TRAIN_MIN=7.5 TRAIN_ARGS="--draft-vocab-size 0" train from a copy in /tmp; wait;
@@ -303,15 +303,22 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
         --steps 1000000 --k-train 8 --max-length 8192 --batch-size 1 \
         --save-every 1000000 --eval-every 1000000 --time-limit ${AB_MIN:-3} "$@" > "$W/ab-$name.log" 2>&1 &
     }
-    # Each variant takes back or changes one choice of the default recipe.
-    variant base
-    variant lr1e-3 --lr 1e-3
-    variant trained-head --no-freeze-lm-head
-    variant no-decay --depth-decay 1
-    variant no-noise --feature-noise 0
-    variant cod0.8 --cod-r 0.8
-    variant layers2 --num-layers 2
-    variant full-vocab --draft-vocab-size 0
+    # Each variant takes back or changes one choice of the default recipe (AB_VARIANTS picks them; fewer
+    # variants each get more of the GPU). AB_ARGS goes to every variant, base included.
+    for name in ${AB_VARIANTS:-base lr1e-3 trained-head no-decay no-noise cod0.8 layers2 full-vocab}; do
+      case $name in
+        base) variant base ${AB_ARGS:-} ;;
+        lr1e-3) variant lr1e-3 ${AB_ARGS:-} --lr 1e-3 ;;
+        trained-head) variant trained-head ${AB_ARGS:-} --no-freeze-lm-head ;;
+        no-decay) variant no-decay ${AB_ARGS:-} --depth-decay 1 ;;
+        no-noise) variant no-noise ${AB_ARGS:-} --feature-noise 0 ;;
+        cod0.8) variant cod0.8 ${AB_ARGS:-} --cod-r 0.8 ;;
+        layers2) variant layers2 ${AB_ARGS:-} --num-layers 2 ;;
+        k11) variant k11 ${AB_ARGS:-} --k-train 11 ;;
+        full-vocab) variant full-vocab ${AB_ARGS:-} --draft-vocab-size 0 ;;
+        *) echo "unknown variant $name"; exit 2 ;;
+      esac
+    done
     wait || true
     for f in "$W"/ab-*/train_log.jsonl; do
       name=$(basename "$(dirname "$f")"); cp "$f" "$OUT/$name.jsonl"

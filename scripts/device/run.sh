@@ -15,8 +15,9 @@
 #        graphs greedy equality with trained heads, and the walk against serving)
 #   WAIT_SECS=300 wait && HEADS_K=3,7,11 heads
 #   ENGINE_SECS=240 engine                                          (idle GPU: TTFT, stall, ITL with prefill graphs)
-#   then, with time left: AB_MIN=4 AB_VARIANTS="base lr1e-3 layers2 k11" AB_ARGS="--draft-vocab-size 0" ablate, or throughput (TP_DATA=$W/data-sharegpt.0 TP_RUNS="new-peagle=$PWD/src:
-#        peagle:8:8192:1 new-peagle-compiled=$PWD/src:peagle:8:8192:1:--compile-elementwise" TP_STEPS=30).
+#   then, with time left: AB_MIN=4 AB_VARIANTS="base lr1e-3 layers2 k11" AB_ARGS="--draft-vocab-size 0" ablate,
+#        or throughput (TP_DATA=$W/data-sharegpt.0 TP_STEPS=30 TP_RUNS="new-peagle=$PWD/src:peagle:8:8192:1
+#        new-peagle-compiled=$PWD/src:peagle:8:8192:1:--compile-elementwise").
 # Run 6's plan (what was run: stage_a; data && TRAIN_MIN=11 train; then, the trainers broken by a replaced working
 # directory and a tensorboard crash, TRAIN_MIN=7.5 TRAIN_ARGS="--draft-vocab-size 0" train from a copy in /tmp; wait;
 # HEADS_K=3,7 heads; engine_check --async-scheduling):

@@ -11,7 +11,7 @@
 #   stage_a                                                         carry .stage_a .whl (the tree must stay < 5 MiB)
 #   ANSWER_TOKENS=256 data && TRAIN_MIN=7.5 TRAIN_ARGS="--draft-vocab-size 0" train    carry .stage_b .whl .gpu
 #        (run 6 with one change, answers of 256 tokens instead of 512: its A/B on the served AL)
-#   CKPT_WAIT=150 CHECK_SECS=110 check; WALK_HEADS=peagle WALK_SECS=130 walk   (beside the training: async + prefill
+#   CKPT_WAIT=150 CHECK_SECS=110 check; WALK_HEADS=peagle WALK_SECS=200 walk   (beside the training: async + prefill
 #        graphs greedy equality with trained heads, and the walk against serving)
 #   WAIT_SECS=300 wait && HEADS_K=3,7,11 heads
 #   ENGINE_SECS=240 engine                                          (idle GPU: TTFT, stall, ITL with prefill graphs)

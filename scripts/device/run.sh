@@ -9,8 +9,9 @@
 # The next session's plan (run 7), one call each, back to back; fire them one at a time (a failed call must not
 # start the next), from a tree no one is editing (the device gets a copy of the working tree, uncommitted edits too):
 #   stage_a                                                         carry .stage_a .whl (the tree must stay < 5 MiB)
-#   ANSWER_TOKENS=256 data && TRAIN_MIN=7.5 TRAIN_ARGS="--draft-vocab-size 0" train    carry .stage_b .whl .gpu
-#        (run 6 with one change, answers of 256 tokens instead of 512: its A/B on the served AL)
+#   ANSWER_TOKENS=256 REGEN_EXTRA=--no-async-scheduling data && TRAIN_MIN=7.5 TRAIN_ARGS="--draft-vocab-size 0" train
+#        carry .stage_b .whl .gpu   (run 6 with one change, answers of 256 tokens instead of 512: its A/B on the
+#        served AL; regenerate as in run 6, without async scheduling, whose default-on came after it)
 #   CKPT_WAIT=150 CHECK_SECS=110 check; WALK_HEADS=peagle WALK_SECS=200 walk   (beside the training: async + prefill
 #        graphs greedy equality with trained heads, and the walk against serving)
 #   WAIT_SECS=300 wait && HEADS_K=3,7,11 heads

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from peagle import LLM, SamplingParams
 from peagle.bench.datasets import load_prompts
+from peagle.training.regenerate import repeated_ngram_tokens
 
 SPLIT = 256  # the benchmarks' --max-tokens in `run.sh heads`
 
@@ -31,14 +32,8 @@ def prompt_sets(n: int, files: Path) -> dict[str, list[list[dict]]]:
 
 
 def repeated(ids: list[int], n: int = 8) -> list[bool]:
-    """Per token: whether the n-gram ending at it occurred earlier in ids."""
-    seen, flags = set(), []
-    for t in range(len(ids)):
-        gram = tuple(ids[t - n + 1:t + 1]) if t >= n - 1 else None
-        flags.append(gram is not None and gram in seen)
-        if gram is not None:
-            seen.add(gram)
-    return flags
+    """Per token: whether the n-gram ending at it occurred earlier in ids (`repeated_ngram_tokens` counts them)."""
+    return [repeated_ngram_tokens(ids[:t + 1], n) > repeated_ngram_tokens(ids[:t], n) for t in range(len(ids))]
 
 
 def share(flags: list[list[bool]]) -> float | None:

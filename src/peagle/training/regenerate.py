@@ -31,7 +31,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from tqdm import tqdm
@@ -412,11 +412,27 @@ def regenerate(
     seconds = time.perf_counter() - began
     done = manifest.prompts_done - start
     logger.info("%s: %d prompts in %d shards (%d answers, %d answer tokens in all) in %.1f s after engine "
-                "start-up: %.1f prompts/s, %.1f answers/s, %.0f answer tokens/s",
+                "start-up: %.1f prompts/s, %.1f answers/s, %.0f answer tokens/s; %.0f%% of the answer tokens repeat "
+                "an earlier 8-gram of their answer (loops)",
                 "stopped by SIGTERM; rerun to resume" if stopped.is_set() else "regenerated", done,
                 len(manifest.shards), job.answers, job.answer_tokens, seconds, done / seconds,
-                job.answers / seconds, job.answer_tokens / seconds)
+                job.answers / seconds, job.answer_tokens / seconds,
+                100 * job.repeated_tokens / max(job.answer_tokens, 1))
     return manifest
+
+
+def repeated_ngram_tokens(ids: Sequence[int], n: int = 8) -> int:
+    """Tokens of `ids` whose n-gram (ending at them) occurred earlier in `ids`: inside a degenerate loop, all.
+
+    >>> repeated_ngram_tokens([1, 2, 3, 1, 2, 3, 1, 2], n=3)  # 3-grams 123 231 312 123 231 312: the last three repeat
+    3
+    """
+    seen, repeated = set(), 0
+    for t in range(n - 1, len(ids)):
+        gram = tuple(ids[t - n + 1:t + 1])
+        repeated += gram in seen
+        seen.add(gram)
+    return repeated
 
 
 @contextlib.contextmanager
@@ -445,7 +461,7 @@ class _Regeneration:
         self.max_turns = max_turns
         self.chats: dict[int, tuple[_Chat, list[int]]] = {}
         self.too_long = 0
-        self.answers = self.answer_tokens = 0
+        self.answers = self.answer_tokens = self.repeated_tokens = 0
 
     def run(self, feeder: Feeder, conversations: list[list[Message]], start: int, multi_turn: bool) -> None:
         feeder.run(self._requests(conversations, start, multi_turn), self._finished)
@@ -482,6 +498,7 @@ class _Regeneration:
         if answer:
             self.answers += 1
             self.answer_tokens += len(answer)
+            self.repeated_tokens += repeated_ngram_tokens(answer)
             self.turns.answered(chat, prompt, answer)
             if chat.pending:
                 nxt = self.turns.next_prompt(chat)

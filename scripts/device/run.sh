@@ -203,7 +203,7 @@ case "$stage" in
     regen data-long ${LONG_REGEN_SECS:-50} --prompts .gpu/longcode_train.jsonl.gz --exclude-overlap \
       --max-tokens 256 --max-model-len 8192 &
     wait
-    tail -n 2 "$W"/synth.log "$W"/data-*.log | grep -v "^$" | cut -c1-200 || true
+    tail -n 2 "$W"/synth.log "$W"/data-*.log | grep -v "^$" | cut -c1-420 || true
     for d in $(data_dirs); do
       $py -c "import json,sys; m=json.load(open('$d/manifest.json')); s=[x for x in m['shards'] if x['file']];
 print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['num_tokens'] for x in s), 'tokens')" || true

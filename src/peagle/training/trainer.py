@@ -655,7 +655,7 @@ def _make_drafter(cfg: TrainConfig, target: LlamaModel, tokenizer: Tokenizer, tr
         size = DEFAULT_DRAFT_VOCAB if cfg.draft_vocab_size is None else cfg.draft_vocab_size
         size = size if 0 < size < target.config.vocab_size else None
         # One sequence of every answer token: counting document by document cost minutes of small CPU ops on
-        # the GPU machine (two trainers' threads oversubscribing its cores).
+        # the GPU machine with two trainers side by side.
         corpus = [_answer_tokens(train_docs)] if size else None
         drafter = Drafter.for_target(
             parts, cfg.method, cfg.layers,

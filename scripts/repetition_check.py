@@ -17,7 +17,7 @@ from pathlib import Path
 
 from peagle import LLM, SamplingParams
 from peagle.bench.datasets import load_prompts
-from peagle.training.regenerate import repeated_ngram_tokens
+from peagle.training.regenerate import repeated_ngrams
 
 SPLIT = 256  # the benchmarks' --max-tokens in `run.sh heads`
 
@@ -29,11 +29,6 @@ def prompt_sets(n: int, files: Path) -> dict[str, list[list[dict]]]:
             "humaneval": [list(p.messages) for p in load_prompts("humaneval")[:n]],
             "sharegpt-train": [user(r["conversations"][0]["value"]) for r in read("sharegpt_train_turns.jsonl.gz")],
             "code-train": [user(r["prompt"]) for r in read("code_short.jsonl.gz")]}
-
-
-def repeated(ids: list[int], n: int = 8) -> list[bool]:
-    """Per token: whether the n-gram ending at it occurred earlier in ids (`repeated_ngram_tokens` counts them)."""
-    return [repeated_ngram_tokens(ids[:t + 1], n) > repeated_ngram_tokens(ids[:t], n) for t in range(len(ids))]
 
 
 def share(flags: list[list[bool]]) -> float | None:
@@ -55,7 +50,7 @@ def main() -> int:
     report = {"model": args.model, "max_tokens": args.max_tokens, "ngram": 8, "sets": {}}
     for name, chats in prompt_sets(args.num_prompts, args.files).items():
         answers = [list(r.outputs[0].token_ids) for r in llm.chat(chats, params, use_tqdm=False)]
-        flags = [repeated(a) for a in answers]
+        flags = [repeated_ngrams(a) for a in answers]
         report["sets"][name] = {
             "num_prompts": len(answers), "mean_length": sum(map(len, answers)) / len(answers),
             "stopped_before_max": sum(len(a) < args.max_tokens for a in answers),

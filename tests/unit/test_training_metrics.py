@@ -32,14 +32,19 @@ def test_response_spans_split_at_prompts_and_documents():
     assert response_spans(mask, docs) == [(2, 4), (5, 7), (7, 10)]
 
 
+def one_document(n: int, prompt: int, k: int):
+    """(doc_ids, loss mask, full layout to depth k, its charged elements) of one document: prompt, then response."""
+    doc_ids = torch.zeros(n, dtype=torch.long)
+    mask = torch.arange(n) >= prompt
+    layout = full_layout(doc_ids, mask, k)
+    return doc_ids, mask, layout, layout.weight > 0
+
+
 def test_eval_stats_from_a_full_layout():
     # One document: prompt 0..2, response 3..9; K = 2. The head is right at depth 0 everywhere, wrong at depth 1
     # except for anchor 4.
     n, k = 10, 2
-    doc_ids = torch.zeros(n, dtype=torch.long)
-    mask = torch.arange(n) >= 3
-    layout = full_layout(doc_ids, mask, k)
-    charged = layout.weight > 0
+    doc_ids, mask, layout, charged = one_document(n, 3, k)
     anchor, depth = layout.anchor[charged], layout.depth[charged]
     correct = (depth == 0) | (anchor == 4)
     lead, complete = leading_right(layout, correct, n, k)
@@ -90,10 +95,7 @@ def test_walk_tokens_cover_the_first_tokens_of_each_response_only():
     # Prompt 0..2, response 3..9 (7 tokens), K = 2. The head is wrong from anchors 2..4 and right two deep from
     # anchors 5 on, as in an answer that falls into a loop: the loop's easy rounds lie past a 3-token horizon.
     n, k = 10, 2
-    doc_ids = torch.zeros(n, dtype=torch.long)
-    mask = torch.arange(n) >= 3
-    layout = full_layout(doc_ids, mask, k)
-    charged = layout.weight > 0
+    doc_ids, mask, layout, charged = one_document(n, 3, k)
     correct = layout.anchor[charged] >= 5
     total = torch.bincount(layout.depth[charged], minlength=k)
     stats = lambda **kw: EvalStats.of(StepStats(torch.zeros(()), total, torch.zeros(k, dtype=torch.long)),  # noqa

@@ -291,17 +291,18 @@ def test_multi_turn_regeneration_with_async_scheduling_writes_the_same_documents
         assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.loss_mask, b.loss_mask)
 
 
-def test_repeated_ngram_tokens_count_a_loop_whole():
-    from peagle.training.regenerate import repeated_ngram_tokens
+def test_repeated_ngrams_flag_a_loop_whole():
+    from peagle.training.regenerate import repeated_ngrams
 
-    assert repeated_ngram_tokens([1, 2, 3, 1, 2, 3, 1, 2], n=3) == 3  # the docstring's example
-    assert repeated_ngram_tokens(list(range(40)), n=8) == 0  # nothing repeats
+    assert repeated_ngrams([1, 2, 3, 1, 2, 3, 1, 2], n=3) == [False] * 5 + [True] * 3  # the docstring's example
+    assert not any(repeated_ngrams(list(range(40)), n=8))  # nothing repeats
     loop = list(range(10)) + [7, 8, 9] * 20  # 0..6, then 7 8 9 repeated from index 7 to 69
 
     def naive(ids, n=8):  # the definition, quadratically
-        grams = [tuple(ids[t - n + 1:t + 1]) for t in range(n - 1, len(ids))]
-        return sum(g in grams[:j] for j, g in enumerate(grams))
+        return [t >= n - 1 and any(ids[t - n + 1:t + 1] == ids[s - n + 1:s + 1] for s in range(n - 1, t))
+                for t in range(len(ids))]
 
     # The first 8-gram inside the loop ends at index 14; from index 17 on each repeats the one 3 tokens back.
-    assert repeated_ngram_tokens(loop) == naive(loop) == 70 - 17
-    assert repeated_ngram_tokens([5] * 7) == 0 and repeated_ngram_tokens([5] * 9) == 1
+    assert repeated_ngrams(loop) == naive(loop) == [False] * 17 + [True] * 53
+    assert repeated_ngrams([5] * 7) == [False] * 7 and repeated_ngrams([5] * 9) == [False] * 8 + [True]
+    assert repeated_ngrams([]) == [] and repeated_ngrams([4, 4], n=8) == [False, False]

@@ -421,18 +421,19 @@ def regenerate(
     return manifest
 
 
-def repeated_ngram_tokens(ids: Sequence[int], n: int = 8) -> int:
-    """Tokens of `ids` whose n-gram (ending at them) occurred earlier in `ids`: inside a degenerate loop, all.
+def repeated_ngrams(ids: Sequence[int], n: int = 8) -> list[bool]:
+    """Per token of `ids`: whether its n-gram (ending at it) occurred earlier in `ids`. Inside a degenerate loop,
+    every token's does.
 
-    >>> repeated_ngram_tokens([1, 2, 3, 1, 2, 3, 1, 2], n=3)  # 3-grams 123 231 312 123 231 312: the last three repeat
-    3
+    >>> repeated_ngrams([1, 2, 3, 1, 2, 3, 1, 2], n=3)  # 3-grams 123 231 312 123 231 312: the last three repeat
+    [False, False, False, False, False, True, True, True]
     """
-    seen, repeated = set(), 0
+    seen, flags = set(), [False] * min(n - 1, len(ids))
     for t in range(n - 1, len(ids)):
         gram = tuple(ids[t - n + 1:t + 1])
-        repeated += gram in seen
+        flags.append(gram in seen)
         seen.add(gram)
-    return repeated
+    return flags
 
 
 @contextlib.contextmanager
@@ -498,7 +499,7 @@ class _Regeneration:
         if answer:
             self.answers += 1
             self.answer_tokens += len(answer)
-            self.repeated_tokens += repeated_ngram_tokens(answer)
+            self.repeated_tokens += sum(repeated_ngrams(answer))
             self.turns.answered(chat, prompt, answer)
             if chat.pending:
                 nxt = self.turns.next_prompt(chat)

@@ -571,7 +571,7 @@ def _scalars(record: dict, prefix: str = ""):
     """(tag, number) for every number in a log record, nested lists and dicts (walk_al_by_source) flattened."""
     for key, value in record.items():
         tag = f"{prefix}{key}"
-        if isinstance(value, bool) or key in ("kind", "step") and not prefix:
+        if isinstance(value, bool) or (key in ("kind", "step") and not prefix):
             continue
         if isinstance(value, (int, float)):
             yield tag, value

@@ -221,10 +221,13 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
     rm -rf "$W/code" && mkdir -p "$W/code" && cp -r src "$W/code/"
     launch() {  # name method k_train max_length batch_size extra...
       local name=$1 method=$2 k=$3 len=$4 bs=$5; shift 5
-      (cd "$W" && PYTHONPATH="$W/code/src:/tmp/site" setsid $py -m peagle train --target "$W/smollm2" \
+      # The trainer writes its own pid: under job control a background job leads its process group, so setsid
+      # forks and `$!` would name a parent that exits at once (run 7's `wait` returned while both trained).
+      (cd "$W" && PYTHONPATH="$W/code/src:/tmp/site" setsid bash -c 'echo $$ > "$0"; exec "$@"' "$W/train-$name.pid" \
+        $py -m peagle train --target "$W/smollm2" \
         --data "${data[@]}" --method $method --out "$W/train-$name" --steps 1000000 --k-train $k --max-length $len --batch-size $bs ${TRAIN_ARGS:-} \
         --save-every 500 --eval-every ${EVAL_EVERY:-500} --time-limit ${TRAIN_MIN:-10} "$@" \
-        > "$W/train-$name.log" 2>&1 < /dev/null & echo $! > "$W/train-$name.pid")
+        > "$W/train-$name.log" 2>&1 < /dev/null &)
     }
     for m in ${HEADS:-peagle eagle3}; do
       case $m in

@@ -49,15 +49,18 @@ from peagle.models.loader import load_tokenizer
 
 CONFIGS = {"none": ("none", None, 0, False), "peagle": ("peagle", "peagle", 7, True),
            "eagle3-k3": ("eagle3", "eagle3", 3, False), "eagle3-k7": ("eagle3", "eagle3", 7, False)}
-VARIANTS = {"sync": {"async_scheduling": False}, "async": {"async_scheduling": True},
-            "gemv": {"async_scheduling": False, "decode_gemv": True},
-            "async+gemv": {"async_scheduling": True, "decode_gemv": True},
-            "chunked": {"async_scheduling": False, "enable_chunked_prefill": True, "max_num_batched_tokens": 512},
-            "async+chunked": {"async_scheduling": True, "enable_chunked_prefill": True, "max_num_batched_tokens": 512},
-            "prefill-graphs": {"async_scheduling": False, "prefill_cuda_graphs": True},
-            "async+prefill-graphs": {"async_scheduling": True, "prefill_cuda_graphs": True},
-            "async+chunked+prefill-graphs": {"async_scheduling": True, "enable_chunked_prefill": True,
-                                             "max_num_batched_tokens": 512, "prefill_cuda_graphs": True}}
+# Each variant names every engine option it times (the engine's defaults move: async scheduling and prefill graphs
+# are on by default since runs 6 and 7), so a row means the same in every run.
+_OFF = {"async_scheduling": False, "decode_gemv": False, "enable_chunked_prefill": False, "prefill_cuda_graphs": False}
+_CHUNKED = {"enable_chunked_prefill": True, "max_num_batched_tokens": 512}
+VARIANTS = {name: {**_OFF, **options} for name, options in {
+    "sync": {}, "async": {"async_scheduling": True},
+    "gemv": {"decode_gemv": True}, "async+gemv": {"async_scheduling": True, "decode_gemv": True},
+    "chunked": _CHUNKED, "async+chunked": {"async_scheduling": True, **_CHUNKED},
+    "prefill-graphs": {"prefill_cuda_graphs": True},
+    "async+prefill-graphs": {"async_scheduling": True, "prefill_cuda_graphs": True},
+    "async+chunked+prefill-graphs": {"async_scheduling": True, "prefill_cuda_graphs": True, **_CHUNKED},
+}.items()}
 
 
 def gpu_ms(fn, iters=50) -> float:

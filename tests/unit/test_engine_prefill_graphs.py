@@ -237,9 +237,9 @@ def test_key_for_edges_and_bounds(target_dir, monkeypatch):
 def test_prefill_cuda_graphs_config_and_cli(target_dir):
     from peagle.cli import build_parser
 
-    assert EngineConfig(model="m").prefill_cuda_graphs is False
+    assert EngineConfig(model="m").prefill_cuda_graphs is True
     parse = build_parser().parse_args
-    assert parse(["serve", "m"]).prefill_cuda_graphs is False
+    assert parse(["serve", "m"]).prefill_cuda_graphs is True
     assert parse(["serve", "m", "--prefill-cuda-graphs"]).prefill_cuda_graphs is True
     assert parse(["serve", "m", "--no-prefill-cuda-graphs"]).prefill_cuda_graphs is False
     llm = LLM(model=str(target_dir), device="cpu", dtype="float32", max_model_len=96, prefill_cuda_graphs=True)

@@ -44,7 +44,7 @@ class LLM:
                  enforce_eager: bool = False, seed: int = 0, load_format: str = "auto",
                  synthetic_acceptance: Sequence[float] | None = None, async_scheduling: bool = True,
                  decode_gemv: bool = False, enable_chunked_prefill: bool = False,
-                 prefill_cuda_graphs: bool = False):
+                 prefill_cuda_graphs: bool = True):
         import torch
 
         _check_unimplemented(tensor_parallel_size, enable_prefix_caching, trust_remote_code)

@@ -58,10 +58,11 @@ def register(subparsers) -> None:
                    help="prepare the next step on the host while the GPU runs the current one (vLLM's name; on by "
                         "default: 1.14x at batch 1 and 1.38x at batch 64 on an H200, the same greedy output; "
                         "--no-async-scheduling schedules each step after the one before)")
-    p.add_argument("--prefill-cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--prefill-cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay CUDA graphs for steps that prefill (whole prompts, chunks, prompts beside decodes) "
                         "of up to 2048 tokens and 16 requests, not only for decode steps; each shape is captured on "
-                        "first use (off by default until timed and checked on the GPU)")
+                        "first use (on by default: TTFT 4.1 against 16.2 ms at concurrency 1 on an H200, the same "
+                        "greedy output; --no-prefill-cuda-graphs runs those steps eagerly)")
     p.add_argument("--seed", type=int, metavar="N", default=0,
                    help="engine seed (default 0; requests may pass their own)")
     p.set_defaults(func=_serve)

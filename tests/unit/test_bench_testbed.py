@@ -213,6 +213,8 @@ def test_h200_plan_uses_every_data_source_and_trains_both_heads_side_by_side(off
     assert arg(regenerate["code"], "--prompts") == str(p["code_prompts"])
     assert arg(regenerate["longcode"], "--prompts") == str(p["longcode_prompts"])
     assert "--exclude-overlap" in regenerate["longcode"] and arg(regenerate["longcode"], "--max-model-len") == "8192"
+    # Run 7's recipe: answers of up to 256 tokens from every source, long code included.
+    assert {arg(argv, "--max-tokens") for argv in regenerate.values()} == {"256"}
     assert all("--exclude-overlap" not in regenerate[s] for s in ("sharegpt", "synth", "code"))
 
     # The two big sources: two processes each, on the two halves of the same prompts, each its own directory and log.
@@ -247,6 +249,7 @@ def test_h200_plan_uses_every_data_source_and_trains_both_heads_side_by_side(off
         assert args_after(c.argv, "--data") == [str(d) for d in data if d.name != "synth.1"]  # the same for both
         assert arg(c.argv, "--time-limit") == "11" and arg(c.argv, "--max-length") == "8192"
         assert "--lr" not in c.argv and "--schedule" not in c.argv  # the trainer's default recipe
+        assert arg(c.argv, "--draft-vocab-size") == "0"  # over the whole vocabulary, as run 7 measured
     assert (arg(eagle3.argv, "--method"), arg(eagle3.argv, "--num-layers"), arg(eagle3.argv, "--k-train")) == (
         "eagle3", "1", "7")
     assert (arg(peagle.argv, "--method"), arg(peagle.argv, "--num-layers"), arg(peagle.argv, "--k-train")) == (

@@ -6,19 +6,21 @@
 # Large inputs travel in ignored folders named by the caller (.stage_a, .stage_b: halves of the testbed GGUF;
 # .whl: wheels missing on the machine, gguf at least; .gpu: prompt files; .old: an earlier source tree to time
 # against). Everything built lives under $W (kept while the machine stays warm); results are copied to $OUT.
-# The next session's plan (run 7), one call each, back to back; fire them one at a time (a failed call must not
+# The next session's plan (run 8), one call each, back to back; fire them one at a time (a failed call must not
 # start the next), from a tree no one is editing (the device gets a copy of the working tree, uncommitted edits too):
-#   stage_a                                                         carry .stage_a .whl (the tree must stay < 5 MiB)
-#   ANSWER_TOKENS=256 REGEN_EXTRA=--no-async-scheduling data && TRAIN_MIN=7.5 TRAIN_ARGS="--draft-vocab-size 0" train
-#        carry .stage_b .whl .gpu   (run 6 with one change, answers of 256 tokens instead of 512: its A/B on the
-#        served AL; regenerate as in run 6, without async scheduling, whose default-on came after it)
-#   CKPT_WAIT=150 CHECK_SECS=110 check; WALK_HEADS=peagle WALK_SECS=200 walk   (beside the training: async + prefill
-#        graphs greedy equality with trained heads, and the walk against serving)
-#   WAIT_SECS=300 wait && HEADS_K=3,7,11 heads
-#   ENGINE_SECS=240 engine                                          (idle GPU: TTFT, stall, ITL with prefill graphs)
-#   then, with time left: AB_MIN=4 AB_VARIANTS="base lr1e-3 layers2 k11" AB_ARGS="--draft-vocab-size 0" ablate,
-#        or throughput (TP_DATA=$W/data-sharegpt.0 TP_STEPS=30 TP_RUNS="new-peagle=$PWD/src:peagle:8:8192:1
-#        new-peagle-compiled=$PWD/src:peagle:8:8192:1:--compile-elementwise").
+#   stage_a                                                         carry .stage_a .whl (the tree must stay < 6 MiB)
+#   data && TRAIN_MIN=9 HEADS="peagle peagle-b eagle3" TRAIN_ARGS="--draft-vocab-size 0" PEAGLE_B_ARGS="--depth-decay 1"
+#        train            carry .stage_b .whl .gpu   (run 7's data stage, now the default answers of 256 tokens; a
+#        P-EAGLE A/B at the full budget: the defaults against no depth decay, for the deep positions that P-EAGLE's
+#        K=7 / K=3 and P-EAGLE / EAGLE-3 goals need; three trainers share the GPU)
+#   HEADS="peagle peagle-b eagle3" WAIT_SECS=560 wait
+#   HEADS="peagle peagle-b eagle3" HEADS_N=24 HEADS_K=3,7,11 heads     (served AL of all three, GPU idle)
+#   BENCH_SECS=530 bench     (issue 15: MT-Bench, K 3/5/7/11 x concurrency 1-64, the calibrated adaptive row)
+# Run 7's plan (what was run, BENCHMARKS.md "Run 7": stage_a; ANSWER_TOKENS=256 REGEN_EXTRA=--no-async-scheduling
+# data && TRAIN_MIN=7.5 TRAIN_ARGS="--draft-vocab-size 0" train; CKPT_WAIT=150 CHECK_SECS=110 check; WALK_HEADS=peagle
+# WALK_SECS=200 walk; wait && HEADS_K=3,7,11 heads (the wait returned at once: fixed since, the trainers write their
+# own pid), again on the final heads; ENGINE_SECS=240 engine; AB_MIN=4 ablate; TP_STEPS=30 throughput;
+# WALK_HEADS="peagle eagle3" walk; SCALE_C=1 scale on a fresh machine).
 # Run 6's plan (what was run: stage_a; data && TRAIN_MIN=11 train; then, the trainers broken by a replaced working
 # directory and a tensorboard crash, TRAIN_MIN=7.5 TRAIN_ARGS="--draft-vocab-size 0" train from a copy in /tmp; wait;
 # HEADS_K=3,7 heads; engine_check --async-scheduling):
@@ -173,10 +175,10 @@ case "$stage" in
     # turn, short and long standard-library code prompts. Each command is time-bounded and resumable; the two big
     # sources run as two processes each (--part i/2, their own KV blocks), side by side on the one GPU.
     # ANSWER_TOKENS: the answers' max_tokens (512 up to run 6; the target's greedy answers loop past ~256 tokens,
-    # scripts/repetition_check.py, so run 7 tries the benchmarks' 256: twice the prompts in the same time).
+    # scripts/repetition_check.py; run 7's 256, twice the prompts in the same time, served better: the default).
     need_model
     kv=${REGEN_KV_BLOCKS:-40000}
-    answer=${ANSWER_TOKENS:-512}
+    answer=${ANSWER_TOKENS:-256}
     regen() {  # out_dir seconds regenerate-arguments...
       local out=$1 secs=$2; shift 2
       timeout $secs $py -m peagle regenerate --model "$W/smollm2" --out "$W/$out" --num-kv-blocks $kv "$@" \

@@ -17,7 +17,8 @@ import pytest
 
 from peagle.bench import testbed
 from peagle.bench.datasets import load_prompts, sharegpt_split_of
-from peagle.bench.testbed import SHAREGPT_MEMBER, Command, h200_scale, smoke_scale
+from peagle.bench.testbed import SHAREGPT_MEMBER, Command
+from peagle.bench.testbed_scale import h200_scale, smoke_scale
 
 
 def sharegpt_records(n: int = 80) -> list[dict]:

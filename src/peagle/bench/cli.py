@@ -270,7 +270,7 @@ def _check_after_the_run(points: list[dict]) -> None:
 
 
 def _register_testbed(subparsers) -> None:
-    from peagle.bench.testbed import SCALES
+    from peagle.bench.testbed_scale import SCALES
 
     p = subparsers.add_parser(
         "testbed", help="build the reference testbed: SmolLM2-135M-Instruct, prompts, EAGLE-3 and P-EAGLE heads",
@@ -288,7 +288,8 @@ def _register_testbed(subparsers) -> None:
 
 
 def run_testbed(args: argparse.Namespace) -> int:
-    from peagle.bench.testbed import SCALES, build_testbed
+    from peagle.bench.testbed import build_testbed
+    from peagle.bench.testbed_scale import SCALES
 
     paths = build_testbed(args.dir, SCALES[args.scale]())
     print(json.dumps({k: str(v) for k, v in paths.items()}, indent=2))

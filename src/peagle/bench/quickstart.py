@@ -12,7 +12,8 @@ import logging
 from pathlib import Path
 
 from peagle.bench.sweep import SweepConfig, run_benchmark
-from peagle.bench.testbed import build_testbed, h200_scale, smoke_scale
+from peagle.bench.testbed import build_testbed
+from peagle.bench.testbed_scale import h200_scale, smoke_scale
 
 logger = logging.getLogger(__name__)
 

@@ -204,6 +204,34 @@ def test_data_commands_refuse_benchmark_prompts(tiny_hf_checkpoint, tmp_path):
     with pytest.raises(ValueError, match="held-out split"):
         regenerate(checkpoint, held_out, tmp_path / "data2", max_tokens=2, **KW)
 
+    # An evaluation set may hold the held-out split (never benchmark prompts); its manifest says what it is.
+    evaluation = regenerate(checkpoint, held_out, tmp_path / "eval", max_tokens=2, eval_set=True, **KW)
+    assert evaluation.prompts_done == 1 and evaluation.source["evaluation_only"] is True
+    assert "evaluation_only" not in manifest.source
+    with pytest.raises(ValueError, match=r"2 prompts that overlap the benchmark sets"):
+        regenerate(checkpoint, prompts, tmp_path / "eval2", max_tokens=2, eval_set=True, **KW)
+
+
+def test_sharegpt_command_writes_an_evaluation_set_of_held_out_first_turns(tmp_path):
+    from peagle.training.data_sources import main, open_text
+
+    test_ids = [c for c in (f"c{i}" for i in range(1000)) if datasets.sharegpt_split_of(c) == "test"][:3]
+    train_id = next(c for c in (f"c{i}" for i in range(1000)) if datasets.sharegpt_split_of(c) == "train")
+    records = [{"id": cid, "conversations": [{"from": "human", "value": f"first {cid}"},
+                                             {"from": "gpt", "value": "answer"},
+                                             {"from": "human", "value": f"second {cid}"}]}
+               for cid in [test_ids[0], train_id, *test_ids[1:]]]
+    src = tmp_path / "sharegpt.json"
+    src.write_text(json.dumps(records))
+    out = tmp_path / "eval.jsonl.gz"
+    assert main(["sharegpt", str(src), str(out), "--split", "test", "--first-turns", "--last", "2"]) == 0
+    with open_text(out) as f:
+        rows = [json.loads(line) for line in f]
+    assert rows == [{"id": f"sharegpt-{cid}", "messages": [{"role": "user", "content": f"first {cid}"}]}
+                    for cid in test_ids[1:]]  # the split's last two, their first turns only
+    with pytest.raises(SystemExit):
+        main(["sharegpt", str(src), str(out), "--last", "0"])
+
 
 def test_sharegpt_conversations_and_normalised_text():
     assert normalise("  Hello,\tWORLD!  ") == "hello world"

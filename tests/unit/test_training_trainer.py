@@ -379,3 +379,49 @@ def test_answer_tokens_count_like_document_by_document():
     per_doc = count_tokens([d.token_ids[d.loss_mask].tolist() for d in docs], 50)
     assert torch.equal(count_tokens([_answer_tokens(docs)], 50), per_doc)
     assert int(per_doc.sum()) == sum(int(d.loss_mask.sum()) for d in docs)
+
+
+def test_eval_data_is_scored_apart_and_never_trained_on(setup, tmp_path):
+    checkpoint, data = setup
+    other = write_dataset(tmp_path / "other", checkpoint, num_docs=10, seed=5)
+    cpu = DistContext(0, 1, torch.device("cpu"))
+    trained = build_trainer(_config(checkpoint, data, tmp_path / "plain", "--steps", "1"), cpu)
+
+    # --eval-fraction 0: nothing held out of --data, so the eval row is --eval-data's alone.
+    cfg = _config(checkpoint, data, tmp_path / "out", "--steps", "1", "--eval-every", "1", "--eval-data", str(other))
+    trainer = build_trainer(cfg, cpu)
+    assert len(trainer.data.documents) == len(trained.data.documents)  # none of other's documents is trained on
+    assert not trainer.held_out and sum(len(s.doc_lengths) for s in trainer.eval_data) == 10
+    row = trainer.evaluate()
+    assert set(row) == {"eval_data"}
+    scores = row["eval_data"]
+    assert set(scores["walk_al"]) == {"1", "2", "3"} and all(v >= 1.0 for v in scores["walk_al"].values())
+    assert set(scores["walk_al_by_source"]) == {other.name}
+    assert trainer.train() == 0
+    rows = [json.loads(line) for line in (tmp_path / "out" / LOG_FILE).read_text().splitlines()]
+    assert [r["eval_data"]["walk_al"] for r in rows if r["kind"] == "eval"] != []
+
+    # Beside a held-out share of --data, each keeps its own scores; --max-eval-documents caps each directory.
+    both = build_trainer(_config(checkpoint, data, tmp_path / "both", "--steps", "1", "--eval-fraction", "0.25",
+                                 "--eval-data", str(other), "--max-eval-documents", "4"), cpu).evaluate()
+    assert {"walk_al", "acc", "eval_data"} <= set(both)
+    assert both["eval_data"]["rounds"] < scores["rounds"]  # 4 of the 10 documents
+
+
+def test_eval_data_refusals(setup, tmp_path):
+    checkpoint, data = setup
+    cpu = DistContext(0, 1, torch.device("cpu"))
+    with pytest.raises(ValueError, match="both --data and --eval-data"):
+        _config(checkpoint, data, tmp_path / "a", "--steps", "1", "--eval-data", str(data))
+    copy = tmp_path / "copy"  # the training documents under another name
+    copy.mkdir()
+    for f in data.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(ValueError, match="training documents too"):
+        build_trainer(_config(checkpoint, data, tmp_path / "b", "--steps", "1", "--eval-data", str(copy)), cpu)
+    # An evaluation set (`peagle regenerate --eval-set`) is never training data.
+    manifest = Manifest.read(copy)
+    manifest.source = {**manifest.source, "evaluation_only": True}
+    manifest.write(copy)
+    with pytest.raises(ValueError, match="is an evaluation set"):
+        build_trainer(_config(checkpoint, copy, tmp_path / "c", "--steps", "1"), cpu)

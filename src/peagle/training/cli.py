@@ -33,6 +33,10 @@ def register(subparsers) -> None:
     regen.add_argument("--max-turns", type=int, help="with --multi-turn: answer at most N turns per conversation")
     regen.add_argument("--exclude-overlap", action="store_true",
                        help="drop prompts that overlap a benchmark set instead of refusing the file")
+    regen.add_argument("--eval-set", action="store_true",
+                       help="write an evaluation set for `peagle train --eval-data`, never training data: prompts "
+                            "of ShareGPT's held-out split are allowed (benchmark prompts still are not) and the "
+                            "manifest is marked evaluation_only, which `peagle train --data` refuses")
     regen.add_argument("--part", type=_part, metavar="I/N",
                        help="answer only the I-th (0-based) of N equal parts of the prompts, so that N processes "
                             "share one GPU (each its own --out and --num-kv-blocks)")
@@ -102,7 +106,13 @@ def register(subparsers) -> None:
     train.add_argument("--eval-every", type=int, default=500, help="held-out evaluation every N steps")
     train.add_argument("--keep-checkpoints", type=int, default=2, help="most recent checkpoints kept")
     train.add_argument("--eval-fraction", type=float, default=0.01, help="documents held out (default 1%%)")
-    train.add_argument("--max-eval-documents", type=int, default=64)
+    train.add_argument("--max-eval-documents", type=int, default=64,
+                       help="held-out documents at most, shared out between the --data sources; also the most "
+                            "documents read from each --eval-data directory (default 64)")
+    train.add_argument("--eval-data", type=Path, nargs="+", default=(), metavar="DIR",
+                       help="data directories evaluated beside the held-out documents and never trained on (e.g. "
+                            "`peagle regenerate --eval-set` of ShareGPT's held-out split: prompts unlike the "
+                            "training sources', as the benchmarks' are); their walk is logged as eval_data")
     train.add_argument("--walk-max-tokens", type=int, default=256, metavar="N",
                        help="the held-out walk (walk_al) covers the first N tokens of each response, as serving with "
                             "max_tokens N does: a small target's greedy answers end in loops that inflate it past "
@@ -170,7 +180,7 @@ def _regenerate(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, multi_turn=args.multi_turn,
         max_turns=args.max_turns, exclude_overlap=args.exclude_overlap, part=args.part,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-        async_scheduling=args.async_scheduling,
+        async_scheduling=args.async_scheduling, eval_set=args.eval_set,
     )
     docs = sum(s["num_documents"] for s in manifest.shards)
     tokens = sum(s["num_tokens"] for s in manifest.shards)
@@ -197,7 +207,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         steps=args.steps, epochs=args.epochs, batch_size=args.batch_size, grad_accum=args.grad_accum,
         schedule=args.schedule, max_grad_norm=args.max_grad_norm, save_every=args.save_every,
         eval_every=args.eval_every, keep_checkpoints=args.keep_checkpoints, eval_fraction=args.eval_fraction,
-        max_eval_documents=args.max_eval_documents, walk_max_tokens=args.walk_max_tokens,
+        max_eval_documents=args.max_eval_documents, eval_data=args.eval_data, walk_max_tokens=args.walk_max_tokens,
         loss_chunk=args.loss_chunk, seed=args.seed,
         resume=args.resume, init=args.init, draft_vocab_size=args.draft_vocab_size,
         aux_layer_ids=tuple(args.aux_layer_ids) if args.aux_layer_ids else None, feature_cache=args.feature_cache,

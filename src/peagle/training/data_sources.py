@@ -11,7 +11,9 @@
   regeneration (the target writes every answer again, so the recorded answers are dropped).
 
     python -m peagle.training.data_sources sharegpt ShareGPT_V3_unfiltered_cleaned_split.json sharegpt_turns.jsonl.gz
-writes the train split's conversations (human turns only) as JSON Lines for `peagle regenerate --multi-turn`.
+writes the train split's conversations (human turns only) as JSON Lines for `peagle regenerate --multi-turn`;
+`--split test --first-turns --last 256` the prompts of an evaluation set (`peagle regenerate --eval-set`, then
+`peagle train --eval-data`).
 """
 
 from __future__ import annotations
@@ -99,18 +101,22 @@ class BenchmarkGuard:
         """Whether `text` equals a held-out ShareGPT prompt (normalised)."""
         return bool(self.held_out) and normalise(text) in self.held_out
 
-    def check(self, prompts: Sequence[tuple[str | None, Sequence[str]]], source: str, drop: bool = False
-              ) -> list[int]:
+    def check(self, prompts: Sequence[tuple[str | None, Sequence[str]]], source: str, drop: bool = False,
+              allow_held_out: bool = False) -> list[int]:
         """Indices of the prompts to keep: (id, user texts) pairs. Refuses benchmark overlap unless `drop`.
 
         Prompts equal to a held-out ShareGPT prompt are always dropped (a few short ones such as "Continue" occur
         in both splits); a file holding held-out conversations, or overlapping a benchmark set, is refused.
+        `allow_held_out` (an evaluation set, never trained on) keeps ShareGPT's held-out prompts; benchmark
+        overlap is refused all the same.
         """
         keep, benchmark_hits, held_ids, held_texts = [], [], 0, 0
         for i, (record_id, texts) in enumerate(prompts):
             hit = next((b for b in map(self.benchmark_of, texts) if b), None)
             if hit:
                 benchmark_hits.append((i, hit, texts[0]))
+            elif allow_held_out:
+                keep.append(i)
             elif self.held_out_id(record_id):
                 held_ids += 1
             elif self.held_out_text(texts[0]):  # the held-out set is first turns
@@ -191,11 +197,22 @@ def main(argv: list[str] | None = None) -> int:
     sharegpt.add_argument("sharegpt_json", type=Path)
     sharegpt.add_argument("out", type=Path, help="JSON Lines file (.gz: compressed)")
     sharegpt.add_argument("--split", choices=("train", "test"), default="train")
+    sharegpt.add_argument("--first-turns", action="store_true",
+                          help="each conversation's first human turn only (the benchmark 'sharegpt' set's form)")
+    sharegpt.add_argument("--last", type=int, metavar="N",
+                          help="the split's last N conversations only (an evaluation set beside the benchmark "
+                               "'sharegpt' set, which reads the held-out split from its start)")
     args = parser.parse_args(argv)
+    if args.last is not None and args.last < 1:
+        parser.error(f"--last must be at least 1, got {args.last}")
     from peagle.bench.datasets import read_sharegpt
 
     records = read_sharegpt(args.sharegpt_json)
     conversations = sharegpt_conversations(records, args.split)
+    if args.first_turns:
+        conversations = [{**c, "messages": c["messages"][:1]} for c in conversations]
+    if args.last is not None:
+        conversations = conversations[-args.last:]
     if args.split == "train":
         guard = BenchmarkGuard.builtin(args.sharegpt_json)
         keep = guard.check([(c["id"], [m["content"] for m in c["messages"]]) for c in conversations],

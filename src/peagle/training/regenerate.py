@@ -361,6 +361,7 @@ def regenerate(
     num_kv_blocks: int | None = None,
     gpu_memory_utilization: float = 0.9,
     async_scheduling: bool = True,
+    eval_set: bool = False,
 ) -> Manifest:
     """Answers the prompts with the target and writes shards + manifest to `out`; resumes a previous run there.
 
@@ -368,6 +369,10 @@ def regenerate(
     can share one GPU (each its own --out; `peagle train --data` mixes the directories). The engine's per-step
     host work grows with the batch, so on a host slower than the GPU several processes finish sooner than one
     with a larger batch; give each a fixed --num-kv-blocks, as a second engine cannot measure free memory fairly.
+
+    `eval_set=True` writes an evaluation set for `peagle train --eval-data`: ShareGPT's held-out prompts are
+    allowed (benchmark prompts are not), and the manifest says `evaluation_only`, which `peagle train --data`
+    refuses.
     """
     if max_tokens < 1 or batch_size < 1 or max_num_seqs < 1:
         raise ValueError(f"--max-tokens, --batch-size and --max-num-seqs must be positive, got {max_tokens}, "
@@ -381,9 +386,11 @@ def regenerate(
     records = read_records(prompts, multi_turn)
     keep = BenchmarkGuard.builtin().check(
         [(rid, [m["content"] for m in messages if m["role"] == "user"]) for rid, messages in records],
-        str(prompts), drop=exclude_overlap)
+        str(prompts), drop=exclude_overlap, allow_held_out=eval_set)
     conversations = [records[i][1] for i in keep][:limit]
     source = {"prompts": Path(prompts).name, "max_tokens": max_tokens}
+    if eval_set:
+        source["evaluation_only"] = True
     if multi_turn:
         source.update(multi_turn=True, max_turns=max_turns)
     if part is not None:

@@ -32,7 +32,8 @@ from peagle.models.loader import load_model, load_tokenizer
 from peagle.models.tokenizer import Tokenizer
 from peagle.training.cod import Layout
 from peagle.training.config import DEFAULT_DRAFT_VOCAB, TIME_LIMITED_WARMUP, TrainConfig
-from peagle.training.data import Document, PackedSequence, TrainingData, pack, read_documents, split_documents
+from peagle.training.data import (Document, Manifest, PackedSequence, TrainingData, pack, read_documents,
+                                  split_documents)
 from peagle.training.distributed import DistContext
 from peagle.training.flops import StepFlops, peak_flops
 from peagle.training.forward import StepStats
@@ -139,11 +140,14 @@ class Prefetcher:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, target: LlamaModel, drafter: Drafter, data: TrainingData,
-                 held_out: list[PackedSequence], dist: DistContext, held_source: list[int] | None = None):
-        """`held_source[i]`: the --data directory of held-out document i (the `sources` of `held_out`'s packs)."""
+                 held_out: list[PackedSequence], dist: DistContext, held_source: list[int] | None = None,
+                 eval_data: list[PackedSequence] | None = None, eval_source: list[int] | None = None):
+        """`held_source[i]`: the --data directory of held-out document i (the `sources` of `held_out`'s packs);
+        `eval_data` and `eval_source` the same for the --eval-data directories' documents."""
         self.cfg, self.target, self.drafter, self.data, self.held_out, self.dist = (
             cfg, target, drafter, data, held_out, dist)
         self.held_source = held_source
+        self.eval_data, self.eval_source = eval_data or [], eval_source
         self.objective = make_objective(cfg)
         self.aux_layer_ids = drafter.config.aux_layer_ids
         self.global_batch = cfg.batch_size * cfg.grad_accum * dist.world_size
@@ -216,7 +220,7 @@ class Trainer:
                         now = time.monotonic()
                         self._fit_schedule((now - fit_start[1]) / (self.step - fit_start[0]), deadline)
                         fit_start = (self.step, now)
-                if self.step % self.cfg.eval_every == 0 and self.held_out:
+                if self.step % self.cfg.eval_every == 0 and self.evaluates:
                     self._flush()
                     self._log({"kind": "eval", "step": self.step, **self.evaluate()})
                 stop, out_of_time = self._agreed_stop(deadline)
@@ -231,7 +235,7 @@ class Trainer:
                                    self.step, self.total_steps)
                     break
             self._flush()
-            if self.held_out and self.step % self.cfg.eval_every:
+            if self.evaluates and self.step % self.cfg.eval_every:
                 self._log({"kind": "eval", "step": self.step, **self.evaluate()})
             if self.dist.is_main:
                 save_drafter(self.drafter, self.cfg.out / FINAL, force=True)
@@ -352,18 +356,29 @@ class Trainer:
 
     # ---- evaluation ----
 
+    @property
+    def evaluates(self) -> bool:
+        return bool(self.held_out or self.eval_data)
+
     def evaluate(self) -> dict:
         """Per-depth accuracy, the simulated acceptance length and the serving walk's acceptance length
-        (`metrics.py`) on held-out sequences, at every K up to K_train."""
+        (`metrics.py`) on held-out sequences, at every K up to K_train; the --eval-data directories' scores apart,
+        as `eval_data` (the same fields)."""
+        row = self._scores(self.held_out, self.held_source, source_names(self.cfg.data)) if self.held_out else {}
+        if self.eval_data:
+            row["eval_data"] = self._scores(self.eval_data, self.eval_source, source_names(self.cfg.eval_data))
+        return row
+
+    def _scores(self, sequences: list[PackedSequence], sources: list[int] | None, names: list[str]) -> dict:
+        """The scores of `sequences`; `sources[i]` is the index in `names` of their document i."""
         k = self.cfg.k_train
-        names = source_names(self.cfg.data)
-        groups = len(names) if self.held_source is not None else 0
+        groups = len(names) if sources is not None else 0
         total = EvalStats(StepStats.zero(k), torch.zeros(k + 1, dtype=torch.long), torch.zeros(k, 2, dtype=torch.long),
                           torch.zeros(groups, k, 2, dtype=torch.long))
         self.drafter.eval()
-        for seq in self.held_out[self.dist.rank::self.dist.world_size]:
+        for seq in sequences[self.dist.rank::self.dist.world_size]:
             teacher = run_target(self.target, seq, self.aux_layer_ids, self.dist.device)
-            doc_groups = [self.held_source[i] for i in seq.sources] if groups and seq.sources else None
+            doc_groups = [sources[i] for i in seq.sources] if groups and seq.sources else None
             with self.autocast:
                 result = self.objective.evaluate(self.drafter, self.target, teacher, self.vocab_map, doc_groups,
                                                  groups, self.cfg.walk_max_tokens or None)
@@ -523,8 +538,13 @@ class Trainer:
                         record["positions_per_s"])
         elif kind == "eval":
             k = str(self.cfg.k_train)
-            logger.info("eval at step %d: loss %.4f acc %s walk AL@%s %.3f (simulated %.3f)", step, record["loss"],
-                        record["acc"][:4], k, record["walk_al"][k], record["sim_al"][k])
+            parts = [f"eval at step {step}:"]
+            if "walk_al" in record:
+                parts.append(f"loss {record['loss']:.4f} acc {record['acc'][:4]} walk AL@{k} {record['walk_al'][k]:.3f} "
+                             f"(simulated {record['sim_al'][k]:.3f})")
+            if "eval_data" in record:
+                parts.append(f"--eval-data walk AL@{k} {record['eval_data']['walk_al'][k]:.3f}")
+            logger.info("%s", " ".join(parts))
         if self._tensorboard is not None:
             for key, value in _scalars(record):
                 self._tensorboard.add_scalar(f"{kind}/{key}", value, step)
@@ -605,6 +625,32 @@ def split_sources(data_dirs, tokenizer: Tokenizer, vocab_size: int, eval_fractio
     return train_docs, held_docs, held_source
 
 
+def read_eval_data(eval_dirs, tokenizer: Tokenizer, vocab_size: int, max_docs: int, train_docs: list[Document]
+                   ) -> tuple[list[Document], list[int]]:
+    """(documents, source) of the --eval-data directories, the first `max_docs` documents of each; source[i] is
+    the index in `eval_dirs` of document i. A document that is also a training document is refused: its score
+    would not be held out."""
+    trained = {hash(d.token_ids.numpy().tobytes()) for d in train_docs}
+    docs, source = [], []
+    for i, data_dir in enumerate(eval_dirs):
+        mine = read_documents(data_dir, tokenizer, vocab_size)[:max_docs]
+        shared = sum(hash(d.token_ids.numpy().tobytes()) in trained for d in mine)
+        if shared:
+            raise ValueError(f"{shared} of the {len(mine)} documents read from --eval-data {data_dir} are training "
+                             "documents too: evaluate on data that --data does not hold")
+        docs += mine
+        source += [i] * len(mine)
+    return docs, source
+
+
+def refuse_evaluation_sets(data_dirs) -> None:
+    """--data never names an evaluation set (`peagle regenerate --eval-set`)."""
+    for data_dir in data_dirs:
+        if Manifest.read(Path(data_dir)).source.get("evaluation_only"):
+            raise ValueError(f"{data_dir} is an evaluation set (written by `peagle regenerate --eval-set`) and is "
+                             "never trained on: pass it as --eval-data")
+
+
 def source_names(data_dirs) -> list[str]:
     """A short name per data directory (its folder name; the index added where two share one)."""
     names = [Path(d).name or str(d) for d in data_dirs]
@@ -622,9 +668,13 @@ def build_trainer(cfg: TrainConfig, dist: DistContext) -> Trainer:
     if not cfg.resume and complete_checkpoints(cfg.out / CHECKPOINTS):
         raise FileExistsError(f"{cfg.out} already holds checkpoints; pass --resume to continue or choose another --out")
     tokenizer = load_tokenizer(cfg.target)
+    refuse_evaluation_sets(cfg.data)
     train_docs, held_docs, held_source = split_sources(cfg.data, tokenizer, target_config.vocab_size,
                                                        cfg.eval_fraction, cfg.max_eval_documents, cfg.seed)
-    logger.info("%d training documents, %d held out", len(train_docs), len(held_docs))
+    eval_docs, eval_source = read_eval_data(cfg.eval_data, tokenizer, target_config.vocab_size,
+                                            cfg.max_eval_documents, train_docs)
+    logger.info("%d training documents, %d held out%s", len(train_docs), len(held_docs),
+                f", {len(eval_docs)} of --eval-data" if eval_docs else "")
     target = load_model(cfg.target, "bfloat16" if dist.device.type == "cuda" else "float32", dist.device)
     if cfg.compile_elementwise:
         from peagle.training import compiled_ops
@@ -635,8 +685,9 @@ def build_trainer(cfg: TrainConfig, dist: DistContext) -> Trainer:
         cfg.out.mkdir(parents=True, exist_ok=True)
         (cfg.out / "train_config.json").write_text(json.dumps(config_record(cfg), indent=1) + "\n")
     held_out = pack(held_docs, range(len(held_docs)), cfg.max_length)
+    eval_data = pack(eval_docs, range(len(eval_docs)), cfg.max_length)
     return Trainer(cfg, target, drafter, TrainingData(train_docs, cfg.max_length, cfg.seed), held_out, dist,
-                   held_source)
+                   held_source, eval_data, eval_source)
 
 
 def _answer_tokens(docs: list[Document]) -> torch.Tensor:  # [N] the loss-masked token ids of all documents

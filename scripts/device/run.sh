@@ -9,13 +9,16 @@
 # The next session's plan (run 8), one call each, back to back; fire them one at a time (a failed call must not
 # start the next), from a tree no one is editing (the device gets a copy of the working tree, uncommitted edits too):
 #   stage_a                                                         carry .stage_a .whl (the tree must stay < 6 MiB)
-#   data && TRAIN_MIN=9 HEADS="peagle peagle-b eagle3" TRAIN_ARGS="--draft-vocab-size 0" PEAGLE_B_ARGS="--depth-decay 1"
-#        train            carry .stage_b .whl .gpu   (run 7's data stage, now the default answers of 256 tokens; a
+#   data && TRAIN_MIN=8 HEADS="peagle peagle-b eagle3" TRAIN_ARGS="--draft-vocab-size 0" PEAGLE_B_ARGS="--depth-decay 1"
+#        train            carry .stage_b .whl .gpu   (run 7's data stage, now the default answers of 256 tokens, plus
+#        the evaluation set of ShareGPT's held-out first turns, which the trainers score apart as eval_data; a
 #        P-EAGLE A/B at the full budget: the defaults against no depth decay, for the deep positions that P-EAGLE's
 #        K=7 / K=3 and P-EAGLE / EAGLE-3 goals need; three trainers share the GPU)
 #   HEADS="peagle peagle-b eagle3" WAIT_SECS=560 wait
-#   HEADS="peagle peagle-b eagle3" HEADS_N=24 HEADS_K=3,7,11 heads     (served AL of all three, GPU idle)
-#   BENCH_SECS=530 bench     (issue 15: MT-Bench, K 3/5/7/11 x concurrency 1-64, the calibrated adaptive row)
+#   HEADS="peagle peagle-b eagle3" WAIT_SECS=120 wait && HEADS="peagle peagle-b eagle3" HEADS_N=24 HEADS_K=3,7,11 heads
+#        (served AL of all three, GPU idle; `wait` says "still running" rather than wait past its limit)
+#   BENCH_SECS=450 bench     (issue 15: MT-Bench, K 3/5/7/11 x concurrency 1-64, the calibrated adaptive row)
+#   About 28 of the 30 device minutes; bench2 (HumanEval, long code, the HF baselines) is the session after.
 # Run 7's plan (what was run, BENCHMARKS.md "Run 7": stage_a; ANSWER_TOKENS=256 REGEN_EXTRA=--no-async-scheduling
 # data && TRAIN_MIN=7.5 TRAIN_ARGS="--draft-vocab-size 0" train; CKPT_WAIT=150 CHECK_SECS=110 check; WALK_HEADS=peagle
 # WALK_SECS=200 walk; wait && HEADS_K=3,7,11 heads (the wait returned at once: fixed since, the trainers write their
@@ -47,7 +50,9 @@
 #   final              long context, greedy equality with the trained heads, training memory, the teacher's
 #                      attention variants, engine timing
 #                      (FINAL_SOAK=1 adds the server soak and the sampling check)
-# .gpu holds sharegpt_train_turns.jsonl.gz (human turns of ShareGPT's train split), longcode_train.jsonl.gz
+# .gpu holds sharegpt_eval_first_turns.jsonl.gz (python -m peagle.training.data_sources sharegpt --split test
+# --first-turns --last 256: an evaluation set's prompts), sharegpt_train_turns.jsonl.gz (human turns of ShareGPT's
+# train split), longcode_train.jsonl.gz
 # (scripts/build_longcode.py --train), code_short.jsonl.gz (--train --short) and, for stage_b, sharegpt_train.jsonl.gz.
 # At most 8 files come back from a call: a stage that leaves more under $OUT packs them into $OUT/STAGE.tar.gz.
 set -euo pipefail
@@ -88,6 +93,19 @@ data_dirs() {  # the training data directories with at least one complete shard,
     [ -f "$d/manifest.json" ] && $py -c "import json,sys; sys.exit(not any(s['file'] for s in json.load(open('$d/manifest.json'))['shards']))" \
       2>/dev/null && echo "$d"
   done
+  return 0
+}
+
+running() {  # whether process $1 is alive: a trainer left to the machine's init may linger as a zombie
+  local state
+  state=$(awk '{print $3}' "/proc/$1/stat" 2> /dev/null || true)
+  [ -n "$state" ] && [ "$state" != Z ]
+}
+
+eval_dirs() {  # the evaluation set's directory, when it holds a complete shard (`data` writes it with --eval-set)
+  local d="$W/data-eval"
+  [ -f "$d/manifest.json" ] && $py -c "import json,sys; sys.exit(not any(s['file'] for s in json.load(open('$d/manifest.json'))['shards']))" \
+    2>/dev/null && echo "$d"
   return 0
 }
 
@@ -204,9 +222,14 @@ case "$stage" in
       --max-tokens $answer --max-model-len 4096 &
     regen data-long ${LONG_REGEN_SECS:-50} --prompts .gpu/longcode_train.jsonl.gz --exclude-overlap \
       --max-tokens 256 --max-model-len 8192 &
+    # The evaluation set (never trained on): the target's answers to the last 256 first turns of ShareGPT's held-out
+    # split (python -m peagle.training.data_sources sharegpt --split test --first-turns --last 256), prompts of
+    # another distribution than the training sources', as the benchmarks' are; the trainers score it apart.
+    [ -f .gpu/sharegpt_eval_first_turns.jsonl.gz ] && regen data-eval ${EVAL_REGEN_SECS:-40} --eval-set \
+      --prompts .gpu/sharegpt_eval_first_turns.jsonl.gz --max-tokens $answer --max-model-len 4096 &
     wait
     tail -n 2 "$W"/synth.log "$W"/data-*.log | grep -v "^$" | cut -c1-420 || true
-    for d in $(data_dirs); do
+    for d in $(data_dirs) $(eval_dirs); do
       $py -c "import json,sys; m=json.load(open('$d/manifest.json')); s=[x for x in m['shards'] if x['file']];
 print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['num_tokens'] for x in s), 'tokens')" || true
     done
@@ -218,6 +241,8 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
     # same defaults; peagle-b (HEADS="peagle peagle-b eagle3"): the P-EAGLE defaults with one part of that bundle
     # taken back (PEAGLE_B_ARGS; by default the trained full-vocabulary head).
     data=($(data_dirs))
+    evaluation=($(eval_dirs))
+    [ ${#evaluation[@]} -eq 0 ] || evaluation=(--eval-data "${evaluation[@]}")
     # The trainers outlive this call, so they run from a copy of the code in $W: the next call replaces the
     # working tree (and a carried folder) under them, and a deleted working directory breaks their compilers.
     rm -rf "$W/code" && mkdir -p "$W/code" && cp -r src "$W/code/"
@@ -228,7 +253,7 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
       (cd "$W" && PYTHONPATH="$W/code/src:/tmp/site" setsid bash -c 'echo $$ > "$0"; exec "$@"' "$W/train-$name.pid" \
         $py -m peagle train --target "$W/smollm2" \
         --data "${data[@]}" --method $method --out "$W/train-$name" --steps 1000000 --k-train $k --max-length $len --batch-size $bs ${TRAIN_ARGS:-} \
-        --save-every 500 --eval-every ${EVAL_EVERY:-500} --time-limit ${TRAIN_MIN:-10} "$@" \
+        --save-every 500 --eval-every ${EVAL_EVERY:-500} --time-limit ${TRAIN_MIN:-10} "${evaluation[@]}" "$@" \
         > "$W/train-$name.log" 2>&1 < /dev/null &)
     }
     for m in ${HEADS:-peagle eagle3}; do
@@ -247,7 +272,7 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
     # At most WAIT_SECS (a call's limit is 10 minutes): a run still going is left running for the next `wait`.
     deadline=$(( $(date +%s) + ${WAIT_SECS:-560} ))
     for m in ${HEADS:-peagle eagle3}; do
-      while [ -f "$W/train-$m.pid" ] && kill -0 "$(cat "$W/train-$m.pid")" 2> /dev/null; do
+      while [ -f "$W/train-$m.pid" ] && running "$(cat "$W/train-$m.pid")"; do
         if [ "$(date +%s)" -ge $deadline ]; then
           echo "train-$m still running"; grep -E "eval at|schedule ends" "$W/train-$m.log" | tail -2 || true
           exit 0
@@ -304,9 +329,11 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
   ablate)
     # Recipe A/B: short P-EAGLE runs side by side on the same data for the same time, scored by the walk.
     data=($(data_dirs))
+    evaluation=($(eval_dirs))
+    [ ${#evaluation[@]} -eq 0 ] || evaluation=(--eval-data "${evaluation[@]}")
     variant() {  # name extra...
       local name=$1; shift
-      $py -m peagle train --target "$W/smollm2" --data "${data[@]}" --method peagle --out "$W/ab-$name" \
+      $py -m peagle train --target "$W/smollm2" --data "${data[@]}" "${evaluation[@]}" --method peagle --out "$W/ab-$name" \
         --steps 1000000 --k-train 8 --max-length 8192 --batch-size 1 \
         --save-every 1000000 --eval-every 1000000 --time-limit ${AB_MIN:-3} "$@" > "$W/ab-$name.log" 2>&1 &
     }
@@ -331,7 +358,7 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
       name=$(basename "$(dirname "$f")"); cp "$f" "$OUT/$name.jsonl"
       $py -c "import json; r=[json.loads(l) for l in open('$f')]; e=[x for x in r if x['kind']=='eval'][-1];
 t=[x for x in r if x['kind']=='train']; print('$name', 'steps', t[-1]['step'], 'walk_al', e['walk_al'].get('7'),
-'sim_al', e['sim_al'].get('7'), 'acc', e['acc'][:4])" || true
+'sim_al', e['sim_al'].get('7'), 'acc', e['acc'][:4], 'eval_data walk_al', e.get('eval_data', {}).get('walk_al', {}).get('7'))" || true
     done
     ;;
   stage_b)

@@ -109,8 +109,9 @@ def test_smoke_build_runs_each_step_once_and_resumes(offline, tmp_path, caplog):
     # No prompt was synthesised, so nothing is regenerated from them and their data directory is left out. ShareGPT's
     # answers and the synthesis run side by side (in either order); every source is one process on the CPU.
     ran = names(offline)
-    assert ran[0] == ["sharegpt-turns", "code-short"] and ran[3:] == [["regenerate-code"], ["eagle3", "peagle"]]
+    assert ran[0] == ["sharegpt-turns", "code-short", "sharegpt-eval"] and ran[5:] == [["eagle3", "peagle"]]
     assert sorted(ran[1:3]) == [["regenerate-sharegpt"], ["synthesize"]]
+    assert sorted(ran[3:5]) == [["regenerate-code"], ["regenerate-eval"]]
     assert all(call["env"]["PEAGLE_CACHE"] == str(cache) for call in offline["run"])  # the guards see its held-out
     (regenerate,) = [c.argv for call in offline["run"] for c in call["commands"] if c.name == "regenerate-sharegpt"]
     assert arg(regenerate, "--prompts") == str(paths["sharegpt_turns"]) and arg(regenerate, "--limit") == "16"
@@ -119,6 +120,10 @@ def test_smoke_build_runs_each_step_once_and_resumes(offline, tmp_path, caplog):
     eagle3, peagle = offline["run"][-1]["commands"]
     assert arg(eagle3.argv, "--target") == arg(peagle.argv, "--target") == str(paths["model"])
     assert args_after(eagle3.argv, "--data") == [str(paths["data_sharegpt"]), str(paths["data_code"])]
+    # The evaluation set: the last first turns of ShareGPT's held-out split, answered with --eval-set, scored apart.
+    assert args_after(eagle3.argv, "--eval-data") == args_after(peagle.argv, "--eval-data") == [str(paths["data_eval"])]
+    (evaluation,) = [c.argv for call in offline["run"] for c in call["commands"] if c.name == "regenerate-eval"]
+    assert "--eval-set" in evaluation and arg(evaluation, "--prompts") == str(paths["eval_prompts"])
     # Training conversations come from ShareGPT's train split only (the held-out split is for benchmarks).
     from peagle.training.data_sources import open_text
 
@@ -127,6 +132,9 @@ def test_smoke_build_runs_each_step_once_and_resumes(offline, tmp_path, caplog):
     held_out = {p.id for p in load_prompts("sharegpt", split="test", cache_dir=cache)}
     assert train_ids and not train_ids & held_out
     assert all(sharegpt_split_of(i.removeprefix("sharegpt-")) == "train" for i in train_ids)
+    with open_text(paths["eval_prompts"]) as f:
+        evaluation = [json.loads(line) for line in f]
+    assert evaluation and {e["id"] for e in evaluation} <= held_out and all(len(e["messages"]) == 1 for e in evaluation)
     assert (paths["model"] / "config.json").is_file() and (paths["model"] / "tokenizer.json").is_file()
     assert all(bed.is_done(step) for step in bed.steps())
 
@@ -170,7 +178,7 @@ def test_progress_line_per_step_says_time_and_output(offline, tmp_path, caplog):
     assert "(no prompts to answer)" in lines["responses-synth"]
     assert "eagle3: 2 steps, held-out walk AL@8 1.50; peagle: 2 steps" in lines["heads"]
     # The phase of ShareGPT's answers and the synthesis: its wall time against its longest lane's limits, per lane.
-    phase = re.compile(r"testbed \[5-7/9\] chat-data: \d+\.\d s of its 240 s limit \(lanes side by side\): "
+    phase = re.compile(r"testbed \[5-7/10\] chat-data: \d+\.\d s of its 240 s limit \(lanes side by side\): "
                        r"responses-sharegpt [\d.]+ s \| synthesize [\d.]+ s, responses-synth [\d.]+ s")
     assert len([r for r in caplog.records if phase.fullmatch(r.getMessage())]) == 1
     summary = caplog.records[-1].getMessage()
@@ -188,10 +196,12 @@ def test_h200_plan_uses_every_data_source_and_trains_both_heads_side_by_side(off
     steps = {s.name: s for s in bed.steps()}
     assert list(steps) == ["download-sharegpt", "sharegpt", "download-smollm2", "gguf", "model", "prompts",
                            "synthesize", "responses-sharegpt", "responses-synth", "responses-code",
-                           "responses-longcode", "heads"]
+                           "responses-longcode", "responses-eval", "heads"]
     p = bed.paths
 
-    turns, code, longcode = steps["prompts"].commands()
+    turns, code, longcode, evaluation = steps["prompts"].commands()
+    assert evaluation.argv[1:5] == ("-m", "peagle.training.data_sources", "sharegpt", str(p["sharegpt"]))
+    assert evaluation.argv[-5:] == ("--split", "test", "--first-turns", "--last", "256")
     assert turns.argv[1:5] == ("-m", "peagle.training.data_sources", "sharegpt", str(p["sharegpt"]))
     stdlib = sysconfig.get_paths()["stdlib"]
     for c in (code, longcode):
@@ -204,7 +214,7 @@ def test_h200_plan_uses_every_data_source_and_trains_both_heads_side_by_side(off
     (synth,) = steps["synthesize"].commands()
     assert synth.argv[3] == "synthesize" and arg(synth.argv, "--out") == str(p["synth_prompts"])
 
-    commands = {s: steps[f"responses-{s}"].commands() for s in ("sharegpt", "synth", "code", "longcode")}
+    commands = {s: steps[f"responses-{s}"].commands() for s in ("sharegpt", "synth", "code", "longcode", "eval")}
     regenerate = {s: cs[0].argv for s, cs in commands.items()}
     assert all(argv[3] == "regenerate" and arg(argv, "--model") == str(p["model"]) for argv in regenerate.values())
     assert arg(regenerate["sharegpt"], "--prompts") == str(p["sharegpt_turns"])
@@ -216,7 +226,8 @@ def test_h200_plan_uses_every_data_source_and_trains_both_heads_side_by_side(off
     assert "--exclude-overlap" in regenerate["longcode"] and arg(regenerate["longcode"], "--max-model-len") == "8192"
     # Run 7's recipe: answers of up to 256 tokens from every source, long code included.
     assert {arg(argv, "--max-tokens") for argv in regenerate.values()} == {"256"}
-    assert all("--exclude-overlap" not in regenerate[s] for s in ("sharegpt", "synth", "code"))
+    assert all("--exclude-overlap" not in regenerate[s] for s in ("sharegpt", "synth", "code", "eval"))
+    assert "--eval-set" in regenerate["eval"] and all("--eval-set" not in regenerate[s] for s in commands if s != "eval")
 
     # The two big sources: two processes each, on the two halves of the same prompts, each its own directory and log.
     for source in ("sharegpt", "synth"):
@@ -228,7 +239,7 @@ def test_h200_plan_uses_every_data_source_and_trains_both_heads_side_by_side(off
         assert first.log != second.log and first.name != second.name
         differ = {"--part", "0/2", "1/2", *map(str, outs)}
         assert [a for a in first.argv if a not in differ] == [a for a in second.argv if a not in differ]
-    assert all(len(commands[s]) == 1 and "--part" not in regenerate[s] for s in ("code", "longcode"))
+    assert all(len(commands[s]) == 1 and "--part" not in regenerate[s] for s in ("code", "longcode", "eval"))
     # Every engine sharing the GPU gets a fixed KV cache (none can size it from free memory fairly).
     assert all(arg(c.argv, "--num-kv-blocks") == "40000" for cs in commands.values() for c in cs)
 
@@ -236,7 +247,8 @@ def test_h200_plan_uses_every_data_source_and_trains_both_heads_side_by_side(off
     plan = [(phase.name, [[s.name for s in lane] for lane in phase.lanes]) for phase in bed.plan()]
     assert plan[5:] == [("prompts", [["prompts"]]),
                         ("chat-data", [["responses-sharegpt"], ["synthesize", "responses-synth"]]),
-                        ("code-data", [["responses-code"], ["responses-longcode"]]), ("heads", [["heads"]])]
+                        ("code-data", [["responses-code"], ["responses-longcode"], ["responses-eval"]]),
+                        ("heads", [["heads"]])]
 
     with pytest.raises(testbed.TestbedStepError, match="no data directory"):
         steps["heads"].commands()
@@ -256,6 +268,11 @@ def test_h200_plan_uses_every_data_source_and_trains_both_heads_side_by_side(off
     assert (arg(peagle.argv, "--method"), arg(peagle.argv, "--num-layers"), arg(peagle.argv, "--k-train")) == (
         "peagle", "4", "8")
     assert eagle3.log != peagle.log
+    assert "--eval-data" not in eagle3.argv  # the evaluation set made no documents: nothing to score apart
+    write_data_dir(p["data_eval"])
+    for c in steps["heads"].commands():
+        assert args_after(c.argv, "--eval-data") == [str(p["data_eval"])]
+        assert str(p["data_eval"]) not in args_after(c.argv, "--data")  # never trained on
 
     assert steps["heads"].run() == ""
     (call,) = offline["run"]  # both started together, in one call, under one limit
@@ -286,14 +303,17 @@ def test_h200_budget_counts_each_phase_at_its_longest_lane(tmp_path):
     fewer = dataclasses.replace(scale, synth_count=0, long_code=False)
     assert not {"synthesize", "responses-synth", "responses-longcode"} & set(fewer.step_limits())
     assert fewer.budget()["chat-data"] == scale.sharegpt_s and fewer.budget()["code-data"] == scale.code_responses_s
-    assert [c.name for c in testbed.Testbed(tmp_path, fewer).prompt_commands()] == ["sharegpt-turns", "code-short"]
+    assert [c.name for c in testbed.Testbed(tmp_path, fewer).prompt_commands()] == ["sharegpt-turns", "code-short",
+                                                                                   "sharegpt-eval"]
+    none = dataclasses.replace(fewer, eval_prompts=0)
+    assert "responses-eval" not in none.step_limits() and "eval" not in testbed.Testbed(tmp_path, none).sources
 
 
 def test_no_code_prompts_without_the_script(monkeypatch, tmp_path):
     monkeypatch.setattr(testbed, "BUILD_LONGCODE", tmp_path / "missing.py")
     bed = testbed.Testbed(tmp_path, h200_scale())
-    assert list(bed.sources) == ["sharegpt", "synth"]
-    assert [c.name for c in bed.prompt_commands()] == ["sharegpt-turns"]
+    assert list(bed.sources) == ["sharegpt", "synth", "eval"]
+    assert [c.name for c in bed.prompt_commands()] == ["sharegpt-turns", "sharegpt-eval"]
 
 
 def test_failed_step_stops_its_lane_and_the_build_and_is_retried(offline, monkeypatch, tmp_path):
@@ -314,7 +334,9 @@ def test_failed_step_stops_its_lane_and_the_build_and_is_retried(offline, monkey
     monkeypatch.setattr(testbed, "run_commands", fake)
     offline["run"].clear()
     testbed.Testbed(cache, smoke_scale()).build()
-    assert names(offline) == [["regenerate-sharegpt"], ["regenerate-code"], ["eagle3", "peagle"]]
+    ran = names(offline)
+    assert ran[0] == ["regenerate-sharegpt"] and sorted(ran[1:3]) == [["regenerate-code"], ["regenerate-eval"]]
+    assert ran[3:] == [["eagle3", "peagle"]]
 
     def both_failing(commands, limit_s, env=None, cancel=None):
         raise testbed.TestbedStepError(f"{commands[0].name} failed")
@@ -351,7 +373,7 @@ def test_an_interrupted_phase_stops_every_lane(offline, monkeypatch, tmp_path):
         testbed.Testbed(cache, smoke_scale()).build()
     assert cancelled == [True, True]
     assert not {"synthesize", "responses-sharegpt", "responses-synth"} & {p.stem for p in (cache / ".done").iterdir()}
-    assert names(offline)[-1] == ["sharegpt-turns", "code-short"]  # nothing after the phase ran
+    assert names(offline)[-1] == ["sharegpt-turns", "code-short", "sharegpt-eval"]  # nothing after the phase ran
 
 
 # ---- the subprocess runner (real subprocesses; none depends on how fast they run) -------------------------------

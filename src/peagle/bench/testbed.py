@@ -17,14 +17,16 @@ skipped, so an interrupted build resumes at the step it was in), at H200 scale:
     responses-synth     peagle regenerate of the synthesised prompts, two processes -> data-h200/synth.0/, synth.1/
     responses-code      peagle regenerate of the short code prompts                    -> data-h200/code/
     responses-longcode  peagle regenerate --exclude-overlap of the long code prompts   -> data-h200/longcode/
-    heads               two `peagle train` processes started together on the same data with the same --time-limit:
-                        EAGLE-3 and P-EAGLE                           -> heads/h200/eagle3/final/, peagle/final/
+    responses-eval      peagle regenerate --eval-set of 256 first turns of ShareGPT's held-out split: the
+                        evaluation set, never trained on                                -> data-h200/eval/
+    heads               two `peagle train` processes started together on the same data with the same --time-limit,
+                        the evaluation set scored apart (--eval-data): EAGLE-3 and P-EAGLE                           -> heads/h200/eagle3/final/, peagle/final/
 
 The data steps run in two phases (PHASES, the schedule of the device script's `data` stage), each a set of lanes
 side by side, a lane's steps one after another:
 
     chat-data   [responses-sharegpt]  |  [synthesize, then responses-synth]
-    code-data   [responses-code]      |  [responses-longcode]
+    code-data   [responses-code]      |  [responses-longcode]  |  [responses-eval]
 
 A source answered by several processes gives each its own --out directory and, at H200 scale, a fixed
 --num-kv-blocks (a second engine on the same GPU cannot size its cache from free memory fairly); `peagle train
@@ -90,6 +92,7 @@ LONGCODE_BENCHMARK = Path(datasets.__file__).resolve().parent / "data" / "longco
 STOP_GRACE_S = 30.0
 LOG_TAIL_LINES = 15
 METHODS = ("eagle3", "peagle")
+EVAL = "eval"  # the evaluation set's source name
 # How often a phase's lanes and their waits look whether the build was interrupted.
 INTERRUPT_POLL_S = 0.5
 
@@ -174,6 +177,8 @@ class Testbed:
                            BUILD_LONGCODE)
             code = []
         self.sources.update({source: prompts / name for source, name in code})
+        if scale.eval_prompts:  # a source of evaluation data only: never in training_data()
+            self.sources[EVAL] = prompts / "sharegpt-eval.jsonl.gz"
         self.data: dict[str, tuple[Path, ...]] = {}  # data source -> its `peagle regenerate` directories, by part
         for source, file in self.sources.items():
             if source != "sharegpt":
@@ -214,7 +219,7 @@ class Testbed:
                       self._command_step("model", (p["model"],), limits["model"], lambda: convert)]
         else:
             steps.append(Step("tiny-model", (p["model"],), limits["tiny-model"], _quiet(self._write_tiny_model)))
-        written = tuple(file for source, file in self.sources.items() if source != "synth")
+        written = tuple(file for source, file in self.sources.items() if source != "synth")  # by `prompts`
         steps.append(self._command_step("prompts", written, limits["prompts"], self.prompt_commands))
         if "synth" in self.sources:
             steps.append(self._command_step("synthesize", (self.sources["synth"],), limits["synthesize"],
@@ -271,6 +276,12 @@ class Testbed:
             commands.append(Command("longcode", (*code, "--min-tokens", "1024", "--tokenizer", str(self.paths["model"]),
                                                  "--out", str(_partial(out))),
                                     out, log=logs / "longcode.log", partial=_partial(out)))
+        if EVAL in self.sources:
+            out = self.sources[EVAL]
+            commands.append(Command("sharegpt-eval", (
+                sys.executable, "-m", "peagle.training.data_sources", "sharegpt", str(self.paths["sharegpt"]), str(out),
+                "--split", "test", "--first-turns", "--last", str(self.scale.eval_prompts)), out,
+                log=logs / "sharegpt-eval.log"))
         return commands
 
     def synthesize_commands(self) -> list[Command]:
@@ -293,6 +304,7 @@ class Testbed:
             # A few standard-library files share a 23-word run (a licence, a docstring) with the long-code
             # benchmark set: those prompts are dropped, not the file refused.
             "longcode": (8192, ["--exclude-overlap"]),
+            EVAL: (4096, ["--eval-set"]),
         }[source]
         max_tokens = scale.max_tokens
         if source == "longcode":
@@ -313,7 +325,11 @@ class Testbed:
     def training_data(self) -> list[Path]:
         """The data directories that hold documents, by source and part (a process stopped before its first shard
         adds nothing)."""
-        return [out for outs in self.data.values() for out in outs if _data_totals(out)[0]]
+        return [out for source, outs in self.data.items() if source != EVAL for out in outs if _data_totals(out)[0]]
+
+    def evaluation_data(self) -> list[Path]:
+        """The evaluation set's directory, when it holds documents (the trainers score it apart)."""
+        return [out for out in self.data.get(EVAL, ()) if _data_totals(out)[0]]
 
     def train_commands(self) -> list[Command]:
         """Both heads on the same data directories with the same time limit, the ones not trained yet."""
@@ -324,11 +340,14 @@ class Testbed:
         if methods and not data:
             raise TestbedStepError(f"no data directory of {self.dir} holds documents: every data step produced "
                                    "nothing; give the responses steps more time (Scale) and rerun")
+        evaluation = self.evaluation_data() if methods else []
+        evaluation = ["--eval-data", *map(str, evaluation)] if evaluation else []
         commands = []
         for method in methods:
             run = self.paths[f"{method}_run"]
             resume = ["--resume"] if complete_checkpoints(run / CHECKPOINTS) else []
-            argv = _peagle_argv("train", "--target", str(self.paths["model"]), "--data", *map(str, data), "--method",
+            argv = _peagle_argv("train", "--target", str(self.paths["model"]), "--data", *map(str, data), *evaluation,
+                                "--method",
                                 method, "--out", str(run), *self.scale.train_args,
                                 *getattr(self.scale, f"{method}_args"), "--time-limit", f"{self.scale.train_minutes:g}",
                                 *resume)

@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 # lanes at once. A phase starts after the step before it has finished; the step after it waits for all its lanes.
 PHASES: dict[str, tuple[tuple[str, ...], ...]] = {
     "chat-data": (("responses-sharegpt",), ("synthesize", "responses-synth")),
-    "code-data": (("responses-code",), ("responses-longcode",)),
+    "code-data": (("responses-code",), ("responses-longcode",), ("responses-eval",)),
 }
 
 
@@ -34,6 +34,10 @@ class Scale:
     synth_count: int = 30_000  # prompts asked of `peagle synthesize` (at H200 scale its time limit ends it first)
     synth_args: tuple[str, ...] = ("--max-tokens", "128")  # further `peagle synthesize` arguments
     code_prompts: int = 20_000  # short code prompts at most (the standard library gives under a thousand)
+    # The evaluation set, never trained on: the target's answers to the last N first turns of ShareGPT's held-out
+    # split, which the trainers score apart (`--eval-data`): prompts unlike the training sources', as the
+    # benchmarks' are. 0: none.
+    eval_prompts: int = 256
     code_root: str = ""  # the part of the standard library they are read from ("": all of it)
     long_code: bool = True  # long code prompts (1K-8K tokens, the standard library's files) for 8K packs
     max_tokens: int = 512  # answer length per turn
@@ -60,6 +64,7 @@ class Scale:
     synth_responses_s: float
     code_responses_s: float
     long_code_responses_s: float
+    eval_responses_s: float
     train_minutes: float  # --time-limit of both trainers
     train_overhead_s: float  # the trainers' start-up (target, data) and final evaluation and save
     budget_s: float | None = None  # the step limits must sum to at most this (None: no budget)
@@ -69,9 +74,11 @@ class Scale:
             raise ValueError(f"Scale.target must be 'smollm2' or 'tiny', got {self.target!r}")
         if self.conversations is not None and self.conversations < 1:
             raise ValueError(f"Scale.conversations must be >= 1 or None, got {self.conversations}")
-        if self.max_turns < 1 or self.synth_count < 0 or self.code_prompts < 0 or self.max_tokens < 1:
-            raise ValueError(f"Scale {self.name}: max_turns and max_tokens must be >= 1, synth_count and code_prompts "
-                             f">= 0; got {self.max_turns}, {self.max_tokens}, {self.synth_count}, {self.code_prompts}")
+        if (self.max_turns < 1 or self.synth_count < 0 or self.code_prompts < 0 or self.eval_prompts < 0
+                or self.max_tokens < 1):
+            raise ValueError(f"Scale {self.name}: max_turns and max_tokens must be >= 1, synth_count, code_prompts "
+                             f"and eval_prompts >= 0; got {self.max_turns}, {self.max_tokens}, {self.synth_count}, "
+                             f"{self.code_prompts}, {self.eval_prompts}")
         if self.long_code_max_tokens is not None and self.long_code_max_tokens < 1:
             raise ValueError(f"Scale {self.name}: long_code_max_tokens must be >= 1 or None, got "
                              f"{self.long_code_max_tokens}")
@@ -104,6 +111,8 @@ class Scale:
             limits["responses-code"] = self.code_responses_s
         if self.long_code:
             limits["responses-longcode"] = self.long_code_responses_s
+        if self.eval_prompts:
+            limits["responses-eval"] = self.eval_responses_s
         limits["heads"] = 60 * self.train_minutes + self.train_overhead_s
         return limits
 
@@ -124,7 +133,8 @@ def h200_scale() -> Scale:
     """One H200, from the GGUF to both trained heads within 20 minutes: every turn of ShareGPT's train split (as
     many conversations as 160 s allow), side by side with self-synthesised prompts (45 s) and their answers (110
     s), ShareGPT and the synthesised prompts two processes each; then short and long standard-library code prompts
-    side by side (50 s); answers of up to 256 tokens; then EAGLE-3 (1 layer, K_train 7) and P-EAGLE (4 layers,
+    side by side (50 s), beside them the evaluation set (256 held-out first turns, 40 s); answers of up to 256
+    tokens; then EAGLE-3 (1 layer, K_train 7) and P-EAGLE (4 layers,
     K_train 8) trained side by side on 8K packs for 11 minutes each with `peagle train`'s default recipe over the
     target's whole vocabulary. Wall limits: 30 + 30 + 60 + 60 s before the data, 160 + 50 s of data, 780 s for the
     heads: 19.5 minutes. The commands and the data schedule follow the device script's `data` and `train` stages
@@ -133,7 +143,8 @@ def h200_scale() -> Scale:
                  max_tokens=H200_ANSWER_TOKENS, long_code_max_tokens=H200_ANSWER_TOKENS,
                  train_args=(*TRAIN_ARGS, *H200_TRAIN_ARGS), download_s=600,
                  unpack_s=30, model_s=60, prompts_s=60, synthesize_s=45, sharegpt_s=160, synth_responses_s=110,
-                 code_responses_s=50, long_code_responses_s=50, train_minutes=11, train_overhead_s=120,
+                 code_responses_s=50, long_code_responses_s=50, eval_responses_s=40, train_minutes=11,
+                 train_overhead_s=120,
                  budget_s=20 * 60)
 
 
@@ -144,10 +155,11 @@ def smoke_scale() -> Scale:
     return Scale(name="smoke", target="tiny", device_args=("--dtype", "float32", "--device", "cpu"),
                  conversations=16, max_turns=2, synth_count=8,
                  synth_args=("--max-tokens", "16", "--max-num-seqs", "16"),
-                 code_prompts=8, code_root="json", long_code=False, max_tokens=16, max_model_len=512,
+                 code_prompts=8, code_root="json", long_code=False, eval_prompts=4, max_tokens=16, max_model_len=512,
                  regenerate_args=("--batch-size", "16"), train_args=("--steps", "2", "--max-length", "256"),
                  download_s=600, unpack_s=60, model_s=120, prompts_s=120, synthesize_s=120, sharegpt_s=120,
-                 synth_responses_s=120, code_responses_s=120, long_code_responses_s=120, train_minutes=2,
+                 synth_responses_s=120, code_responses_s=120, long_code_responses_s=120, eval_responses_s=120,
+                 train_minutes=2,
                  train_overhead_s=120)
 
 

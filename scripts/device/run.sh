@@ -225,7 +225,7 @@ case "$stage" in
     # The evaluation set (never trained on): the target's answers to the last 256 first turns of ShareGPT's held-out
     # split (python -m peagle.training.data_sources sharegpt --split test --first-turns --last 256), prompts of
     # another distribution than the training sources', as the benchmarks' are; the trainers score it apart.
-    [ -f .gpu/sharegpt_eval_first_turns.jsonl.gz ] && regen data-eval ${EVAL_REGEN_SECS:-40} --eval-set \
+    [ -f .gpu/sharegpt_eval_first_turns.jsonl.gz ] && regen data-eval ${EVAL_REGEN_SECS:-40} --eval-set --exclude-overlap \
       --prompts .gpu/sharegpt_eval_first_turns.jsonl.gz --max-tokens $answer --max-model-len 4096 &
     wait
     tail -n 2 "$W"/synth.log "$W"/data-*.log | grep -v "^$" | cut -c1-420 || true

@@ -215,12 +215,16 @@ def test_data_commands_refuse_benchmark_prompts(tiny_hf_checkpoint, tmp_path):
 def test_sharegpt_command_writes_an_evaluation_set_of_held_out_first_turns(tmp_path):
     from peagle.training.data_sources import main, open_text
 
-    test_ids = [c for c in (f"c{i}" for i in range(1000)) if datasets.sharegpt_split_of(c) == "test"][:3]
+    test_ids = [c for c in (f"c{i}" for i in range(1000)) if datasets.sharegpt_split_of(c) == "test"][:5]
     train_id = next(c for c in (f"c{i}" for i in range(1000)) if datasets.sharegpt_split_of(c) == "train")
     records = [{"id": cid, "conversations": [{"from": "human", "value": f"first {cid}"},
                                              {"from": "gpt", "value": "answer"},
                                              {"from": "human", "value": f"second {cid}"}]}
-               for cid in [test_ids[0], train_id, *test_ids[1:]]]
+               for cid in [test_ids[0], train_id, *test_ids[1:3]]]
+    mtbench = json.loads((resources.files("peagle.bench") / "data" / "mtbench_question.jsonl").read_text()
+                         .splitlines()[0])["turns"][0]
+    records += [{"id": test_ids[3], "conversations": [{"from": "human", "value": mtbench}]},  # a benchmark prompt
+                {"id": test_ids[4], "conversations": [{"from": "human", "value": "x " * 7000}]}]  # too long
     src = tmp_path / "sharegpt.json"
     src.write_text(json.dumps(records))
     out = tmp_path / "eval.jsonl.gz"
@@ -228,7 +232,7 @@ def test_sharegpt_command_writes_an_evaluation_set_of_held_out_first_turns(tmp_p
     with open_text(out) as f:
         rows = [json.loads(line) for line in f]
     assert rows == [{"id": f"sharegpt-{cid}", "messages": [{"role": "user", "content": f"first {cid}"}]}
-                    for cid in test_ids[1:]]  # the split's last two, their first turns only
+                    for cid in test_ids[1:3]]  # the split's last two kept, their first turns only
     with pytest.raises(SystemExit):
         main(["sharegpt", str(src), str(out), "--last", "0"])
 

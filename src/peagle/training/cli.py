@@ -46,6 +46,9 @@ def register(subparsers) -> None:
     regen.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                        help="the engine schedules each step while the GPU runs the one before (the same greedy "
                             "output; on by default, as in `peagle serve`)")
+    regen.add_argument("--prefill-cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                       help="steps that prefill (up to 2048 tokens and 16 requests) replay CUDA graphs, as in "
+                            "`peagle serve` (the same output; on by default)")
     regen.add_argument("--speculative-config", type=_json_object,
                        help='speculate while generating (same output, faster), e.g. '
                             '\'{"method": "eagle3", "model": "HEAD", "num_speculative_tokens": 7}\'')
@@ -107,12 +110,13 @@ def register(subparsers) -> None:
     train.add_argument("--keep-checkpoints", type=int, default=2, help="most recent checkpoints kept")
     train.add_argument("--eval-fraction", type=float, default=0.01, help="documents held out (default 1%%)")
     train.add_argument("--max-eval-documents", type=int, default=64,
-                       help="held-out documents at most, shared out between the --data sources; also the most "
-                            "documents read from each --eval-data directory (default 64)")
+                       help="held-out documents at most, shared out between the --data sources (default 64)")
     train.add_argument("--eval-data", type=Path, nargs="+", default=(), metavar="DIR",
                        help="data directories evaluated beside the held-out documents and never trained on (e.g. "
                             "`peagle regenerate --eval-set` of ShareGPT's held-out split: prompts unlike the "
                             "training sources', as the benchmarks' are); their walk is logged as eval_data")
+    train.add_argument("--max-eval-data-documents", type=int, default=256, metavar="N",
+                       help="documents read from each --eval-data directory at most (default 256)")
     train.add_argument("--walk-max-tokens", type=int, default=256, metavar="N",
                        help="the held-out walk (walk_al) covers the first N tokens of each response, as serving with "
                             "max_tokens N does: a small target's greedy answers end in loops that inflate it past "
@@ -180,7 +184,7 @@ def _regenerate(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, multi_turn=args.multi_turn,
         max_turns=args.max_turns, exclude_overlap=args.exclude_overlap, part=args.part,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-        async_scheduling=args.async_scheduling, eval_set=args.eval_set,
+        async_scheduling=args.async_scheduling, prefill_cuda_graphs=args.prefill_cuda_graphs, eval_set=args.eval_set,
     )
     docs = sum(s["num_documents"] for s in manifest.shards)
     tokens = sum(s["num_tokens"] for s in manifest.shards)
@@ -207,7 +211,8 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         steps=args.steps, epochs=args.epochs, batch_size=args.batch_size, grad_accum=args.grad_accum,
         schedule=args.schedule, max_grad_norm=args.max_grad_norm, save_every=args.save_every,
         eval_every=args.eval_every, keep_checkpoints=args.keep_checkpoints, eval_fraction=args.eval_fraction,
-        max_eval_documents=args.max_eval_documents, eval_data=args.eval_data, walk_max_tokens=args.walk_max_tokens,
+        max_eval_documents=args.max_eval_documents, eval_data=args.eval_data,
+        max_eval_data_documents=args.max_eval_data_documents, walk_max_tokens=args.walk_max_tokens,
         loss_chunk=args.loss_chunk, seed=args.seed,
         resume=args.resume, init=args.init, draft_vocab_size=args.draft_vocab_size,
         aux_layer_ids=tuple(args.aux_layer_ids) if args.aux_layer_ids else None, feature_cache=args.feature_cache,

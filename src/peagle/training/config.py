@@ -45,6 +45,7 @@ class TrainConfig:
     max_eval_documents: int = 64
     # directories evaluated apart and never trained on (their walk is the eval row's `eval_data`)
     eval_data: tuple[Path, ...] = ()
+    max_eval_data_documents: int = 256  # documents read from each --eval-data directory at most
     # the held-out walk covers the first N tokens of each response (the benchmarks' max_tokens); 0: whole responses
     walk_max_tokens: int = 256
     loss_chunk: int = 4096
@@ -67,13 +68,14 @@ class TrainConfig:
         if not dirs:
             raise ValueError("--data needs at least one data directory")
         object.__setattr__(self, "data", tuple(Path(d) for d in dirs))
-        object.__setattr__(self, "eval_data", tuple(Path(d) for d in self.eval_data))
+        evaluation = (self.eval_data,) if isinstance(self.eval_data, (str, Path)) else tuple(self.eval_data)
+        object.__setattr__(self, "eval_data", tuple(Path(d) for d in evaluation))
         both = {d.resolve() for d in self.data} & {d.resolve() for d in self.eval_data}
         if both:
             raise ValueError(f"{', '.join(sorted(map(str, both)))} given as both --data and --eval-data: a directory "
                              "is trained on or evaluated apart, not both")
-        if self.max_eval_documents < 1 and self.eval_data:
-            raise ValueError(f"--max-eval-documents must be at least 1 with --eval-data, got {self.max_eval_documents}")
+        if self.max_eval_data_documents < 1:
+            raise ValueError(f"--max-eval-data-documents must be at least 1, got {self.max_eval_data_documents}")
         if not 0.0 <= self.feature_noise < float("inf"):
             raise ValueError(f"--feature-noise must be a non-negative standard deviation, got {self.feature_noise}")
         if self.profile_steps < 0:

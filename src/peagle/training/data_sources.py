@@ -198,10 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     sharegpt.add_argument("out", type=Path, help="JSON Lines file (.gz: compressed)")
     sharegpt.add_argument("--split", choices=("train", "test"), default="train")
     sharegpt.add_argument("--first-turns", action="store_true",
-                          help="each conversation's first human turn only (the benchmark 'sharegpt' set's form)")
+                          help="each conversation's first human turn only, at most as long as the benchmark "
+                               "'sharegpt' set's prompts (its form)")
     sharegpt.add_argument("--last", type=int, metavar="N",
                           help="the split's last N conversations only (an evaluation set beside the benchmark "
-                               "'sharegpt' set, which reads the held-out split from its start)")
+                               "'sharegpt' set, which reads the held-out split from its start: the two share no "
+                               "prompt while the benchmark's --num-prompts stays below the split's size minus N)")
     args = parser.parse_args(argv)
     if args.last is not None and args.last < 1:
         parser.error(f"--last must be at least 1, got {args.last}")
@@ -210,14 +212,18 @@ def main(argv: list[str] | None = None) -> int:
     records = read_sharegpt(args.sharegpt_json)
     conversations = sharegpt_conversations(records, args.split)
     if args.first_turns:
-        conversations = [{**c, "messages": c["messages"][:1]} for c in conversations]
+        from peagle.bench.datasets import SHAREGPT_MAX_PROMPT_CHARS
+
+        conversations = [{**c, "messages": c["messages"][:1]} for c in conversations
+                         if len(c["messages"][0]["content"]) <= SHAREGPT_MAX_PROMPT_CHARS]
+    # Prompts overlapping a benchmark set are dropped from either split (the held-out split is an evaluation set's
+    # source: it is kept, never trained on).
+    guard = BenchmarkGuard.builtin(args.sharegpt_json)
+    keep = guard.check([(c["id"], [m["content"] for m in c["messages"]]) for c in conversations],
+                       str(args.sharegpt_json), drop=True, allow_held_out=args.split == "test")
+    conversations = [conversations[i] for i in keep]
     if args.last is not None:
         conversations = conversations[-args.last:]
-    if args.split == "train":
-        guard = BenchmarkGuard.builtin(args.sharegpt_json)
-        keep = guard.check([(c["id"], [m["content"] for m in c["messages"]]) for c in conversations],
-                           str(args.sharegpt_json), drop=True)
-        conversations = [conversations[i] for i in keep]
     n = write_jsonl(args.out, conversations)
     turns = sum(len(c["messages"]) for c in conversations)
     print(f"wrote {n} {args.split}-split conversations ({turns} human turns) to {args.out}")

@@ -215,7 +215,7 @@ class Feeder:
 
 def make_engine(model: Path, *, speculative_config: dict | None, dtype: str, device: str | None,
                 max_model_len: int, max_num_seqs: int, seed: int = 0, num_kv_blocks: int | None = None,
-                gpu_memory_utilization: float = 0.9, async_scheduling: bool = True):
+                gpu_memory_utilization: float = 0.9, async_scheduling: bool = True, prefill_cuda_graphs: bool = True):
     from peagle import LLM
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -223,7 +223,7 @@ def make_engine(model: Path, *, speculative_config: dict | None, dtype: str, dev
     llm = LLM(model=str(model), speculative_config=speculative_config, dtype=dtype, device=device,
               max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed, num_kv_blocks=num_kv_blocks,
               gpu_memory_utilization=gpu_memory_utilization, async_scheduling=async_scheduling,
-              max_num_batched_tokens=max(max_model_len, PREFILL_TOKENS, max_num_seqs * (k + 1)))
+              prefill_cuda_graphs=prefill_cuda_graphs, max_num_batched_tokens=max(max_model_len, PREFILL_TOKENS, max_num_seqs * (k + 1)))
     return llm.engine
 
 
@@ -361,6 +361,7 @@ def regenerate(
     num_kv_blocks: int | None = None,
     gpu_memory_utilization: float = 0.9,
     async_scheduling: bool = True,
+    prefill_cuda_graphs: bool = True,
     eval_set: bool = False,
 ) -> Manifest:
     """Answers the prompts with the target and writes shards + manifest to `out`; resumes a previous run there.
@@ -405,7 +406,8 @@ def regenerate(
     max_model_len = max_model_len or ModelConfig.from_dir(model).max_position_embeddings
     engine = make_engine(model, speculative_config=speculative_config, dtype=dtype, device=device,
                          max_model_len=max_model_len, max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks,
-                         gpu_memory_utilization=gpu_memory_utilization, async_scheduling=async_scheduling)
+                         gpu_memory_utilization=gpu_memory_utilization, async_scheduling=async_scheduling,
+                         prefill_cuda_graphs=prefill_cuda_graphs)
     progress = tqdm(total=len(conversations), initial=start, desc="regenerating", unit=" prompts")
     writer = _ShardWriter(out, manifest, start, len(conversations), batch_size, progress)
     job = _Regeneration(tokenizer, writer, max_tokens, max_model_len, max_turns)

@@ -672,7 +672,7 @@ def build_trainer(cfg: TrainConfig, dist: DistContext) -> Trainer:
     train_docs, held_docs, held_source = split_sources(cfg.data, tokenizer, target_config.vocab_size,
                                                        cfg.eval_fraction, cfg.max_eval_documents, cfg.seed)
     eval_docs, eval_source = read_eval_data(cfg.eval_data, tokenizer, target_config.vocab_size,
-                                            cfg.max_eval_documents, train_docs)
+                                            cfg.max_eval_data_documents, train_docs)
     logger.info("%d training documents, %d held out%s", len(train_docs), len(held_docs),
                 f", {len(eval_docs)} of --eval-data" if eval_docs else "")
     target = load_model(cfg.target, "bfloat16" if dist.device.type == "cuda" else "float32", dist.device)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One script for the GPU machine: builds, checks and times peagle in stages that fit one call each.
-#   bash scripts/device/run.sh STAGE  (STAGE: stage_a | gpu_tests | throughput | engine | data | train | wait | heads | walk |
+#   bash scripts/device/run.sh STAGE  (STAGE: stage_a | kernels | gpu_tests | throughput | engine | data | train | wait | heads | walk |
 #                                      check | ablate |
 #                                      stage_b | bench | bench2 | final | scale | teacher)
 # Large inputs travel in ignored folders named by the caller (.stage_a, .stage_b: halves of the testbed GGUF;
@@ -8,7 +8,8 @@
 # against). Everything built lives under $W (kept while the machine stays warm); results are copied to $OUT.
 # The next session's plan (run 8), one call each, back to back; fire them one at a time (a failed call must not
 # start the next), from a tree no one is editing (the device gets a copy of the working tree, uncommitted edits too):
-#   stage_a                                                         carry .stage_a .whl (the tree must stay < 6 MiB)
+#   stage_a && kernels                                              carry .stage_a .whl (the tree must stay < 6 MiB)
+#        (issue 16: the GEMV against cuBLAS per projection, about a minute, before the GPU is shared)
 #   data && TRAIN_MIN=8 HEADS="peagle peagle-b eagle3" TRAIN_ARGS="--draft-vocab-size 0" PEAGLE_B_ARGS="--depth-decay 1"
 #        train            carry .stage_b .whl .gpu   (run 7's data stage, now the default answers of 256 tokens, plus
 #        the evaluation set of ShareGPT's held-out first turns, which the trainers score apart as eval_data; a
@@ -154,6 +155,11 @@ case "$stage" in
     ;;
   gpu_tests)
     $py -m pytest tests/gpu -q 2>&1 | tee "$OUT/gpu_tests.log"
+    ;;
+  kernels)
+    # Issue 16: the small-batch GEMV against cuBLAS per decoder projection (testbed and 8B shapes, M = 1, 8, 64),
+    # each replayed from a CUDA graph; no model needed, so it fits beside stage_a on an idle GPU.
+    timeout ${KERNELS_SECS:-120} $py scripts/device/gemv_timing.py "$OUT/gemv_timing.json" 2>&1 | tail -30 || true
     ;;
   throughput)
     # Training throughput: the trainer of an earlier tree (.old/src) against today's, each run alone on the GPU,

@@ -363,8 +363,8 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
     for f in "$W"/ab-*/train_log.jsonl; do
       name=$(basename "$(dirname "$f")"); cp "$f" "$OUT/$name.jsonl"
       $py -c "import json; r=[json.loads(l) for l in open('$f')]; e=[x for x in r if x['kind']=='eval'][-1];
-t=[x for x in r if x['kind']=='train']; print('$name', 'steps', t[-1]['step'], 'walk_al', e['walk_al'].get('7'),
-'sim_al', e['sim_al'].get('7'), 'acc', e['acc'][:4], 'eval_data walk_al', e.get('eval_data', {}).get('walk_al', {}).get('7'))" || true
+t=[x for x in r if x['kind']=='train']; print('$name', 'steps', t[-1]['step'], 'walk_al', e.get('walk_al', {}).get('7'),
+'sim_al', e.get('sim_al', {}).get('7'), 'acc', e.get('acc', [])[:4], 'eval_data walk_al', e.get('eval_data', {}).get('walk_al', {}).get('7'))" || true
     done
     ;;
   stage_b)

@@ -244,6 +244,14 @@ def test_prefill_cuda_graphs_config_and_cli(target_dir):
     assert parse(["serve", "m", "--no-prefill-cuda-graphs"]).prefill_cuda_graphs is False
     llm = LLM(model=str(target_dir), device="cpu", dtype="float32", max_model_len=96, prefill_cuda_graphs=True)
     assert llm.engine.config.prefill_cuda_graphs and llm.engine.runner.general_graphs is None  # CUDA only
+    # `peagle regenerate` takes the option too, and hands it to its engine.
+    from peagle.training.regenerate import make_engine
+
+    regen = ["regenerate", "--model", "m", "--prompts", "p", "--out", "o"]
+    assert parse(regen).prefill_cuda_graphs is True and parse([*regen, "--no-prefill-cuda-graphs"]).prefill_cuda_graphs is False
+    engine = make_engine(target_dir, speculative_config=None, dtype="float32", device="cpu", max_model_len=96,
+                         max_num_seqs=4, prefill_cuda_graphs=False)
+    assert engine.config.prefill_cuda_graphs is False
 
 
 def check_attention_at_the_bucket(num_splits):

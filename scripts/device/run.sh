@@ -14,7 +14,9 @@
 #        train            carry .stage_b .whl .gpu   (run 7's data stage, now the default answers of 256 tokens, plus
 #        the evaluation set of ShareGPT's held-out first turns, which the trainers score apart as eval_data; a
 #        P-EAGLE A/B at the full budget: the defaults against no depth decay, for the deep positions that P-EAGLE's
-#        K=7 / K=3 and P-EAGLE / EAGLE-3 goals need; three trainers share the GPU)
+#        K=7 / K=3 and P-EAGLE / EAGLE-3 goals need; three trainers share the GPU. The first GPU run of `peagle
+#        regenerate` with async scheduling and prefill graphs on: if its logs show an error, the fallback is
+#        REGEN_EXTRA="--no-async-scheduling --no-prefill-cuda-graphs", run 7's way)
 #   HEADS="peagle peagle-b eagle3" WAIT_SECS=560 wait
 #   HEADS="peagle peagle-b eagle3" WAIT_SECS=120 wait && HEADS="peagle peagle-b eagle3" HEADS_N=24 HEADS_K=3,7,11 heads
 #        (served AL of all three, GPU idle; `wait` says "still running" rather than wait past its limit)

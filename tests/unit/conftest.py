@@ -9,6 +9,7 @@ Both are built once per session and cached by their arguments: treat them as rea
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -303,3 +304,15 @@ def config_only_checkpoint(tmp_path_factory):
         return d
 
     return make
+
+
+@pytest.fixture(scope="session")
+def repo_script():
+    """`repo_script("plot_training")`: the module of scripts/plot_training.py (the scripts are not a package)."""
+    def load(name: str):
+        path = Path(__file__).parents[2] / "scripts" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    return load

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import itertools
 import json
 import os
 import signal
 from importlib import resources
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -248,16 +246,8 @@ def test_sharegpt_conversations_and_normalised_text():
         {"id": "sharegpt-x", "messages": [{"role": "user", "content": "q1"}, {"role": "user", "content": "q2"}]}]
 
 
-def _build_longcode():
-    path = Path(__file__).parents[2] / "scripts" / "build_longcode.py"
-    spec = importlib.util.spec_from_file_location("build_longcode", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_short_code_prompts_ask_about_installed_functions_but_not_benchmark_packages(tmp_path):
-    build = _build_longcode()
+def test_short_code_prompts_ask_about_installed_functions_but_not_benchmark_packages(tmp_path, repo_script):
+    build = repo_script("build_longcode")
     code = ('def scale(values, factor):\n    """Multiply every value by factor and return the new list."""\n'
             '    out = []\n    for v in values:\n        out.append(v * factor)\n    return out\n')
     root = tmp_path / "site"

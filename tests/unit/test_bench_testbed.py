@@ -228,7 +228,8 @@ def test_h200_plan_uses_every_data_source_and_trains_both_heads_side_by_side(off
     assert {arg(argv, "--max-tokens") for argv in regenerate.values()} == {"256"}
     assert all("--exclude-overlap" not in regenerate[s] for s in ("sharegpt", "synth", "code"))
     assert "--exclude-overlap" in regenerate["eval"]  # a held-out prompt overlapping a benchmark is dropped
-    assert "--eval-set" in regenerate["eval"] and all("--eval-set" not in regenerate[s] for s in commands if s != "eval")
+    assert "--eval-set" in regenerate["eval"]
+    assert all("--eval-set" not in regenerate[s] for s in commands if s != "eval")
 
     # The two big sources: two processes each, on the two halves of the same prompts, each its own directory and log.
     for source in ("sharegpt", "synth"):

@@ -248,7 +248,8 @@ def test_prefill_cuda_graphs_config_and_cli(target_dir):
     from peagle.training.regenerate import make_engine
 
     regen = ["regenerate", "--model", "m", "--prompts", "p", "--out", "o"]
-    assert parse(regen).prefill_cuda_graphs is True and parse([*regen, "--no-prefill-cuda-graphs"]).prefill_cuda_graphs is False
+    assert parse(regen).prefill_cuda_graphs is True
+    assert parse([*regen, "--no-prefill-cuda-graphs"]).prefill_cuda_graphs is False
     engine = make_engine(target_dir, speculative_config=None, dtype="float32", device="cpu", max_model_len=96,
                          max_num_seqs=4, prefill_cuda_graphs=False)
     assert engine.config.prefill_cuda_graphs is False

@@ -21,7 +21,8 @@ skipped, so an interrupted build resumes at the step it was in), at H200 scale:
     responses-eval      peagle regenerate --eval-set of 256 first turns of ShareGPT's held-out split: the
                         evaluation set, never trained on                                -> data-h200/eval/
     heads               two `peagle train` processes started together on the same data with the same --time-limit,
-                        the evaluation set scored apart (--eval-data): EAGLE-3 and P-EAGLE                           -> heads/h200/eagle3/final/, peagle/final/
+                        the evaluation set scored apart (--eval-data): EAGLE-3 and P-EAGLE
+                                                                -> heads/h200/eagle3/final/, peagle/final/
 
 The data steps run in two phases (PHASES, the schedule of the device script's `data` stage), each a set of lanes
 side by side, a lane's steps one after another:

@@ -34,12 +34,12 @@ class Scale:
     synth_count: int = 30_000  # prompts asked of `peagle synthesize` (at H200 scale its time limit ends it first)
     synth_args: tuple[str, ...] = ("--max-tokens", "128")  # further `peagle synthesize` arguments
     code_prompts: int = 20_000  # short code prompts at most (the standard library gives under a thousand)
+    code_root: str = ""  # the part of the standard library they are read from ("": all of it)
+    long_code: bool = True  # long code prompts (1K-8K tokens, the standard library's files) for 8K packs
     # The evaluation set, never trained on: the target's answers to the last N first turns of ShareGPT's held-out
     # split, which the trainers score apart (`--eval-data`): prompts unlike the training sources', as the
     # benchmarks' are. 0: none.
     eval_prompts: int = 256
-    code_root: str = ""  # the part of the standard library they are read from ("": all of it)
-    long_code: bool = True  # long code prompts (1K-8K tokens, the standard library's files) for 8K packs
     max_tokens: int = 512  # answer length per turn
     long_code_max_tokens: int | None = None  # the long code prompts' answer length (None: half of max_tokens)
     max_model_len: int | None = None  # caps each source's context (4K chats and code, 2K synthesised, 8K long code)
@@ -134,9 +134,8 @@ def h200_scale() -> Scale:
     many conversations as 160 s allow), side by side with self-synthesised prompts (45 s) and their answers (110
     s), ShareGPT and the synthesised prompts two processes each; then short and long standard-library code prompts
     side by side (50 s), beside them the evaluation set (256 held-out first turns, 40 s); answers of up to 256
-    tokens; then EAGLE-3 (1 layer, K_train 7) and P-EAGLE (4 layers,
-    K_train 8) trained side by side on 8K packs for 11 minutes each with `peagle train`'s default recipe over the
-    target's whole vocabulary. Wall limits: 30 + 30 + 60 + 60 s before the data, 160 + 50 s of data, 780 s for the
+    tokens; then EAGLE-3 (1 layer, K_train 7) and P-EAGLE (4 layers, K_train 8) trained side by side on 8K packs for
+    11 minutes each with `peagle train`'s default recipe over the target's whole vocabulary. Wall limits: 30 + 30 + 60 + 60 s before the data, 160 + 50 s of data, 780 s for the
     heads: 19.5 minutes. The commands and the data schedule follow the device script's `data` and `train` stages
     as run 7 ran them, trained 11 minutes instead of 7.5 (short code prompts from the standard library alone here)."""
     return Scale(name="h200", target="smollm2", regenerate_parts=2, num_kv_blocks=40_000,
@@ -144,8 +143,7 @@ def h200_scale() -> Scale:
                  train_args=(*TRAIN_ARGS, *H200_TRAIN_ARGS), download_s=600,
                  unpack_s=30, model_s=60, prompts_s=60, synthesize_s=45, sharegpt_s=160, synth_responses_s=110,
                  code_responses_s=50, long_code_responses_s=50, eval_responses_s=40, train_minutes=11,
-                 train_overhead_s=120,
-                 budget_s=20 * 60)
+                 train_overhead_s=120, budget_s=20 * 60)
 
 
 def smoke_scale() -> Scale:
@@ -159,8 +157,7 @@ def smoke_scale() -> Scale:
                  regenerate_args=("--batch-size", "16"), train_args=("--steps", "2", "--max-length", "256"),
                  download_s=600, unpack_s=60, model_s=120, prompts_s=120, synthesize_s=120, sharegpt_s=120,
                  synth_responses_s=120, code_responses_s=120, long_code_responses_s=120, eval_responses_s=120,
-                 train_minutes=2,
-                 train_overhead_s=120)
+                 train_minutes=2, train_overhead_s=120)
 
 
 SCALES: dict[str, Callable[[], Scale]] = {"h200": h200_scale, "smoke": smoke_scale}

@@ -12,8 +12,8 @@ scheduling the next decode step's int64 inputs are built on the device (`load_ne
 and two small per-request arrays cross, from pinned memory, so the copy does not wait for the step in flight.
 
 General steps (prefills, prefill chunks, prefills beside decodes) replay `GeneralGraphs` when the engine is built
-with `prefill_cuda_graphs` (the default): an eager step of the 30-layer target costs ~13 ms of host launches whatever its size, so
-a short prompt's time to first token was mostly launch cost. See that class for its buckets and padding.
+with `prefill_cuda_graphs` (the default): an eager step of the 30-layer target costs ~13 ms of host launches
+whatever its size, so a short prompt's time to first token was mostly launch cost. See that class for its buckets and padding.
 """
 
 from __future__ import annotations

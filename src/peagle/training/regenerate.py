@@ -223,7 +223,8 @@ def make_engine(model: Path, *, speculative_config: dict | None, dtype: str, dev
     llm = LLM(model=str(model), speculative_config=speculative_config, dtype=dtype, device=device,
               max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed, num_kv_blocks=num_kv_blocks,
               gpu_memory_utilization=gpu_memory_utilization, async_scheduling=async_scheduling,
-              prefill_cuda_graphs=prefill_cuda_graphs, max_num_batched_tokens=max(max_model_len, PREFILL_TOKENS, max_num_seqs * (k + 1)))
+              prefill_cuda_graphs=prefill_cuda_graphs,
+              max_num_batched_tokens=max(max_model_len, PREFILL_TOKENS, max_num_seqs * (k + 1)))
     return llm.engine
 
 

@@ -540,8 +540,8 @@ class Trainer:
             k = str(self.cfg.k_train)
             parts = [f"eval at step {step}:"]
             if "walk_al" in record:
-                parts.append(f"loss {record['loss']:.4f} acc {record['acc'][:4]} walk AL@{k} {record['walk_al'][k]:.3f} "
-                             f"(simulated {record['sim_al'][k]:.3f})")
+                parts.append(f"loss {record['loss']:.4f} acc {record['acc'][:4]} "
+                             f"walk AL@{k} {record['walk_al'][k]:.3f} (simulated {record['sim_al'][k]:.3f})")
             if "eval_data" in record:
                 parts.append(f"--eval-data walk AL@{k} {record['eval_data']['walk_al'][k]:.3f}")
             logger.info("%s", " ".join(parts))
@@ -630,8 +630,10 @@ def read_eval_data(eval_dirs, tokenizer: Tokenizer, vocab_size: int, max_docs: i
     """(documents, source) of the --eval-data directories, the first `max_docs` documents of each; source[i] is
     the index in `eval_dirs` of document i. A document that is also a training document is refused: its score
     would not be held out."""
-    trained = {hash(d.token_ids.numpy().tobytes()) for d in train_docs}
     docs, source = [], []
+    if not eval_dirs:
+        return docs, source
+    trained = {hash(d.token_ids.numpy().tobytes()) for d in train_docs}
     for i, data_dir in enumerate(eval_dirs):
         mine = read_documents(data_dir, tokenizer, vocab_size)[:max_docs]
         shared = sum(hash(d.token_ids.numpy().tobytes()) in trained for d in mine)

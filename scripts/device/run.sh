@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One script for the GPU machine: builds, checks and times peagle in stages that fit one call each.
-#   bash scripts/device/run.sh STAGE  (STAGE: stage_a | kernels | gpu_tests | throughput | engine | data | train | wait | heads | walk |
+#   bash scripts/device/run.sh STAGE  (STAGE: stage_a | kernels | gpu_tests | throughput | buckets | engine | data | train | wait | heads | walk |
 #                                      check | ablate |
 #                                      stage_b | bench | bench2 | final | scale | teacher)
 # Large inputs travel in ignored folders named by the caller (.stage_a, .stage_b: halves of the testbed GGUF;
@@ -185,6 +185,20 @@ case "$stage" in
     timeout ${TP_TIMEOUT:-330} $py scripts/device/train_throughput.py "$W/smollm2" "$OUT/train_throughput.json" \
       --data "$tp_data" --steps ${TP_STEPS:-70} --sync-check "$new" "${profile[@]}" --runs $runs \
       2>&1 | grep -v Warning | tail -12 || true
+    ;;
+  buckets)
+    # Issue 15: the c >= 32 collapse of run 8's sweep (steps that admit a prompt ran eagerly above 16 requests).
+    # Random weights of the testbed's shape (.cfg: its config.json and tokenizer, no weights): the sweep's rows at
+    # c = 16, 32, 64 from an earlier tree (.old/src) and this one, each in its own process on an idle GPU.
+    for tree in ${BUCKET_TREES:-old new}; do
+      src=$PWD/src; [ "$tree" = old ] && src=$PWD/.old/src
+      PYTHONPATH="$src:/tmp/site" timeout ${BUCKET_SECS:-90} $py -m peagle bench --model .cfg --load-format dummy \
+        --draft-peagle dummy --synthetic-acceptance ${BUCKET_RATES:-0.55,0.22,0.12,0.07,0.05,0.02,0.01} \
+        --methods none,peagle --k 7 --concurrency ${BUCKET_C:-16,32,64} --datasets mtbench --max-tokens 128 \
+        --num-prompts 24 --min-waves 3 --min-seconds 5 --max-model-len 4096 --out "$W/buckets-$tree" 2>&1 \
+        | grep -E "^\| (concurrency|[0-9])" || true
+      cp "$W/buckets-$tree/results.json" "$OUT/buckets-$tree.json" 2>/dev/null || true
+    done
     ;;
   engine)
     # Issue 16: the engine's variants side by side (a random P-EAGLE head: a round's cost, not its acceptance):

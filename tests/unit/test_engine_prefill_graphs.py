@@ -213,7 +213,9 @@ def test_buckets():
     assert token_buckets(4096) == [16, 32, 64, 128, 256, 512, 1024, 2048]  # capped: larger steps run eagerly
     assert request_buckets(1) == [1]
     assert request_buckets(3) == [1, 2, 3]
-    assert request_buckets(64) == [1, 2, 4, 8, 16]
+    assert request_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert request_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert request_buckets(256) == [1, 2, 4, 8, 16, 32, 64]  # capped: larger steps run eagerly
 
 
 def test_key_for_edges_and_bounds(target_dir, monkeypatch):

@@ -29,10 +29,11 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # General steps: token buckets are powers of two from 16 up to the step budget, capped (a larger step's compute
-# dwarfs its launch cost, so it runs eagerly); request buckets stop at 16 (eight decodes and new prompts fit).
+# dwarfs its launch cost, so it runs eagerly); request buckets reach 64, the default max_num_seqs: at high
+# concurrency nearly every step admits a new prompt, and an eager step of 32-64 requests costs several graphed ones.
 TOKEN_BUCKET_MIN = 16
 TOKEN_BUCKET_CAP = 2048
-REQUEST_BUCKETS = (1, 2, 4, 8, 16)
+REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MAX_GENERAL_KEYS = 64  # (T, B, K) keys with graphs; steps of further keys run eagerly
 
 

@@ -213,7 +213,7 @@ def test_data_commands_refuse_benchmark_prompts(tiny_hf_checkpoint, tmp_path):
 def test_sharegpt_command_writes_an_evaluation_set_of_held_out_first_turns(tmp_path):
     from peagle.training.data_sources import main, open_text
 
-    test_ids = [c for c in (f"c{i}" for i in range(1000)) if datasets.sharegpt_split_of(c) == "test"][:5]
+    test_ids = [c for c in (f"c{i}" for i in range(1000)) if datasets.sharegpt_split_of(c) == "test"][:6]
     train_id = next(c for c in (f"c{i}" for i in range(1000)) if datasets.sharegpt_split_of(c) == "train")
     records = [{"id": cid, "conversations": [{"from": "human", "value": f"first {cid}"},
                                              {"from": "gpt", "value": "answer"},
@@ -222,7 +222,9 @@ def test_sharegpt_command_writes_an_evaluation_set_of_held_out_first_turns(tmp_p
     mtbench = json.loads((resources.files("peagle.bench") / "data" / "mtbench_question.jsonl").read_text()
                          .splitlines()[0])["turns"][0]
     records += [{"id": test_ids[3], "conversations": [{"from": "human", "value": mtbench}]},  # a benchmark prompt
-                {"id": test_ids[4], "conversations": [{"from": "human", "value": "x " * 7000}]}]  # too long
+                {"id": test_ids[4], "conversations": [{"from": "human", "value": "x " * 7000}]},  # too long
+                {"id": test_ids[5], "conversations": [{"from": "human", "value": "Second, " + train_id}]}]
+    # (the last: a train-split turn too, normalised, so the training data holds it)
     src = tmp_path / "sharegpt.json"
     src.write_text(json.dumps(records))
     out = tmp_path / "eval.jsonl.gz"

@@ -408,6 +408,31 @@ def test_eval_data_is_scored_apart_and_never_trained_on(setup, tmp_path):
     assert both["eval_data"]["rounds"] < scores["rounds"]  # 4 of the 10 documents
 
 
+def test_eval_data_scores_without_the_few_training_documents_it_holds(setup, tmp_path, caplog):
+    # A short prompt ("hi") can be in both an evaluation set and the training data, answered alike: such documents
+    # are left out of the scores, and --max-eval-data-documents counts the rest.
+    from peagle.training.data import read_documents
+
+    checkpoint, data = setup
+    tokenizer, vocab = load_tokenizer(checkpoint), ModelConfig.from_dir(checkpoint).vocab_size
+    fresh = read_documents(write_dataset(tmp_path / "fresh", checkpoint, num_docs=10, seed=5), tokenizer, vocab)
+    trained = read_documents(data, tokenizer, vocab)
+    mixed = tmp_path / "mixed"
+    docs = [trained[3], *fresh[:5], trained[7], *fresh[5:]]
+    mixed.mkdir()
+    write_shard(mixed / "shard-00000.safetensors", docs)
+    Manifest(tokenizer_fingerprint(tokenizer), vocab, "tiny", {},
+             [{"file": "shard-00000.safetensors", "first_prompt": 0, "num_prompts": len(docs),
+               "num_documents": len(docs), "num_tokens": sum(len(d) for d in docs)}]).write(mixed)
+    cpu = DistContext(0, 1, torch.device("cpu"))
+    with caplog.at_level("WARNING"):
+        trainer = build_trainer(_config(checkpoint, data, tmp_path / "out", "--steps", "1", "--eval-data",
+                                        str(mixed), "--max-eval-data-documents", "8"), cpu)
+    assert "2 of its 12 documents are training documents too" in caplog.text
+    lengths = [n for s in trainer.eval_data for n in s.doc_lengths]
+    assert lengths == [len(d) for d in fresh[:8]]
+
+
 def test_eval_data_refusals(setup, tmp_path):
     checkpoint, data = setup
     cpu = DistContext(0, 1, torch.device("cpu"))
@@ -421,7 +446,7 @@ def test_eval_data_refusals(setup, tmp_path):
     copy.mkdir()
     for f in data.iterdir():
         (copy / f.name).write_bytes(f.read_bytes())
-    with pytest.raises(ValueError, match="training documents too"):
+    with pytest.raises(ValueError, match="24 of the 24 documents .* are training documents too"):
         build_trainer(_config(checkpoint, data, tmp_path / "b", "--steps", "1", "--eval-data", str(copy)), cpu)
     # An evaluation set (`peagle regenerate --eval-set`) is never training data.
     manifest = Manifest.read(copy)

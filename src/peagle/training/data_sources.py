@@ -13,7 +13,7 @@
     python -m peagle.training.data_sources sharegpt ShareGPT_V3_unfiltered_cleaned_split.json sharegpt_turns.jsonl.gz
 writes the train split's conversations (human turns only) as JSON Lines for `peagle regenerate --multi-turn`;
 `--split test --first-turns --last 256` the prompts of an evaluation set (`peagle regenerate --eval-set`, then
-`peagle train --eval-data`).
+`peagle train --eval-data`), less those equal to a train-split turn.
 """
 
 from __future__ import annotations
@@ -174,6 +174,17 @@ def sharegpt_conversations(records: Iterable[dict], split: str = "train") -> lis
     return out
 
 
+def without_train_turns(conversations: list[dict], train: Iterable[dict]) -> list[dict]:
+    """`conversations` (held-out ones, an evaluation set's) less those with a turn equal (normalised) to a human
+    turn of `train`: short prompts such as "hi" occur in both splits, and the training data holds every train turn."""
+    seen = {normalise(m["content"]) for c in train for m in c["messages"]}
+    kept = [c for c in conversations if not any(normalise(m["content"]) in seen for m in c["messages"])]
+    if len(kept) < len(conversations):
+        logger.warning("dropped %d held-out conversations with a turn equal to a train-split turn",
+                       len(conversations) - len(kept))
+    return kept
+
+
 def write_jsonl(path: Path, records: Iterable[dict]) -> int:
     """JSON Lines (gzip-compressed for a .gz name, with a fixed header), written whole or not at all."""
     tmp = path.with_name(path.name + ".tmp")
@@ -222,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     keep = guard.check([(c["id"], [m["content"] for m in c["messages"]]) for c in conversations],
                        str(args.sharegpt_json), drop=True, allow_held_out=args.split == "test")
     conversations = [conversations[i] for i in keep]
+    if args.split == "test":
+        conversations = without_train_turns(conversations, sharegpt_conversations(records, "train"))
     if args.last is not None:
         conversations = conversations[-args.last:]
     n = write_jsonl(args.out, conversations)

@@ -270,11 +270,23 @@ def check_gemv(dtype, m, n, k, split_k, bias):
 @pytest.mark.parametrize("dtype,m,n,k,split_k,bias", [
     (torch.float32, 1, 40, 96, 1, False),  # N and K not multiples of the blocks
     (torch.float32, 8, 64, 300, 2, True),  # split-K with a short last slice
-    (torch.bfloat16, 5, 96, 512, None, True),  # the split chosen for the shape
+    (torch.bfloat16, 5, 96, 1100, None, True),  # the split chosen for the shape (4 slices)
     (torch.float16, 19, 33, 260, 3, False),  # more rows than one tile
 ])
 def test_gemv(interpreted, dtype, m, n, k, split_k, bias):
     interpreted(check_gemv, dtype, m, n, k, split_k, bias)
+
+
+def test_gemv_split_k_choice_follows_the_h200_timing(monkeypatch):
+    """The split chosen per projection where it was timed (BENCHMARKS.md run 8, 132 SMs): one slice for the
+    testbed's K = 576 projections, several for K = 1536 and the 8B shape's (the winners of that table)."""
+    gemv = triton_kernels("gemv")
+    monkeypatch.setattr(gemv, "_num_sms", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    testbed = {(960, 576): 1, (576, 576): 1, (3072, 576): 1, (576, 1536): 6}
+    llama8b = {(6144, 4096): 2, (4096, 4096): 3, (28672, 4096): 1, (4096, 14336): 3}
+    assert {nk: gemv.choose_split_k(*nk, cuda) for nk in {**testbed, **llama8b}} == {**testbed, **llama8b}
+    assert gemv.choose_split_k(576, 1536, torch.device("cpu")) == 1  # 8 "SMs" off the GPU: 18 programs suffice
 
 
 def test_gemv_linear_dispatch():

@@ -20,6 +20,7 @@ import triton.language as tl
 from torch import nn
 
 MAX_GEMV_ROWS = 8  # GemvLinear's rows at most; more go to cuBLAS
+MIN_SPLIT_BLOCKS = 8  # split-K only for a reduction of at least this many BLOCK_K
 
 
 def linear_ref(
@@ -79,7 +80,12 @@ def _num_sms(device_index: int) -> int:
 
 
 def choose_split_k(n: int, k: int, device: torch.device, block_n: int = 32, block_k: int = 128) -> int:
-    """Enough K slices that the programs cover the SMs about twice, each slice at least two BLOCK_K wide."""
+    """Enough K slices that the programs cover the SMs about twice, each slice at least two BLOCK_K wide; none
+    below MIN_SPLIT_BLOCKS * BLOCK_K of reduction, where the second kernel costs more than the spread gains (H200,
+    graphed, M = 1: at K = 576 two slices took 3.5-4.6 us against 3.1-3.4 us for one, for N = 576-3072; at K = 1536
+    six slices 3.8 us against 5.1; BENCHMARKS.md run 8)."""
+    if k < MIN_SPLIT_BLOCKS * block_k:
+        return 1
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
     programs = triton.cdiv(n, block_n)
     want = triton.cdiv(2 * sms, programs)

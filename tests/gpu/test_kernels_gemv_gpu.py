@@ -1,6 +1,6 @@
 """The decode-path kernels on CUDA: the small-batch GEMV at the decoder projections of SmolLM2-135M and
 Llama-3.1-8B, equal to cuBLAS's output (F.linear) within rounding, with and without split-K, and replayable from a
-CUDA graph; async scheduling's input advance equal to its reference; and the engine's greedy output with the GEMV
+CUDA graph, and with the MLP's activation fused in; async scheduling's input advance equal to its reference; and the engine's greedy output with the GEMV
 and async scheduling each on and off (CUDA graphs on). Timing against cuBLAS: scripts/device/gemv_timing.py."""
 
 from __future__ import annotations
@@ -29,6 +29,20 @@ def operands(n, k, m, dtype, bias=False, seed=0):
     w = (torch.randn(n, k, generator=gen, device=CUDA) / k ** 0.5).to(dtype)
     b = torch.randn(n, generator=gen, device=CUDA).to(dtype) if bias else None
     return x, w, b
+
+
+@pytest.mark.parametrize("model", sorted(SHAPES))
+def test_silu_and_mul_gemv_equals_the_two_kernels(model):
+    """The MLP's activation inside the down projection's GEMV: bit for bit the activation kernel, then the GEMV."""
+    from peagle.kernels import fused
+
+    n, k = SHAPES[model][3]
+    for m in (1, 8):
+        gate_up, w, _ = operands(n, 2 * k, m, torch.bfloat16, seed=m)
+        w = w[:, :k].contiguous()
+        for split_k in (None, 1):
+            want = gemv.gemv(fused.silu_and_mul(gate_up), w, split_k=split_k)
+            assert torch.equal(gemv.gemv(gate_up, w, split_k=split_k, silu_and_mul=True), want), (model, m, split_k)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

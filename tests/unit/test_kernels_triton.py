@@ -277,6 +277,51 @@ def test_gemv(interpreted, dtype, m, n, k, split_k, bias):
     interpreted(check_gemv, dtype, m, n, k, split_k, bias)
 
 
+def check_silu_and_mul_gemv(dtype, m, n, k, split_k):
+    gen = torch.Generator().manual_seed(m * 5 + k)
+    x = (torch.randn(m, 2 * k, generator=gen) * 2).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+    gemv, fused = triton_kernels("gemv"), triton_kernels("fused")
+    two_kernels = gemv.gemv(fused.silu_and_mul(x), w, split_k=split_k)
+    one = gemv.gemv(x, w, split_k=split_k, silu_and_mul=True)
+    assert one.shape == (m, n) and torch.equal(one, two_kernels)  # the same roundings and sums, bit for bit
+    ref = kernels.linear_ref(kernels.silu_and_mul_ref(x.float()), w.float())
+    torch.testing.assert_close(one.float(), ref, atol=4 * TOLERANCE[dtype], rtol=4 * TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype,m,n,k,split_k", [
+    (torch.float32, 1, 40, 96, 1),
+    (torch.bfloat16, 8, 64, 300, 3),  # split-K, a short last slice, up's columns K past gate's
+    (torch.bfloat16, 3, 33, 1100, None),
+])
+def test_silu_and_mul_gemv(interpreted, dtype, m, n, k, split_k):
+    interpreted(check_silu_and_mul_gemv, dtype, m, n, k, split_k)
+
+
+def test_mlp_hands_its_gemv_down_projection_the_activation():
+    """With GemvLinear projections (decode_gemv) a decode-sized MLP call runs silu_and_mul_linear, one kernel
+    fewer, and answers as the plain MLP; larger batches and autograd take the plain path."""
+    from peagle.models.layers import MLP
+
+    torch.manual_seed(0)
+    mlp = MLP(16, 24)
+    x, big = torch.randn(5, 16), torch.randn(12, 16)
+    with torch.inference_mode():
+        want, want_big = mlp(x), mlp(big)
+    kernels.use_gemv_linears(mlp)
+    calls = []
+    real = kernels.silu_and_mul_linear
+    try:
+        kernels.silu_and_mul_linear = lambda h, *a: calls.append(h.shape) or real(h, *a)
+        with torch.inference_mode():
+            torch.testing.assert_close(mlp(x), want)
+            torch.testing.assert_close(mlp(big), want_big)
+        torch.testing.assert_close(mlp(x), want)  # autograd on
+    finally:
+        kernels.silu_and_mul_linear = real
+    assert calls == [(5, 48)]
+
+
 def test_gemv_split_k_choice_follows_the_h200_timing(monkeypatch):
     """The split chosen per projection where it was timed (BENCHMARKS.md run 8, 132 SMs): one slice for the
     testbed's K = 576 projections, several for K = 1536 and the 8B shape's (the winners of that table)."""

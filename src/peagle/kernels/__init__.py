@@ -2,7 +2,8 @@
 
 Callers use the functions here (`store_kv`, `paged_attention`, `expand_draft_batch`, `gather_draft_features`,
 and the decoder layer's fused element-wise ops `rms_norm`, `fused_add_rms_norm`, `rotary`, `rotary_store_kv`,
-`silu_and_mul`; `advance_decode_inputs` for async scheduling; `linear`, the small-batch GEMV);
+`silu_and_mul`; `advance_decode_inputs` for async scheduling; `linear`, the small-batch GEMV, and
+`silu_and_mul_linear`, the MLP's activation inside its down projection's GEMV);
 each runs the Triton kernel or the `*_ref` reference, chosen by the environment variable PEAGLE_KERNELS:
 - `auto` (default): Triton for CUDA tensors, the reference otherwise (the CPU path of the engine);
 - `triton`: Triton everywhere; for CPU tensors this needs TRITON_INTERPRET=1 (Triton's interpreter, for tests);
@@ -40,7 +41,7 @@ __all__ = [
     "rms_norm", "rms_norm_ref", "fused_add_rms_norm", "fused_add_rms_norm_ref", "rotary", "rotary_ref",
     "rotary_store_kv", "rotary_store_kv_ref",
     "silu_and_mul", "silu_and_mul_ref", "advance_decode_inputs", "advance_decode_inputs_ref",
-    "linear", "linear_ref", "GemvLinear", "use_gemv_linears",
+    "linear", "linear_ref", "silu_and_mul_linear", "GemvLinear", "use_gemv_linears",
 ]
 
 
@@ -204,3 +205,13 @@ def linear(
 ) -> torch.Tensor:  # [M, N]
     fn = triton_module("gemv", x.device).gemv if use_triton(x.device) else linear_ref
     return fn(x, weight, bias)
+
+
+def silu_and_mul_linear(
+    x: torch.Tensor,  # [M, 2K] gate then up, M small (decode)
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N]: linear(silu_and_mul(x), weight, bias), the MLP's activation and down projection
+    if use_triton(x.device):
+        return triton_module("gemv", x.device).silu_and_mul_gemv(x, weight, bias)
+    return linear_ref(silu_and_mul_ref(x), weight, bias)

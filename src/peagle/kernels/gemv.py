@@ -31,10 +31,19 @@ def linear_ref(
     return F.linear(x, weight, bias)
 
 
+def silu_and_mul_gemv(
+    x: torch.Tensor,  # [M, 2K]: gate then up
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N]
+    """Triton: `gemv(silu_and_mul(x), weight, bias)` in one kernel (two with split-K), bit for bit."""
+    return gemv(x, weight, bias, silu_and_mul=True)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr, SILU_AND_MUL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -45,7 +54,14 @@ def _gemv_kernel(
     k_lo = pid_k * k_per_split
     for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
         k = k0 + kk
-        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+        x_ok = (m[:, None] < M) & (k[None, :] < K)
+        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=x_ok, other=0.0)
+        if SILU_AND_MUL:  # x's rows are [gate | up], K wide each: the input is silu(gate) * up, rounded as
+            # fused.silu_and_mul rounds it (silu's output, then the product, to x's dtype)
+            up = tl.load(x_ptr + m[:, None] * stride_xm + K + k[None, :], mask=x_ok, other=0.0).to(tl.float32)
+            gate = x.to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(x.dtype).to(tl.float32)
+            x = (act * up).to(x.dtype)
         w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
         if IEEE:  # fp32 inputs, or bf16 under the CPU interpreter (whose bf16 dot is wrong): exact fp32 products
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
@@ -99,8 +115,12 @@ def gemv(
     split_k: int | None = None,  # None: choose_split_k
     block_n: int = 32,
     block_k: int = 128,
+    silu_and_mul: bool = False,  # x is [M, 2K], gate then up: y = silu(gate) * up @ W^T + b, one kernel fewer
 ) -> torch.Tensor:  # [M, N] in x's dtype
     m, k = x.shape
+    if silu_and_mul:
+        assert k % 2 == 0, x.shape
+        k //= 2
     n = weight.shape[0]
     assert weight.shape[1] == k and x.dtype == weight.dtype, (x.shape, x.dtype, weight.shape, weight.dtype)
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -114,7 +134,7 @@ def gemv(
     b = bias if bias is not None else y
     grid = (triton.cdiv(n, block_n), split, triton.cdiv(m, 16))
     _gemv_kernel[grid](x, weight, b, y, part, m, n, k, x.stride(0), weight.stride(0), y.stride(0), k_per_split,
-                       HAS_BIAS=bias is not None, SPLIT_K=split, IEEE=ieee,
+                       HAS_BIAS=bias is not None, SPLIT_K=split, IEEE=ieee, SILU_AND_MUL=silu_and_mul,
                        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     if split > 1:
         block = 256
@@ -125,10 +145,16 @@ def gemv(
 
 class GemvLinear(nn.Linear):
     """nn.Linear whose inference calls with at most MAX_GEMV_ROWS rows go to `peagle.kernels.linear` (the GEMV
-    kernel on Triton's path, cuBLAS otherwise); training, and larger batches, run nn.Linear's own forward."""
+    kernel on Triton's path, cuBLAS otherwise); training, and larger batches, run nn.Linear's own forward.
+    `takes(x)` says which; the MLP then hands its down projection the gate and up halves whole
+    (`peagle.kernels.silu_and_mul_linear`)."""
+
+    @staticmethod
+    def takes(x: torch.Tensor) -> bool:
+        return not torch.is_grad_enabled() and x.dim() == 2 and x.shape[0] <= MAX_GEMV_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() or x.dim() != 2 or x.shape[0] > MAX_GEMV_ROWS:
+        if not self.takes(x):
             return super().forward(x)
         from peagle import kernels
 

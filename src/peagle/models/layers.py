@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from peagle import kernels
+from peagle.kernels.gemv import GemvLinear
 from peagle.models.attention import AttentionBackend
 from peagle.models.config import ModelConfig
 
@@ -127,7 +128,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x):
-        return self.down_proj(_op("silu_and_mul")(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        if isinstance(self.down_proj, GemvLinear) and self.down_proj.takes(h):  # decode_gemv: one kernel fewer
+            return kernels.silu_and_mul_linear(h, self.down_proj.weight, self.down_proj.bias)
+        return self.down_proj(_op("silu_and_mul")(h))
 
 
 class DecoderLayer(nn.Module):

@@ -225,11 +225,11 @@ case "$stage" in
         ${REGEN_EXTRA:-} > "$W/$out.log" 2>&1 || true  # REGEN_EXTRA: more arguments of every regenerate
     }
     (
-      timeout ${SYNTH_SECS:-45} $py -m peagle synthesize --model "$W/smollm2" --out "$W/synth.jsonl" \
+      timeout ${SYNTH_SECS:-70} $py -m peagle synthesize --model "$W/smollm2" --out "$W/synth.jsonl" \
         --count ${SYNTH_COUNT:-30000} --seed 0 --max-tokens 128 > "$W/synth.log" 2>&1 || true
       if [ -f "$W/synth.jsonl" ]; then
         for i in 0 1; do
-          regen data-synth.$i ${SYNTH_REGEN_SECS:-110} --prompts "$W/synth.jsonl" --part $i/2 --max-tokens $answer \
+          regen data-synth.$i ${SYNTH_REGEN_SECS:-85} --prompts "$W/synth.jsonl" --part $i/2 --max-tokens $answer \
             --max-model-len 2048 &
         done
         wait

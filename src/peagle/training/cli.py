@@ -114,9 +114,11 @@ def register(subparsers) -> None:
     train.add_argument("--eval-data", type=Path, nargs="+", default=(), metavar="DIR",
                        help="data directories evaluated beside the held-out documents and never trained on (e.g. "
                             "`peagle regenerate --eval-set` of ShareGPT's held-out split: prompts unlike the "
-                            "training sources', as the benchmarks' are); their walk is logged as eval_data")
+                            "training sources', as the benchmarks' are); their walk is logged as eval_data. A "
+                            "document that is also a training document is left out; a directory with more than a "
+                            "quarter of them is refused")
     train.add_argument("--max-eval-data-documents", type=int, default=256, metavar="N",
-                       help="documents read from each --eval-data directory at most (default 256)")
+                       help="documents scored from each --eval-data directory at most (default 256)")
     train.add_argument("--walk-max-tokens", type=int, default=256, metavar="N",
                        help="the held-out walk (walk_al) covers the first N tokens of each response, as serving with "
                             "max_tokens N does: a small target's greedy answers end in loops that inflate it past "

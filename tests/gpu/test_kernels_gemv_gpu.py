@@ -1,6 +1,6 @@
 """The decode-path kernels on CUDA: the small-batch GEMV at the decoder projections of SmolLM2-135M and
 Llama-3.1-8B, equal to cuBLAS's output (F.linear) within rounding, with and without split-K, and replayable from a
-CUDA graph, and with the MLP's activation fused in; async scheduling's input advance equal to its reference; and the engine's greedy output with the GEMV
+CUDA graph, and with the MLP's activation or the layer's add + RMSNorm fused in; async scheduling's input advance equal to its reference; and the engine's greedy output with the GEMV
 and async scheduling each on and off (CUDA graphs on). Timing against cuBLAS: scripts/device/gemv_timing.py."""
 
 from __future__ import annotations
@@ -43,6 +43,26 @@ def test_silu_and_mul_gemv_equals_the_two_kernels(model):
         for split_k in (None, 1):
             want = gemv.gemv(fused.silu_and_mul(gate_up), w, split_k=split_k)
             assert torch.equal(gemv.gemv(gate_up, w, split_k=split_k, silu_and_mul=True), want), (model, m, split_k)
+
+
+@pytest.mark.parametrize("model", sorted(SHAPES))
+def test_rms_norm_gemv_equals_the_two_kernels(model):
+    """The decoder layer's add + RMSNorm inside the next projection's GEMV (qkv and gate_up): the stream bit for
+    bit the add's, the output within rounding of the norm kernel then the GEMV."""
+    from peagle.kernels import fused
+
+    for n, k in (SHAPES[model][0], SHAPES[model][2]):
+        for m in (1, 8):
+            x, w, _ = operands(n, k, m, torch.bfloat16, seed=m)
+            res, nw, _ = operands(k, k, m, torch.bfloat16, seed=m + 1)
+            nw = 1 + nw[0] / 8
+            h, want_sum = fused.fused_add_rms_norm(x, res, nw, 1e-5)
+            for split_k in (None, 1):
+                want = gemv.gemv(h, w, split_k=split_k)
+                summed = torch.empty_like(x)
+                got = gemv.gemv(x, w, split_k=split_k, norm=(nw, 1e-5), residual=res, summed=summed)
+                assert torch.equal(summed, want_sum), (model, n, k, m, split_k)
+                torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -298,6 +298,78 @@ def test_silu_and_mul_gemv(interpreted, dtype, m, n, k, split_k):
     interpreted(check_silu_and_mul_gemv, dtype, m, n, k, split_k)
 
 
+def check_rms_norm_gemv(dtype, m, n, k, split_k, add):
+    gen = torch.Generator().manual_seed(m * 3 + k)
+    x = (torch.randn(m, k, generator=gen) * 3).to(dtype)
+    res = torch.randn(m, k, generator=gen).to(dtype) if add else None
+    nw = (1 + torch.randn(k, generator=gen) / 4).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+    gemv, fused = triton_kernels("gemv"), triton_kernels("fused")
+    if add:
+        h, want_sum = fused.fused_add_rms_norm(x, res, nw, 1e-5)
+    else:
+        h, want_sum = fused.rms_norm(x, nw, 1e-5), None
+    two_kernels = gemv.gemv(h, w, split_k=split_k)
+    summed = None if res is None else torch.empty_like(x)
+    y = gemv.gemv(x, w, split_k=split_k, norm=(nw, 1e-5), residual=res, summed=summed)
+    assert y.shape == (m, n) and y.dtype == dtype
+    if add:
+        assert torch.equal(summed, want_sum)  # the stream: an element-wise sum, rounded alike
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(y.float(), two_kernels.float(), atol=2 * tol, rtol=2 * tol)
+    ref_h = (kernels.fused_add_rms_norm_ref(x.float(), res.float(), nw.float(), 1e-5)[0] if add
+             else kernels.rms_norm_ref(x.float(), nw.float(), 1e-5))
+    torch.testing.assert_close(y.float(), kernels.linear_ref(ref_h, w.float()), atol=4 * tol, rtol=4 * tol)
+
+
+@pytest.mark.parametrize("dtype,m,n,k,split_k,add", [
+    (torch.float32, 1, 40, 96, 1, False),
+    (torch.float32, 8, 64, 300, 3, True),  # split-K: every slice writes its part of the sum
+    (torch.bfloat16, 3, 33, 1100, None, True),
+    (torch.bfloat16, 5, 96, 200, 1, False),
+])
+def test_rms_norm_gemv(interpreted, dtype, m, n, k, split_k, add):
+    interpreted(check_rms_norm_gemv, dtype, m, n, k, split_k, add)
+
+
+def check_model_with_norms_and_activation_inside_the_gemv(family):
+    # A decode-sized forward (8 tokens) of the whole model with GemvLinear projections: every norm but the last
+    # and the MLP's activation run inside the GEMVs. The hidden state and the aux streams (the drafter's input)
+    # match the plain forward's; the aux streams are the fused kernels' own sums, bit for bit the add's.
+    from peagle.models.attention import DenseAttention
+    from peagle.models.config import ModelConfig
+    from peagle.models.llama import LlamaModel
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(family=family, vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, qkv_bias=family == "qwen2",
+                      torch_dtype="float32")
+    model = LlamaModel(cfg).eval()
+    ids, pos = torch.randint(0, 64, (8,)), torch.arange(8)
+    os.environ[kernels.BACKEND_ENV] = "triton"
+    try:
+        with torch.inference_mode():
+            want = model(ids, pos, DenseAttention(), aux_layer_ids=(0, 1, 3))
+            kernels.use_gemv_linears(model)
+            calls = []
+            real = kernels.rms_norm_linear
+            kernels.rms_norm_linear = lambda x, r, *a: calls.append(r is None) or real(x, r, *a)
+            try:
+                got = model(ids, pos, DenseAttention(), aux_layer_ids=(0, 1, 3))
+            finally:
+                kernels.rms_norm_linear = real
+    finally:
+        del os.environ[kernels.BACKEND_ENV]
+    assert calls == [True] + [False] * 5  # the first layer's input norm has no residual to add
+    torch.testing.assert_close(got.hidden, want.hidden, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.aux, want.aux, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_model_with_norms_and_activation_inside_the_gemv(interpreted, family):
+    interpreted(check_model_with_norms_and_activation_inside_the_gemv, family)
+
+
 def test_mlp_hands_its_gemv_down_projection_the_activation():
     """With GemvLinear projections (decode_gemv) a decode-sized MLP call runs silu_and_mul_linear, one kernel
     fewer, and answers as the plain MLP; larger batches and autograd take the plain path."""

@@ -2,8 +2,8 @@
 
 Callers use the functions here (`store_kv`, `paged_attention`, `expand_draft_batch`, `gather_draft_features`,
 and the decoder layer's fused element-wise ops `rms_norm`, `fused_add_rms_norm`, `rotary`, `rotary_store_kv`,
-`silu_and_mul`; `advance_decode_inputs` for async scheduling; `linear`, the small-batch GEMV, and
-`silu_and_mul_linear`, the MLP's activation inside its down projection's GEMV);
+`silu_and_mul`; `advance_decode_inputs` for async scheduling; `linear`, the small-batch GEMV, with the decoder
+layer's norms (`rms_norm_linear`) or the MLP's activation (`silu_and_mul_linear`) inside it);
 each runs the Triton kernel or the `*_ref` reference, chosen by the environment variable PEAGLE_KERNELS:
 - `auto` (default): Triton for CUDA tensors, the reference otherwise (the CPU path of the engine);
 - `triton`: Triton everywhere; for CPU tensors this needs TRITON_INTERPRET=1 (Triton's interpreter, for tests);
@@ -41,7 +41,7 @@ __all__ = [
     "rms_norm", "rms_norm_ref", "fused_add_rms_norm", "fused_add_rms_norm_ref", "rotary", "rotary_ref",
     "rotary_store_kv", "rotary_store_kv_ref",
     "silu_and_mul", "silu_and_mul_ref", "advance_decode_inputs", "advance_decode_inputs_ref",
-    "linear", "linear_ref", "silu_and_mul_linear", "GemvLinear", "use_gemv_linears",
+    "linear", "linear_ref", "rms_norm_linear", "silu_and_mul_linear", "GemvLinear", "use_gemv_linears",
 ]
 
 
@@ -205,6 +205,22 @@ def linear(
 ) -> torch.Tensor:  # [M, N]
     fn = triton_module("gemv", x.device).gemv if use_triton(x.device) else linear_ref
     return fn(x, weight, bias)
+
+
+def rms_norm_linear(
+    x: torch.Tensor,  # [M, K], M small (decode)
+    residual: torch.Tensor | None,  # [M, K] or None
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # linear(rms_norm(x (+ residual))), x + residual (or None)
+    if use_triton(x.device):
+        return triton_module("gemv", x.device).rms_norm_gemv(x, residual, norm_weight, eps, weight, bias)
+    if residual is None:
+        return linear_ref(rms_norm_ref(x, norm_weight, eps), weight, bias), None
+    h, summed = fused_add_rms_norm_ref(x, residual, norm_weight, eps)
+    return linear_ref(h, weight, bias), summed
 
 
 def silu_and_mul_linear(

@@ -40,22 +40,58 @@ def silu_and_mul_gemv(
     return gemv(x, weight, bias, silu_and_mul=True)
 
 
+@triton.jit
+def _norm_input(x_ptr, res_ptr, nw_ptr, m, k, M, K, stride_xm, stride_rm, inv_rms, ADD: tl.constexpr):
+    """The GEMV's input tile [BLOCK_M, BLOCK_K] of rms_norm(x (+ residual)), rounded as fused.rms_norm rounds it."""
+    ok = (m[:, None] < M) & (k[None, :] < K)
+    x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=ok, other=0.0)
+    s = x.to(tl.float32)
+    if ADD:
+        r = tl.load(res_ptr + m[:, None] * stride_rm + k[None, :], mask=ok, other=0.0).to(tl.float32)
+        s = (s + r).to(x.dtype).to(tl.float32)
+    normed = (s * inv_rms[:, None]).to(x.dtype).to(tl.float32)
+    weight = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+    return (weight[None, :] * normed).to(x.dtype), s
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
+    res_ptr, nw_ptr, sum_ptr, stride_rm, eps,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr, SILU_AND_MUL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    # NORM: 0, x as it is; 1, rms_norm(x) with weight nw; 2, the same of x + residual, whose sum (x's dtype) the
+    # programs of the first column of N tiles write to sum_ptr, each its slice of the reduction.
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = pid_k * k_per_split
+    inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if NORM > 0:  # every program reads its rows whole for their mean square (a few KB at decode sizes)
+        squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + kk
+            ok = (m[:, None] < M) & (k[None, :] < K)
+            x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=ok, other=0.0)
+            s = x.to(tl.float32)
+            if NORM == 2:
+                r = tl.load(res_ptr + m[:, None] * stride_rm + k[None, :], mask=ok, other=0.0).to(tl.float32)
+                s = (s + r).to(x.dtype).to(tl.float32)
+            squares += tl.sum(s * s, axis=1)
+        inv_rms = tl.rsqrt(squares / K + eps)
     for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
         k = k0 + kk
         x_ok = (m[:, None] < M) & (k[None, :] < K)
-        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=x_ok, other=0.0)
+        if NORM > 0:
+            x, s = _norm_input(x_ptr, res_ptr, nw_ptr, m, k, M, K, stride_xm, stride_rm, inv_rms, NORM == 2)
+            if NORM == 2:
+                if pid_n == 0:
+                    tl.store(sum_ptr + m[:, None] * K + k[None, :], s.to(x.dtype), mask=x_ok)
+        else:
+            x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=x_ok, other=0.0)
         if SILU_AND_MUL:  # x's rows are [gate | up], K wide each: the input is silu(gate) * up, rounded as
             # fused.silu_and_mul rounds it (silu's output, then the product, to x's dtype)
             up = tl.load(x_ptr + m[:, None] * stride_xm + K + k[None, :], mask=x_ok, other=0.0).to(tl.float32)
@@ -116,13 +152,20 @@ def gemv(
     block_n: int = 32,
     block_k: int = 128,
     silu_and_mul: bool = False,  # x is [M, 2K], gate then up: y = silu(gate) * up @ W^T + b, one kernel fewer
+    norm: tuple[torch.Tensor, float] | None = None,  # (weight [K], eps): y = rms_norm(x) @ W^T + b
+    residual: torch.Tensor | None = None,  # [M, K], with norm: y = rms_norm(x + residual) @ W^T + b
+    summed: torch.Tensor | None = None,  # [M, K], with residual: receives x + residual in x's dtype
 ) -> torch.Tensor:  # [M, N] in x's dtype
     m, k = x.shape
     if silu_and_mul:
-        assert k % 2 == 0, x.shape
+        assert k % 2 == 0 and norm is None, x.shape
         k //= 2
     n = weight.shape[0]
     assert weight.shape[1] == k and x.dtype == weight.dtype, (x.shape, x.dtype, weight.shape, weight.dtype)
+    assert (residual is None) == (summed is None) and (norm is not None or residual is None)
+    if residual is not None:
+        assert residual.shape == summed.shape == x.shape and residual.dtype == summed.dtype == x.dtype
+        assert residual.stride(1) == 1 and summed.is_contiguous(), (residual.stride(), summed.stride())
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     split = split_k or choose_split_k(n, k, x.device, block_n, block_k)
@@ -133,14 +176,35 @@ def gemv(
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
     b = bias if bias is not None else y
     grid = (triton.cdiv(n, block_n), split, triton.cdiv(m, 16))
+    norm_weight, eps = norm if norm is not None else (y, 0.0)
+    assert norm is None or norm_weight.shape == (k,), (norm_weight.shape, k)
+    res, out_sum = (residual, summed) if residual is not None else (y, y)
     _gemv_kernel[grid](x, weight, b, y, part, m, n, k, x.stride(0), weight.stride(0), y.stride(0), k_per_split,
+                       res, norm_weight.contiguous(), out_sum, res.stride(0), eps,
                        HAS_BIAS=bias is not None, SPLIT_K=split, IEEE=ieee, SILU_AND_MUL=silu_and_mul,
+                       NORM=0 if norm is None else 1 if residual is None else 2,
                        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     if split > 1:
         block = 256
         _split_sum_kernel[(triton.cdiv(m * n, block),)](part, b, y, m, n, y.stride(0), HAS_BIAS=bias is not None,
                                                          SPLIT_K=split, BLOCK=block)
     return y
+
+
+def rms_norm_gemv(
+    x: torch.Tensor,  # [M, K]
+    residual: torch.Tensor | None,  # [M, K] or None
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # y [M, N], x + residual [M, K] (None without residual)
+    """Triton: `gemv(rms_norm(x (+ residual)), weight, bias)` in one kernel (two with split-K), and the sum, as
+    `fused.fused_add_rms_norm` then `gemv` give them (the same roundings; the mean square summed in another
+    order, so the normed input may differ from the two-kernel path's in its last bit)."""
+    summed = None if residual is None else torch.empty_like(x)
+    y = gemv(x, weight, bias, norm=(norm_weight, eps), residual=residual, summed=summed)
+    return y, summed
 
 
 class GemvLinear(nn.Linear):

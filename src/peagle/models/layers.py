@@ -105,7 +105,11 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, rope: RotaryEmbedding, attn: AttentionBackend):
         # x: [T, in_size] -> [T, hidden]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.attend(self.qkv_proj(x), positions, rope, attn)
+
+    def attend(self, qkv, positions, rope: RotaryEmbedding, attn: AttentionBackend):
+        """Everything after the qkv projection: qkv [T, q_size + 2 * kv_size] -> [T, hidden]."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -128,10 +132,24 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x):
-        h = self.gate_up_proj(x)
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, h):
+        """silu(gate) * up, then the down projection: h [T, 2 * intermediate] -> [T, hidden]."""
         if isinstance(self.down_proj, GemvLinear) and self.down_proj.takes(h):  # decode_gemv: one kernel fewer
             return kernels.silu_and_mul_linear(h, self.down_proj.weight, self.down_proj.bias)
         return self.down_proj(_op("silu_and_mul")(h))
+
+
+def norm_linear(norm: RMSNorm, linear: nn.Linear, x, residual=None):
+    """(linear(norm(x + residual)), x + residual), or without `residual` (linear(norm(x)), None). With a GemvLinear
+    at decode sizes (decode_gemv) the norm runs inside the projection's kernel: one kernel fewer."""
+    if isinstance(linear, GemvLinear) and linear.takes(x):
+        return kernels.rms_norm_linear(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
+    if residual is None:
+        return linear(norm(x)), None
+    h, summed = norm(x, residual=residual)
+    return linear(h), summed
 
 
 class DecoderLayer(nn.Module):
@@ -146,6 +164,18 @@ class DecoderLayer(nn.Module):
         # x: [T, hidden] -> [T, hidden]
         out, residual = self.body(self.input_layernorm(x), x, positions, rope, attn)
         return residual + out
+
+    def run(self, out, stream, positions, rope, attn):
+        """The layer on the stream that the previous one left as out + stream (out None: stream alone, the
+        embeddings). Returns (the stream entering this layer, the MLP's output, the stream after attention): the
+        layer's output stream is the sum of the last two, which the next layer's input norm adds (`body`'s
+        convention); each norm runs inside the projection after it where `norm_linear` can."""
+        x, residual = (stream, None) if out is None else (out, stream)
+        qkv, entering = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
+        entering = stream if entering is None else entering
+        o = self.self_attn.attend(qkv, positions, rope, attn)
+        h, after = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, o, entering)
+        return entering, self.mlp.down(h), after
 
     def body(self, h, residual, positions, rope, attn):
         """Everything after the input norm. h = input_layernorm(stream), residual = the stream entering the layer.

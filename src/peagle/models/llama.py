@@ -56,13 +56,9 @@ class LlamaModel(nn.Module):
         captured: dict[int, torch.Tensor] = {}
         out = None
         for i, layer in enumerate(self.layers):
-            if out is None:
-                h = layer.input_layernorm(stream)
-            else:
-                h, stream = layer.input_layernorm(out, residual=stream)
+            entering, out, stream = layer.run(out, stream, positions, self.rope, attn)
             if i in wanted:
-                captured[i] = stream
-            out, stream = layer.body(h, stream, positions, self.rope, attn)
+                captured[i] = entering
         if out is None:
             hidden = self.norm(stream)
         else:

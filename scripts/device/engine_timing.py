@@ -19,7 +19,8 @@ step while the GPU runs the current one (async_scheduling: "other" then is the h
 <= 8 rows through the split-K GEMV kernel (decode_gemv: it changes the GPU columns); `async+gemv` both;
 `chunked` prefills in chunks of what the decodes leave of 512 tokens per step (enable_chunked_prefill);
 `async+chunked` both; `prefill-graphs` replays CUDA graphs for steps that prefill too (prefill_cuda_graphs),
-`async+prefill-graphs` with async scheduling (the engine's defaults), `async+prefill-graphs+gemv` and the GEMV.
+`async+prefill-graphs` with async scheduling (the engine's defaults), `async+prefill-graphs+gemv` and the GEMV
+(decode_gemv: since run 8 with each decoder norm and the MLP's activation inside the GEMVs).
 Each variant first times the time to first token at concurrency 1 (`ttft_p50_ms`, median over --ttft-prompts MT-Bench
 first turns: from add_request to the step that returns the token). Prefill graphs are captured on a shape's first
 use, so the prompts run twice: the first pass is reported as `ttft_cold_p50_ms`, the second is the measurement.

@@ -162,7 +162,9 @@ class EngineConfig:
     # vLLM's name: the host schedules and prepares step n+1 while the GPU runs step n (1.14x at batch 1, 1.38x at
     # batch 64 on an H200, BENCHMARKS.md run 5; greedy output identical under CUDA graphs with trained heads, run 6)
     async_scheduling: bool = True
-    # the target's linear layers run the split-K GEMV kernel (kernels/gemv.py) at <= 8 rows instead of cuBLAS
+    # the target's linear layers run the split-K GEMV kernel (kernels/gemv.py) at <= 8 rows instead of cuBLAS, each
+    # decoder norm and the MLP's activation inside the GEMV after it (three kernels fewer per layer); off by default
+    # until an engine run times it (the kernels alone: BENCHMARKS.md run 8)
     decode_gemv: bool = False
     # vLLM's name: prompts longer than a step's max_num_batched_tokens left by the decodes are prefilled in chunks
     enable_chunked_prefill: bool = False

@@ -562,7 +562,7 @@ t=[x for x in r if x['kind']=='train']; print('$name', 'steps', t[-1]['step'], '
       --data .stage_c/data ${TEACHER_ARGS:-} 2>&1 | grep -E "^\{|Error" || true
     ;;
   scale)
-    timeout ${SCALE_SECS:-330} $py scripts/device/scale_check.py "$OUT/scale.json" ${SCALE_HF:+--hf} \
+    timeout ${SCALE_SECS:-330} $py scripts/device/scale_check.py "$OUT/scale.json" ${SCALE_HF:+--hf} ${SCALE_GEMV:+--gemv} \
       --concurrency ${SCALE_C:-1,8,16,32,64} 2>&1 | tail -5 || true
     ;;
   *)

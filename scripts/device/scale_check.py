@@ -54,9 +54,9 @@ def decode_ms(generate) -> float:
     return 1e3 * (times[136] - times[8]) / 128
 
 
-def run(d, spec, rates, conc):
+def run(d, spec, rates, conc, **engine):
     llm = LLM(model=d, load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=max(conc),
-              speculative_config=spec, synthetic_acceptance=rates)
+              speculative_config=spec, synthetic_acceptance=rates, **engine)
     rows = []
     for c in conc:
         prompts = [[1000 + i, 2000, 3000 + i] for i in range(c)]
@@ -100,7 +100,7 @@ def hf_static_compile(d) -> dict:
     return {"transformers": transformers.__version__, "compile_s": compile_s, "decode_ms_batch1": step_ms}
 
 
-def main(out: str, hf: bool, concurrency: list[int]) -> int:
+def main(out: str, hf: bool, concurrency: list[int], gemv: bool = False) -> int:
     d = tempfile.mkdtemp()
     (Path(d) / "config.json").write_text(json.dumps(LLAMA_8B))
     bw = copy_bandwidth()
@@ -115,6 +115,11 @@ def main(out: str, hf: bool, concurrency: list[int]) -> int:
     result["decode_vs_floor"] = step_ms / result["floor_ms"]
     result["runs"]["none"] = none
     save()
+    if gemv:  # the same engine with decode_gemv (the GEMV, the norms and the activation inside it)
+        rows, _, ms = run(d, None, None, concurrency, decode_gemv=True)
+        result["runs"]["none-gemv"] = rows
+        result.update(decode_ms_batch1_gemv=ms, decode_vs_floor_gemv=ms / result["floor_ms"])
+        save()
     for name, k, par, adaptive in (("eagle3", 3, False, None), ("peagle", 7, True, None),
                                    ("peagle", 7, True, ADAPTIVE)):
         spec = {"method": "eagle3", "model": "dummy", "num_speculative_tokens": k, "parallel_drafting": par}
@@ -141,5 +146,7 @@ if __name__ == "__main__":
     ap.add_argument("out")
     ap.add_argument("--hf", action="store_true", help="also time transformers (static cache + compile) at batch 1")
     ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
+    ap.add_argument("--gemv", action="store_true",
+                    help="also time plain decoding with decode_gemv (the rows 'none-gemv', decode_vs_floor_gemv)")
     args = ap.parse_args()
-    sys.exit(main(args.out, args.hf, [int(c) for c in args.concurrency.split(",")]))
+    sys.exit(main(args.out, args.hf, [int(c) for c in args.concurrency.split(",")], args.gemv))

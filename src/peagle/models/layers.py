@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from peagle import kernels
-from peagle.kernels.gemv import GemvLinear
 from peagle.models.attention import AttentionBackend
 from peagle.models.config import ModelConfig
 
@@ -136,7 +135,7 @@ class MLP(nn.Module):
 
     def down(self, h):
         """silu(gate) * up, then the down projection: h [T, 2 * intermediate] -> [T, hidden]."""
-        if isinstance(self.down_proj, GemvLinear) and self.down_proj.takes(h):  # decode_gemv: one kernel fewer
+        if isinstance(self.down_proj, kernels.GemvLinear) and self.down_proj.takes(h):  # decode_gemv: one kernel fewer
             return kernels.silu_and_mul_linear(h, self.down_proj.weight, self.down_proj.bias)
         return self.down_proj(_op("silu_and_mul")(h))
 
@@ -144,7 +143,7 @@ class MLP(nn.Module):
 def norm_linear(norm: RMSNorm, linear: nn.Linear, x, residual=None):
     """(linear(norm(x + residual)), x + residual), or without `residual` (linear(norm(x)), None). With a GemvLinear
     at decode sizes (decode_gemv) the norm runs inside the projection's kernel: one kernel fewer."""
-    if isinstance(linear, GemvLinear) and linear.takes(x):
+    if isinstance(linear, kernels.GemvLinear) and linear.takes(x):
         return kernels.rms_norm_linear(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
     if residual is None:
         return linear(norm(x)), None

@@ -13,12 +13,12 @@
 # start the next), from a tree no one is editing (the device gets a copy of the working tree, uncommitted edits too):
 #   tb_stage                        carry .tb_a .whl     (issue 14's one-session recipe: `peagle testbed --scale
 #   tb_stage                        carry .tb_b           h200` offline, its two wheels carried in three parts)
-#   tb_stage && TB_SECS=560 testbed carry .tb_c .whl .old .cfg   (starts it in the background, follows it)
+#   tb_stage && BUCKET_C=32,64 buckets && TB_SECS=400 testbed     carry .tb_c .whl .old .cfg
+#        (issue 15's c >= 32 fall first, on the idle GPU: mixed-step graphs up to 64 requests against run 8's 16,
+#        random weights, .old/src = run 8's tree 8e569f9, ~2 minutes; then the testbed, started in the background)
 #   TB_SECS=560 testbed_wait
 #   TB_SECS=300 testbed_wait && HEADS_N=24 HEADS_K=3,7,11 heads   (the testbed's two heads served, GPU idle)
-#   BUCKET_C=32,64 buckets && BENCH_K=3,7,11 BENCH_C=1,4,16,64 BENCH_SECS=300 bench
-#        (issue 15's c >= 32 fall: mixed-step graphs up to 64 requests against run 8's 16, random weights, .old/src
-#        = run 8's tree 8e569f9; then a short MT-Bench sweep on the testbed's heads with the calibrated row)
+#   BENCH_K=3,7,11 BENCH_C=1,4,16,64 BENCH_SECS=240 bench   (a short MT-Bench sweep on them, the calibrated row)
 #   About 29 of the 30 device minutes (the testbed's H200 limits sum to 19.5 minutes; tb_stage && testbed ran here
 #   at TB_SCALE=smoke in 134 s, the links to its model and heads included). Run 10: the P-EAGLE lr 1e-3 A/B at the full budget (buckets && data && TRAIN_MIN=8 HEADS="peagle
 #   peagle-b eagle3" TRAIN_ARGS="--draft-vocab-size 0" PEAGLE_B_ARGS="--lr 1e-3" train carry .stage_b .whl .gpu

@@ -22,9 +22,10 @@
 #   About 29 of the 30 device minutes (the testbed's H200 limits sum to 19.5 minutes; tb_stage && testbed ran here
 #   at TB_SCALE=smoke in 134 s, the links to its model and heads included).
 #   Run 10: the P-EAGLE lr 1e-3 A/B at the full budget (after stage_a, data && TRAIN_MIN=8 HEADS="peagle peagle-b
-#   eagle3" TRAIN_ARGS="--draft-vocab-size 0" PEAGLE_B_ARGS="--lr 1e-3" train carry .stage_b .whl .gpu), engine with ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+gemv
-#   (decode_gemv: the GEMV with the norms and the MLP's activation inside it, issue 16's batch-1 goal), SCALE_C=1
-#   SCALE_GEMV=1 scale (the 8B shape's step against its floor, with and without it), gpu_tests, bench2.
+#   eagle3" TRAIN_ARGS="--draft-vocab-size 0" PEAGLE_B_ARGS="--lr 1e-3" train carry .stage_b .whl .gpu), engine
+#   with ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+gemv (decode_gemv: the GEMV with the norms and
+#   the MLP's activation inside it, issue 16's batch-1 goal), SCALE_C=1 SCALE_GEMV=1 scale (the 8B shape's step
+#   against its floor, with and without it), gpu_tests, bench2.
 # Run 8's plan (what was run, BENCHMARKS.md "Run 8": stage_a && kernels; data && TRAIN_MIN=8 HEADS="peagle peagle-b
 # eagle3" TRAIN_ARGS="--draft-vocab-size 0" PEAGLE_B_ARGS="--depth-decay 1" train, whose trainers refused the
 # evaluation set, then on the same machine mv $W/data-eval $W/eval-overlapping && the same train; WAIT_SECS=480 wait;

@@ -41,6 +41,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -84,9 +85,13 @@ def profile_rounds(eng, path, rounds: int = 10) -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(rounds):
             eng.step()
-    table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=50, max_name_column_width=70)
+    averages = prof.key_averages()
+    host = averages.table(sort_by="cpu_time_total", row_limit=50, max_name_column_width=70)
+    device = averages.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70)
     with open(path, "w") as f:
-        f.write(f"torch.profiler over {rounds} engine rounds, sorted by CPU time total\n\n{table}\n")
+        f.write(f"torch.profiler over {rounds} engine rounds, sorted by CPU time total\n\n{host}\n\n"
+                f"the same rounds, sorted by the kernels' own GPU time (what a round's GPU time is made of)\n\n"
+                f"{device}\n")
 
 
 def measure(llm, prompts, batch: int, k: int, rounds: int = 40, profile_path=None) -> dict:
@@ -251,6 +256,8 @@ def main(argv=None) -> int:
     unknown += [m for m in args.methods.split(",") if m not in CONFIGS]
     if unknown:
         ap.error(f"unknown method(s) or variant(s) {unknown}")
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
     rows = []
 
     def keep(row: dict) -> None:

@@ -23,8 +23,8 @@
 #   at TB_SCALE=smoke in 134 s, the links to its model and heads included).
 #   Run 10: the P-EAGLE lr 1e-3 A/B at the full budget (after stage_a, data && TRAIN_MIN=8 HEADS="peagle peagle-b
 #   eagle3" TRAIN_ARGS="--draft-vocab-size 0" PEAGLE_B_ARGS="--lr 1e-3" train carry .stage_b .whl .gpu), engine
-#   with ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+gemv (decode_gemv: the GEMV with the norms and
-#   the MLP's activation inside it, issue 16's batch-1 goal), SCALE_C=1 SCALE_GEMV=1 scale (the 8B shape's step
+#   with ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+gemv ENGINE_PROFILE=1 (decode_gemv: the GEMV
+#   with the norms and the MLP's activation inside it, issue 16's batch-1 goal; the profiles per kernel), SCALE_C=1 SCALE_GEMV=1 scale (the 8B shape's step
 #   against its floor, with and without it), gpu_tests, bench2.
 # Run 8's plan (what was run, BENCHMARKS.md "Run 8": stage_a && kernels; data && TRAIN_MIN=8 HEADS="peagle peagle-b
 # eagle3" TRAIN_ARGS="--draft-vocab-size 0" PEAGLE_B_ARGS="--depth-decay 1" train, whose trainers refused the
@@ -265,7 +265,9 @@ case "$stage" in
     timeout ${ENGINE_SECS:-150} $py scripts/device/engine_timing.py "$W/smollm2" "$OUT/engine_timing.json" \
       --head peagle="$W/heads/random-peagle" --methods none,peagle \
       --variants ${ENGINE_VARIANTS:-async,async+prefill-graphs,async+chunked,async+chunked+prefill-graphs} \
-      --stall ${ENGINE_STALL:-512} --arrivals 2>&1 | grep -E "^\{|Error|error" | tail -5 || true
+      --stall ${ENGINE_STALL:-512} --arrivals ${ENGINE_PROFILE:+--profile "$W/profiles"} 2>&1 \
+      | grep -E "^\{|Error|error" | tail -5 || true
+    [ -z "${ENGINE_PROFILE:-}" ] || tar czf "$OUT/engine-profiles.tar.gz" -C "$W" profiles  # ENGINE_PROFILE=1
     ;;
   data)
     # Training data at scale: self-synthesised prompts, every human turn of ShareGPT's train split answered turn by

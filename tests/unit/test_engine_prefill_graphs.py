@@ -143,6 +143,42 @@ def test_padding_writes_only_the_scratch_block(target_dir, heads, method):
     assert not caches[1][0][scratch].isnan().all()  # the padding tokens' target keys went there
 
 
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+def test_padding_rows_of_the_features_are_never_read(target_dir, heads, method):
+    """Attention never writes the padding tokens' rows (its output is allocated uninitialised), so the target's
+    features there are garbage, different between a graph's replay and an eager call: with those rows set to NaN, the
+    drafts of every request and the output are what they are without."""
+    runs = []
+    for poison in (False, True):
+        llm = make_llm(target_dir, heads[method], method, padded=True, **CHUNKED)
+        runner = llm.engine.runner
+        real_forward, real_propose = runner.target_forward, runner.propose
+        drafts, poisoned = [], []
+
+        def target_forward(x, max_query_len, all_rows=False, real_forward=real_forward, poisoned=poisoned):
+            logits, aux = real_forward(x, max_query_len, all_rows)
+            real = int(x["query_start_loc"][-1])
+            if poison and real < len(aux):
+                aux[real:] = float("nan")
+                poisoned.append(len(aux) - real)
+            return logits, aux
+
+        def propose(x, aux, num_rejected, next_tokens, max_query_len, real_propose=real_propose, drafts=drafts):
+            out = real_propose(x, aux, num_rejected, next_tokens, max_query_len)
+            num_real = int((x["query_start_loc"][1:] > x["query_start_loc"][:-1]).sum())
+            drafts.append(out[:num_real].tolist())
+            return out
+
+        runner.target_forward, runner.propose = target_forward, propose
+        outs = llm.generate(PROMPTS, params(), use_tqdm=False)
+        runs.append(([o.token_ids for o in outs], drafts, poisoned))
+    (clean_out, clean_drafts, _), (out, poisoned_drafts, poisoned) = runs
+    assert poisoned, "no padded step: nothing was checked"
+    assert clean_drafts and all(not any(any(t < 0 for t in row) for row in d) for d in poisoned_drafts)
+    assert poisoned_drafts == clean_drafts
+    assert out == clean_out
+
+
 def _caches(runner) -> list[torch.Tensor]:
     kv = list(runner.target_kv) + (list(runner.proposer.kv_caches) if runner.proposer is not None else [])
     return [t for pair in kv for t in pair]

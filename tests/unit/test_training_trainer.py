@@ -223,6 +223,18 @@ def test_default_warmup_is_short_under_a_time_limit(setup, tmp_path):
                        time_limit_minutes=5).warmup(100_000) == 7
 
 
+def test_default_learning_rate_per_method(setup, tmp_path):
+    checkpoint, data = setup
+    cfg = lambda **kw: TrainConfig(target=checkpoint, data=data, out=tmp_path, steps=10, **kw)  # noqa: E731
+    assert cfg(method="peagle").lr == 1e-3 and cfg(method="eagle3").lr == 6e-4
+    assert cfg(method="peagle", lr=2e-4).lr == 2e-4 and cfg(method="eagle3", lr=1e-3).lr == 1e-3
+    with pytest.raises(ValueError, match="--lr must be positive"):
+        cfg(method="peagle", lr=0.0)
+    args = build_parser().parse_args(["train", "--target", str(checkpoint), "--data", str(data), "--out",
+                                      str(tmp_path), "--method", "eagle3", "--max-length", "64", "--steps", "1"])
+    assert args.lr is None and train_config(args).lr == 6e-4  # the config picks the method's default
+
+
 def test_time_limit_fits_the_schedule_to_the_time():
     # 100 s left at 0.5 s per step: 190 more steps fit (5% is kept for evaluation and saving).
     assert fitted_total_steps(30, 100_000, 0.5, 100.0) == 220

@@ -95,7 +95,8 @@ def register(subparsers) -> None:
     train.add_argument("--num-segments", type=int, default=1,
                        help="sequence partition segments: more segments, less memory (peagle; default 1)")
     train.add_argument("--max-length", type=int, default=2048, help="tokens per packed sequence (default 2048)")
-    train.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (default 6e-4)")
+    train.add_argument("--lr", type=float,
+                       help="peak learning rate (default 1e-3 for --method peagle, 6e-4 for eagle3)")
     train.add_argument("--weight-decay", type=float, default=0.0)
     train.add_argument("--warmup-steps", type=int, help="linear warmup steps (default 2%% of the steps; with --time-limit at most 30)")
     length = train.add_mutually_exclusive_group(required=True)

@@ -193,6 +193,8 @@ case "$stage" in
     # Issue 16: the small-batch GEMV against cuBLAS per decoder projection (testbed and 8B shapes, M = 1, 8, 64),
     # each replayed from a CUDA graph; no model needed, so it fits beside stage_a on an idle GPU.
     timeout ${KERNELS_SECS:-120} $py scripts/device/gemv_timing.py "$OUT/gemv_timing.json" 2>&1 | tail -30 || true
+    # The other Triton kernels at the testbed's shapes (paged attention, draft batch, KV store), graphed.
+    timeout ${KERNELS_SECS:-120} $py scripts/device/kernel_timing.py "$OUT/kernel_timing.json" 2>&1 | tail -14 || true
     ;;
   throughput)
     # Training throughput: the trainer of an earlier tree (.old/src) against today's, each run alone on the GPU,

@@ -1,6 +1,6 @@
 """The fused element-wise kernels on CUDA at SmolLM2-135M and Llama-3.1-8B sizes: equal to their references (rotary
-and the residual sum bit for bit), replayable from a CUDA graph, and timed against the PyTorch ops they replace
-(`pytest tests/gpu -s` prints the table)."""
+and the residual sum bit for bit) and replayable from a CUDA graph. Their timing against the PyTorch ops they
+replace is a benchmark, not a test: scripts/device/kernel_timing.py."""
 
 from __future__ import annotations
 
@@ -148,22 +148,3 @@ def single_ops(inp):
         ("silu_and_mul", lambda: fused.silu_and_mul(inp["gate_up"]),
          lambda: kernels.silu_and_mul_ref(inp["gate_up"])),
     ]
-
-
-def test_timing():
-    from triton.testing import do_bench, do_bench_cudagraph
-
-    rows = []
-    for model in sorted(MODELS):
-        for num_tokens in NUM_TOKENS:
-            inputs = layer_inputs(model, num_tokens, torch.bfloat16)
-            torch.cuda.synchronize()  # do_bench_cudagraph's side stream does not wait for the inputs' stream
-            for name, fn, ref in single_ops(inputs):
-                rows.append((model, num_tokens, name, 1e3 * do_bench_cudagraph(fn), 1e3 * do_bench_cudagraph(ref),
-                             1e3 * do_bench(fn)))
-    print(f"\n{'model (bf16)':14s} {'T':>4s} {'kernel':14s} {'graph us':>9s} {'torch ops':>9s} {'eager us':>9s}")
-    for model, num_tokens, name, us, ref_us, eager_us in rows:
-        print(f"{model:14s} {num_tokens:4d} {name:14s} {us:9.2f} {ref_us:9.2f} {eager_us:9.2f}")
-    # One launch must beat the several it replaces, inside a graph too.
-    slow = [(m, t, n, round(us, 2), round(ref_us, 2)) for m, t, n, us, ref_us, _ in rows if us > ref_us]
-    assert not slow, f"slower than the PyTorch ops they replace: {slow}"

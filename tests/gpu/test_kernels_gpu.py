@@ -1,5 +1,5 @@
-"""The Triton kernels on CUDA: equal to their PyTorch references (the unit tests' cases plus engine-sized ones),
-replayable from a CUDA graph, and timed (`pytest tests/gpu -s` prints the table)."""
+"""The Triton kernels on CUDA: equal to their PyTorch references (the unit tests' cases plus engine-sized ones) and
+replayable from a CUDA graph. Their timing is a benchmark, not a test: scripts/device/kernel_timing.py."""
 
 from __future__ import annotations
 
@@ -130,49 +130,3 @@ def test_cuda_graph_replay_follows_new_inputs():
     torch.testing.assert_close(out.float(), kernels.paged_attention_ref(**new_att).float(), atol=2e-2, rtol=2e-2)
     for name, got, want in zip(drafts._fields, drafts, kernels.expand_draft_batch_ref(**new_draft)):
         assert torch.equal(got, want), name
-
-
-TIMING_CASES = [
-    # (label, num_requests, query_len, context_len, shuffle, bound in microseconds: about twice the H200's time)
-    ("decode b1 ctx1k", 1, 1, 1024, False, 12),
-    ("decode b1 ctx2k", 1, 1, 2048, False, 15),
-    ("verify b1 q8 ctx2k", 1, 8, 2048, False, 18),
-    ("draft b1 q16 ctx2k", 1, 16, 2048, True, 20),
-    ("decode b64 ctx1k", 64, 1, 1024, False, 40),
-    ("verify b64 q8 ctx1k", 64, 8, 1024, False, 50),
-    ("draft b64 q16 ctx1k", 64, 16, 1024, True, 50),
-    ("prefill 2k", 1, 2048, 2048, False, 85),
-]
-
-
-def test_timing():
-    # CUDA-graph replay, so the numbers are GPU time without Python launch overhead.
-    from triton.testing import do_bench_cudagraph
-
-    def bench_us(fn):
-        # do_bench_cudagraph runs fn on a side stream that does not wait for the default stream: inputs made on
-        # the GPU just before (torch.randint) must be complete, or the kernel reads uninitialised indices.
-        torch.cuda.synchronize()
-        return 1e3 * do_bench_cudagraph(fn)
-
-    rows = []
-    for label, num_requests, query_len, context_len, shuffle, bound_us in TIMING_CASES:
-        batch = engine_attention_batch(num_requests, query_len, context_len, shuffle=shuffle)
-        rows.append((f"paged_attention {label}", bench_us(lambda: attention.paged_attention(**batch)), bound_us))
-    inputs = to_cuda(unit_cases.make_draft_inputs(0, ["verify"] * 64, 7, 0, torch.int64))
-    rows.append(("expand_draft_batch b64 K8", bench_us(lambda: draft_batch.expand_draft_batch(**inputs)), 6))
-    aux = torch.randn(64 * 8, 3 * 576, device=CUDA, dtype=torch.bfloat16)
-    hidden_index = torch.randint(-1, 64 * 8, (64 * 15,), device=CUDA)
-    mask_hidden = torch.randn(3 * 576, device=CUDA, dtype=torch.bfloat16)
-    us = bench_us(lambda: draft_batch.gather_draft_features(aux, hidden_index, mask_hidden))
-    rows.append(("gather_draft_features b64 K8", us, 6))
-    k = torch.randn(64 * 8, 3, 64, device=CUDA, dtype=torch.bfloat16)
-    cache = torch.zeros(4096, 16, 3, 64, device=CUDA, dtype=torch.bfloat16)
-    slots = torch.randperm(4096 * 16, device=CUDA)[: 64 * 8]
-    rows.append(("store_kv 512 tokens", bench_us(lambda: kv_cache.store_kv(k, k, cache, cache, slots)), 6))
-
-    print(f"\n{'kernel (testbed shape, bf16)':42s} {'us':>8s} {'bound':>6s}")
-    for label, us, bound_us in rows:
-        print(f"{label:42s} {us:8.2f} {bound_us:6d}")
-    slow = [(label, round(us, 2)) for label, us, bound_us in rows if us > bound_us]
-    assert not slow, f"slower than the bounds: {slow}"

@@ -9,23 +9,28 @@
 # against; .cfg: the testbed's config.json and tokenizer files, for runs with random weights; .tb_a, .tb_b, .tb_c:
 # the package wheels `peagle testbed` downloads, for `tb_stage`). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
-# The next session's plan (run 9), one call each, back to back; fire them one at a time (a failed call must not
-# start the next), from a tree no one is editing (the device gets a copy of the working tree, uncommitted edits too):
+# The next session's plan (run 10), one call each, back to back; fire them one at a time (a failed call must not
+# start the next), from a tree no one is editing (the device gets a copy of the working tree, uncommitted edits too).
+# A call that comes more than 30 s after the previous one returned finds a fresh machine: run 9 lost its testbed so.
 #   tb_stage                        carry .tb_a .whl     (issue 14's one-session recipe: `peagle testbed --scale
 #   tb_stage                        carry .tb_b           h200` offline, its two wheels carried in three parts)
-#   tb_stage && BUCKET_C=32,64 buckets && TB_SECS=400 testbed     carry .tb_c .whl .old .cfg
-#        (issue 15's c >= 32 fall first, on the idle GPU: mixed-step graphs up to 64 requests against run 8's 16,
-#        random weights, .old/src = run 8's tree 8e569f9, ~2 minutes; then the testbed, started in the background)
+#   tb_stage && TB_SECS=560 testbed                      carry .tb_c .whl   (started in the background at once)
 #   TB_SECS=560 testbed_wait
-#   TB_SECS=300 testbed_wait && HEADS_N=24 HEADS_K=3,7,11 heads   (the testbed's two heads served, GPU idle)
-#   BENCH_K=3,7,11 BENCH_C=1,4,16,64 BENCH_SECS=240 bench   (a short MT-Bench sweep on them, the calibrated row)
-#   About 29 of the 30 device minutes (the testbed's H200 limits sum to 19.5 minutes; tb_stage && testbed ran here
-#   at TB_SCALE=smoke in 134 s, the links to its model and heads included).
-#   Run 10: the P-EAGLE lr 1e-3 A/B at the full budget (after stage_a, data && TRAIN_MIN=8 HEADS="peagle peagle-b
-#   eagle3" TRAIN_ARGS="--draft-vocab-size 0" PEAGLE_B_ARGS="--lr 1e-3" train carry .stage_b .whl .gpu), engine
-#   with ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+gemv ENGINE_PROFILE=1 (decode_gemv: the GEMV
-#   with the norms and the MLP's activation inside it, issue 16's batch-1 goal; the profiles per kernel), SCALE_C=1 SCALE_GEMV=1 scale (the 8B shape's step
-#   against its floor, with and without it), gpu_tests, bench2.
+#   TB_SECS=240 testbed_wait && HEADS_N=24 HEADS_K=3,7,11 heads   (the testbed's two heads served, GPU idle)
+#   ENGINE_SECS=200 ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+gemv engine   (issue 16: decode_gemv,
+#        the GEMV with the norms and the MLP's activation inside it, end to end against today's default)
+#   About 28 of the 30 device minutes (the testbed's H200 limits sum to 19.5 minutes).
+#   Run 11: kernels (gemv_timing and kernel_timing, idle GPU); stage_a; data && TRAIN_MIN=8 HEADS="peagle peagle-b
+#   eagle3" PEAGLE_B_ARGS="--draft-vocab-size 0" train carry .stage_b .whl .gpu (the 32K draft vocabulary against the
+#   whole one: run 6 dropped it as a workaround, and it has not been compared since); TP_DATA=$W/data-sharegpt.0
+#   TP_RUNS="b1=$PWD/src:peagle:8:8192:1 b2=$PWD/src:peagle:8:8192:2" TP_STEPS=30 throughput (2 packs a step: the
+#   trainer alone is host-bound, GPU 62% busy); SCALE_C=1 SCALE_GEMV=1 scale; BENCH_K=3,7,11 BENCH_C=1,4,16,64 bench (the
+#   calibrated row on the graphed mixed steps); gpu_tests.
+# Run 9's plan (what was run, BENCHMARKS.md "Run 9": tb_stage; tb_stage; tb_stage && BUCKET_C=32,64 buckets &&
+# TB_SECS=400 testbed, whose machine was lost before the next call; on a fresh one stage_a; data && TRAIN_MIN=6
+# HEADS="peagle peagle-b eagle3" TRAIN_ARGS="--draft-vocab-size 0" PEAGLE_B_ARGS="--lr 1e-3" train; timeout 230
+# gpu_tests; WAIT_SECS=420 wait; HEADS_N=16 HEADS_K=3,7 heads; the lr 1e-3 head by peagle bench directly; pytest --lf
+# tests/gpu).
 # Run 8's plan (what was run, BENCHMARKS.md "Run 8": stage_a && kernels; data && TRAIN_MIN=8 HEADS="peagle peagle-b
 # eagle3" TRAIN_ARGS="--draft-vocab-size 0" PEAGLE_B_ARGS="--depth-decay 1" train, whose trainers refused the
 # evaluation set, then on the same machine mv $W/data-eval $W/eval-overlapping && the same train; WAIT_SECS=480 wait;

@@ -190,6 +190,41 @@ def test_progress_line_per_step_says_time_and_output(offline, tmp_path, caplog):
     assert marker["limit_s"] == 240 and marker["seconds"] >= 0
 
 
+def test_the_budget_left_by_the_data_steps_goes_to_training(offline, tmp_path, caplog):
+    """At a scale with a budget, the heads train for train_minutes plus what the steps before them, run in this
+    build, left unused of their limits (the build stays within the budget); without one, for train_minutes."""
+    scale = dataclasses.replace(smoke_scale(), budget_s=3600)
+    cache = tmp_path / "cache"
+    bed = testbed.Testbed(cache, scale)
+    with caplog.at_level(logging.INFO, logger="peagle.bench.testbed"):
+        bed.build()
+    heads = offline["run"][-1]
+    minutes = {float(arg(c.argv, "--time-limit")) for c in heads["commands"]}
+    assert len(minutes) == 1  # the same for both heads
+    extra_s = 60 * (minutes.pop() - scale.train_minutes)
+    before = sum(limit for name, limit in scale.budget().items() if name != "heads")
+    assert 0.9 * before < extra_s <= before  # the fake steps take next to nothing of their limits
+    heads_limit = scale.step_limits()["heads"]
+    assert heads["limit_s"] == pytest.approx(heads_limit + extra_s, abs=0.1)  # the heads step's limit grew as much
+    assert json.loads((cache / ".done" / "heads.json").read_text())["limit_s"] == pytest.approx(heads["limit_s"])
+    assert sum(scale.budget().values()) - before + extra_s <= scale.budget_s
+    assert any("the steps before left unused of their limits" in r.getMessage() for r in caplog.records)
+
+    # Rerun with the data done already: nothing ran before the heads in this build, so nothing is added.
+    (cache / ".done" / "heads.json").unlink()
+    for method in testbed.METHODS:
+        testbed.shutil.rmtree(bed.paths[f"{method}_run"])
+    offline["run"].clear()
+    testbed.Testbed(cache, scale).build()
+    (heads,) = offline["run"]
+    assert {arg(c.argv, "--time-limit") for c in heads["commands"]} == {"2"} and heads["limit_s"] == heads_limit
+
+    # No budget (the smoke scale): the scale's minutes.
+    offline["run"].clear()
+    testbed.Testbed(tmp_path / "other", smoke_scale()).build()
+    assert {arg(c.argv, "--time-limit") for c in offline["run"][-1]["commands"]} == {"2"}
+
+
 def test_h200_plan_uses_every_data_source_and_trains_both_heads_side_by_side(offline, tmp_path):
     scale = h200_scale()
     bed = testbed.Testbed(tmp_path, scale)

@@ -42,7 +42,10 @@ step's limit adds their start-up and final evaluation; a trainer stopped there s
 resumes it. A stopped command that does not exit gets STOP_GRACE_S before it is killed. In-process steps
 (unpacking, the tiny model) are measured against their limit, not stopped. What counts toward the budget is wall
 time: a step alone its limit, a phase its longest lane's (the sum of that lane's limits). The H200 scale's, downloads
-aside (they wait on the network, not the machine), sum to at most 20 minutes. After each step one log line says how
+aside (they wait on the network, not the machine), sum to at most 20 minutes. At a scale with a budget, what the
+steps before the heads, run whole in this build, leave unused of their limits is added to the trainers' --time-limit
+(and to the heads step's limit): the build still ends within the budget, and the slack goes to training, on which the
+heads' acceptance depends most (BENCHMARKS.md run 9). After each step one log line says how
 long it took, against its limit, and what it produced (documents, tokens, prompts, training steps); after a phase one
 more line gives its wall time against its limit and each lane's steps' times.
 
@@ -71,7 +74,7 @@ import sysconfig
 import threading
 import time
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -160,6 +163,9 @@ class Testbed:
     def __init__(self, cache_dir: Path | None, scale: Scale):
         self.dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self.scale = scale
+        # Seconds the heads train beyond scale.train_minutes: what the steps before them, run in this build, left
+        # unused of their limits (`build`, at a scale with a budget); 0 until then.
+        self.train_extra_s = 0.0
         # Set when the build is interrupted while a phase runs: its other lanes stop their commands.
         self.interrupted = threading.Event()
         prompts, data, heads = (self.dir / "prompts" / scale.name, self.dir / f"data-{scale.name}",
@@ -229,7 +235,7 @@ class Testbed:
         for source in self.sources:
             steps.append(self._responses_step(source, limits[f"responses-{source}"]))
         steps.append(Step("heads", (p["eagle3"], p["peagle"]), limits["heads"],
-                          lambda: self._train_heads(limits["heads"]), self.train_commands))
+                          lambda: self._train_heads(limits["heads"] + self.train_extra_s), self.train_commands))
         return steps
 
     def plan(self, steps: Sequence[Step] | None = None) -> list[Phase]:
@@ -351,10 +357,15 @@ class Testbed:
             argv = _peagle_argv("train", "--target", str(self.paths["model"]), "--data", *map(str, data), *evaluation,
                                 "--method",
                                 method, "--out", str(run), *self.scale.train_args,
-                                *getattr(self.scale, f"{method}_args"), "--time-limit", f"{self.scale.train_minutes:g}",
+                                *getattr(self.scale, f"{method}_args"), "--time-limit", f"{self.train_minutes:.4g}",
                                 *resume)
             commands.append(Command(method, argv, self.paths[method], log=run.with_name(f"{method}.log")))
         return commands
+
+    @property
+    def train_minutes(self) -> float:
+        """The trainers' --time-limit: the scale's, plus what the steps before them saved in this build."""
+        return self.scale.train_minutes + self.train_extra_s / 60
 
     def _train_heads(self, limit_s: float) -> str:
         from peagle.training.trainer import CHECKPOINTS, complete_checkpoints
@@ -369,8 +380,10 @@ class Testbed:
         if len(commands) == 1:
             logger.warning("only %s is left to train: it trains alone, not side by side with the other head",
                            commands[0].name)
-        logger.info("training %s side by side for %g minutes (logs: %s)", " and ".join(c.name for c in commands),
-                    self.scale.train_minutes, ", ".join(str(c.log) for c in commands))
+        extra = (f": {self.scale.train_minutes:g} of the scale and {self.train_extra_s / 60:.2f} the steps before left "
+                 "unused of their limits" if self.train_extra_s else "")
+        logger.info("training %s side by side for %.4g minutes%s (logs: %s)", " and ".join(c.name for c in commands),
+                    self.train_minutes, extra, ", ".join(str(c.log) for c in commands))
         return _stopped_note(run_commands(commands, limit_s, self.env(), cancel=self.interrupted))
 
     def _write_tiny_model(self) -> None:
@@ -392,14 +405,26 @@ class Testbed:
             where.setdefault(phase.name, f"testbed [{first}-{last}/{len(steps)}] {phase.name}")  # a step: its own
         spent: dict[str, float] = {}  # seconds of each step, and of each phase run side by side, that ran now
         began = time.monotonic()
+        saved = 0.0  # what the budgeted phases run whole in this build left unused of their limits
         for phase in plan:
+            whole = phase.budgeted and not any(self.is_done(step) for step in phase.steps)
+            started = time.monotonic()
             if len(phase.lanes) > 1:
                 self._run_phase(phase, where, spent)
             else:
                 for step in phase.steps:
+                    if step.name == "heads" and self.scale.budget_s is not None and saved > 0:
+                        # The budget's slack goes to training, the bottleneck of the heads' acceptance: the heads
+                        # step's limit grows by what the data steps saved, so the build stays within the budget.
+                        self.train_extra_s = saved
+                        step = replace(step, limit_s=step.limit_s + saved)
                     self._run_step(step, where[step.name], spent)
+            if whole:
+                saved += max(0.0, phase.limit_s - (time.monotonic() - started))
         limits = sum(phase.limit_s for phase in plan if phase.budgeted)
         budget = f" (budget {_seconds(self.scale.budget_s)})" if self.scale.budget_s is not None else ""
+        if self.train_extra_s:
+            budget += f", the heads' limit {_seconds(self.train_extra_s)} more with what the steps before saved"
         logger.info("testbed (%s scale) ready in %s: this run took %s (%s); the limits sum to %s%s, a phase counting "
                     "its longest lane, downloads aside", self.scale.name, self.dir,
                     _seconds(time.monotonic() - began), _spent_text(plan, spent), _seconds(limits), budget)

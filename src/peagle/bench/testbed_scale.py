@@ -135,7 +135,8 @@ def h200_scale() -> Scale:
     7,944) and their answers (85 s), ShareGPT and the synthesised prompts two processes each; then short and long
     standard-library code prompts side by side (50 s), beside them the evaluation set (256 held-out first turns,
     40 s); answers of up to 256 tokens; then EAGLE-3 (1 layer, K_train 7) and P-EAGLE (4 layers, K_train 8)
-    trained side by side on 8K packs for 11 minutes each with `peagle train`'s default recipe over the target's
+    trained side by side on 8K packs for 11 minutes each, plus what the steps before left of their limits, with
+    `peagle train`'s default recipe over the target's
     whole vocabulary. Wall limits: 30 + 30 + 60 + 60 s before the data, 160 + 50 s of data, 780 s for the heads:
     19.5 minutes. The commands and the data schedule follow the device script's `data` and `train` stages
     (run 8's, with 70 s of synthesis instead of 45), trained 11 minutes instead of 8 (short code prompts from the

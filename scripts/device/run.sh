@@ -160,9 +160,13 @@ testbed_follow() {  # up to $1 seconds for the testbed started by `testbed`; the
 
 link_heads() {  # $W/heads/NAME: each training run's final head, else a copy of its newest complete checkpoint
   # (copied: a running trainer deletes its older checkpoints, and a check reloads the head for each engine it builds)
+  # HEADS names them; unset, every $W/train-NAME directory (a later call needs no HEADS to find peagle-b).
   mkdir -p "$W/heads" "$W/snap"
-  local m c
-  for m in ${HEADS:-peagle eagle3}; do
+  local m c d names=${HEADS:-}
+  if [ -z "$names" ]; then
+    for d in "$W"/train-*/; do [ -d "$d" ] && names+=" $(basename "$d" | sed 's/^train-//')"; done
+  fi
+  for m in ${names:-peagle eagle3}; do
     if [ -f "$W/train-$m/final/config.json" ]; then ln -sfn "$W/train-$m/final" "$W/heads/$m"; continue; fi
     c=$(ls -d "$W/train-$m/checkpoints/step-"*/trainer_state.pt 2> /dev/null | tail -1 || true)
     if [ -z "$c" ]; then echo "no trained $m head under $W/train-$m"; continue; fi

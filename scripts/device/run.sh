@@ -141,7 +141,8 @@ testbed_follow() {  # up to $1 seconds for the testbed started by `testbed`; the
   sleep 2
   while [ -f "$W/testbed.pid" ] && running "$(cat "$W/testbed.pid")"; do
     if [ "$(date +%s)" -ge $deadline ]; then
-      echo "testbed still running"; grep -v "it/s\]" "$W/testbed.log" | grep -E "peagle.bench.testbed" | tail -4
+      echo "testbed still running"; grep -v "it/s\]" "$W/testbed.log" | grep -E "peagle.bench.testbed" | tail -12
+      cp "$W/testbed.log" "$OUT/"  # so far: a machine lost before the next call still leaves the steps' times here
       return 0
     fi
     sleep 5

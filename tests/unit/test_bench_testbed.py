@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from peagle.bench import testbed
+from peagle.bench import testbed, testbed_commands
 from peagle.bench.datasets import load_prompts, sharegpt_split_of
 from peagle.bench.testbed import SHAREGPT_MEMBER, Command
 from peagle.bench.testbed_scale import h200_scale, smoke_scale
@@ -433,8 +433,8 @@ def test_commands_still_running_at_the_limit_are_stopped(tmp_path):
 
 def test_cancel_stops_the_commands(monkeypatch, tmp_path):
     started = []
-    start = testbed._start
-    monkeypatch.setattr(testbed, "_start", lambda c, env: started.append(start(c, env)) or started[-1])
+    start = testbed_commands._start
+    monkeypatch.setattr(testbed_commands, "_start", lambda c, env: started.append(start(c, env)) or started[-1])
     cancel = threading.Event()
     cancel.set()  # a phase's main thread was interrupted
     with pytest.raises(KeyboardInterrupt):

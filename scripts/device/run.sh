@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One script for the GPU machine: builds, checks and times peagle in stages that fit one call each.
 #   bash scripts/device/run.sh STAGE  (STAGE: stage_a | tb_stage | testbed | testbed_wait | kernels | gpu_tests |
-#                                      throughput | buckets | engine | data | train | wait | heads | walk |
+#                                      throughput | mmhost | buckets | engine | data | train | wait | heads | walk |
 #                                      check | ablate |
 #                                      stage_b | bench | bench2 | final | scale | teacher)
 # Large inputs travel in ignored folders named by the caller (.stage_a, .stage_b: halves of the testbed GGUF;
@@ -17,8 +17,9 @@
 #   tb_stage && TB_SECS=560 testbed                      carry .tb_c .whl   (started in the background at once)
 #   TB_SECS=560 testbed_wait
 #   TB_SECS=240 testbed_wait && HEADS_N=24 HEADS_K=3,7,11 heads   (the testbed's two heads served, GPU idle)
-#   ENGINE_SECS=200 ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+gemv engine   (issue 16: decode_gemv,
-#        the GEMV with the norms and the MLP's activation inside it, end to end against today's default)
+#   ENGINE_SECS=200 ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+gemv engine; mmhost   (issue 16:
+#        decode_gemv, the GEMV with the norms and the MLP's activation inside it, end to end against today's default;
+#        then whether a matmul's host cost depends on its shape repeating: if so, training steps padded to buckets)
 #   About 28 of the 30 device minutes (the testbed's H200 limits sum to 19.5 minutes).
 #   Run 11: kernels (gemv_timing and kernel_timing, idle GPU); stage_a; data && TRAIN_MIN=8 HEADS="peagle peagle-b
 #   eagle3" PEAGLE_B_ARGS="--draft-vocab-size 0" train carry .stage_b .whl .gpu (the 32K draft vocabulary against the
@@ -254,6 +255,11 @@ case "$stage" in
     ;;
   testbed_wait)
     testbed_follow ${TB_SECS:-540}
+    ;;
+  mmhost)
+    # The host cost of a matmul whose shape changes every call against a repeated one (the trainer's steps change
+    # shapes; run 7's profile gave aten::mm ~100 us of host time per call): no model needed, ~30 s.
+    timeout ${MMHOST_SECS:-120} $py scripts/device/mm_host_cost.py "$OUT/mm_host_cost.json" 2>&1 | tail -34 || true
     ;;
   buckets)
     # Issue 15: the c >= 32 collapse of run 8's sweep (steps that admit a prompt ran eagerly above 16 requests).

@@ -24,8 +24,9 @@
 #   Run 11: kernels (gemv_timing and kernel_timing, idle GPU); stage_a; data && TRAIN_MIN=8 HEADS="peagle peagle-b
 #   eagle3" PEAGLE_B_ARGS="--draft-vocab-size 0" train carry .stage_b .whl .gpu (the 32K draft vocabulary against the
 #   whole one: run 6 dropped it as a workaround, and it has not been compared since); TP_DATA=$W/data-sharegpt.0
-#   TP_RUNS="b1=$PWD/src:peagle:8:8192:1 b2=$PWD/src:peagle:8:8192:2" TP_STEPS=30 throughput (2 packs a step: the
-#   trainer alone is host-bound, GPU 62% busy); SCALE_C=1 SCALE_GEMV=1 scale; BENCH_K=3,7,11 BENCH_C=1,4,16,64 bench (the
+#   TP_RUNS="b1=$PWD/src:peagle:8:8192:1 pad=$PWD/src:peagle:8:8192:1:--pad-target-pass b2=$PWD/src:peagle:8:8192:2"
+#   TP_STEPS=30 throughput (the trainer alone is host-bound, GPU 62% busy: the target pass at one shape, if run 10's
+#   mmhost says shapes matter; 2 packs a step); SCALE_C=1 SCALE_GEMV=1 scale; BENCH_K=3,7,11 BENCH_C=1,4,16,64 bench (the
 #   calibrated row on the graphed mixed steps); gpu_tests.
 # Run 9's plan (what was run, BENCHMARKS.md "Run 9": tb_stage; tb_stage; tb_stage && BUCKET_C=32,64 buckets &&
 # TB_SECS=400 testbed, whose machine was lost before the next call; on a fresh one stage_a; data && TRAIN_MIN=6

@@ -160,3 +160,27 @@ def test_partitioned_gradients_equal_unpartitioned(models, segments):
         torch.testing.assert_close(part_grads[name], full_grads[name], rtol=1e-5, atol=1e-6, msg=name)
     assert float(parts.loss) == pytest.approx(float(full.loss), rel=1e-5)
     assert torch.equal(parts.total, full.total) and torch.equal(parts.correct, full.correct)
+
+
+@torch.no_grad()
+def test_padded_target_pass_keeps_the_outputs(models):
+    """`run_target(pad_to=...)`: a padding document after the sequence's own changes none of their outputs (it
+    attends to itself only) and is dropped; a sequence already that long is run as it is."""
+    target, drafters = models
+    aux = drafters["peagle"].config.aux_layer_ids
+    seq = _sequence([23, 30, 9], target.config.vocab_size, seed=4)
+    plain = run_target(target, seq, aux, "cpu")
+    ran = []
+    forward = target.forward
+    target.forward = lambda ids, *args: ran.append(len(ids)) or forward(ids, *args)
+    try:
+        padded = run_target(target, seq, aux, "cpu", pad_to=128)
+    finally:
+        del target.forward
+    assert ran == [128]  # one pass, at the padded length
+    assert padded.features.shape == plain.features.shape and padded.hidden.shape == plain.hidden.shape
+    torch.testing.assert_close(padded.features, plain.features, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(padded.hidden, plain.hidden, rtol=1e-5, atol=1e-5)
+    assert torch.equal(padded.token_ids, seq.token_ids) and padded.sequence.doc_lengths == seq.doc_lengths
+    short = run_target(target, seq, aux, "cpu", pad_to=len(seq) - 5)
+    assert torch.equal(short.features, plain.features)

@@ -223,6 +223,17 @@ def test_default_warmup_is_short_under_a_time_limit(setup, tmp_path):
                        time_limit_minutes=5).warmup(100_000) == 7
 
 
+def test_padded_target_pass_trains_the_same_steps(setup, tmp_path):
+    """--pad-target-pass changes the target pass's shapes, not what is trained: the same losses step by step."""
+    checkpoint, data = setup
+    losses = []
+    for name, extra in (("plain", ()), ("padded", ("--pad-target-pass",))):
+        assert main(_args(checkpoint, data, tmp_path / name, "--steps", "3", "--log-every", "1", *extra)) == 0
+        losses.append([loss for _, loss in _losses(tmp_path / name)])
+    assert len(losses[0]) == 3
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+
+
 def test_default_learning_rate_per_method(setup, tmp_path):
     checkpoint, data = setup
     cfg = lambda **kw: TrainConfig(target=checkpoint, data=data, out=tmp_path, steps=10, **kw)  # noqa: E731

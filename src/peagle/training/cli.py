@@ -153,6 +153,10 @@ def register(subparsers) -> None:
                        help="compile the drafter's element-wise steps (RMSNorm, RoPE, SiLU-and-mul) for training; "
                             "each is checked against its reference first and kept as the reference if it differs "
                             "or fails (off by default until timed on the GPU)")
+    train.add_argument("--pad-target-pass", action="store_true",
+                       help="pad the target's pass over each step's packed sequence to batch size x --max-length "
+                            "tokens, so its matrix shapes repeat from step to step (a few percent more target "
+                            "work; off by default until timed on the GPU: scripts/device/mm_host_cost.py)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--init", type=Path, metavar="DRAFTER_DIR", help="start from an existing head")
     train.add_argument("--draft-vocab-size", type=int,
@@ -222,6 +226,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         time_limit_minutes=args.time_limit, profile_steps=args.profile_steps, log_every=args.log_every,
         depth_decay=args.depth_decay, freeze_lm_head=args.freeze_lm_head,
         feature_noise=args.feature_noise, compile_elementwise=args.compile_elementwise,
+        pad_target_pass=args.pad_target_pass,
     )
 
 

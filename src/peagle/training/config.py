@@ -67,6 +67,7 @@ class TrainConfig:
     freeze_lm_head: bool = True  # keep the draft head at its initial rows (the target's), as speculators does
     feature_noise: float = 0.05  # std of Gaussian noise on the target features in training (speculators' 0.05)
     compile_elementwise: bool = False  # the drafter's norms, RoPE and SiLU compiled for training (compiled_ops.py)
+    pad_target_pass: bool = False  # the target's pass over each micro-batch padded to batch size x --max-length
 
     def __post_init__(self):
         dirs = (self.data,) if isinstance(self.data, (str, Path)) else tuple(self.data)

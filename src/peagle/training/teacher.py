@@ -49,16 +49,23 @@ def to_device(device: torch.device | str):
 
 @torch.no_grad()
 def run_target(target: LlamaModel, sequence: PackedSequence, aux_layer_ids: Sequence[int],
-               device: torch.device | str) -> TeacherPass:
+               device: torch.device | str, pad_to: int | None = None) -> TeacherPass:
     """Runs the target over every document of the sequence (causal within a document, positions from 0).
 
-    `sequence` is on the host; it is copied to `device` without waiting (from pinned memory on CUDA)."""
+    `sequence` is on the host; it is copied to `device` without waiting (from pinned memory on CUDA). `pad_to`:
+    a shorter sequence runs with a padding document after its own up to that many tokens (attending only to
+    itself, its outputs dropped), so every call has the same matrix shapes."""
     move = to_device(device)
     seq = PackedSequence(move(sequence.token_ids), move(sequence.loss_mask), move(sequence.doc_ids),
                          sequence.sources)
-    positions = move(sequence.positions)
-    out = target(seq.token_ids, positions, VarlenAttention(sequence.doc_lengths, device), aux_layer_ids)
-    return TeacherPass(seq, out.aux, out.hidden)
+    n, pad = len(sequence.token_ids), max(0, (pad_to or 0) - len(sequence.token_ids))
+    token_ids, positions, lengths = sequence.token_ids, sequence.positions, list(sequence.doc_lengths)
+    if pad:
+        token_ids = torch.cat([token_ids, torch.zeros(pad, dtype=token_ids.dtype)])
+        positions = torch.cat([positions, torch.arange(pad, dtype=positions.dtype)])
+        lengths.append(pad)
+    out = target(move(token_ids), move(positions), VarlenAttention(lengths, device), aux_layer_ids)
+    return TeacherPass(seq, out.aux[:n], out.hidden[:n])
 
 
 @dataclass(frozen=True, slots=True)

@@ -328,7 +328,8 @@ class Trainer:
     def _teacher(self, seq: PackedSequence) -> TeacherPass:
         if self.cache is not None:
             return self.cache.run(seq, self.aux_layer_ids, self.dist.device)
-        return run_target(self.target, seq, self.aux_layer_ids, self.dist.device)
+        pad = self.cfg.batch_size * self.cfg.max_length if self.cfg.pad_target_pass else None
+        return run_target(self.target, seq, self.aux_layer_ids, self.dist.device, pad_to=pad)
 
     def _noisy(self, teacher: TeacherPass, seeds: tuple[tuple[int, int], ...]) -> TeacherPass:
         """The teacher pass with Gaussian noise of std --feature-noise on its features (training only). Each packed

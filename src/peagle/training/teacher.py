@@ -59,12 +59,12 @@ def run_target(target: LlamaModel, sequence: PackedSequence, aux_layer_ids: Sequ
     seq = PackedSequence(move(sequence.token_ids), move(sequence.loss_mask), move(sequence.doc_ids),
                          sequence.sources)
     n, pad = len(sequence.token_ids), max(0, (pad_to or 0) - len(sequence.token_ids))
-    token_ids, positions, lengths = sequence.token_ids, sequence.positions, list(sequence.doc_lengths)
+    token_ids, positions, lengths = seq.token_ids, move(sequence.positions), list(sequence.doc_lengths)
     if pad:
-        token_ids = torch.cat([token_ids, torch.zeros(pad, dtype=token_ids.dtype)])
-        positions = torch.cat([positions, torch.arange(pad, dtype=positions.dtype)])
+        token_ids = move(torch.cat([sequence.token_ids, torch.zeros(pad, dtype=sequence.token_ids.dtype)]))
+        positions = move(torch.cat([sequence.positions, torch.arange(pad, dtype=sequence.positions.dtype)]))
         lengths.append(pad)
-    out = target(move(token_ids), move(positions), VarlenAttention(lengths, device), aux_layer_ids)
+    out = target(token_ids, positions, VarlenAttention(lengths, device), aux_layer_ids)
     return TeacherPass(seq, out.aux[:n], out.hidden[:n])
 
 

@@ -20,7 +20,9 @@
 #   ENGINE_SECS=200 ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+gemv engine; mmhost   (issue 16:
 #        decode_gemv, the GEMV with the norms and the MLP's activation inside it, end to end against today's default;
 #        then whether a matmul's host cost depends on its shape repeating: if so, training steps padded to buckets)
-#   About 28 of the 30 device minutes (the testbed's H200 limits sum to 19.5 minutes).
+#   About 28 of the 30 device minutes (the testbed's H200 limits sum to 19.5 minutes, and it now trains into what
+#   its data steps leave of theirs, so it takes about all of them). Under 5 minutes left before the last call: run
+#   mmhost alone.
 #   Run 11: kernels (gemv_timing and kernel_timing, idle GPU); stage_a; data && TRAIN_MIN=8 HEADS="peagle peagle-b
 #   eagle3" PEAGLE_B_ARGS="--draft-vocab-size 0" train carry .stage_b .whl .gpu (the 32K draft vocabulary against the
 #   whole one: run 6 dropped it as a workaround, and it has not been compared since); TP_DATA=$W/data-sharegpt.0

@@ -232,6 +232,9 @@ def test_padded_target_pass_trains_the_same_steps(setup, tmp_path):
         losses.append([loss for _, loss in _losses(tmp_path / name)])
     assert len(losses[0]) == 3
     assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+    with pytest.raises(ValueError, match="--pad-target-pass .* --feature-cache"):
+        TrainConfig(target=checkpoint, data=data, out=tmp_path / "x", method="peagle", steps=1, pad_target_pass=True,
+                    feature_cache=tmp_path / "cache")
 
 
 def test_default_learning_rate_per_method(setup, tmp_path):

@@ -114,6 +114,9 @@ class TrainConfig:
                      "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.pad_target_pass and self.feature_cache is not None:
+            raise ValueError("--pad-target-pass pads the target's pass, which --feature-cache replaces by reading "
+                             "stored outputs: give one of them")
         if self.lr is None:
             object.__setattr__(self, "lr", DEFAULT_LR[self.method])
         if self.lr <= 0:

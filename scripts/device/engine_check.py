@@ -2,7 +2,7 @@
 
 Usage: python scripts/device/engine_check.py TARGET_DIR OUT.json --head eagle3=DIR --head peagle=DIR
        [--num-prompts 32] [--max-tokens 128] [--dtypes float32,bfloat16] [--sampling] [--async-scheduling]
-       [--prefill-cuda-graphs]
+       [--prefill-cuda-graphs] [--k 7,11]
 fp32: outputs must be identical. bf16: verifying several tokens in one pass may flip a near-tie, so the report gives
 the identical count and, for every divergence, the target's top-2 logit gap at the first differing position
 (recomputed from scratch in fp32 over the plain-greedy prefix).
@@ -78,7 +78,15 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-cuda-graphs", action="store_true",
                     help="the checked engines replay CUDA graphs for prefill steps too (the reference does not)")
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--k", default=None,
+                    help="comma list of K to check each head at (default: EAGLE-3 3, P-EAGLE 7), e.g. 7,11")
     args = ap.parse_args(argv)
+    try:
+        ks = None if args.k is None else [int(k) for k in args.k.split(",")]
+    except ValueError:
+        ap.error(f"--k takes a comma list of integers, got {args.k!r}")
+    if ks is not None and (not ks or min(ks) < 1):
+        ap.error(f"--k takes integers >= 1, got {args.k!r}")
     dtypes = args.dtypes.split(",")
     if not dtypes or set(dtypes) - {"float32", "bfloat16"}:
         ap.error(f"--dtypes takes float32 and/or bfloat16, got {args.dtypes!r}")
@@ -94,8 +102,10 @@ def main(argv=None) -> int:
         base, _ = run(args.target, prompts, args.max_tokens, dtype, max_model_len=args.max_model_len)
         engine_variant = args.async_scheduling or args.prefill_cuda_graphs
         checked = [("none", None), *heads.items()] if engine_variant else list(heads.items())
-        for method, head in checked:
-            k, parallel = METHODS.get(method, (0, False))
+        runs = [(method, head, k) for method, head in checked
+                for k in ([METHODS.get(method, (0, False))[0]] if ks is None or head is None else ks)]
+        for method, head, k in runs:
+            parallel = METHODS.get(method, (0, False))[1]
             for eager in (False, True) if dtype == "bfloat16" and method == "peagle" else (False,):
                 spec, outs = run(args.target, prompts, args.max_tokens, dtype, head, k, parallel, eager,
                                  async_scheduling=args.async_scheduling, max_model_len=args.max_model_len,

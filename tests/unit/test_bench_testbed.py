@@ -162,6 +162,29 @@ def test_smoke_build_runs_each_step_once_and_resumes(offline, tmp_path, caplog):
     assert step.is_dir()  # its run directory was kept
 
 
+def test_data_only_stops_before_the_heads_and_a_full_build_then_trains_them(offline, tmp_path):
+    cache = tmp_path / "cache"
+    paths = testbed.Testbed(cache, smoke_scale()).build(data_only=True)
+    ran = [name for call in names(offline) for name in call]
+    assert "eagle3" not in ran and "peagle" not in ran and "regenerate-sharegpt" in ran
+    assert "peagle" not in paths and "eagle3_run" not in paths and (paths["data_sharegpt"] / "manifest.json").is_file()
+    assert not (cache / "heads").exists() and not (cache / ".done" / "heads.json").exists()
+    offline["run"].clear()
+    full = testbed.Testbed(cache, smoke_scale()).build()
+    assert names(offline) == [["eagle3", "peagle"]]  # the data steps were done: only the heads run
+    assert full["peagle"].is_dir() and full["eagle3"].is_dir()
+
+
+def test_data_only_is_a_cli_option(offline, tmp_path, capsys):
+    from peagle.cli import main
+
+    assert main(["testbed", "--dir", str(tmp_path / "c"), "--scale", "smoke", "--data-only"]) == 0
+    out = capsys.readouterr().out  # the faked prompt command prints its own line first
+    printed = json.loads(out[out.index("\n{") + 1:])
+    assert "data_sharegpt" in printed and "peagle" not in printed
+    assert not any(c.name in testbed.METHODS for call in offline["run"] for c in call["commands"])
+
+
 def test_progress_line_per_step_says_time_and_output(offline, tmp_path, caplog):
     bed = testbed.Testbed(tmp_path / "cache", smoke_scale())
     with caplog.at_level(logging.INFO, logger="peagle.bench.testbed"):

@@ -63,7 +63,7 @@ def test_plain_engine_equals_full_recompute_greedy(target_dir, reference):
 
 
 @pytest.mark.parametrize("method", ["eagle3", "peagle"])
-@pytest.mark.parametrize("k", [1, 3, 7])
+@pytest.mark.parametrize("k", [1, 3, 7, 11])
 def test_speculative_greedy_equals_plain_greedy(target_dir, heads, reference, method, k):
     llm = make_llm(target_dir, heads[method], k=k, parallel=method == "peagle")
     outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)

@@ -284,6 +284,10 @@ def _register_testbed(subparsers) -> None:
     p.add_argument("--dir", type=Path, help="cache directory (default: $PEAGLE_CACHE or ~/.cache/peagle/testbed)")
     p.add_argument("--scale", choices=sorted(SCALES), default="h200",
                    help="h200: the full build for one GPU; smoke: minutes on a CPU, numbers meaningless")
+    p.add_argument("--data-only", action="store_true",
+                   help="stop before the heads: the model, the prompt files and the regenerated training and "
+                        "evaluation data only (to train other recipes on them with `peagle train`; a later "
+                        "build without it skips those steps and trains the heads)")
     p.set_defaults(func=run_testbed)
 
 
@@ -291,7 +295,7 @@ def run_testbed(args: argparse.Namespace) -> int:
     from peagle.bench.testbed import build_testbed
     from peagle.bench.testbed_scale import SCALES
 
-    paths = build_testbed(args.dir, SCALES[args.scale]())
+    paths = build_testbed(args.dir, SCALES[args.scale](), data_only=args.data_only)
     print(json.dumps({k: str(v) for k, v in paths.items()}, indent=2))
     return 0
 

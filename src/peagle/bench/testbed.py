@@ -370,8 +370,10 @@ class Testbed:
 
     # ---- running -----------------------------------------------------------------------------------------------
 
-    def build(self) -> dict[str, Path]:
-        steps = self.steps()
+    def build(self, data_only: bool = False) -> dict[str, Path]:
+        """Runs every step not done yet; `data_only`: all but the heads (the model, the prompts and the training and
+        evaluation data, e.g. to train other recipes on them), the heads' paths left out of what it returns."""
+        steps = [step for step in self.steps() if not (data_only and step.name == "heads")]
         plan = self.plan(steps)
         number = {step.name: i for i, step in enumerate(steps, 1)}
         where = {step.name: f"testbed [{number[step.name]}/{len(steps)}] {step.name}" for step in steps}
@@ -403,6 +405,9 @@ class Testbed:
         logger.info("testbed (%s scale) ready in %s: this run took %s (%s); the limits sum to %s%s, a phase counting "
                     "its longest lane, downloads aside", self.scale.name, self.dir,
                     _seconds(time.monotonic() - began), _spent_text(plan, spent), _seconds(limits), budget)
+        if data_only:
+            heads = {*METHODS, *(f"{method}_run" for method in METHODS)}
+            return {name: path for name, path in self.paths.items() if name not in heads}
         return dict(self.paths)
 
     def _run_step(self, step: Step, where: str, spent: dict[str, float]) -> None:
@@ -492,9 +497,10 @@ class Testbed:
                                       "limit_s": step.limit_s, "scale": self.scale.name}) + "\n")
 
 
-def build_testbed(cache_dir: Path | None, scale: Scale) -> dict[str, Path]:
-    """Builds (or finishes building) the testbed; returns its paths: model, eagle3, peagle, data_*, ..."""
-    return Testbed(cache_dir, scale).build()
+def build_testbed(cache_dir: Path | None, scale: Scale, data_only: bool = False) -> dict[str, Path]:
+    """Builds (or finishes building) the testbed; returns its paths: model, eagle3, peagle, data_*, ...
+    (`data_only`: everything but the heads)."""
+    return Testbed(cache_dir, scale).build(data_only)
 
 
 # ---- progress --------------------------------------------------------------------------------------------------

@@ -15,10 +15,11 @@
 #   tb_stage                        carry .tb_a .whl     (issue 14's A/B of the draft vocabulary on the one-session
 #   tb_stage                        carry .tb_b           recipe's data: run 10's heads are its base)
 #   tb_stage && TB_SECS=330 testbed_data                  carry .tb_c .whl   (`peagle testbed --data-only`, ~4 min)
-#   TRAIN_MIN=10 AB_VARIANTS="base vocab32k vocab16k" ablate   (three P-EAGLE heads side by side, the testbed's
-#        recipe, the whole vocabulary against 32K and 16K: run 5's 32K step was 1.6x cheaper, never compared alone)
-#   WAIT_SECS=560 HEADS="ab-base ab-vocab32k ab-vocab16k" wait
-#   WAIT_SECS=200 HEADS="ab-base ab-vocab32k ab-vocab16k" wait && SERVE_HEADS="ab-base ab-vocab32k ab-vocab16k" serve
+#   TRAIN_MIN=10 AB_VARIANTS="base vocab32k cod0.8" ablate   (three P-EAGLE heads side by side, the testbed's
+#        recipe; against it the 32K draft vocabulary (run 5's 32K step was 1.6x cheaper, never compared alone) and
+#        COD r 0.8 (more deep elements a step: the deep drafts are where P-EAGLE trails EAGLE-3, run 10)
+#   WAIT_SECS=560 HEADS="ab-base ab-vocab32k ab-cod0.8" wait
+#   WAIT_SECS=200 HEADS="ab-base ab-vocab32k ab-cod0.8" wait && SERVE_HEADS="ab-base ab-vocab32k ab-cod0.8" serve
 #   WALK_HEADS=ab-base walk; CHECK_K=7,11 CHECK_PEAGLE=ab-base check   (the walk against serving on 64 documents of
 #        the evaluation set, fp32 and bf16; greedy equality in fp32 at K 7 and 11: run 10's bf16 K=11 rows wrote
 #        1.8-3.3% fewer tokens than the other K, both methods alike)
@@ -453,7 +454,7 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
     # more of the GPU). AB_ARGS goes to every variant, base included.
     rm -rf "$W/code" && mkdir -p "$W/code" && cp -r src "$W/code/"
     base=(--num-layers 4 ${AB_BASE:---draft-vocab-size 0})
-    for name in ${AB_VARIANTS:-base vocab32k vocab16k}; do
+    for name in ${AB_VARIANTS:-base vocab32k cod0.8}; do
       case $name in
         base) extra=() ;;
         vocab32k) extra=(--draft-vocab-size 32768) ;;
@@ -470,7 +471,7 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
       launch ab-$name peagle 8 8192 1 "${base[@]}" ${AB_ARGS:-} "${extra[@]}"
     done
     sleep ${TRAIN_PEEK:-45}
-    for name in ${AB_VARIANTS:-base vocab32k vocab16k}; do tail -2 "$W/train-ab-$name.log" | cut -c1-300; done
+    for name in ${AB_VARIANTS:-base vocab32k cod0.8}; do tail -2 "$W/train-ab-$name.log" | cut -c1-300; done
     ;;
   testbed_data)
     # `peagle testbed --data-only` in the background (the model, prompts and training and evaluation data of the

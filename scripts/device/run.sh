@@ -24,7 +24,9 @@
 #        the evaluation set, fp32 and bf16; greedy equality in fp32 at K 7 and 11: run 10's bf16 K=11 rows wrote
 #        1.8-3.3% fewer tokens than the other K, both methods alike)
 #   About 26 of the 30 device minutes. Run 12: the sweep of issue 15 with the one-session recipe's heads (testbed,
-#   then BENCH_K=3,5,7,11 bench and bench2), as one session of its own.
+#   then BENCH_K=3,5,7,11 bench and bench2), as one session of its own; on the testbed's data, the trainer alone
+#   with and without --shape-multiple (TP_DATA=$W/tb/data-h200/sharegpt.0 TP_RUNS="b1=$PWD/src:peagle:8:8192:1
+#   shape=$PWD/src:peagle:8:8192:1:--shape-multiple,1024" TP_STEPS=40 throughput) and kernels (the GEMV cold).
 # Run 10's plan (what was run, BENCHMARKS.md "Run 10": tb_stage; tb_stage; tb_stage && TB_SECS=560 testbed;
 # TB_SECS=560 testbed_wait; HEADS_N=24 HEADS_K=3,7,11 heads; ENGINE_SECS=200
 # ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+gemv engine; mmhost; the walk check by hand on the

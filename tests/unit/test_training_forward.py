@@ -184,3 +184,81 @@ def test_padded_target_pass_keeps_the_outputs(models):
     assert torch.equal(padded.token_ids, seq.token_ids) and padded.sequence.doc_lengths == seq.doc_lengths
     short = run_target(target, seq, aux, "cpu", pad_to=len(seq) - 5)
     assert torch.equal(short.features, plain.features)
+
+
+@pytest.mark.parametrize("method,segments", [("peagle", 1), ("peagle", 2), ("eagle3", 1)])
+def test_shape_padding_keeps_loss_gradients_and_counts(models, method, segments):
+    """`pad_shapes` (--shape-multiple): the step's matrices get row counts that are multiples of the multiple
+    (teacher rows, charged elements, and for P-EAGLE the drafter's rows and its feature projection), and the loss,
+    every gradient and the per-depth counts are those of the unpadded step."""
+    from peagle.training.plan import pad_shapes
+
+    target, drafters = models
+    drafter = drafters[method]
+    seq = _sequence([150, 90, 61], target.config.vocab_size, seed=7)
+    teacher = run_target(target, seq, drafter.config.aux_layer_ids, "cpu")
+    make = (lambda m: PEagleObjective(K, 0.8, 0.2, num_segments=segments, loss_chunk=64, shape_multiple=m)
+            if method == "peagle" else Eagle3Objective(K, loss_chunk=64, shape_multiple=m))
+    layout = make(0).sample_layout(seq, torch.Generator().manual_seed(2))
+    results, seen_rows = [], []
+    for multiple in (0, 256):
+        objective = make(multiple)
+        plan = objective.plan(seq, layout)
+        if multiple:
+            assert plan.teacher_positions.numel() % multiple == 0 and plan.num_teacher_rows < multiple * 4
+            for f in plan.forwards:
+                assert f.charged.numel() % multiple == 0 and f.num_charged <= f.charged.numel()
+                assert bool((f.weight[f.num_charged:] == 0).all())
+                if method == "peagle":
+                    assert f.rows % multiple == 0 and f.rows >= len(f.layout) and f.real_rows % multiple == 0
+                    seen_rows.append(f.rows)
+                else:
+                    assert f.rows is None
+        drafter.zero_grad(set_to_none=True)
+        stats = objective.backward(drafter, target, teacher, plan, plan.weight_sum)
+        results.append((stats, _grads(drafter)))
+    (plain, plain_grads), (padded, padded_grads) = results
+    assert plain_grads.keys() == padded_grads.keys()
+    for name in plain_grads:
+        torch.testing.assert_close(padded_grads[name], plain_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert float(padded.loss) == pytest.approx(float(plain.loss), rel=1e-6)
+    assert torch.equal(padded.total, plain.total) and torch.equal(padded.correct, plain.correct)
+    if method == "peagle":
+        assert any(rows > len(f.layout) for rows, f in zip(seen_rows, objective.plan(seq, layout).forwards))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        pad_shapes(make(0).plan(seq, layout), 100, drafter_rows=True)
+
+
+def test_padded_tiles_let_padding_rows_see_only_one_another():
+    """`Tiles.padded`: the real elements' tiles are kept; each new row of query tiles touches its diagonal tile
+    only; with the padded mask_mod, padding elements see one another and nothing real, and no real element sees
+    them (checked pair by pair against the dense rule)."""
+    from peagle.training.mask import BLOCK_SIZE, block_tiles, layout_mask_mod
+
+    seq = _sequence([150, 90, 61], 50, seed=9)
+    layout = cod_sample(seq.doc_ids, seq.loss_mask, K, 0.8, 0.2, torch.Generator().manual_seed(3))
+    n = len(layout)
+    rows = -(-n // BLOCK_SIZE) * BLOCK_SIZE + 2 * BLOCK_SIZE
+    blocks = rows // BLOCK_SIZE
+    tiles = block_tiles(layout)
+    padded = tiles.padded(blocks, blocks)
+    old = tiles.kv_num.shape[-1]
+    assert torch.equal(padded.kv_num[0, 0, :old], tiles.kv_num[0, 0])
+    assert padded.kv_num[0, 0, old:].tolist() == [1] * (blocks - old)
+    assert padded.kv_idx[0, 0, old:, 0].tolist() == list(range(old, blocks))
+    assert padded.full_num[0, 0, old:].tolist() == [0] * (blocks - old)
+    # Which pairs the tiles and mask_mod let through, densely, against the rule: reals as before, pads with pads.
+    mask_mod = layout_mask_mod(layout, 0, rows)
+    q, kv = torch.arange(rows)[:, None], torch.arange(rows)[None, :]
+    allowed = torch.zeros(rows, rows, dtype=torch.bool)
+    for r in range(blocks):
+        listed = padded.kv_idx[0, 0, r, :padded.kv_num[0, 0, r]].tolist()
+        full = padded.full_idx[0, 0, r, :padded.full_num[0, 0, r]].tolist()
+        for c in listed + full:
+            qs, ks = slice(r * BLOCK_SIZE, (r + 1) * BLOCK_SIZE), slice(c * BLOCK_SIZE, (c + 1) * BLOCK_SIZE)
+            allowed[qs, ks] = True if c in full else mask_mod(0, 0, q[qs], kv[:, ks])
+    from peagle.training.mask import dense_mask_reference
+
+    assert torch.equal(allowed[:n, :n], dense_mask_reference(layout))
+    assert not allowed[:n, n:].any() and not allowed[n:, :n].any()
+    assert bool(allowed[n:, n:].any(dim=1).all())  # every padding row sees something (itself at least)

@@ -237,6 +237,23 @@ def test_padded_target_pass_trains_the_same_steps(setup, tmp_path):
                     feature_cache=tmp_path / "cache")
 
 
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+def test_shape_multiple_trains_the_same_steps(setup, tmp_path, method):
+    """--shape-multiple pads the step's matrices (target pass, teacher table, drafter rows, charged elements) with
+    rows that carry nothing: the same losses step by step; a multiple the attention's tiles cannot take is refused."""
+    checkpoint, data = setup
+    losses = []
+    for name, extra in (("plain", ()), ("padded", ("--shape-multiple", "256"))):
+        args = _args(checkpoint, data, tmp_path / f"{method}-{name}", "--steps", "3", "--log-every", "1", *extra)
+        args[args.index("--method") + 1] = method
+        assert main(args) == 0
+        losses.append([loss for _, loss in _losses(tmp_path / f"{method}-{name}")])
+    assert len(losses[0]) == 3
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+    with pytest.raises(ValueError, match="--shape-multiple must be a multiple of 128"):
+        TrainConfig(target=checkpoint, data=data, out=tmp_path / "x", method="peagle", steps=1, shape_multiple=100)
+
+
 def test_default_learning_rate_per_method(setup, tmp_path):
     checkpoint, data = setup
     cfg = lambda **kw: TrainConfig(target=checkpoint, data=data, out=tmp_path, steps=10, **kw)  # noqa: E731

@@ -157,6 +157,13 @@ def register(subparsers) -> None:
                        help="pad the target's pass over each step's packed sequence to batch size x --max-length "
                             "tokens, so its matrix shapes repeat from step to step (a few percent more target "
                             "work; off by default until timed on the GPU: scripts/device/mm_host_cost.py)")
+    train.add_argument("--shape-multiple", type=int, default=0, metavar="ROWS",
+                       help="pad the row counts of each step's matrices (the target's pass, the teacher table, "
+                            "the drafter's rows, the charged elements) up to multiples of ROWS (a multiple of "
+                            "128, e.g. 1024) with rows that carry no loss, so that a few shapes repeat from step to "
+                            "step: a GEMM of a shape not seen before costs ~100 us of host time to choose its "
+                            "kernel, a repeated one ~15 us (BENCHMARKS.md run 10). For a trainer the host holds "
+                            "back; 0 (default): off")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--init", type=Path, metavar="DRAFTER_DIR", help="start from an existing head")
     train.add_argument("--draft-vocab-size", type=int,
@@ -226,7 +233,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         time_limit_minutes=args.time_limit, profile_steps=args.profile_steps, log_every=args.log_every,
         depth_decay=args.depth_decay, freeze_lm_head=args.freeze_lm_head,
         feature_noise=args.feature_noise, compile_elementwise=args.compile_elementwise,
-        pad_target_pass=args.pad_target_pass,
+        pad_target_pass=args.pad_target_pass, shape_multiple=args.shape_multiple,
     )
 
 

@@ -68,6 +68,9 @@ class TrainConfig:
     feature_noise: float = 0.05  # std of Gaussian noise on the target features in training (speculators' 0.05)
     compile_elementwise: bool = False  # the drafter's norms, RoPE and SiLU compiled for training (compiled_ops.py)
     pad_target_pass: bool = False  # the target's pass over each micro-batch padded to batch size x --max-length
+    # Row counts of a step's matrices padded up to multiples of this (plan.pad_shapes; the target's pass too, unless
+    # --pad-target-pass or --feature-cache): a few shapes repeat instead of new ones each step. 0: off.
+    shape_multiple: int = 0
 
     def __post_init__(self):
         dirs = (self.data,) if isinstance(self.data, (str, Path)) else tuple(self.data)
@@ -117,6 +120,9 @@ class TrainConfig:
         if self.pad_target_pass and self.feature_cache is not None:
             raise ValueError("--pad-target-pass pads the target's pass, which --feature-cache replaces by reading "
                              "stored outputs: give one of them")
+        if self.shape_multiple < 0 or self.shape_multiple % 128:
+            raise ValueError(f"--shape-multiple must be a multiple of 128 (the attention's tile; 0: off), got "
+                             f"{self.shape_multiple}")
         if self.lr is None:
             object.__setattr__(self, "lr", DEFAULT_LR[self.method])
         if self.lr <= 0:

@@ -59,8 +59,10 @@ class StepFlops:
         lengths = plan.sequence.doc_lengths
         target = 2 * self.target_layer_params * sum(lengths) + 2 * self.target_layers * self.target_hidden * sum(
             n * n for n in lengths)
-        teacher = 2 * self.target_hidden * self.target_vocab * plan.teacher_positions.numel()
+        # Useful work only: the padding rows of plan.pad_shapes are not counted.
+        rows = plan.teacher_positions.numel() if plan.num_teacher_rows is None else plan.num_teacher_rows
+        teacher = 2 * self.target_hidden * self.target_vocab * rows
         elements = sum(len(f.layout) for f in plan.forwards)
-        charged = sum(f.charged.numel() for f in plan.forwards)
+        charged = sum(f.charged.numel() if f.num_charged is None else f.num_charged for f in plan.forwards)
         head = (6 if self.head_trained else 4) * self.head_params * charged
         return float(target + teacher + 6 * self.drafter_params * elements + head)

@@ -39,21 +39,27 @@ def ttt_passes(depth_counts: tuple[int, ...]) -> list[tuple[int, int, int]]:
 
 
 def peagle_forward(drafter: Drafter, teacher: TeacherPass, layout: Layout, depth_counts: tuple[int, ...],
-                   tiles: tuple[Tiles, ...] = ()) -> torch.Tensor:
+                   tiles: tuple[Tiles, ...] = (), rows: int | None = None, real_rows: int | None = None
+                   ) -> torch.Tensor:
     """[num_elements, d] drafter outputs (pre-norm) for a depth-major layout with `depth_counts` per depth.
-    `tiles`: the pass's block-mask tiles planned on the host (else they are classified here)."""
-    num_real = depth_counts[0]
+    `tiles`: the pass's block-mask tiles planned on the host (else they are classified here). `rows`, `real_rows`
+    (`plan.pad_shapes`): the pass runs over `rows` elements, the layout followed by MASK slots that see only one
+    another, and projects `real_rows` feature rows (the real slots', then copies of the first); [rows, d] out."""
+    num_real, n = depth_counts[0], len(layout)
+    rows = rows or n
     real = layout.anchor[:num_real]
+    projected = real if not real_rows or real_rows == num_real else torch.cat([real, real.new_zeros(real_rows - num_real)])
     input_ids = torch.cat([
         teacher.token_ids[real + 1],
-        torch.full((len(layout) - num_real,), drafter.config.mask_token_id, device=real.device, dtype=torch.long),
+        torch.full((rows - num_real,), drafter.config.mask_token_id, device=real.device, dtype=torch.long),
     ])
     hidden = torch.cat([
-        drafter.fc(teacher.features[real].to(drafter.fc.weight.dtype)),  # [num_real, d]
-        drafter.fc(drafter.mask_hidden).expand(len(layout) - num_real, -1),
+        drafter.fc(teacher.features[projected].to(drafter.fc.weight.dtype))[:num_real],  # [num_real, d]
+        drafter.fc(drafter.mask_hidden).expand(rows - num_real, -1),
     ])
-    attn = FlexAttention(build_block_mask(layout, tiles=tiles[0] if tiles else None))
-    return drafter(input_ids, layout.position, attn, hidden)
+    position = layout.position if rows == n else torch.cat([layout.position, layout.position.new_zeros(rows - n)])
+    attn = FlexAttention(build_block_mask(layout, tiles=tiles[0] if tiles else None, rows=rows))
+    return drafter(input_ids, position, attn, hidden)
 
 
 def ttt_forward(drafter: Drafter, teacher: TeacherPass, layout: Layout, depth_counts: tuple[int, ...],
@@ -107,10 +113,13 @@ def charged_loss(
     k: int,
     chunk_size: int = DEFAULT_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, correct per depth [K], correct per charged element) over the plan's charged elements."""
+    """(loss, correct per depth [K], correct per charged element) over the plan's charged elements (the padding
+    ones of `plan.pad_shapes` have weight 0 and are left out of the counts)."""
     normed = drafter.norm(hidden_out[plan.charged])  # [C, d]
     loss, draft_ids = draft_kl_loss(normed, drafter.lm_head.weight, table.logp, plan.teacher_row,
                                     plan.weight / denominator, chunk_size)
-    correct = drafter.to_target_ids(draft_ids) == table.argmax[plan.teacher_row]
-    by_depth = torch.zeros(k, dtype=torch.long, device=correct.device).scatter_add_(0, plan.depth, correct.long())
+    real = plan.charged.numel() if plan.num_charged is None else plan.num_charged
+    correct = (drafter.to_target_ids(draft_ids) == table.argmax[plan.teacher_row])[:real]
+    by_depth = torch.zeros(k, dtype=torch.long, device=correct.device).scatter_add_(0, plan.depth[:real],
+                                                                                     correct.long())
     return loss, by_depth, correct

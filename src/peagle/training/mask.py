@@ -47,9 +47,10 @@ def _padded(layout: Layout, length: int) -> tuple[torch.Tensor, torch.Tensor, to
     return anchor, depth, doc
 
 
-def layout_mask_mod(layout: Layout, q_offset: int = 0):
-    """FlexAttention mask_mod for queries `layout[q_offset:]` against keys `layout[:]`."""
-    padded_len = _round_up(len(layout), BLOCK_SIZE) + BLOCK_SIZE
+def layout_mask_mod(layout: Layout, q_offset: int = 0, length: int = 0):
+    """FlexAttention mask_mod for queries `layout[q_offset:]` against keys `layout[:]` (and, up to `length`, padding
+    elements after them, which see only one another)."""
+    padded_len = _round_up(max(len(layout), length), BLOCK_SIZE) + BLOCK_SIZE
     anchor, depth, doc = _padded(layout, padded_len)
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -73,21 +74,48 @@ class Tiles:
     def map(self, fn) -> "Tiles":
         return Tiles(*(fn(getattr(self, f.name)) for f in fields(Tiles)))
 
+    def padded(self, q_blocks: int, kv_blocks: int) -> "Tiles":
+        """The tiles of the same pass over a layout followed by padding elements, `q_blocks` x `kv_blocks` tiles in
+        all: each new row of query tiles touches its diagonal tile only (padding elements see one another there:
+        `layout_mask_mod` gives them document -1), the old rows' tiles are kept. For `pad_shapes`; on the host."""
+        old_q, old_kv = self.kv_num.shape[-1], self.kv_idx.shape[-1]
+        if q_blocks < old_q or kv_blocks < old_kv or q_blocks - old_q > kv_blocks - old_kv:
+            raise ValueError(f"cannot pad {old_q} x {old_kv} tiles to {q_blocks} x {kv_blocks}")
+
+        def grow(num, idx, new_rows_touch):
+            extra_cols = torch.arange(old_kv, kv_blocks, dtype=idx.dtype).expand(old_q, -1)
+            idx = torch.cat([idx[0, 0], extra_cols], dim=1)  # the old rows' lists, the new columns after
+            new = torch.arange(kv_blocks, dtype=idx.dtype).expand(q_blocks - old_q, -1).clone()
+            rows = torch.arange(old_q, q_blocks)
+            diagonal = rows + (kv_blocks - q_blocks)  # the tile of the new rows' own columns
+            new[:, 0], new[torch.arange(len(rows)), diagonal] = diagonal.to(idx.dtype), 0
+            touch = torch.full((q_blocks - old_q,), int(new_rows_touch), dtype=num.dtype)
+            return (torch.cat([num[0, 0], touch])[None, None].contiguous(),
+                    torch.cat([idx, new])[None, None].contiguous())
+
+        return Tiles(*grow(self.kv_num, self.kv_idx, True), *grow(self.full_num, self.full_idx, False))
+
 
 def build_block_mask(layout: Layout, q_start: int = 0, q_stop: int | None = None, kv_stop: int | None = None,
-                     tiles: Tiles | None = None) -> BlockMask:
+                     tiles: Tiles | None = None, rows: int | None = None) -> BlockMask:
     """Block mask for queries `layout[q_start:q_stop]` against keys `layout[:kv_stop]`.
 
     `tiles` (from `block_tiles`, made on the host ahead of the step) saves the classification; without them the
-    tiles are classified on the layout's device from the rule (`dense_tiles`).
+    tiles are classified on the layout's device from the rule (`dense_tiles`). `rows`: the whole layout's one pass
+    over `rows` >= len(layout) elements, the layout followed by padding elements (`Tiles.padded` tiles).
     """
     q_stop = len(layout) if q_stop is None else q_stop
     kv_stop = len(layout) if kv_stop is None else kv_stop
+    lengths = (q_stop - q_start, kv_stop)
+    if rows is not None and rows != len(layout):
+        if (q_start, q_stop, kv_stop) != (0, len(layout), len(layout)) or tiles is None:
+            raise ValueError("padding rows apply to one pass over the whole layout, with planned tiles")
+        lengths = (rows, rows)
     if tiles is None:
         tiles = dense_tiles(layout, q_start, q_stop, kv_stop)
     return BlockMask.from_kv_blocks(
         tiles.kv_num, tiles.kv_idx, tiles.full_num, tiles.full_idx,
-        BLOCK_SIZE=BLOCK_SIZE, mask_mod=layout_mask_mod(layout, q_start), seq_lengths=(q_stop - q_start, kv_stop),
+        BLOCK_SIZE=BLOCK_SIZE, mask_mod=layout_mask_mod(layout, q_start, lengths[1]), seq_lengths=lengths,
     )
 
 

@@ -19,7 +19,7 @@ from peagle.training.data import PackedSequence
 from peagle.training.forward import StepStats, charged_loss, peagle_forward, peagle_passes, ttt_forward, ttt_passes
 from peagle.training.mask import Tiles, block_tiles
 from peagle.training.metrics import EvalStats
-from peagle.training.plan import StepPlan, plan_step
+from peagle.training.plan import StepPlan, pad_shapes, plan_step
 from peagle.training.teacher import TeacherPass, TeacherTable, teacher_table
 
 
@@ -35,12 +35,15 @@ class Objective(ABC):
     method: str
     num_segments = 1
 
-    def __init__(self, k_train: int, loss_chunk: int, depth_decay: float = 1.0):
+    pads_drafter_rows = False  # whether `plan` pads the drafter's rows too (one pass over the whole layout)
+
+    def __init__(self, k_train: int, loss_chunk: int, depth_decay: float = 1.0, shape_multiple: int = 0):
         if k_train < 1:
             raise ValueError(f"--k-train must be at least 1, got {k_train}")
         self.k = k_train
         self.loss_chunk = loss_chunk
         self.depth_decay = depth_decay
+        self.shape_multiple = shape_multiple  # plan.pad_shapes of every training step's plan (0: none)
 
     @abstractmethod
     def sample_layout(self, sequence: PackedSequence, generator: torch.Generator) -> Layout:
@@ -56,8 +59,10 @@ class Objective(ABC):
         """The forward's attention passes as (q_start, q_stop, kv_stop) over its layout."""
 
     def plan(self, sequence: PackedSequence, layout: Layout) -> StepPlan:
-        """The host-side plan of one micro-batch (its sequence and sampled layout), block-mask tiles included."""
-        return self._with_tiles(plan_step(sequence, layout, self.k, self.num_segments, self.depth_decay))
+        """The host-side plan of one micro-batch (its sequence and sampled layout), block-mask tiles included, its
+        shapes padded to `shape_multiple`."""
+        plan = self._with_tiles(plan_step(sequence, layout, self.k, self.num_segments, self.depth_decay))
+        return pad_shapes(plan, self.shape_multiple, self.pads_drafter_rows)
 
     def _with_tiles(self, plan: StepPlan) -> StepPlan:
         return replace(plan, forwards=tuple(
@@ -76,7 +81,8 @@ class Objective(ABC):
         stats = StepStats(torch.zeros((), device=plan.charged_per_depth.device), plan.charged_per_depth,
                           torch.zeros_like(plan.charged_per_depth))
         for part in plan.forwards:
-            hidden = self.forward(drafter, teacher, part.layout, part.depth_counts, part.tiles)
+            padding = {} if part.rows is None else {"rows": part.rows, "real_rows": part.real_rows}
+            hidden = self.forward(drafter, teacher, part.layout, part.depth_counts, part.tiles, **padding)
             loss, by_depth, _ = charged_loss(drafter, table, part, hidden, denominator, self.k, self.loss_chunk)
             if loss.requires_grad:
                 loss.backward()
@@ -115,16 +121,18 @@ class Objective(ABC):
 class PEagleObjective(Objective):
     method = "peagle"
 
+    pads_drafter_rows = True
+
     def __init__(self, k_train: int, r: float, r_min: float, num_segments: int, loss_chunk: int,
-                 depth_decay: float = 1.0):
-        super().__init__(k_train, loss_chunk, depth_decay)
+                 depth_decay: float = 1.0, shape_multiple: int = 0):
+        super().__init__(k_train, loss_chunk, depth_decay, shape_multiple)
         self.r, self.r_min, self.num_segments = r, r_min, num_segments
 
     def sample_layout(self, sequence, generator):
         return cod_sample(sequence.doc_ids, sequence.loss_mask, self.k, self.r, self.r_min, generator)
 
-    def forward(self, drafter, teacher, layout, depth_counts, tiles=()):
-        return peagle_forward(drafter, teacher, layout, depth_counts, tiles)
+    def forward(self, drafter, teacher, layout, depth_counts, tiles=(), rows=None, real_rows=None):
+        return peagle_forward(drafter, teacher, layout, depth_counts, tiles, rows, real_rows)
 
     def passes(self, depth_counts):
         return peagle_passes(depth_counts)

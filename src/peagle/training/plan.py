@@ -33,6 +33,12 @@ class ForwardPlan:
     weight: torch.Tensor  # [C] float32, the loss weight of each charged element
     teacher_row: torch.Tensor  # [C] int64, the row of the step's teacher table that supervises it
     tiles: tuple[Tiles, ...] = ()  # per attention pass of the forward, its block mask's tiles (empty: not planned)
+    # Shape padding (`pad_shapes`): the charged elements before padding (their tensors' tails are weight-0 copies of
+    # element 0), the rows the drafter runs (its layout followed by padding rows) and the rows of the real slots'
+    # feature projection. None: not padded.
+    num_charged: int | None = None
+    rows: int | None = None
+    real_rows: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +51,7 @@ class StepPlan:
     weight_sum: float  # the micro-batch's share of the loss denominator
     num_elements: int
     noise_seeds: tuple[tuple[int, int], ...] = ()  # (seed, length) of each packed sequence: its feature noise
+    num_teacher_rows: int | None = None  # teacher_positions before shape padding (None: not padded)
 
     def to(self, device: torch.device | str) -> "StepPlan":
         """The plan with its index tensors on `device` (the sequence stays on the host: the teacher moves it)."""
@@ -104,3 +111,44 @@ def plan_step(sequence: PackedSequence, layout: Layout, k: int, num_segments: in
     charged_depth = torch.cat([f.depth for f in forwards]) if forwards else torch.zeros(0, dtype=torch.long)
     return StepPlan(sequence, layout, positions, tuple(forwards), torch.bincount(charged_depth, minlength=k)[:k],
                     weight_sum, len(layout))
+
+
+def _pad_to(t: torch.Tensor, length: int) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros(length - t.numel())]) if length > t.numel() else t
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def pad_shapes(plan: StepPlan, multiple: int, drafter_rows: bool = False) -> StepPlan:
+    """The plan with the row counts of its matrices padded up to multiples of `multiple`, so that a step's GEMMs
+    keep a few shapes from step to step instead of new ones each time (a shape the GEMM library has not seen costs
+    ~100 us of host time to select a kernel, a repeated one ~15 us: BENCHMARKS.md run 10).
+
+    Padded: the teacher table's rows (copies of position 0), each forward's charged elements (weight-0 copies of
+    element 0: no loss, no gradient, not counted), and with `drafter_rows` (P-EAGLE's single pass) the drafter's
+    rows, `rows` = len(layout) rounded up, whose padding rows are MASK slots that see only one another (their
+    block-mask tiles are appended; `multiple` must then be a multiple of the mask's BLOCK_SIZE), and the real
+    slots' feature projection, `real_rows`. What the real elements compute is unchanged."""
+    from peagle.training.mask import BLOCK_SIZE
+
+    if multiple <= 0:
+        return plan
+    if drafter_rows and multiple % BLOCK_SIZE:
+        raise ValueError(f"padding the drafter's rows needs a multiple of {BLOCK_SIZE}, got {multiple}")
+    forwards = []
+    for f in plan.forwards:
+        c = f.charged.numel()
+        width = _round_up(max(c, 1), multiple)
+        g = replace(f, charged=_pad_to(f.charged, width), depth=_pad_to(f.depth, width),
+                    weight=_pad_to(f.weight, width), teacher_row=_pad_to(f.teacher_row, width), num_charged=c)
+        if drafter_rows and f.tiles:
+            rows = _round_up(len(f.layout), multiple)
+            blocks = rows // BLOCK_SIZE
+            g = replace(g, rows=rows, real_rows=_round_up(max(f.depth_counts[0], 1), multiple),
+                        tiles=tuple(t.padded(blocks, blocks) for t in f.tiles))
+        forwards.append(g)
+    r = plan.teacher_positions.numel()
+    return replace(plan, forwards=tuple(forwards), num_teacher_rows=r,
+                   teacher_positions=_pad_to(plan.teacher_positions, _round_up(max(r, 1), multiple)))

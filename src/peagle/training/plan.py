@@ -19,7 +19,7 @@ import torch
 
 from peagle.training.cod import Layout
 from peagle.training.data import PackedSequence
-from peagle.training.mask import Tiles
+from peagle.training.mask import BLOCK_SIZE, Tiles
 from peagle.training.partition import plan_partition
 from peagle.training.teacher import to_device
 
@@ -131,8 +131,6 @@ def pad_shapes(plan: StepPlan, multiple: int, drafter_rows: bool = False) -> Ste
     rows, `rows` = len(layout) rounded up, whose padding rows are MASK slots that see only one another (their
     block-mask tiles are appended; `multiple` must then be a multiple of the mask's BLOCK_SIZE), and the real
     slots' feature projection, `real_rows`. What the real elements compute is unchanged."""
-    from peagle.training.mask import BLOCK_SIZE
-
     if multiple <= 0:
         return plan
     if drafter_rows and multiple % BLOCK_SIZE:

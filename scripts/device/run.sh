@@ -25,10 +25,13 @@
 #        K=11 rows wrote 1.8-3.3% fewer tokens than the other K, both methods alike)
 #   GPU_TESTS="tests/gpu/test_training_gpu.py tests/gpu/test_training_compiled_ops_gpu.py" gpu_tests   (the files
 #        run 10's cut-off run did not reach: the shape-padded step through compiled FlexAttention)
-#   About 26 of the 30 device minutes. Run 12: the sweep of issue 15 with the one-session recipe's heads (testbed,
-#   then BENCH_K=3,5,7,11 bench and bench2), as one session of its own; on the testbed's data, the trainer alone
-#   with and without --shape-multiple (TP_DATA=$W/tb/data-h200/sharegpt.0 TP_RUNS="b1=$PWD/src:peagle:8:8192:1
-#   shape=$PWD/src:peagle:8:8192:1:--shape-multiple,1024" TP_STEPS=40 throughput) and kernels (the GEMV cold).
+#   About 27 of the 30 device minutes. Run 12, issue 15's sweep with the one-session recipe's heads: tb_stage x 3 and
+#   TB_SECS=560 testbed as in run 10, TB_SECS=560 testbed_wait, then BENCH_K=3,7,11 BENCH_C=1,4,16,64 BENCH_SECS=480
+#   bench (MT-Bench, the calibrated adaptive row); the heads die with the machine, so bench2 (HumanEval, long code,
+#   HF) needs a session of its own. Then, each short: on the testbed's data the trainer alone with and without
+#   --shape-multiple (TP_DATA=$W/tb/data-h200/sharegpt.0 TP_RUNS="b1=$PWD/src:peagle:8:8192:1
+#   shape=$PWD/src:peagle:8:8192:1:--shape-multiple,1024" TP_STEPS=40 throughput) and kernels (the GEMV cold, the
+#   attention's KV splits at short contexts).
 # Run 10's plan (what was run, BENCHMARKS.md "Run 10": tb_stage; tb_stage; tb_stage && TB_SECS=560 testbed;
 # TB_SECS=560 testbed_wait; HEADS_N=24 HEADS_K=3,7,11 heads; ENGINE_SECS=200
 # ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+gemv engine; mmhost; the walk check by hand on the

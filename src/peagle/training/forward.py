@@ -48,7 +48,9 @@ def peagle_forward(drafter: Drafter, teacher: TeacherPass, layout: Layout, depth
     num_real, n = depth_counts[0], len(layout)
     rows = rows or n
     real = layout.anchor[:num_real]
-    projected = real if not real_rows or real_rows == num_real else torch.cat([real, real.new_zeros(real_rows - num_real)])
+    projected = real  # the rows of the feature projection: the real slots, then copies of the first
+    if real_rows and real_rows > num_real:
+        projected = torch.cat([real, real.new_zeros(real_rows - num_real)])
     input_ids = torch.cat([
         teacher.token_ids[real + 1],
         torch.full((rows - num_real,), drafter.config.mask_token_id, device=real.device, dtype=torch.long),

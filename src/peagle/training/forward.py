@@ -44,11 +44,11 @@ def peagle_forward(drafter: Drafter, teacher: TeacherPass, layout: Layout, depth
     """[num_elements, d] drafter outputs (pre-norm) for a depth-major layout with `depth_counts` per depth.
     `tiles`: the pass's block-mask tiles planned on the host (else they are classified here). `rows`, `real_rows`
     (`plan.pad_shapes`): the pass runs over `rows` elements, the layout followed by MASK slots that see only one
-    another, and projects `real_rows` feature rows (the real slots', then copies of the first); [rows, d] out."""
+    another, and projects `real_rows` feature rows (the real slots', then position 0's, dropped); [rows, d] out."""
     num_real, n = depth_counts[0], len(layout)
     rows = rows or n
     real = layout.anchor[:num_real]
-    projected = real  # the rows of the feature projection: the real slots, then copies of the first
+    projected = real  # the rows of the feature projection: the real slots, then position 0's
     if real_rows and real_rows > num_real:
         projected = torch.cat([real, real.new_zeros(real_rows - num_real)])
     input_ids = torch.cat([

@@ -469,11 +469,13 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
         vocab32k) extra=(--draft-vocab-size 32768) ;;
         vocab16k) extra=(--draft-vocab-size 16384) ;;
         lr6e-4) extra=(--lr 6e-4) ;;
+        lr2e-3) extra=(--lr 2e-3) ;;
         trained-head) extra=(--no-freeze-lm-head) ;;
         no-decay) extra=(--depth-decay 1) ;;
         no-noise) extra=(--feature-noise 0) ;;
         cod0.8) extra=(--cod-r 0.8) ;;
         layers2) extra=(--num-layers 2) ;;
+        layers6) extra=(--num-layers 6) ;;
         k12) extra=(--k-train 12) ;;
         *) echo "unknown variant $name"; exit 2 ;;
       esac

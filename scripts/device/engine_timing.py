@@ -20,7 +20,9 @@ step while the GPU runs the current one (async_scheduling: "other" then is the h
 `chunked` prefills in chunks of what the decodes leave of 512 tokens per step (enable_chunked_prefill);
 `async+chunked` both; `prefill-graphs` replays CUDA graphs for steps that prefill too (prefill_cuda_graphs),
 `async+prefill-graphs` with async scheduling (the engine's defaults), `async+prefill-graphs+gemv` and the GEMV
-(decode_gemv: since run 8 with each decoder norm and the MLP's activation inside the GEMVs).
+(decode_gemv: since run 8 with each decoder norm and the MLP's activation inside the GEMVs). Any variant may end in
+`+fused-merge`: the paged attention's KV splits merged by their last arrival inside the attention kernel, one launch
+instead of two per layer (peagle.kernels.paged_attention.FUSED_MERGE, off by default).
 Each variant first times the time to first token at concurrency 1 (`ttft_p50_ms`, median over --ttft-prompts MT-Bench
 first turns: from add_request to the step that returns the token). Prefill graphs are captured on a shape's first
 use, so the prompts run twice: the first pass is reported as `ttft_cold_p50_ms`, the second is the measurement.
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import statistics
 import sys
@@ -48,6 +51,8 @@ import torch
 from peagle import LLM, SamplingParams
 from peagle.bench.datasets import load_prompts
 from peagle.models.loader import load_tokenizer
+
+paged_attention_module = importlib.import_module("peagle.kernels.paged_attention")  # the package shadows the name
 
 CONFIGS = {"none": ("none", None, 0, False), "peagle": ("peagle", "peagle", 7, True),
            "eagle3-k3": ("eagle3", "eagle3", 3, False), "eagle3-k7": ("eagle3", "eagle3", 7, False)}
@@ -242,7 +247,8 @@ def main(argv=None) -> int:
     ap.add_argument("--head", action="append", default=[], help="METHOD=DIR (eagle3 or peagle)")
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--methods", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS)} (those with a --head)")
-    ap.add_argument("--variants", default="sync", help=f"engine variants timed side by side: {', '.join(VARIANTS)}")
+    ap.add_argument("--variants", default="sync", help=f"engine variants timed side by side: {', '.join(VARIANTS)}; "
+                    "each may end in +fused-merge (the attention's KV splits merged inside its kernel)")
     ap.add_argument("--stall", type=int, metavar="N", help="also time the stall a new N-token prompt causes")
     ap.add_argument("--arrivals", action="store_true", help="also time inter-token latencies as requests arrive")
     ap.add_argument("--ttft-prompts", type=int, default=16, metavar="N",
@@ -252,7 +258,7 @@ def main(argv=None) -> int:
     heads = dict(h.split("=", 1) for h in args.head)
     tok = load_tokenizer(args.target)
     prompts = [tok.encode_chat(p.messages) for p in load_prompts("mtbench")]
-    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    unknown = [v for v in args.variants.split(",") if v.removesuffix("+fused-merge") not in VARIANTS]
     unknown += [m for m in args.methods.split(",") if m not in CONFIGS]
     if unknown:
         ap.error(f"unknown method(s) or variant(s) {unknown}")
@@ -272,8 +278,12 @@ def main(argv=None) -> int:
         spec = None if head is None else {"method": "eagle3", "model": heads[head], "num_speculative_tokens": k,
                                           "parallel_drafting": parallel}
         for variant in args.variants.split(","):
+            # "+fused-merge": the paged attention's KV splits merged inside its kernel (a module switch, no LLM
+            # option until it wins: peagle.kernels.paged_attention.FUSED_MERGE)
+            base, fused = variant.removesuffix("+fused-merge"), variant.endswith("+fused-merge")
+            paged_attention_module.FUSED_MERGE = fused
             llm = LLM(model=args.target, speculative_config=spec, dtype="bfloat16", max_model_len=4096,
-                      max_num_seqs=64, **VARIANTS[variant])
+                      max_num_seqs=64, **VARIANTS[base])
             if args.ttft_prompts:
                 keep({"method": name, "variant": variant, "k": k, **measure_ttft(llm, prompts, args.ttft_prompts)})
             for b in map(int, args.batches.split(",")):

@@ -2,7 +2,8 @@
 time, no host launch cost): paged attention for decode, verify, draft and prefill batches, the draft-batch
 expansion, the draft-feature gather and the KV store; then the fused element-wise kernels (RMSNorm, add + RMSNorm,
 rotary, SiLU-and-mul) at the testbed's and Llama-3.1-8B's sizes against the PyTorch ops they replace, graphed and
-eager; then paged attention at batch 1 and 8 over 256-2048 tokens with 1, 2, 4 and 8 KV splits (`splits`).
+eager; then paged attention at batch 1 and 8 over 256-2048 tokens with 1, 2, 4 and 8 KV splits, merged by a second
+kernel or inside the first (`splits`).
 
 Usage: python scripts/device/kernel_timing.py OUT.json
 Prints a table against a reference bound per kernel (about twice an idle H200's time) and writes the rows to
@@ -95,7 +96,8 @@ SPLIT_CONTEXTS = (256, 512, 1024, 2048)
 def split_rows(gpu_cases, bench_us) -> list[dict]:
     """Paged attention at small batches over short and long contexts with 1, 2, 4 and 8 KV splits and the
     heuristic's choice (`default_num_splits`, picked at 1-2K tokens): whether the split kernel and its merge pay
-    at the benchmarks' contexts (a few hundred tokens), where one split needs no merge kernel."""
+    at the benchmarks' contexts (a few hundred tokens), where one split needs no merge kernel; and 2, 4, 8 splits
+    merged by their last arrival inside the attention kernel (`fused_merge`: one launch)."""
     from peagle.kernels.paged_attention import default_num_splits
 
     rows = []
@@ -104,14 +106,20 @@ def split_rows(gpu_cases, bench_us) -> list[dict]:
     for num_requests, query_len in SPLIT_CASES:
         for context in SPLIT_CONTEXTS:
             batch = gpu_cases.engine_attention_batch(num_requests, query_len, context)
-            times = {s: bench_us(lambda: gpu_cases.attention.paged_attention(**batch, num_splits=s))
+            times = {s: bench_us(lambda: gpu_cases.attention.paged_attention(**batch, num_splits=s, fused_merge=False))
                      for s in (1, 2, 4, 8)}
+            gpu_cases.attention.paged_attention(**batch, num_splits=8, fused_merge=True)  # counters made uncaptured
+            fused = {s: bench_us(lambda: gpu_cases.attention.paged_attention(**batch, num_splits=s, fused_merge=True))
+                     for s in (2, 4, 8)}
             kv_heads = batch["k_cache"].shape[2]
             chosen = default_num_splits(torch.device("cuda"), num_requests * kv_heads, query_len)
             rows.append({"requests": num_requests, "query_len": query_len, "context": context,
-                         "us_by_splits": {str(s): round(t, 3) for s, t in times.items()}, "default_splits": chosen})
+                         "us_by_splits": {str(s): round(t, 3) for s, t in times.items()},
+                         "us_by_splits_fused_merge": {str(s): round(t, 3) for s, t in fused.items()},
+                         "default_splits": chosen})
             print(f"{f'b{num_requests} q{query_len}':28s} {context:5d} "
-                  + " ".join(f"{times[s]:7.2f}" for s in (1, 2, 4, 8)) + f" {chosen:8d}")
+                  + " ".join(f"{times[s]:7.2f}" for s in (1, 2, 4, 8)) + f" {chosen:8d} | fused "
+                  + " ".join(f"{fused[s]:7.2f}" for s in (2, 4, 8)))
     return rows
 
 

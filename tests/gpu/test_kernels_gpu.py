@@ -38,21 +38,21 @@ def engine_attention_batch(num_requests, query_len, context_len, *, dtype=torch.
     ))
 
 
-def assert_attention_close(batch, num_splits=None):
-    out = attention.paged_attention(**batch, num_splits=num_splits)
+def assert_attention_close(batch, num_splits=None, fused_merge=None):
+    out = attention.paged_attention(**batch, num_splits=num_splits, fused_merge=fused_merge)
     expected = kernels.paged_attention_ref(**batch)
     rows = int(batch["query_start_loc"][-1])
     tol = TOLERANCE[batch["q"].dtype]
     torch.testing.assert_close(out[:rows].float(), expected[:rows].float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize("num_splits,fused_merge", [(1, None), (3, False), (3, True), (None, False), (None, True)])
 @pytest.mark.parametrize("case", sorted(unit_cases.ATTENTION_CASES))
-def test_paged_attention_unit_cases(case, num_splits):
+def test_paged_attention_unit_cases(case, num_splits, fused_merge):
     query_lens, context_lens, num_kv_heads, group, head_dim, dtype, shuffle, tail = unit_cases.ATTENTION_CASES[case]
     batch = unit_cases.make_attention_batch(len(case), query_lens, context_lens, num_kv_heads=num_kv_heads,
                                             group=group, head_dim=head_dim, dtype=dtype, shuffle=shuffle, tail=tail)
-    assert_attention_close(to_cuda(batch), num_splits)
+    assert_attention_close(to_cuda(batch), num_splits, fused_merge)
 
 
 @pytest.mark.parametrize("num_requests,query_len,context_len,shuffle", [
@@ -66,6 +66,27 @@ def test_paged_attention_unit_cases(case, num_splits):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_attention_engine_shapes(num_requests, query_len, context_len, shuffle, dtype):
     assert_attention_close(engine_attention_batch(num_requests, query_len, context_len, dtype=dtype, shuffle=shuffle))
+    assert_attention_close(engine_attention_batch(num_requests, query_len, context_len, dtype=dtype, shuffle=shuffle),
+                           fused_merge=True)
+
+
+def test_fused_merge_replays_from_a_graph_with_new_inputs():
+    """The splits merged by their last arrival (fused_merge): replayed 20 times from one CUDA graph over new inputs
+    each time, every replay equals the reference, so the arrival counters are back at zero after each."""
+    att = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in engine_attention_batch(2, 8, 1500).items()}
+    call = lambda: attention.paged_attention(**att, num_splits=8, fused_merge=True)  # noqa: E731
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for seed in range(20):
+        new = engine_attention_batch(2, 8, 1500, seed=seed + 3, shuffle=seed % 2 == 1)
+        for name in ("q", "k_cache", "v_cache", "block_tables", "positions"):
+            att[name].copy_(new[name])
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), kernels.paged_attention_ref(**new).float(), atol=2e-2, rtol=2e-2)
 
 
 def test_paged_attention_head_dim_128_gqa4():

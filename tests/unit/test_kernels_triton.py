@@ -117,21 +117,27 @@ ATTENTION_CASES = {
 }
 
 
-def check_paged_attention(case, num_splits):
+def check_paged_attention(case, num_splits, fused_merge=False):
     query_lens, context_lens, num_kv_heads, group, head_dim, dtype, shuffle, tail = ATTENTION_CASES[case]
     batch = make_attention_batch(len(case), query_lens, context_lens, num_kv_heads=num_kv_heads, group=group,
                                  head_dim=head_dim, dtype=dtype, shuffle=shuffle, tail=tail)
-    out = triton_kernels("paged_attention").paged_attention(**batch, num_splits=num_splits)
+    module = triton_kernels("paged_attention")
     expected = kernels.paged_attention_ref(**batch)
     rows = sum(query_lens)  # rows past the last request are left unwritten by the kernel
     tol = TOLERANCE[dtype]
-    torch.testing.assert_close(out[:rows].float(), expected[:rows].float(), atol=tol, rtol=tol)
+    for _ in range(2 if fused_merge else 1):  # the split counters must be back at zero for the second call
+        out = module.paged_attention(**batch, num_splits=num_splits, fused_merge=fused_merge)
+        torch.testing.assert_close(out[:rows].float(), expected[:rows].float(), atol=tol, rtol=tol)
+    if fused_merge and num_splits > 1:
+        (counters,) = module._arrivals_buffers["cpu"]
+        assert not counters.any()
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("num_splits,fused_merge", [(1, False), (3, False), (3, True)])
 @pytest.mark.parametrize("case", sorted(ATTENTION_CASES))
-def test_paged_attention(interpreted, case, num_splits):
-    interpreted(check_paged_attention, case, num_splits)
+def test_paged_attention(interpreted, case, num_splits, fused_merge):
+    """Against the reference; split KV merged by the second kernel, or by the last split to arrive (fused)."""
+    interpreted(check_paged_attention, case, num_splits, fused_merge)
 
 
 def check_dispatch_when_forced():

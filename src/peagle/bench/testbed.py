@@ -51,7 +51,8 @@ long it took, against its limit, and what it produced (documents, tokens, prompt
 more line gives its wall time against its limit and each lane's steps' times.
 
 A step rerun after `.done/STEP.json` is deleted continues where its outputs stand: `peagle regenerate` resumes after
-its last shard with the step's whole limit again, a trainer with a checkpoint resumes from it.
+its last shard with the step's whole limit again, a trainer with a checkpoint resumes from it. `build(data_only=True)`
+(`peagle testbed --data-only`) runs every step but the heads: the model and the data, for other recipes to train on.
 
 At smoke scale the target is a tiny random checkpoint written in code instead of SmolLM2 (steps gguf and model
 become one `tiny-model` step), a few conversations and prompts are answered with short responses on the CPU, there

@@ -20,16 +20,16 @@
 #        COD r 0.8 (more deep elements a step: the deep drafts are where P-EAGLE trails EAGLE-3, run 10)
 #   WAIT_SECS=560 HEADS="ab-base ab-vocab32k ab-cod0.8" wait
 #   WAIT_SECS=200 HEADS="ab-base ab-vocab32k ab-cod0.8" wait && SERVE_HEADS="ab-base ab-vocab32k ab-cod0.8" serve
-#   WALK_HEADS=ab-base walk; CHECK_K=7,11 CHECK_PEAGLE=ab-base CHECK_SECS=200 check   (the walk against serving
-#        on 64 documents of the evaluation set, fp32 and bf16; greedy equality in fp32 at K 7 and 11: run 10's bf16
-#        K=11 rows wrote 1.8-3.3% fewer tokens than the other K, both methods alike)
+#   WALK_HEADS=ab-base WALK_SECS=150 walk; CHECK_K=7,11 CHECK_PEAGLE=ab-base CHECK_SECS=200 check   (the walk
+#        against serving on 64 documents of the evaluation set, fp32 and bf16; greedy equality in fp32 at K 7 and
+#        11: run 10's bf16 K=11 rows wrote 1.8-3.3% fewer tokens than the other K, both methods alike)
 #   GPU_TESTS="tests/gpu/test_training_gpu.py tests/gpu/test_kernels_gpu.py" timeout 200 ... gpu_tests   (the
 #        shape-padded step through compiled FlexAttention, which run 10's cut-off run did not reach; the attention's
 #        splits merged inside its kernel, fused_merge, graphed too)
 #   With 3 minutes left: ENGINE_SECS=120 ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+fused-merge
 #        engine (the fused merge end to end: one launch fewer per layer at small batches).
-#   About 27 of the 30 device minutes. Run 12, issue 15's sweep with the one-session recipe's heads: tb_stage x 3 and
-#   TB_SECS=560 testbed as in run 10, TB_SECS=560 testbed_wait, then BENCH_K=3,7,11 BENCH_C=1,4,16,64 BENCH_SECS=480
+#   About 29 of the 30 device minutes without the engine timing.
+#   Run 12, issue 15's sweep with the one-session recipe's heads: tb_stage x 3 and TB_SECS=560 testbed as in run 10, TB_SECS=560 testbed_wait, then BENCH_K=3,7,11 BENCH_C=1,4,16,64 BENCH_SECS=480
 #   bench (MT-Bench, the calibrated adaptive row); the heads die with the machine, so bench2 (HumanEval, long code,
 #   HF) needs a session of its own. A session with minutes to spare (not this one): the trainer alone with and without
 #   --shape-multiple (TP_DATA=$W/tb/data-h200/sharegpt.0 TP_RUNS="b1=$PWD/src:peagle:8:8192:1

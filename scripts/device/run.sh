@@ -29,9 +29,10 @@
 #   With 3 minutes left: ENGINE_SECS=120 ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+fused-merge
 #        engine (the fused merge end to end: one launch fewer per layer at small batches).
 #   About 29 of the 30 device minutes without the engine timing.
-#   Run 12, issue 15's sweep with the one-session recipe's heads: tb_stage x 3 and TB_SECS=560 testbed as in run 10, TB_SECS=560 testbed_wait, then BENCH_K=3,7,11 BENCH_C=1,4,16,64 BENCH_SECS=480
-#   bench (MT-Bench, the calibrated adaptive row); the heads die with the machine, so bench2 (HumanEval, long code,
-#   HF) needs a session of its own. A session with minutes to spare (not this one): the trainer alone with and without
+#   Run 12, issue 15's sweep with the one-session recipe's heads: tb_stage x 3 and TB_SECS=560 testbed as in run
+#   10, TB_SECS=560 testbed_wait, then BENCH_K=3,7,11 BENCH_C=1,4,16,64 BENCH_SECS=480 bench (MT-Bench, the
+#   calibrated adaptive row); the heads die with the machine, so bench2 (HumanEval, long code, HF) needs a session
+#   of its own. A session with minutes to spare (not this one): the trainer alone with and without
 #   --shape-multiple (TP_DATA=$W/tb/data-h200/sharegpt.0 TP_RUNS="b1=$PWD/src:peagle:8:8192:1
 #   shape=$PWD/src:peagle:8:8192:1:--shape-multiple,1024" TP_STEPS=40 throughput) and kernels (the GEMV cold, the
 #   attention's KV splits at short contexts).

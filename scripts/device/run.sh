@@ -204,14 +204,15 @@ link_heads() {  # $W/heads/NAME: each training run's final head, else a copy of 
 }
 
 walk_check() {  # the walk check of each head in WALK_HEADS (default: the heads of HEADS): on the evaluation set's
-  # documents when there is one (never trained on: all of them, up to 64), else on the training data's held-out split
-  local data m split=()
+  # documents when there is one (never trained on: walk_check.py holds it out whole, up to 64 documents), else on the
+  # training data's held-out split
+  local data m
   data=($(eval_dirs))
-  if [ ${#data[@]} -gt 0 ]; then split=(--eval-fraction 1); else data=($(data_dirs)); fi
+  [ ${#data[@]} -gt 0 ] || data=($(data_dirs))
   for m in ${WALK_HEADS:-${HEADS:-peagle eagle3}}; do
     [ -e "$W/heads/$m" ] || { echo "no $m head for the walk check"; continue; }
     timeout ${WALK_SECS:-150} $py scripts/device/walk_check.py "$W/smollm2" "$W/heads/$m" "$OUT/walk-$m.json" \
-      --data "${data[@]}" "${split[@]}" --k 7 --dtypes ${WALK_DTYPES:-float32,bfloat16} 2>&1 | grep -E "^\{|Error" || true
+      --data "${data[@]}" --k 7 --dtypes ${WALK_DTYPES:-float32,bfloat16} 2>&1 | grep -E "^\{|Error" || true
   done
 }
 

@@ -4,7 +4,9 @@ engine with a trained head, per-round acceptance compared with the walk over the
 Usage: python scripts/device/walk_check.py TARGET_DIR HEAD_DIR OUT.json --data DIR [DIR ...] [--k 7]
        [--dtypes float32,bfloat16] [--max-documents 64] [--eval-fraction 0.01] [--seed 0]
 The held-out documents are the trainer's (same split, same defaults: pass the train run's --eval-fraction,
---max-eval-documents and --seed if they were changed). For each, its first response is served greedily from its
+--max-eval-documents and --seed if they were changed); a directory that is an evaluation set (`peagle regenerate
+--eval-set`, never trained on) is held out whole, its first --max-documents documents (run 10 split one by the
+training fraction and kept 2 of its 256). For each, its first response is served greedily from its
 prompt (max_tokens = the response's length) and walked with the same head. The served output equals the document
 only where the engine's greedy choice equals the regeneration's (the same target, possibly another dtype or batch):
 both acceptance lengths are reported over all documents and over those whose output matched. Prints one JSON line.
@@ -19,8 +21,7 @@ from pathlib import Path
 
 from peagle.models.config import ModelConfig
 from peagle.models.loader import load_tokenizer
-from peagle.training.trainer import split_sources
-from peagle.training.walk_check import al, first_turns, served, walked
+from peagle.training.walk_check import al, first_turns, held_out_documents, served, walked
 
 
 def main() -> int:
@@ -36,8 +37,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     tokenizer = load_tokenizer(args.target)
-    _, held, _ = split_sources(args.data, tokenizer, ModelConfig.from_dir(args.target).vocab_size, args.eval_fraction,
-                            args.max_documents, args.seed)
+    held = held_out_documents(args.data, tokenizer, ModelConfig.from_dir(args.target).vocab_size, args.eval_fraction,
+                              args.max_documents, args.seed)
     turns = first_turns(held)
     result = {"head": str(args.head), "k": args.k, "documents": len(turns), "by_dtype": {}}
     for dtype in args.dtypes.split(","):

@@ -56,3 +56,22 @@ def test_walk_equals_served_acceptance(greedy_documents, tmp_path, method):
     assert sum(a for a, _ in walk) > 0  # drafts are accepted, so the comparison has something to compare
     assert [tuple(w) for w in walk] == [s[:2] for s in serve]  # round for round, accepted for accepted
     assert al(walk) == al(serve)
+
+
+def test_an_evaluation_set_is_held_out_whole(greedy_documents, tmp_path):
+    """The documents checked: a training directory's held-out split (the trainer's fraction), an evaluation set's
+    first --max-documents documents whatever the fraction (the split would keep 0 of these 6)."""
+    import shutil
+
+    from peagle.training.walk_check import held_out_documents
+
+    target, data, docs = greedy_documents
+    evaluation = tmp_path / "eval"
+    shutil.copytree(data, evaluation)
+    manifest = Manifest.read(evaluation)
+    manifest.source["evaluation_only"] = True
+    manifest.write(evaluation)
+    tokenizer, vocab = load_tokenizer(target), ModelConfig.from_dir(target).vocab_size
+    assert held_out_documents([data], tokenizer, vocab, 0.01, 64, 0) == []
+    held = held_out_documents([data, evaluation], tokenizer, vocab, 0.01, 4, 0)
+    assert [d.token_ids.tolist() for d in held] == [d.token_ids.tolist() for d in docs[:4]]

@@ -50,7 +50,7 @@ def _padded(layout: Layout, length: int) -> tuple[torch.Tensor, torch.Tensor, to
 def layout_mask_mod(layout: Layout, q_offset: int = 0, length: int = 0):
     """FlexAttention mask_mod for queries `layout[q_offset:]` against keys `layout[:]` (and, up to `length`, padding
     elements after them, which see only one another)."""
-    padded_len = _round_up(max(len(layout), length), BLOCK_SIZE) + BLOCK_SIZE
+    padded_len = round_up(max(len(layout), length), BLOCK_SIZE) + BLOCK_SIZE
     anchor, depth, doc = _padded(layout, padded_len)
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -244,5 +244,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _round_up(a: int, b: int) -> int:
+def round_up(a: int, b: int) -> int:
+    """a rounded up to a multiple of b."""
     return _cdiv(a, b) * b

@@ -19,7 +19,7 @@ import torch
 
 from peagle.training.cod import Layout
 from peagle.training.data import PackedSequence
-from peagle.training.mask import BLOCK_SIZE, Tiles
+from peagle.training.mask import BLOCK_SIZE, Tiles, round_up
 from peagle.training.partition import plan_partition
 from peagle.training.teacher import to_device
 
@@ -117,10 +117,6 @@ def _pad_to(t: torch.Tensor, length: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(length - t.numel())]) if length > t.numel() else t
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 def pad_shapes(plan: StepPlan, multiple: int, drafter_rows: bool = False) -> StepPlan:
     """The plan with the row counts of its matrices padded up to multiples of `multiple`, so that a step's GEMMs
     keep a few shapes from step to step instead of new ones each time (a shape the GEMM library has not seen costs
@@ -138,15 +134,15 @@ def pad_shapes(plan: StepPlan, multiple: int, drafter_rows: bool = False) -> Ste
     forwards = []
     for f in plan.forwards:
         c = f.charged.numel()
-        width = _round_up(max(c, 1), multiple)
+        width = round_up(max(c, 1), multiple)
         g = replace(f, charged=_pad_to(f.charged, width), depth=_pad_to(f.depth, width),
                     weight=_pad_to(f.weight, width), teacher_row=_pad_to(f.teacher_row, width), num_charged=c)
         if drafter_rows and f.tiles:
-            rows = _round_up(len(f.layout), multiple)
+            rows = round_up(len(f.layout), multiple)
             blocks = rows // BLOCK_SIZE
-            g = replace(g, rows=rows, real_rows=_round_up(max(f.depth_counts[0], 1), multiple),
+            g = replace(g, rows=rows, real_rows=round_up(max(f.depth_counts[0], 1), multiple),
                         tiles=tuple(t.padded(blocks, blocks) for t in f.tiles))
         forwards.append(g)
     r = plan.teacher_positions.numel()
     return replace(plan, forwards=tuple(forwards), num_teacher_rows=r,
-                   teacher_positions=_pad_to(plan.teacher_positions, _round_up(max(r, 1), multiple)))
+                   teacher_positions=_pad_to(plan.teacher_positions, round_up(max(r, 1), multiple)))

@@ -39,6 +39,7 @@ from peagle.training.flops import StepFlops, peak_flops
 from peagle.training.forward import StepStats
 from peagle.training.metrics import EvalStats
 from peagle.training.objectives import Eagle3Objective, Objective, PEagleObjective, draft_to_target_ids
+from peagle.training.mask import round_up
 from peagle.training.plan import StepPlan
 from peagle.training.teacher import FeatureCache, TeacherPass, run_target
 
@@ -332,7 +333,7 @@ class Trainer:
         if self.cfg.pad_target_pass:
             pad = self.cfg.batch_size * self.cfg.max_length
         elif multiple:
-            pad = -(-len(seq.token_ids) // multiple) * multiple
+            pad = round_up(len(seq.token_ids), multiple)
         return run_target(self.target, seq, self.aux_layer_ids, self.dist.device, pad_to=pad)
 
     def _noisy(self, teacher: TeacherPass, seeds: tuple[tuple[int, int], ...]) -> TeacherPass:

@@ -21,6 +21,7 @@ from peagle.training.data import Document, Manifest, PackedSequence, read_docume
 from peagle.training.metrics import leading_right, response_spans, walk
 from peagle.training.objectives import Eagle3Objective, PEagleObjective, draft_to_target_ids
 from peagle.training.teacher import run_target
+from peagle.training.trainer import split_sources
 
 
 def held_out_documents(data_dirs, tokenizer, vocab_size: int, eval_fraction: float, max_documents: int,
@@ -28,8 +29,6 @@ def held_out_documents(data_dirs, tokenizer, vocab_size: int, eval_fraction: flo
     """The documents to check: of training data directories, the trainer's held-out split (`split_sources` with the
     train run's --eval-fraction, --max-eval-documents and --seed); of an evaluation set (`peagle regenerate
     --eval-set`, which no trainer reads as training data), its first `max_documents` documents, all held out."""
-    from peagle.training.trainer import split_sources
-
     evaluation = [Path(d) for d in data_dirs if Manifest.read(Path(d)).source.get("evaluation_only")]
     training = [Path(d) for d in data_dirs if Path(d) not in evaluation]
     held = split_sources(training, tokenizer, vocab_size, eval_fraction, max_documents, seed)[1] if training else []

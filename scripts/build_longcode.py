@@ -33,9 +33,11 @@ import ast
 import gzip
 import hashlib
 import json
+import os
 import platform
 import sysconfig
 import textwrap
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 CHARS_PER_TOKEN_ESTIMATE = 3.5
@@ -217,28 +219,43 @@ def short_prompt(module: str, source: str, node: ast.AST, kind: str | None = Non
     return {"id": f"code-{module}:{node.name}:{kind}", "prompt": prompt}
 
 
-def short_candidates(roots: list[Path], held_out: set[str]) -> list[dict]:
-    records, seen = [], set()
+def _short_file_records(root: Path, path: Path) -> list[dict]:
+    """The short requests of one file (none when it does not parse, is too large or is not UTF-8)."""
+    rel = path.relative_to(root)
+    try:
+        if path.stat().st_size > 400_000:
+            return []
+        source = path.read_text(encoding="utf-8")
+        nodes = _short_functions(path, source)
+    except (UnicodeDecodeError, SyntaxError, ValueError, OSError, RecursionError):
+        return []
+    module = rel.with_suffix("").as_posix().replace("/", ".")
+    return [r for r in (short_prompt(module, source, node) for node in nodes) if r]
+
+
+def short_candidates(roots: list[Path], held_out: set[str], workers: int | None = None) -> list[dict]:
+    """Every short request of the roots' files, in a fixed order (root, then path) whatever the number of worker
+    processes that parse them (site-packages holds tens of thousands of files: one process takes minutes)."""
+    files = []
     for root in roots:
         for path in sorted(root.rglob("*.py")):
             rel = path.relative_to(root)
-            skip = (SKIP_PARTS & set(rel.parts) or rel.name.startswith("test_") or rel.parts[0] in SKIP_PACKAGES
-                    or rel.as_posix() in held_out)
-            if skip:
-                continue
-            try:
-                if path.stat().st_size > 400_000:
-                    continue
-                source = path.read_text(encoding="utf-8")
-                nodes = _short_functions(path, source)
-            except (UnicodeDecodeError, SyntaxError, ValueError, OSError, RecursionError):
-                continue
-            for node in nodes:
-                record = short_prompt(rel.with_suffix("").as_posix().replace("/", "."), source, node)
-                key = record and " ".join(record["prompt"].split())
-                if record and key not in seen:  # vendored copies of one module say the same thing twice
-                    seen.add(key)
-                    records.append(record)
+            if not (SKIP_PARTS & set(rel.parts) or rel.name.startswith("test_") or rel.parts[0] in SKIP_PACKAGES
+                    or rel.as_posix() in held_out):
+                files.append((root, path))
+    workers = workers or min(32, os.cpu_count() or 1)
+    if workers > 1 and len(files) > 256:
+        with ProcessPoolExecutor(workers) as pool:
+            per_file = list(pool.map(_short_file_records, *zip(*files), chunksize=64))
+    else:
+        per_file = [_short_file_records(root, path) for root, path in files]
+    records, seen = [], set()
+    for found in per_file:
+        for record in found:
+            key = " ".join(record["prompt"].split())
+            if key not in seen:  # vendored copies of one module say the same thing twice
+                seen.add(key)
+                records.append(record)
     return records
 
 

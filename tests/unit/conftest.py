@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -313,6 +314,7 @@ def repo_script():
         path = Path(__file__).parents[2] / "scripts" / f"{name}.py"
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # so that worker processes find its functions by name
         spec.loader.exec_module(module)
         return module
     return load

@@ -266,7 +266,11 @@ def test_h200_plan_uses_every_data_source_and_trains_both_heads_side_by_side(off
         assert c.argv[1] == str(testbed.BUILD_LONGCODE) and "--train" in c.argv
         assert arg(c.argv, "--exclude") == str(testbed.LONGCODE_BENCHMARK)  # the benchmark's modules stay out
         assert arg(c.argv, "--out") == str(c.partial) and c.partial != c.output
-    assert "--short" in code.argv and Path(arg(code.argv, "--roots")) == Path(stdlib)
+    # short code prompts from the standard library and the installed packages (the smoke scale: stdlib's json alone)
+    roots = code.argv[code.argv.index("--roots") + 1:code.argv.index("--out")]
+    assert "--short" in code.argv and roots[0] == str(Path(stdlib))
+    assert set(roots[1:]) == {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    assert testbed.Testbed(tmp_path / "smoke", smoke_scale()).code_roots() == [Path(stdlib) / "json"]
     assert arg(longcode.argv, "--tokenizer") == str(p["model"])
 
     (synth,) = steps["synthesize"].commands()

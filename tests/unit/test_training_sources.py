@@ -270,6 +270,21 @@ def test_short_code_prompts_ask_about_installed_functions_but_not_benchmark_pack
     assert all(code in prompts[k] for k in ("explain", "tests", "refactor"))
 
 
+def test_short_code_prompts_are_the_same_from_worker_processes_as_from_one(tmp_path, repo_script):
+    build = repo_script("build_longcode")
+    root = tmp_path / "site"
+    for i in range(300):  # above the count where parsing goes to worker processes
+        body = "".join(f'def f{i}_{j}(x):\n    """Add {j} to x and say so."""\n    y = x + {j}\n    y = y * 1\n    return y\n\n'
+                       for j in range(i % 4 + 1))
+        (root / f"m{i % 7}").mkdir(parents=True, exist_ok=True)
+        (root / f"m{i % 7}" / f"mod{i}.py").write_text(body)
+    (root / "m0" / "broken.py").write_text("def (:\n")  # skipped, not fatal, in either
+    one = build.short_candidates([root], held_out=set(), workers=1)
+    assert one == build.short_candidates([root], held_out=set(), workers=2)
+    # up to SHORT_PER_FILE (3) functions a file: 1 + 2 + 3 + 3 in every four files
+    assert len(one) == 300 // 4 * 9 and len({r["prompt"] for r in one}) == len(one)
+
+
 def test_sigterm_keeps_finished_shards_and_a_rerun_completes(tiny_hf_checkpoint, tmp_path, monkeypatch):
     from peagle.training import regenerate as regen_module
 

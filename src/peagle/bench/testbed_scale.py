@@ -33,8 +33,11 @@ class Scale:
     max_turns: int = 4  # user turns answered per conversation, each after the target's own earlier answers
     synth_count: int = 30_000  # prompts asked of `peagle synthesize` (at H200 scale its time limit ends it first)
     synth_args: tuple[str, ...] = ("--max-tokens", "128")  # further `peagle synthesize` arguments
-    code_prompts: int = 20_000  # short code prompts at most (the standard library gives under a thousand)
+    code_prompts: int = 20_000  # short code prompts at most (the standard library alone gives under a thousand)
     code_root: str = ""  # the part of the standard library they are read from ("": all of it)
+    # ... and the installed packages' Python source too (sysconfig's purelib and platlib: torch, transformers and the
+    # rest of the environment; about 11K prompts beside the standard library's 600-800)
+    code_site_packages: bool = True
     long_code: bool = True  # long code prompts (1K-8K tokens, the standard library's files) for 8K packs
     # The evaluation set, never trained on: the target's answers to the last N first turns of ShareGPT's held-out
     # split, which the trainers score apart (`--eval-data`): prompts unlike the training sources', as the
@@ -137,7 +140,8 @@ def h200_scale() -> Scale:
     40 s); answers of up to 256 tokens; then EAGLE-3 (1 layer, K_train 7) and P-EAGLE (4 layers, K_train 8)
     trained side by side on 8K packs for 12.25 minutes each, plus what the steps before left of their limits, with
     `peagle train`'s default recipe over the target's
-    whole vocabulary. Wall limits: 30 + 30 + 60 + 60 s before the data, 160 + 50 s of data, 785 s for the heads:
+    whole vocabulary. The short code prompts come from the standard library and the installed packages (run 10's
+    614 from the standard library alone answered in 18 s of the code lanes' 50). Wall limits: 30 + 30 + 60 + 60 s before the data, 160 + 50 s of data, 785 s for the heads:
     19.6 minutes. The commands and the data schedule follow the device script's `data` and `train` stages
     (run 8's, with 70 s of synthesis instead of 45), trained longer (short code prompts from the standard library
     alone here). The heads' 50 s beyond their training are the trainers' start-up, final evaluation and save: 22.7
@@ -157,7 +161,7 @@ def smoke_scale() -> Scale:
     return Scale(name="smoke", target="tiny", device_args=("--dtype", "float32", "--device", "cpu"),
                  conversations=16, max_turns=2, synth_count=8,
                  synth_args=("--max-tokens", "16", "--max-num-seqs", "16"),
-                 code_prompts=8, code_root="json", long_code=False, eval_prompts=4, max_tokens=16, max_model_len=512,
+                 code_prompts=8, code_root="json", code_site_packages=False, long_code=False, eval_prompts=4, max_tokens=16, max_model_len=512,
                  regenerate_args=("--batch-size", "16"), train_args=("--steps", "2", "--max-length", "256"),
                  download_s=600, unpack_s=60, model_s=120, prompts_s=120, synthesize_s=120, sharegpt_s=120,
                  synth_responses_s=120, code_responses_s=120, long_code_responses_s=120, eval_responses_s=120,

@@ -9,33 +9,24 @@
 # against; .cfg: the testbed's config.json and tokenizer files, for runs with random weights; .tb_a, .tb_b, .tb_c:
 # the package wheels `peagle testbed` downloads, for `tb_stage`). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
-# The next session's plan (run 11), one call each, back to back; fire them one at a time (a failed call must not
+# The next session's plan (run 12), one call each, back to back; fire them one at a time (a failed call must not
 # start the next), from a tree no one is editing (the device gets a copy of the working tree, uncommitted edits too).
 # A call that comes more than 30 s after the previous one returned finds a fresh machine: run 9 lost its testbed so.
-#   tb_stage                        carry .tb_a .whl     (issue 14's A/B of the draft vocabulary on the one-session
-#   tb_stage                        carry .tb_b           recipe's data: run 10's heads are its base)
-#   tb_stage && TB_SECS=330 testbed_data                  carry .tb_c .whl   (`peagle testbed --data-only`, ~4 min)
-#   TRAIN_MIN=10 AB_VARIANTS="base vocab32k cod0.8" ablate   (three P-EAGLE heads side by side, the testbed's
-#        recipe; against it the 32K draft vocabulary (run 5's 32K step was 1.6x cheaper, never compared alone) and
-#        COD r 0.8 (more deep elements a step: the deep drafts are where P-EAGLE trails EAGLE-3, run 10)
-#   WAIT_SECS=560 HEADS="ab-base ab-vocab32k ab-cod0.8" wait
-#   WAIT_SECS=200 HEADS="ab-base ab-vocab32k ab-cod0.8" wait && SERVE_HEADS="ab-base ab-vocab32k ab-cod0.8" serve
-#   WALK_HEADS=ab-base WALK_SECS=150 walk; CHECK_K=7,11 CHECK_PEAGLE=ab-base CHECK_SECS=200 check   (the walk
-#        against serving on 64 documents of the evaluation set, fp32 and bf16; greedy equality in fp32 at K 7 and
-#        11: run 10's bf16 K=11 rows wrote 1.8-3.3% fewer tokens than the other K, both methods alike)
-#   GPU_TESTS="tests/gpu/test_training_gpu.py tests/gpu/test_kernels_gpu.py" timeout 200 ... gpu_tests   (the
-#        shape-padded step through compiled FlexAttention, which run 10's cut-off run did not reach; the attention's
-#        splits merged inside its kernel, fused_merge, graphed too)
-#   With 3 minutes left: ENGINE_SECS=120 ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+fused-merge
-#        engine (the fused merge end to end: one launch fewer per layer at small batches).
-#   About 29 of the 30 device minutes without the engine timing.
-#   Run 12, issue 15's sweep with the one-session recipe's heads: tb_stage x 3 and TB_SECS=560 testbed as in run
-#   10, TB_SECS=560 testbed_wait, then BENCH_K=3,7,11 BENCH_C=1,4,16,64 BENCH_SECS=480 bench (MT-Bench, the
-#   calibrated adaptive row); the heads die with the machine, so bench2 (HumanEval, long code, HF) needs a session
-#   of its own. A session with minutes to spare (not this one): the trainer alone with and without
+#   Issue 14's goals with the one-session recipe as run 11 left it (32K draft vocabulary, short code prompts from the
+#   installed packages): tb_stage (carry .tb_a .whl); tb_stage (.tb_b); tb_stage && TB_SECS=560 testbed (.tb_c
+#   .whl); TB_SECS=560 testbed_wait; HEADS_N=64 HEADS_K=3,7,11 HEADS_BENCH_SECS=400 heads (MT-Bench and HumanEval,
+#   both methods, 64 prompts: the goal cells); then, with what is left, BENCH_K=3,7,11 BENCH_C=1,4,16,64
+#   BENCH_SECS=... bench (issue 15's MT-Bench grid with the calibrated adaptive row; bench2 needs a session of its
+#   own: heads die with the machine). A session with minutes to spare: the trainer alone with and without
 #   --shape-multiple (TP_DATA=$W/tb/data-h200/sharegpt.0 TP_RUNS="b1=$PWD/src:peagle:8:8192:1
-#   shape=$PWD/src:peagle:8:8192:1:--shape-multiple,1024" TP_STEPS=40 throughput) and kernels (the GEMV cold, the
-#   attention's KV splits at short contexts).
+#   shape=$PWD/src:peagle:8:8192:1:--shape-multiple,1024" TP_STEPS=40 throughput), the engine with the fused merge
+#   (ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+fused-merge engine), the other GPU test files.
+# Run 11's plan (what was run, BENCHMARKS.md "Run 11": tb_stage; tb_stage; tb_stage && TB_SECS=420 testbed_data;
+# TRAIN_MIN=10 AB_VARIANTS="base vocab32k cod0.8" ablate (base then over the whole vocabulary); WAIT_SECS=560
+# HEADS="ab-base ab-vocab32k ab-cod0.8" wait; WAIT_SECS=200 ... wait && SERVE_K=7 SERVE_N=64 SERVE_SECS=120
+# SERVE_HEADS="ab-base ab-vocab32k ab-cod0.8" serve; WALK_HEADS=ab-vocab32k WALK_SECS=170 walk; CHECK_K=7,11
+# CHECK_PEAGLE=ab-vocab32k CHECK_SECS=180 check; GPU_TESTS=tests/gpu/test_training_gpu.py gpu_tests;
+# GPU_TESTS=tests/gpu/test_kernels_gpu.py gpu_tests).
 # Run 10's plan (what was run, BENCHMARKS.md "Run 10": tb_stage; tb_stage; tb_stage && TB_SECS=560 testbed;
 # TB_SECS=560 testbed_wait; HEADS_N=24 HEADS_K=3,7,11 heads; ENGINE_SECS=200
 # ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+gemv engine; mmhost; the walk check by hand on the
@@ -463,16 +454,18 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
   ablate)
     # Recipe A/B: P-EAGLE runs side by side on the same data for the same time (TRAIN_MIN), in the background like
     # `train` (each into $W/train-ab-NAME; `HEADS="ab-NAME ..." wait` collects them, `serve` serves them). The base
-    # is the testbed's P-EAGLE recipe (4 layers, K_train 8, 8K packs, `peagle train`'s defaults over the whole
-    # vocabulary: AB_BASE); each variant changes one choice of it (AB_VARIANTS picks them; fewer variants each get
-    # more of the GPU). AB_ARGS goes to every variant, base included.
+    # is the testbed's P-EAGLE recipe (4 layers, K_train 8, 8K packs, `peagle train`'s defaults; AB_BASE adds to
+    # it); each variant changes one choice of it (AB_VARIANTS picks them; fewer variants each get more of the GPU).
+    # AB_ARGS goes to every variant, base included. Up to run 11 the base was over the whole vocabulary
+    # (AB_BASE="--draft-vocab-size 0" gives it back); since, `peagle train`'s 32K.
     rm -rf "$W/code" && mkdir -p "$W/code" && cp -r src "$W/code/"
-    base=(--num-layers 4 ${AB_BASE:---draft-vocab-size 0})
+    base=(--num-layers 4 ${AB_BASE:-})
     for name in ${AB_VARIANTS:-base vocab32k cod0.8}; do
       case $name in
         base) extra=() ;;
         vocab32k) extra=(--draft-vocab-size 32768) ;;
         vocab16k) extra=(--draft-vocab-size 16384) ;;
+        vocab-full) extra=(--draft-vocab-size 0) ;;
         lr6e-4) extra=(--lr 6e-4) ;;
         lr2e-3) extra=(--lr 2e-3) ;;
         trained-head) extra=(--no-freeze-lm-head) ;;

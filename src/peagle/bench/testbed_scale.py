@@ -145,23 +145,24 @@ H200_TRAIN_ARGS: tuple[str, ...] = ()
 
 def h200_scale() -> Scale:
     """One H200, from the GGUF to both trained heads within 20 minutes: every turn of ShareGPT's train split (as
-    many conversations as 160 s allow), side by side with self-synthesised prompts (70 s: run 8's 45 s kept
-    7,944) and their answers (85 s), ShareGPT and the synthesised prompts two processes each; then short code
-    prompts from the standard library and the installed packages and long ones from the standard library side by
-    side (50 s; run 10's 614 short ones from the standard library alone were answered in 18 s, run 11's 20,000 gave
-    8,960 documents, 3.6M tokens, in the 50), beside them the evaluation set (256 held-out first turns, 40 s);
-    answers of up to 256 tokens; then EAGLE-3 (1 layer, K_train 7) and P-EAGLE (4 layers, K_train 8) trained side
-    by side on 8K packs for 12.25 minutes each, plus what the steps before left of their limits, with `peagle
-    train`'s default recipe (a 32K draft vocabulary). Wall limits: 30 + 30 + 60 + 60 s before the data, 160 + 50 s
-    of data, 785 s for the heads: 19.6 minutes. The commands and the data schedule follow the device script's
-    `data` and `train` stages (run 8's, with 70 s of synthesis instead of 45), trained longer. The heads' 50 s
-    beyond their training are the trainers' start-up, final evaluation and save: 22.7 s in run 10 (BENCHMARKS.md),
-    whose 120 s reserve left 97 s of the budget idle; 75 s of it train now. Then, outside the budget, both heads are
-    served at K 3 and 7 on 64 prompts of MT-Bench and of HumanEval (7 minutes at most)."""
+    many conversations as 160 s allow), side by side with self-synthesised prompts (85 s: run 11's 70 s kept
+    14,778, answered in 49 s of the 85 s they had then, so the lane idled 40 s) and their answers (70 s),
+    ShareGPT and the synthesised prompts two processes each; then short code prompts from the standard library and
+    the installed packages and long ones from the standard library side by side (50 s; run 10's 614 short ones from
+    the standard library alone were answered in 18 s, run 11's 20,000 gave 8,960 documents, 3.6M tokens, in the
+    50), beside them the evaluation set (256 held-out first turns, 40 s); answers of up to 256 tokens; then EAGLE-3
+    (1 layer, K_train 7) and P-EAGLE (4 layers, K_train 8) trained side by side on 8K packs for 12.25 minutes each,
+    plus what the steps before left of their limits, with `peagle train`'s default recipe (a 32K draft
+    vocabulary). Wall limits: 30 + 30 + 60 + 60 s before the data, 160 + 50 s of data, 785 s for the heads: 19.6
+    minutes. The commands and the data schedule follow the device script's `data` and `train` stages (run 8's,
+    with 85 s of synthesis instead of 45), trained longer. The heads' 50 s beyond their training are the trainers'
+    start-up, final evaluation and save: 22.7 s in run 10 (BENCHMARKS.md), whose 120 s reserve left 97 s of the
+    budget idle; 75 s of it train now. Then, outside the budget, both heads are served at K 3 and 7 on 64 prompts
+    of MT-Bench and of HumanEval (7 minutes at most)."""
     return Scale(name="h200", target="smollm2", regenerate_parts=2, num_kv_blocks=40_000,
                  max_tokens=H200_ANSWER_TOKENS, long_code_max_tokens=H200_ANSWER_TOKENS,
                  train_args=(*TRAIN_ARGS, *H200_TRAIN_ARGS), download_s=600,
-                 unpack_s=30, model_s=60, prompts_s=60, synthesize_s=70, sharegpt_s=160, synth_responses_s=85,
+                 unpack_s=30, model_s=60, prompts_s=60, synthesize_s=85, sharegpt_s=160, synth_responses_s=70,
                  code_responses_s=50, long_code_responses_s=50, eval_responses_s=40, train_minutes=12.25,
                  train_overhead_s=50, budget_s=20 * 60, serve_prompts=64, serve_s=420)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from peagle.bench import testbed, testbed_commands
+from peagle.bench import testbed, testbed_commands, testbed_report
 from peagle.bench.datasets import load_prompts, sharegpt_split_of
 from peagle.bench.testbed import SHAREGPT_MEMBER, Command
 from peagle.bench.testbed_scale import h200_scale, smoke_scale
@@ -568,5 +568,5 @@ def test_quickstart_smoke_runs_the_whole_pipeline(monkeypatch, tmp_path, capsys)
     assert {"none", "eagle3", "peagle", "hf_eager"} <= methods
     assert all(p["num_failed"] == 0 for p in results["points"])
     data = tmp_path / "cache" / "data-smoke"
-    assert testbed._data_totals(data / "sharegpt")[0] > 0
+    assert testbed_report.data_totals(data / "sharegpt")[0] > 0
     assert all((tmp_path / "cache" / "heads" / "smoke" / m / "final").is_dir() for m in testbed.METHODS)

@@ -87,6 +87,7 @@ from peagle.bench.datasets import default_cache_dir, load_prompts, sharegpt_file
 from peagle.bench.testbed_commands import (INTERRUPT_POLL_S, STOP_GRACE_S, Command, TestbedStepError, run_commands,
                                            sigterm_raises_interrupt)
 from peagle.bench.testbed_commands import seconds as _seconds
+from peagle.bench.testbed_report import count_records, data_totals, lanes_text, produced, progress_line, spent_text
 from peagle.bench.testbed_scale import Scale, schedule
 
 logger = logging.getLogger(__name__)
@@ -240,7 +241,7 @@ class Testbed:
         outs = self.data[source]
 
         def run() -> str:
-            if not _count_records(self.sources[source]):  # e.g. nothing the tiny model wrote passed synthesize's filter
+            if not count_records(self.sources[source]):  # e.g. nothing the tiny model wrote passed synthesize's filter
                 for out in outs:
                     out.mkdir(parents=True, exist_ok=True)
                 return "no prompts to answer"
@@ -327,11 +328,11 @@ class Testbed:
     def training_data(self) -> list[Path]:
         """The data directories that hold documents, by source and part (a process stopped before its first shard
         adds nothing)."""
-        return [out for source, outs in self.data.items() if source != EVAL for out in outs if _data_totals(out)[0]]
+        return [out for source, outs in self.data.items() if source != EVAL for out in outs if data_totals(out)[0]]
 
     def evaluation_data(self) -> list[Path]:
         """The evaluation set's directory, when it holds documents (the trainers score it apart)."""
-        return [out for out in self.data.get(EVAL, ()) if _data_totals(out)[0]]
+        return [out for out in self.data.get(EVAL, ()) if data_totals(out)[0]]
 
     def train_commands(self) -> list[Command]:
         """Both heads on the same data directories with the same time limit, the ones not trained yet."""
@@ -438,7 +439,7 @@ class Testbed:
             budget += f", the heads' limit {_seconds(self.train_extra_s)} more with what the steps before saved"
         logger.info("testbed (%s scale) ready in %s: this run took %s (%s); the limits sum to %s%s, a phase counting "
                     "its longest lane, downloads aside", self.scale.name, self.dir,
-                    _seconds(time.monotonic() - began), _spent_text(plan, spent), _seconds(limits), budget)
+                    _seconds(time.monotonic() - began), spent_text(plan, spent), _seconds(limits), budget)
         if data_only:
             heads = {*METHODS, *(f"{method}_run" for method in METHODS), "served"}
             return {name: path for name, path in self.paths.items() if name not in heads}
@@ -511,7 +512,7 @@ class Testbed:
             raise failures[0] if len(failures) == 1 else TestbedStepError("; ".join(map(str, failures)))
         spent[phase.name] = elapsed
         logger.info("%s", progress_line(where[phase.name], elapsed, phase.limit_s, "lanes side by side",
-                                        _lanes_text(phase, spent)))
+                                        lanes_text(phase, spent)))
         if elapsed > phase.limit_s + STOP_GRACE_S:
             logger.warning("%s took %s, more than its limit of %s", phase.name, _seconds(elapsed),
                            _seconds(phase.limit_s))
@@ -535,118 +536,6 @@ def build_testbed(cache_dir: Path | None, scale: Scale, data_only: bool = False)
     """Builds (or finishes building) the testbed; returns its paths: model, eagle3, peagle, data_*, ...
     (`data_only`: everything but the heads)."""
     return Testbed(cache_dir, scale).build(data_only)
-
-
-# ---- progress --------------------------------------------------------------------------------------------------
-
-
-def progress_line(where: str, elapsed: float, limit_s: float, note: str, what: str) -> str:
-    """'testbed [8/12] responses-sharegpt: 160.4 s of its 160 s limit (stopped there): sharegpt: 2,816 documents...'"""
-    return f"{where}: {elapsed:.1f} s of its {_seconds(limit_s)} limit{f' ({note})' if note else ''}: {what}"
-
-
-def _lanes_text(phase: Phase, spent: Mapping[str, float]) -> str:
-    """'responses-sharegpt 160 s | synthesize 85 s, responses-synth 70 s': where a phase's time went."""
-    return " | ".join(", ".join(f"{step.name} {_seconds(spent[step.name])}" if step.name in spent
-                                else f"{step.name} done already" for step in lane) for lane in phase.lanes)
-
-
-def _spent_text(plan: Sequence[Phase], spent: Mapping[str, float]) -> str:
-    """The time of what ran in this build: each step alone, each phase with its lanes."""
-    parts = []
-    for phase in plan:
-        if len(phase.lanes) > 1 and phase.name in spent:
-            parts.append(f"{phase.name} {_seconds(spent[phase.name])} ({_lanes_text(phase, spent)})")
-        elif len(phase.lanes) == 1:
-            parts += [f"{step.name} {_seconds(spent[step.name])}" for step in phase.steps if step.name in spent]
-    return ", ".join(parts) or "nothing to do"
-
-
-def produced(outputs: Sequence[Path]) -> str:
-    """What a step's outputs hold, in a few words each."""
-    return "; ".join(f"{_label(o)}: {_describe(o)}" for o in outputs)
-
-
-def _label(path: Path) -> str:
-    return path.parent.name if path.name == "final" else path.name
-
-
-def _describe(path: Path) -> str:
-    if not path.exists():
-        return "missing"
-    if (path / "manifest.json").is_file():
-        documents, tokens, prompts = _data_totals(path)
-        return f"{documents:,} documents, {_count(tokens)} tokens from {prompts:,} prompts"
-    if path.name == "final" and (path.parent / "train_log.jsonl").is_file():
-        return _training_summary(path.parent / "train_log.jsonl")
-    if path.name == "results.json" and path.parent.parent.name == "served":
-        return served_summary(path)
-    if path.is_dir() and not any(path.iterdir()):
-        return "empty"
-    if path.name.endswith((".jsonl", ".jsonl.gz")):
-        return f"{_count_records(path):,} records"
-    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
-    return f"{size / 1e6:,.1f} MB" if size >= 1e6 else f"{size / 1e3:.1f} kB"
-
-
-def _count(n: int) -> str:
-    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
-
-
-def _data_totals(data_dir: Path) -> tuple[int, int, int]:
-    """(documents, tokens, prompts answered) of a `peagle regenerate` directory; zeros without a manifest."""
-    try:
-        shards = json.loads((data_dir / "manifest.json").read_text())["shards"]
-    except (OSError, ValueError, KeyError):
-        return 0, 0, 0
-    return (sum(s["num_documents"] for s in shards if s.get("file")), sum(s["num_tokens"] for s in shards),
-            sum(s["num_prompts"] for s in shards))
-
-
-def _count_records(path: Path) -> int:
-    from peagle.training.data_sources import open_text
-
-    with open_text(path) as f:
-        return sum(1 for line in f if line.strip())
-
-
-def _training_summary(log: Path) -> str:
-    step, walk = 0, None
-    for line in log.read_text().splitlines():
-        row = json.loads(line) if line.strip() else {}
-        if row.get("kind") == "train":
-            step = row["step"]
-        elif row.get("kind") == "eval" and row.get("walk_al"):
-            walk = row["walk_al"]
-    text = f"{step:,} steps"
-    if walk:
-        k = max(walk, key=int)
-        text += f", held-out walk AL@{k} {walk[k]:.2f}"
-    return text
-
-
-def served_summary(results: Path) -> str:
-    """'mtbench: EAGLE-3 AL 2.44 / 2.14, P-EAGLE 2.46 / 2.21 at K 7 / 3, P-EAGLE / EAGLE-3 tok/s 1.20x at each
-    best K, P-EAGLE / none 1.92x; humaneval: ...' from a `peagle bench` results.json (greedy points)."""
-    names = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE"}
-    points = [p for p in json.loads(results.read_text())["points"] if not p.get("temperature")]
-    parts = []
-    for dataset in dict.fromkeys(p["dataset"] for p in points):
-        rows = [p for p in points if p["dataset"] == dataset]
-        ks = sorted({p["k"] for p in rows if p.get("k")}, reverse=True)
-        best = {m: max((p["tokens_per_s"] for p in rows if p["method"] == m), default=0.0) for m in ("none", *names)}
-        als = []
-        for method, name in names.items():
-            by_k = {p["k"]: p["acceptance_length"] for p in rows if p["method"] == method and p.get("k")}
-            if by_k:
-                als.append(f"{name} AL {' / '.join(f'{by_k[k]:.2f}' for k in ks if k in by_k)}")
-        text = f"{dataset}: {', '.join(als)} at K {' / '.join(map(str, ks))}"
-        if best["peagle"] and best["eagle3"]:
-            text += f", P-EAGLE / EAGLE-3 tok/s {best['peagle'] / best['eagle3']:.2f}x at each best K"
-        if best["peagle"] and best["none"]:
-            text += f", P-EAGLE / none {best['peagle'] / best['none']:.2f}x"
-        parts.append(text)
-    return "; ".join(parts) or "no greedy points"
 
 
 # ---- subprocesses ----------------------------------------------------------------------------------------------

@@ -287,9 +287,9 @@ def _register_testbed(subparsers) -> None:
     p.add_argument("--scale", choices=sorted(SCALES), default="h200",
                    help="h200: the full build for one GPU; smoke: minutes on a CPU, numbers meaningless")
     p.add_argument("--data-only", action="store_true",
-                   help="stop before the heads (and their serving): the model, the prompt files and the regenerated training and "
-                        "evaluation data only (to train other recipes on them with `peagle train`; a later "
-                        "build without it skips those steps and trains the heads)")
+                   help="stop before the heads (and their serving): the model, the prompt files and the "
+                        "regenerated training and evaluation data only (to train other recipes on them with "
+                        "`peagle train`; a later build without it skips those steps and trains the heads)")
     p.set_defaults(func=run_testbed)
 
 

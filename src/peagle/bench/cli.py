@@ -6,6 +6,7 @@ import argparse
 import datetime as dt
 import json
 from pathlib import Path
+from typing import Sequence
 
 BENCH_EPILOG = """\
 examples:
@@ -290,14 +291,53 @@ def _register_testbed(subparsers) -> None:
                    help="stop before the heads (and their serving): the model, the prompt files and the "
                         "regenerated training and evaluation data only (to train other recipes on them with "
                         "`peagle train`; a later build without it skips those steps and trains the heads)")
+    for method, name in (("peagle", "P-EAGLE"), ("eagle3", "EAGLE-3")):
+        p.add_argument(f"--{method}-args", default="", metavar="ARGS",
+                       help=f"further `peagle train` arguments for the {name} head, after the scale's own (a later "
+                            f"option wins), e.g. --{method}-args=\"--k-train 12\"; its data, --out, --method, --target and "
+                            f"--time-limit are the testbed's. A head trained with other arguments is refused, not "
+                            f"reused")
     p.set_defaults(func=run_testbed)
 
 
+# The options of `peagle train` that the testbed sets itself for each head.
+TESTBED_TRAIN_OPTIONS = ("--target", "--data", "--eval-data", "--method", "--out", "--time-limit", "--resume")
+
+
+def trainer_arguments(text: str, option: str, before: Sequence[str] = ()) -> tuple[str, ...]:
+    """`peagle train` arguments from one string, checked against the trainer's parser after the arguments `before`
+    them: an unknown one, one the testbed sets itself or a bad value is refused with `option` named."""
+    import shlex
+
+    from peagle.cli import build_parser
+
+    args = tuple(shlex.split(text))
+    owned = sorted({a.split("=", 1)[0] for a in args} & set(TESTBED_TRAIN_OPTIONS))
+    if owned:
+        raise ValueError(f"{option}: {', '.join(owned)} is set by the testbed for each head")
+    base = ["train", "--target", "t", "--data", "d", "--method", "peagle", "--out", "o", *before]
+    parser = build_parser()
+    try:
+        _, unknown = parser.parse_known_args([*base, *args])
+    except SystemExit as e:  # argparse has printed why (a missing or invalid value)
+        raise ValueError(f"{option}: `peagle train` refuses {text!r}") from e
+    if unknown:
+        raise ValueError(f"{option}: not arguments of `peagle train`: {' '.join(unknown)}")
+    return args
+
+
 def run_testbed(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from peagle.bench.testbed import build_testbed
     from peagle.bench.testbed_scale import SCALES
 
-    paths = build_testbed(args.dir, SCALES[args.scale](), data_only=args.data_only)
+    scale = SCALES[args.scale]()
+    for method in ("peagle", "eagle3"):
+        own = getattr(scale, f"{method}_args")
+        extra = trainer_arguments(getattr(args, f"{method}_args"), f"--{method}-args", (*scale.train_args, *own))
+        scale = replace(scale, **{f"{method}_args": (*own, *extra)})
+    paths = build_testbed(args.dir, scale, data_only=args.data_only)
     print(json.dumps({k: str(v) for k, v in paths.items()}, indent=2))
     return 0
 

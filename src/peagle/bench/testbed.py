@@ -102,6 +102,7 @@ BUILD_LONGCODE = Path(__file__).resolve().parents[3] / "scripts" / "build_longco
 # The long-code benchmark set: its modules never become training prompts.
 LONGCODE_BENCHMARK = Path(datasets.__file__).resolve().parent / "data" / "longcode.jsonl.gz"
 METHODS = ("eagle3", "peagle")
+HEAD_ARGS_FILE = "testbed-train-args.json"  # in each head's run directory: the trainer arguments it was trained with
 EVAL = "eval"  # the evaluation set's source name
 
 
@@ -334,6 +335,30 @@ class Testbed:
         """The evaluation set's directory, when it holds documents (the trainers score it apart)."""
         return [out for out in self.data.get(EVAL, ()) if data_totals(out)[0]]
 
+    def head_args(self, method: str) -> list[str]:
+        """The `peagle train` arguments of a head, but its data, output and time limit."""
+        return [*self.scale.train_args, *getattr(self.scale, f"{method}_args")]
+
+    def check_head_args(self) -> None:
+        """A head trained or begun with other trainer arguments than this build's is refused, never reused in their
+        place: its run directory records them (HEAD_ARGS_FILE); one from before that record counts as trained with
+        the scale's defaults."""
+        from peagle.bench.testbed_scale import SCALES
+
+        default = SCALES[self.scale.name]() if self.scale.name in SCALES else self.scale
+        for method in METHODS:
+            run = self.paths[f"{method}_run"]
+            if not run.exists():
+                continue
+            record = run / HEAD_ARGS_FILE
+            was = (json.loads(record.read_text())["args"] if record.is_file()
+                   else [*default.train_args, *getattr(default, f"{method}_args")])
+            now = self.head_args(method)
+            if was != now:
+                raise TestbedStepError(
+                    f"the {method} head in {run} was trained with `peagle train {' '.join(was)}`, not with this "
+                    f"build's `{' '.join(now)}`: remove {run} to train it anew, or build with the same arguments")
+
     def train_commands(self) -> list[Command]:
         """Both heads on the same data directories with the same time limit, the ones not trained yet."""
         from peagle.training.trainer import CHECKPOINTS, complete_checkpoints
@@ -351,8 +376,8 @@ class Testbed:
             resume = ["--resume"] if complete_checkpoints(run / CHECKPOINTS) else []
             argv = _peagle_argv("train", "--target", str(self.paths["model"]), "--data", *map(str, data), *evaluation,
                                 "--method",
-                                method, "--out", str(run), *self.scale.train_args,
-                                *getattr(self.scale, f"{method}_args"), "--time-limit", f"{self.train_minutes:.6g}",
+                                method, "--out", str(run), *self.head_args(method), "--time-limit",
+                                f"{self.train_minutes:.6g}",
                                 *resume)
             commands.append(Command(method, argv, self.paths[method], log=run.with_name(f"{method}.log")))
         return commands
@@ -386,6 +411,8 @@ class Testbed:
             run = self.paths[f"{c.name}_run"]
             if run.exists() and not complete_checkpoints(run / CHECKPOINTS):
                 shutil.rmtree(run)  # interrupted before its first checkpoint: nothing to keep
+            run.mkdir(parents=True, exist_ok=True)
+            (run / HEAD_ARGS_FILE).write_text(json.dumps({"args": self.head_args(c.name)}) + "\n")
         if len(commands) == 1:
             logger.warning("only %s is left to train: it trains alone, not side by side with the other head",
                            commands[0].name)
@@ -407,6 +434,8 @@ class Testbed:
     def build(self, data_only: bool = False) -> dict[str, Path]:
         """Runs every step not done yet; `data_only`: all but the heads (the model, the prompts and the training and
         evaluation data, e.g. to train other recipes on them), the heads' paths left out of what it returns."""
+        if not data_only:
+            self.check_head_args()  # before any step: a refusal costs no time
         steps = [step for step in self.steps() if not (data_only and step.name in ("heads", "served"))]
         plan = self.plan(steps)
         number = {step.name: i for i, step in enumerate(steps, 1)}

@@ -1,0 +1,157 @@
+"""Trained heads in parts small enough to come back from the GPU machine and travel to it again in a later session.
+
+A head's frozen lm_head is the target's own rows of the draft vocabulary: it is left out (checked bit for bit) and
+rebuilt from the target on unpacking. The other tensors are stored in bf16 (what the engine serves in) unless
+--dtype keep; each head's file is cut into parts of at most --part-mib, listed with their checksums in manifest.json.
+
+    python scripts/device/heads_pack.py pack --target MODEL --out DIR NAME=HEAD_DIR [NAME=HEAD_DIR ...]
+    python scripts/device/heads_pack.py unpack --target MODEL --out DIR PARTS_DIR [PARTS_DIR ...]
+
+unpack writes DIR/NAME (config.json, model.safetensors) for every head whose parts are all found in the PARTS_DIRs,
+and refuses a part whose checksum differs or a head whose lm_head cannot be rebuilt from this target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+MANIFEST = "manifest.json"
+FROM_TARGET = "lm_head.weight"  # the tensor rebuilt from the target's rows
+
+
+def target_lm_head(target: Path) -> torch.Tensor:
+    """The target's output projection [vocab, hidden] (its input embedding where the two are tied), as peagle reads
+    it when it builds a head for the target."""
+    from peagle.drafters.target import TargetParts
+
+    return TargetParts.from_dir(target).output_weight
+
+
+def draft_rows(tensors: dict[str, torch.Tensor], vocab: int) -> torch.Tensor:
+    """The target ids of the draft vocabulary's rows: draft id + d2t (the whole vocabulary without d2t)."""
+    if "d2t" in tensors:
+        d2t = tensors["d2t"].long()
+        return torch.arange(d2t.numel()) + d2t
+    return torch.arange(vocab)
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def pack(target: Path, heads: dict[str, Path], out: Path, part_mib: float, dtype: str) -> dict:
+    lm_head = target_lm_head(target)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = {"heads": {}}
+    for name, head in heads.items():
+        tensors = load_file(str(head / "model.safetensors"))
+        kept = {}
+        for key, t in tensors.items():
+            if key == FROM_TARGET:
+                rows = lm_head[draft_rows(tensors, t.shape[0])].to(t.dtype)
+                if t.shape == rows.shape and torch.equal(t, rows):
+                    continue  # frozen: the target's rows, rebuilt on unpacking
+            kept[key] = t.to(torch.bfloat16) if dtype == "bfloat16" and t.is_floating_point() else t
+        tmp = out / f"{name}.safetensors"
+        save_file(kept, str(tmp))
+        data = tmp.read_bytes()
+        tmp.unlink()
+        step = int(part_mib * 2**20)
+        parts = []
+        for i in range(0, len(data), step):
+            part = out / f"{name}.part-{i // step:03d}"
+            part.write_bytes(data[i:i + step])
+            parts.append({"file": part.name, "sha256": sha256(data[i:i + step])})
+        manifest["heads"][name] = {
+            "config": json.loads((head / "config.json").read_text()), "parts": parts, "sha256": sha256(data),
+            "dtype": {key: str(t.dtype).removeprefix("torch.") for key, t in tensors.items()},
+            "from_target": FROM_TARGET not in kept and FROM_TARGET in tensors,
+        }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def unpack(target: Path, parts_dirs: list[Path], out: Path) -> list[str]:
+    """The heads whose parts are all present, rebuilt under out/NAME; returns their names."""
+    manifests = [d / MANIFEST for d in parts_dirs if (d / MANIFEST).is_file()]
+    if not manifests:
+        raise FileNotFoundError(f"no {MANIFEST} in {', '.join(map(str, parts_dirs))}")
+    manifest = json.loads(manifests[0].read_text())
+    where = {p.name: p for d in parts_dirs for p in d.glob("*.part-*")}
+    lm_head = None
+    done = []
+    for name, head in manifest["heads"].items():
+        missing = [p["file"] for p in head["parts"] if p["file"] not in where]
+        if missing:
+            print(f"{name}: {len(missing)} of {len(head['parts'])} parts not here yet ({missing[0]} ...)")
+            continue
+        data = b""
+        for p in head["parts"]:
+            chunk = where[p["file"]].read_bytes()
+            if sha256(chunk) != p["sha256"]:
+                raise ValueError(f"{where[p['file']]}: checksum differs from the manifest's")
+            data += chunk
+        if sha256(data) != head["sha256"]:
+            raise ValueError(f"{name}: the joined parts' checksum differs from the manifest's")
+        dest = out / name
+        dest.mkdir(parents=True, exist_ok=True)
+        tmp = dest / "packed.safetensors"
+        tmp.write_bytes(data)
+        tensors = load_file(str(tmp))
+        tmp.unlink()
+        if head["from_target"]:
+            lm_head = target_lm_head(target) if lm_head is None else lm_head
+            vocab = head["config"].get("draft_vocab_size") or lm_head.shape[0]
+            rows = lm_head[draft_rows(tensors, vocab)]
+            hidden = tensors["embed_tokens.weight"].shape[1] if "embed_tokens.weight" in tensors else rows.shape[1]
+            if rows.shape[1] != hidden:
+                raise ValueError(f"{name}: the target's lm_head rows are {rows.shape[1]} wide, the head {hidden}")
+            tensors[FROM_TARGET] = rows
+        # Each tensor in its stored dtype again (bf16 rounding stays: the engine serves in bf16).
+        tensors = {k: t.to(getattr(torch, head["dtype"].get(k, str(t.dtype).removeprefix("torch.")))).contiguous()
+                   for k, t in tensors.items()}
+        save_file(tensors, str(dest / "model.safetensors"))
+        (dest / "config.json").write_text(json.dumps(head["config"], indent=2) + "\n")
+        done.append(name)
+        print(f"{name}: {dest} ({len(tensors)} tensors)")
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("pack", help="heads into parts")
+    p.add_argument("--target", type=Path, required=True, help="the target checkpoint the heads were trained for")
+    p.add_argument("--out", type=Path, required=True, help="directory for the parts and manifest.json")
+    p.add_argument("--part-mib", type=float, default=15.0, help="largest part in MiB (default 15)")
+    p.add_argument("--dtype", choices=("bfloat16", "keep"), default="bfloat16",
+                   help="the stored tensors' dtype (default bfloat16, the engine's)")
+    p.add_argument("heads", nargs="+", metavar="NAME=HEAD_DIR")
+    u = sub.add_parser("unpack", help="parts into heads")
+    u.add_argument("--target", type=Path, required=True)
+    u.add_argument("--out", type=Path, required=True, help="directory to write NAME/ heads into")
+    u.add_argument("parts", nargs="+", type=Path, metavar="PARTS_DIR")
+    args = parser.parse_args(argv)
+    if args.command == "pack":
+        heads = {}
+        for item in args.heads:
+            name, sep, path = item.partition("=")
+            if not sep or not name:
+                parser.error(f"{item!r}: expected NAME=HEAD_DIR")
+            heads[name] = Path(path)
+        manifest = pack(args.target, heads, args.out, args.part_mib, args.dtype)
+        for name, head in manifest["heads"].items():
+            print(f"{name}: {len(head['parts'])} parts, lm_head {'from the target' if head['from_target'] else 'kept'}")
+        return 0
+    return 0 if unpack(args.target, args.parts, args.out) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""scripts/device/heads_pack.py: trained heads cut into parts and rebuilt from them and their target."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from peagle.bench.smoke_model import write_tiny_checkpoint
+from peagle.drafters import Drafter, load_drafter, save_drafter
+from peagle.drafters.target import TargetParts
+from peagle.models.config import ModelConfig
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    texts = [f"a sentence number {i} about drafts, tokens and the verifier's cache" for i in range(200)]
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("target"), texts)
+
+
+def trained_head(target, method: str, out, draft_vocab: int | None, seed: int, train_lm_head: bool = False):
+    """A head built for the target as `peagle train` builds it, its other tensors moved as training moves them."""
+    parts = TargetParts.from_dir(target)
+    corpus = [torch.randint(0, parts.config.vocab_size, (4000,), generator=torch.Generator().manual_seed(seed))]
+    head = Drafter.for_target(parts, method, 2 if method == "peagle" else 1, draft_vocab=draft_vocab,
+                              vocab_corpus=corpus if draft_vocab else None, seed=seed).float()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name != "lm_head.weight" or train_lm_head:
+                p.add_(0.01 * torch.randn(p.shape, generator=gen))
+    save_drafter(head, out)
+    return out
+
+
+def test_heads_come_back_from_their_parts_with_the_lm_head_from_the_target(target, tmp_path, repo_script):
+    pack = repo_script("device/heads_pack")
+    vocab = ModelConfig.from_dir(target).vocab_size
+    heads = {"peagle": trained_head(target, "peagle", tmp_path / "p", vocab // 2, 0),
+             "eagle3": trained_head(target, "eagle3", tmp_path / "e", None, 1),
+             "trained-lm": trained_head(target, "peagle", tmp_path / "t", vocab // 2, 2, train_lm_head=True)}
+    assert pack.main(["pack", "--target", str(target), "--out", str(tmp_path / "parts"), "--part-mib", "0.05",
+                      *(f"{n}={d}" for n, d in heads.items())]) == 0
+    manifest = json.loads((tmp_path / "parts" / "manifest.json").read_text())
+    assert [manifest["heads"][n]["from_target"] for n in heads] == [True, True, False]
+    assert all(len(h["parts"]) > 1 for h in manifest["heads"].values())
+    assert all(p.stat().st_size <= 0.05 * 2**20 for p in (tmp_path / "parts").glob("*.part-*"))
+    # The parts travel in several folders; the heads are rebuilt once all their parts are found.
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    for i, p in enumerate(sorted((tmp_path / "parts").iterdir())):
+        p.rename(tmp_path / ("a" if i % 2 else "b") / p.name)
+    assert pack.main(["unpack", "--target", str(target), "--out", str(tmp_path / "heads"), str(tmp_path / "a"),
+                      str(tmp_path / "b")]) == 0
+    config = ModelConfig.from_dir(target)
+    for name, original in heads.items():
+        a = load_drafter(original, config)
+        b = load_drafter(tmp_path / "heads" / name, config)
+        assert a.config == b.config
+        sa, sb = a.state_dict(), b.state_dict()
+        assert list(sa) == list(sb)
+        exact = {"lm_head.weight"} if manifest["heads"][name]["from_target"] else set()
+        for key in sa:
+            assert sa[key].dtype == sb[key].dtype, key
+            # The frozen lm_head exact (the target's rows), every other float tensor rounded to bf16.
+            rounded = sa[key].is_floating_point() and key not in exact
+            expected = sa[key].to(torch.bfloat16).to(sa[key].dtype) if rounded else sa[key]
+            assert torch.equal(sb[key], expected), (name, key)
+    assert "lm_head.weight" in load_file(str(tmp_path / "heads" / "peagle" / "model.safetensors"))
+
+
+def test_a_missing_or_corrupt_part_is_never_unpacked(target, tmp_path, repo_script, capsys):
+    pack = repo_script("device/heads_pack")
+    head = trained_head(target, "eagle3", tmp_path / "e", None, 3)
+    assert pack.main(["pack", "--target", str(target), "--out", str(tmp_path / "parts"), "--part-mib", "0.05",
+                      f"eagle3={head}"]) == 0
+    parts = sorted((tmp_path / "parts").glob("eagle3.part-*"))
+    last = parts[-1].read_bytes()
+    parts[-1].unlink()
+    assert pack.main(["unpack", "--target", str(target), "--out", str(tmp_path / "heads"), str(tmp_path / "parts")]) == 1
+    assert "parts not here yet" in capsys.readouterr().out and not (tmp_path / "heads" / "eagle3").exists()
+    parts[-1].write_bytes(last[:-1] + bytes([last[-1] ^ 1]))
+    with pytest.raises(ValueError, match="checksum differs"):
+        pack.main(["unpack", "--target", str(target), "--out", str(tmp_path / "heads"), str(tmp_path / "parts")])

@@ -187,6 +187,7 @@ link_heads() {  # $W/heads/NAME: each training run's final head, else a copy of 
     for d in "$W"/train-*/; do [ -d "$d" ] && names+=" $(basename "$d" | sed 's/^train-//')"; done
   fi
   for m in ${names:-peagle eagle3}; do
+    [ ! -e "$W/train-$m" ] && [ -e "$W/heads/$m" ] && continue  # carried in (heads_in), not trained here
     if [ -f "$W/train-$m/final/config.json" ]; then ln -sfn "$W/train-$m/final" "$W/heads/$m"; continue; fi
     c=$(ls -d "$W/train-$m/checkpoints/step-"*/trainer_state.pt 2> /dev/null | tail -1 || true)
     if [ -z "$c" ]; then echo "no trained $m head under $W/train-$m"; continue; fi
@@ -291,12 +292,45 @@ case "$stage" in
     fi
     sha256sum "$tb/wheels/"*.whl
     only=(); [ "$stage" = testbed_data ] && only=(--data-only)
+    # TB_PEAGLE_ARGS / TB_EAGLE3_ARGS: further `peagle train` arguments for one head (e.g. "--k-train 12").
     setsid bash -c 'echo $$ > "$0"; exec "$@"' "$W/testbed.pid" $py -m peagle testbed --dir "$tb" "${only[@]}" \
-      --scale ${TB_SCALE:-h200} > "$W/testbed.log" 2>&1 < /dev/null &
+      --scale ${TB_SCALE:-h200} --peagle-args="${TB_PEAGLE_ARGS:-}" --eagle3-args="${TB_EAGLE3_ARGS:-}" \
+      > "$W/testbed.log" 2>&1 < /dev/null &
     testbed_follow ${TB_SECS:-540}
     ;;
   testbed_wait)
     testbed_follow ${TB_SECS:-540}
+    ;;
+  heads_out)
+    # The trained heads back to the development machine, so that a later session serves the same heads (issue 15's
+    # sweep needs more device time than is left after the testbed): scripts/device/heads_pack.py cuts
+    # $W/heads/{eagle3,peagle} into parts of 15 MiB (bf16, the frozen lm_head left out: about 160 MB for the
+    # testbed's pair); each call brings back manifest.json and HEADS_OUT_N parts (default 4, 60 MiB: what a call
+    # returns) from the HEADS_OUT_FROM-th. On the development machine `stage_local.sh heads DIR...` files them into
+    # .hp_a, .hp_b, ... for heads_in.
+    pack=$W/heads-pack
+    [ -f "$pack/manifest.json" ] || $py scripts/device/heads_pack.py pack --target "$W/smollm2" --out "$pack" \
+      eagle3="$(readlink -f "$W/heads/eagle3")" peagle="$(readlink -f "$W/heads/peagle")"
+    parts=$(cd "$pack" && ls | grep '\.part-' | sort)
+    echo "$(echo "$parts" | wc -l) parts in all"
+    cp "$pack/manifest.json" "$OUT/"
+    for f in $(echo "$parts" | tail -n +$(( ${HEADS_OUT_FROM:-0} + 1 )) | head -n ${HEADS_OUT_N:-4}); do
+      cp "$pack/$f" "$OUT/"
+    done
+    ;;
+  heads_in)
+    # heads_out's parts carried back (.hp_a, .hp_b, ...: any of them each call, about 45 MiB each) and, once the
+    # target is here (stage_a, then a call carrying .stage_b) and every part has come, the heads rebuilt into
+    # $W/heads/{eagle3,peagle}, where the bench stages find them.
+    mkdir -p "$W/heads-parts"
+    for d in .hp_*; do [ -d "$d" ] && cp "$d"/* "$W/heads-parts/"; done
+    [ -f .stage_b/gguf.part.ab ] && need_model
+    ls "$W/heads-parts" | grep -c '\.part-' || true
+    if [ -f "$W/smollm2/config.json" ] && $py scripts/device/heads_pack.py unpack --target "$W/smollm2" \
+         --out "$W/heads-packed" "$W/heads-parts"; then
+      mkdir -p "$W/heads"
+      for m in eagle3 peagle; do ln -sfn "$W/heads-packed/$m" "$W/heads/$m"; done
+    fi
     ;;
   mmhost)
     # The host cost of a matmul whose shape changes every call against a repeated one (the trainer's steps change

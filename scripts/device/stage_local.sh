@@ -10,9 +10,38 @@
 #   .gpu    prompt files: ShareGPT train-split human turns, its test split's first turns (an evaluation set),
 #           code prompts from the installed environment's Python source
 #   .old    the source tree of an earlier commit (OLD_COMMIT), for the trainer throughput comparison
+#   .hp_a .hp_b ...   trained heads in parts (run.sh heads_out), three parts and the manifest a folder:
+#           bash scripts/device/stage_local.sh heads DIR [DIR ...]   (the folders heads_out's calls came back in)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 what=${1:-all}
+if [ "$what" = heads ]; then  # heads_out's parts and manifest from the folders given, three parts a folder
+  shift
+  rm -rf .hp_*
+  python3 - "$@" <<'PY'
+import json, shutil, sys
+from pathlib import Path
+dirs = [Path(d) for d in sys.argv[1:]]
+manifests = [d / "manifest.json" for d in dirs if (d / "manifest.json").is_file()]
+if not manifests:
+    sys.exit(f"no manifest.json in {' '.join(sys.argv[1:])}")
+heads = json.loads(manifests[0].read_text())["heads"]
+found = {p.name: p for d in dirs for p in d.glob("*.part-*")}
+names = [p["file"] for h in heads.values() for p in h["parts"]]
+missing = [n for n in names if n not in found]
+if missing:
+    sys.exit(f"{len(missing)} of {len(names)} parts missing ({missing[0]} ...): run heads_out again from there")
+for i in range(0, len(names), 3):
+    dest = Path(f".hp_{chr(97 + i // 3)}")
+    dest.mkdir()
+    shutil.copy(manifests[0], dest)
+    for n in names[i:i + 3]:
+        shutil.copy(found[n], dest)
+PY
+  for d in .hp_*; do grep -qx "$d/" .git/info/exclude 2> /dev/null || echo "$d/" >> .git/info/exclude; done
+  du -sh .hp_*
+  exit 0
+fi
 dl=${STAGE_DL:-${TMPDIR:-/tmp}/peagle-stage}
 mkdir -p "$dl" .git/info
 for d in .whl .tb_a .tb_b .tb_c .stage_a .stage_b .cfg .gpu .old; do

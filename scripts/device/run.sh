@@ -9,20 +9,26 @@
 # against; .cfg: the testbed's config.json and tokenizer files, for runs with random weights; .tb_a, .tb_b, .tb_c:
 # the package wheels `peagle testbed` downloads, for `tb_stage`). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
-# The next session's plan (run 12), one call each, back to back; fire them one at a time (a failed call must not
+# The next session's plan (run 13), one call each, back to back; fire them one at a time (a failed call must not
 # start the next), from a tree no one is editing (the device gets a copy of the working tree, uncommitted edits too).
 # A call that comes more than 30 s after the previous one returned finds a fresh machine: run 9 lost its testbed so.
-#   Issue 14's goals with the one-session recipe as run 11 left it (32K draft vocabulary, short code prompts from the
-#   installed packages, the served step at its end): tb_stage (carry .tb_a .whl); tb_stage (.tb_b); tb_stage &&
-#   TB_SECS=560 testbed (.tb_c .whl); TB_SECS=560 testbed_wait; TB_SECS=420 testbed_wait (the heads' end and the
-#   served step: plain decoding and both heads on 64 MT-Bench and 64 HumanEval prompts at K 3 and 7, greedy, c=1,
-#   into $OUT/testbed-served.{json,md}: the goal cells). About 26 device minutes with the machine's start; with
-#   what is left, HEADS_N=24 HEADS_K=11 heads (K=11 for both methods). Issue 15's sweep needs a session of its own
-#   (the heads die with the machine): the testbed again, then BENCH_K=3,7,11 BENCH_C=1,4,16,64 bench. A session with
-#   minutes to spare: the trainer alone with and without --shape-multiple (TP_DATA=$W/tb/data-h200/sharegpt.0
-#   TP_RUNS="b1=$PWD/src:peagle:8:8192:1 shape=$PWD/src:peagle:8:8192:1:--shape-multiple,1024" TP_STEPS=40
-#   throughput), the engine with the fused merge (ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+fused-merge
-#   engine), the other GPU test files.
+#   Issue 14 (K_train; the sweep asks for K=11, run 12's P-EAGLE accepted nothing past its K_train of 8) and the
+#   heads for issue 15's sweep: the testbed as run 12 ran it but P-EAGLE trained to depth 12 (EAGLE-3 unchanged: the
+#   control that makes run 12's numbers comparable): tb_stage (carry .tb_a .whl); tb_stage (.tb_b); tb_stage &&
+#   TB_SECS=560 TB_PEAGLE_ARGS="--k-train 12" testbed (.tb_c .whl); TB_SECS=560 testbed_wait; TB_SECS=420
+#   testbed_wait (heads and the served step: $OUT/testbed-served.{json,md}); HEADS_N=24 HEADS_K=7,11 timeout 200
+#   heads (run 12's K=11 call had the same 24 prompts); then the heads back, three calls: heads_out;
+#   HEADS_OUT_FROM=4 heads_out; HEADS_OUT_FROM=8 heads_out (about 11 parts of 15 MiB), and here
+#   `bash scripts/device/stage_local.sh heads DIR DIR DIR` with the three calls' folders. About 27 device minutes.
+# The plan after it (run 14, a session of its own): issue 15's sweep with run 13's heads, carried in:
+#   stage_a (carry .stage_a .whl); heads_in (.stage_b: converts the target); heads_in (.hp_a); heads_in (.hp_b);
+#   heads_in (.hp_c); heads_in (.hp_d, if there is one: the heads are rebuilt once every part is in); bench (MT-Bench,
+#   K 3/5/7/11, concurrency 1-64, calibrated adaptive row, ~9 min); bench2 (HumanEval and long code at 1 and 64 with
+#   the policy, the HF baselines, one report, ~9 min); with what is left BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head
+#   BENCH_C=1,8,64 bench (the sampled table).
+# Run 12's plan (what was run, BENCHMARKS.md "Run 12": tb_stage; tb_stage; tb_stage && TB_SECS=560 testbed;
+# TB_SECS=560 testbed_wait; TB_SECS=420 testbed_wait; HEADS_N=24 HEADS_K=11 heads; BENCH_SECS=330 BENCH_K=7,11
+# BENCH_C=1,8,64 bench; a HumanEval bench by hand at K=7, concurrency 1, 8 and 64).
 # Run 11's plan (what was run, BENCHMARKS.md "Run 11": tb_stage; tb_stage; tb_stage && TB_SECS=420 testbed_data;
 # TRAIN_MIN=10 AB_VARIANTS="base vocab32k cod0.8" ablate (base then over the whole vocabulary); WAIT_SECS=560
 # HEADS="ab-base ab-vocab32k ab-cod0.8" wait; WAIT_SECS=200 ... wait && SERVE_K=7 SERVE_N=64 SERVE_SECS=120

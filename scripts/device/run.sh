@@ -519,6 +519,7 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
         layers2) extra=(--num-layers 2) ;;
         layers6) extra=(--num-layers 6) ;;
         k12) extra=(--k-train 12) ;;
+        muon) extra=(--optimizer muon) ;;
         *) echo "unknown variant $name"; exit 2 ;;
       esac
       launch ab-$name peagle 8 8192 1 "${base[@]}" ${AB_ARGS:-} "${extra[@]}"

@@ -23,6 +23,7 @@ from peagle.training.data import Document, Manifest, tokenizer_fingerprint, writ
 from peagle.training.distributed import DistContext
 from peagle.training.forward import StepStats
 from peagle.training.objectives import EvalStats
+from peagle.training.optimizers import Muon, muon_split
 from peagle.training.teacher import run_target
 from peagle.training.trainer import FINAL, LOG_FILE, build_trainer, fitted_total_steps, lr_factor
 
@@ -497,3 +498,115 @@ def test_eval_data_refusals(setup, tmp_path):
     manifest.write(copy)
     with pytest.raises(ValueError, match="is an evaluation set"):
         build_trainer(_config(checkpoint, copy, tmp_path / "c", "--steps", "1"), cpu)
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(setup, tmp_path):
+    checkpoint, data = setup
+    trainer = build_trainer(_config(checkpoint, data, tmp_path / "m", "--steps", "2", "--optimizer", "muon",
+                                    "--no-freeze-lm-head"), DistContext(0, 1, torch.device("cpu")))
+    muon, adamw = muon_split(trainer.drafter)
+    muon_names, adamw_names = {n for n, _ in muon}, {n for n, _ in adamw}
+    assert muon_names == {"fc.weight", *(f"layers.0.{m}.weight" for m in (
+        "self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"))}
+    assert {"embed_tokens.weight", "lm_head.weight", "mask_hidden", "norm.weight"} <= adamw_names
+    assert not muon_names & adamw_names
+    assert len(muon) + len(adamw) == len(trainer.params)  # every trained parameter, once
+    muon_opt, adamw_opt = trainer.optimizer.optimizers
+    assert isinstance(muon_opt, Muon) and isinstance(adamw_opt, torch.optim.AdamW)
+    (group,) = muon_opt.param_groups
+    blocks = dict(zip((id(p) for p in group["params"]), group["blocks"]))
+    attn, mlp = trainer.drafter.layers[0].self_attn, trainer.drafter.layers[0].mlp
+    assert blocks[id(attn.qkv_proj.weight)] == [attn.q_size, attn.kv_size, attn.kv_size]
+    assert blocks[id(mlp.gate_up_proj.weight)] == [mlp.intermediate] * 2 and blocks[id(mlp.down_proj.weight)] is None
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24)])
+def test_muon_of_one_block_is_torch_muon_and_blocks_step_as_separate_matrices(shape):
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(shape, generator=gen)
+    ours, theirs = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
+    a = Muon([ours], [None], lr=0.02, weight_decay=0.1)
+    b = torch.optim.Muon([theirs], lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    for _ in range(3):
+        ours.grad = torch.randn(shape, generator=gen)
+        theirs.grad = ours.grad.clone()
+        a.step(), b.step()
+    assert torch.equal(ours, theirs)
+    # A fused [q; k; v] matrix steps as its three blocks would, each alone, and not as one matrix.
+    rows = [16, 4, 4]
+    fused = torch.nn.Parameter(torch.randn(sum(rows), 40, generator=gen))
+    parts = [torch.nn.Parameter(x.clone()) for x in fused.detach().split(rows)]
+    whole = torch.nn.Parameter(fused.detach().clone())
+    grad = torch.randn(fused.shape, generator=gen)
+    fused.grad, whole.grad = grad.clone(), grad.clone()
+    for p, g in zip(parts, grad.split(rows)):
+        p.grad = g.clone()
+    Muon([fused], [rows], lr=0.02).step()
+    Muon(parts, [None] * 3, lr=0.02).step()
+    Muon([whole], [None], lr=0.02).step()
+    assert torch.equal(fused.detach(), torch.cat([p.detach() for p in parts]))
+    assert not torch.allclose(fused, whole)
+
+
+def test_muon_trains_resumes_exactly_and_refuses_another_optimizer(setup, tmp_path, one_thread):
+    checkpoint, data = setup
+    cpu = DistContext(0, 1, torch.device("cpu"))
+    common = ("--steps", "4", "--save-every", "2", "--optimizer", "muon", "--muon-lr", "2e-2")
+    assert build_trainer(_config(checkpoint, data, tmp_path / "a", *common), cpu).train() == 0
+    losses = _losses(tmp_path / "a")
+    assert [s for s, _ in losses] == [1, 2, 3, 4] and all(torch.isfinite(torch.tensor(x)) for _, x in losses)
+    rows = [json.loads(line) for line in (tmp_path / "a" / LOG_FILE).read_text().splitlines()]
+    assert all(r["lr"] <= 3e-3 for r in rows if r["kind"] == "train")  # the log's lr is AdamW's (--lr 3e-3)
+    # Stopped by SIGTERM in its third step, resumed: the same losses and weights as the uninterrupted run (both
+    # optimizers' states and schedules come back).
+    b = tmp_path / "b"
+    trainer = build_trainer(_config(checkpoint, data, b, *common), cpu)
+    step = trainer.train_step
+
+    def step_then_signal():
+        record = step()
+        if trainer.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return record
+
+    trainer.train_step = step_then_signal
+    assert trainer.train() == 143
+    assert build_trainer(_config(checkpoint, data, b, *common, "--resume"), cpu).train() == 0
+    assert _losses(b) == losses
+    cfg = ModelConfig.from_dir(checkpoint)
+    for (name, p), q in zip(load_drafter(tmp_path / "a" / FINAL, cfg).state_dict().items(),
+                            load_drafter(b / FINAL, cfg).state_dict().values()):
+        assert torch.equal(p, q), name
+    # A different --muon-lr gives another run (the option is used), AdamW yet another.
+    assert build_trainer(_config(checkpoint, data, tmp_path / "c", "--steps", "4", "--save-every", "2",
+                                 "--optimizer", "muon", "--muon-lr", "5e-3"), cpu).train() == 0
+    assert _losses(tmp_path / "c")[1:] != losses[1:]
+    with pytest.raises(ValueError, match="trained with --optimizer muon, this run has --optimizer adamw"):
+        build_trainer(_config(checkpoint, data, b, "--steps", "6", "--resume"), cpu).train()
+
+
+def test_optimizer_option_refusals(setup, tmp_path):
+    checkpoint, data = setup
+    with pytest.raises(ValueError, match="--muon-lr .* with --optimizer muon only"):
+        _config(checkpoint, data, tmp_path / "x", "--steps", "1", "--muon-lr", "1e-2")
+    with pytest.raises(SystemExit):
+        _config(checkpoint, data, tmp_path / "x", "--steps", "1", "--optimizer", "sgd")
+
+
+def test_checkpoints_from_before_the_optimizer_option_resume(setup, tmp_path):
+    from peagle.training.trainer import CHECKPOINTS, TRAINER_STATE, complete_checkpoints
+
+    checkpoint, data = setup
+    cpu = DistContext(0, 1, torch.device("cpu"))
+    common = ("--steps", "2", "--save-every", "2")
+    assert build_trainer(_config(checkpoint, data, tmp_path / "a", *common), cpu).train() == 0
+    path = complete_checkpoints(tmp_path / "a" / CHECKPOINTS)[-1] / TRAINER_STATE
+    state = torch.load(path, weights_only=False)
+    (adamw,), (schedule,) = state["optimizers"]["optimizers"], state["optimizers"]["schedulers"]
+    legacy = {k: v for k, v in state.items() if k != "optimizers"} | {"optimizer": adamw, "scheduler": schedule}
+    torch.save(legacy, path)
+    trainer = build_trainer(_config(checkpoint, data, tmp_path / "a", "--steps", "3", "--resume"), cpu)
+    trainer._load_latest()
+    assert trainer.step == 2 and trainer.optimizer.schedulers[0].last_epoch == schedule["last_epoch"]
+    loaded = trainer.optimizer.optimizers[0].state_dict()["state"]
+    assert all(torch.equal(loaded[i]["exp_avg"], adamw["state"][i]["exp_avg"]) for i in adamw["state"])

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from peagle.drafters.config import METHODS
-from peagle.training.config import SCHEDULES, TrainConfig
+from peagle.training.config import OPTIMIZERS, SCHEDULES, TrainConfig
 
 
 def register(subparsers) -> None:
@@ -98,6 +98,11 @@ def register(subparsers) -> None:
     train.add_argument("--lr", type=float,
                        help="peak learning rate (default 1e-3 for --method peagle, 6e-4 for eagle3)")
     train.add_argument("--weight-decay", type=float, default=0.0)
+    train.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                       help="adamw (default): AdamW for every trained parameter; muon: Muon for the drafter's hidden "
+                            "weight matrices (speculators' default), AdamW for embeddings, norms and mask_hidden")
+    train.add_argument("--muon-lr", type=float, help="Muon's peak learning rate (default: --lr; Muon's update is "
+                                                     "scaled to AdamW's RMS)")
     train.add_argument("--warmup-steps", type=int, help="linear warmup steps (default 2%% of the steps; with --time-limit at most 30)")
     length = train.add_mutually_exclusive_group(required=True)
     length.add_argument("--steps", type=int, help="optimizer steps")
@@ -221,7 +226,8 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         target=args.target, data=args.data, out=args.out, method=args.method, num_layers=args.num_layers,
         k_train=args.k_train, cod_r=args.cod_r, cod_r_min=args.cod_r_min, num_segments=args.num_segments,
-        max_length=args.max_length, lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
+        max_length=args.max_length, lr=args.lr, weight_decay=args.weight_decay, optimizer=args.optimizer,
+        muon_lr=args.muon_lr, warmup_steps=args.warmup_steps,
         steps=args.steps, epochs=args.epochs, batch_size=args.batch_size, grad_accum=args.grad_accum,
         schedule=args.schedule, max_grad_norm=args.max_grad_norm, save_every=args.save_every,
         eval_every=args.eval_every, keep_checkpoints=args.keep_checkpoints, eval_fraction=args.eval_fraction,

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from peagle.drafters.config import DEFAULT_NUM_LAYERS, METHODS
 
+OPTIMIZERS = ("adamw", "muon")  # --optimizer (optimizers.py)
+
 SCHEDULES = ("linear", "cosine")
 # The draft head's vocabulary when none is asked for (speculators' and SpecForge's 32K): 32,768 tokens beat the
 # target's whole 49,152 for P-EAGLE with the same data and time (BENCHMARKS.md run 11: held-out walk AL@7 2.79 / 2.64,
@@ -39,6 +41,8 @@ class TrainConfig:
     max_length: int = 2048
     lr: float | None = None  # None: DEFAULT_LR[method]
     weight_decay: float = 0.0
+    optimizer: str = "adamw"  # or "muon": Muon for the hidden weight matrices, AdamW for the rest (optimizers.py)
+    muon_lr: float | None = None  # Muon's peak learning rate (None: lr)
     warmup_steps: int | None = None  # None: 2% of the steps
     steps: int | None = None
     epochs: float | None = None
@@ -94,6 +98,10 @@ class TrainConfig:
             raise ValueError(f"--profile-steps must be non-negative, got {self.profile_steps}")
         if self.time_limit_minutes is not None and self.time_limit_minutes <= 0:
             raise ValueError(f"--time-limit must be positive (minutes), got {self.time_limit_minutes}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.muon_lr is not None and (self.optimizer != "muon" or not self.muon_lr > 0):
+            raise ValueError(f"--muon-lr {self.muon_lr}: a positive learning rate, with --optimizer muon only")
         if self.method not in METHODS:
             raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.k_train < 1:

@@ -39,6 +39,7 @@ from peagle.training.flops import StepFlops, peak_flops
 from peagle.training.forward import StepStats
 from peagle.training.metrics import EvalStats
 from peagle.training.objectives import Eagle3Objective, Objective, PEagleObjective, draft_to_target_ids
+from peagle.training.optimizers import DrafterOptimizer
 from peagle.training.mask import round_up
 from peagle.training.plan import StepPlan
 from peagle.training.teacher import FeatureCache, TeacherPass, run_target
@@ -160,13 +161,11 @@ class Trainer:
             )
         self.total_steps = cfg.steps if cfg.steps is not None else max(1, round(cfg.epochs * per_epoch))
         self.requested_steps = self.total_steps
-        self.params = [p for p in drafter.parameters() if p.requires_grad]
-        fused = {"fused": True} if dist.device.type == "cuda" else {}
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                                           **fused)
         warmup = cfg.warmup(self.total_steps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, warmup, self.total_steps, cfg.schedule))
+        self.optimizer = DrafterOptimizer(drafter, cfg.optimizer, cfg.lr, cfg.weight_decay,
+                                          lambda s: lr_factor(s, warmup, self.total_steps, cfg.schedule),
+                                          muon_lr=cfg.muon_lr, fused=dist.device.type == "cuda")
+        self.params = self.optimizer.params
         self.step, self.epoch, self.index = 0, 0, 0
         self.schedule_fitted = False
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dist.device.type == "cuda")
@@ -292,10 +291,9 @@ class Trainer:
                                                         plan.to(self.dist.device), denominator, self.vocab_map)
         self.dist.all_reduce_grads(self.params)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.optimizer.lr
         self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         # The gradient norm is the same on every process; the sum over processes in _flush is divided back.
         values = torch.cat([stats.loss.double().view(1), grad_norm.double().view(1) / self.dist.world_size,
                             counts[1:], stats.total.double(), stats.correct.double()])
@@ -427,8 +425,7 @@ class Trainer:
             "step": self.step, "epoch": self.epoch, "index": self.index, "total_steps": self.total_steps,
             "schedule_fitted": self.schedule_fitted,
             "global_batch": self.global_batch,
-            "drafter": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
+            "drafter": self.drafter.state_dict(), "optimizers": self.optimizer.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
         }
@@ -450,8 +447,10 @@ class Trainer:
                 f"has {self.global_batch}; resume with the same batch size, grad accum and process count"
             )
         self.drafter.load_state_dict(state["drafter"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        if "optimizers" in state:
+            self.optimizer.load_state_dict(state["optimizers"])
+        else:  # a checkpoint from before --optimizer: one AdamW
+            self.optimizer.load_legacy(state["optimizer"], state["scheduler"])
         self.step, self.epoch, self.index = state["step"], state["epoch"], state["index"]
         if state.get("schedule_fitted"):  # a horizon fitted to an earlier run's time limit stays
             self.total_steps, self.schedule_fitted = state["total_steps"], True

@@ -26,6 +26,9 @@
 #   K 3/5/7/11, concurrency 1-64, calibrated adaptive row, ~9 min); bench2 (HumanEval and long code at 1 and 64 with
 #   the policy, the HF baselines, one report, ~9 min); with what is left BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head
 #   BENCH_C=1,8,64 bench (the sampled table).
+# Later (issue 14's recipe, untried anchors): tb_stage x3 && TB_SECS=420 testbed_data; TRAIN_MIN=13
+#   AB_VARIANTS="base muon layers6" ablate (Muon: speculators' default optimizer; 6 layers: P-EAGLE's pass is cheap);
+#   wait; wait && SERVE_K=3,7 SERVE_N=64 SERVE_HEADS="ab-base ab-muon ab-layers6" serve.
 # Run 12's plan (what was run, BENCHMARKS.md "Run 12": tb_stage; tb_stage; tb_stage && TB_SECS=560 testbed;
 # TB_SECS=560 testbed_wait; TB_SECS=420 testbed_wait; HEADS_N=24 HEADS_K=11 heads; BENCH_SECS=330 BENCH_K=7,11
 # BENCH_C=1,8,64 bench; a HumanEval bench by hand at K=7, concurrency 1, 8 and 64).

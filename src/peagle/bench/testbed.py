@@ -78,14 +78,14 @@ import sysconfig
 import threading
 import time
 import zipfile
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from peagle.bench import datasets
 from peagle.bench.datasets import default_cache_dir, load_prompts, sharegpt_file
-from peagle.bench.testbed_commands import (INTERRUPT_POLL_S, STOP_GRACE_S, Command, TestbedStepError, run_commands,
-                                           sigterm_raises_interrupt)
+from peagle.bench.testbed_commands import (INTERRUPT_POLL_S, STOP_GRACE_S, Command, Phase, Step, TestbedStepError,
+                                           run_commands, sigterm_raises_interrupt)
 from peagle.bench.testbed_commands import seconds as _seconds
 from peagle.bench.testbed_report import count_records, data_totals, lanes_text, produced, progress_line, spent_text
 from peagle.bench.testbed_scale import Scale, schedule
@@ -104,41 +104,6 @@ LONGCODE_BENCHMARK = Path(datasets.__file__).resolve().parent / "data" / "longco
 METHODS = ("eagle3", "peagle")
 HEAD_ARGS_FILE = "testbed-train-args.json"  # in each head's run directory: the trainer arguments it was trained with
 EVAL = "eval"  # the evaluation set's source name
-
-
-# ---- steps and commands ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Step:
-    name: str
-    outputs: tuple[Path, ...]
-    limit_s: float  # subprocesses are stopped there; in-process work is measured against it
-    run: Callable[[], str]  # does the work; returns a note for the progress line ("" for none)
-    commands: Callable[[], list[Command]] | None = None  # the subprocesses `run` would start now, side by side
-    budgeted: bool = True  # counts toward Scale.budget_s (downloads do not)
-
-
-@dataclass(frozen=True, slots=True)
-class Phase:
-    """One unit of the build order: a phase of PHASES (lanes side by side, each lane's steps one after another), or
-    a step that runs alone (one lane of itself, named after it)."""
-
-    name: str
-    lanes: tuple[tuple[Step, ...], ...]
-
-    @property
-    def steps(self) -> tuple[Step, ...]:
-        return tuple(step for lane in self.lanes for step in lane)
-
-    @property
-    def limit_s(self) -> float:
-        """Its wall-clock limit: its longest lane's (what counts toward Scale.budget_s)."""
-        return max(sum(step.limit_s for step in lane) for lane in self.lanes)
-
-    @property
-    def budgeted(self) -> bool:
-        return all(step.budgeted for step in self.steps)
 
 
 class Testbed:

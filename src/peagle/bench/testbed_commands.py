@@ -1,6 +1,7 @@
 """The testbed's subprocesses: a step's commands started side by side, each with its log, stopped at the step's
 wall-clock limit (SIGTERM, then SIGKILL after STOP_GRACE_S), a half-written output never left behind, a failure
-named with the end of its log; and a SIGTERM of the build itself stopping them before it exits."""
+named with the end of its log; and a SIGTERM of the build itself stopping them before it exits. Also the plan's
+units that testbed.py builds and testbed_report.py describes: steps, and the phases they run in."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 logger = logging.getLogger("peagle.bench.testbed")  # one logger for the whole build's progress
 
@@ -146,3 +147,38 @@ def _tail(log: Path | None) -> str:
 
 def seconds(s: float) -> str:
     return f"{s:,.0f} s" if s >= 10 else f"{s:.1f} s"
+
+
+# ---- the build plan: steps and the phases they run in ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    name: str
+    outputs: tuple[Path, ...]
+    limit_s: float  # subprocesses are stopped there; in-process work is measured against it
+    run: Callable[[], str]  # does the work; returns a note for the progress line ("" for none)
+    commands: Callable[[], list[Command]] | None = None  # the subprocesses `run` would start now, side by side
+    budgeted: bool = True  # counts toward Scale.budget_s (downloads do not)
+
+
+@dataclass(frozen=True, slots=True)
+class Phase:
+    """One unit of the build order: a phase of PHASES (lanes side by side, each lane's steps one after another), or
+    a step that runs alone (one lane of itself, named after it)."""
+
+    name: str
+    lanes: tuple[tuple[Step, ...], ...]
+
+    @property
+    def steps(self) -> tuple[Step, ...]:
+        return tuple(step for lane in self.lanes for step in lane)
+
+    @property
+    def limit_s(self) -> float:
+        """Its wall-clock limit: its longest lane's (what counts toward Scale.budget_s)."""
+        return max(sum(step.limit_s for step in lane) for lane in self.lanes)
+
+    @property
+    def budgeted(self) -> bool:
+        return all(step.budgeted for step in self.steps)

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import Mapping, Sequence
 
+from peagle.bench.testbed_commands import Phase
 from peagle.bench.testbed_commands import seconds as _seconds
-
-if TYPE_CHECKING:
-    from peagle.bench.testbed import Phase
 
 
 

@@ -26,6 +26,10 @@
 #   K 3/5/7/11, concurrency 1-64, calibrated adaptive row, ~9 min); bench2 (HumanEval and long code at 1 and 64 with
 #   the policy, the HF baselines, one report, ~9 min); with what is left BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head
 #   BENCH_C=1,8,64 bench (the sampled table).
+# With minutes to spare in any session: GPU_TESTS=tests/gpu/test_optimizers_gpu.py gpu_tests (Muon on CUDA, seconds);
+#   ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+fused-merge engine (issue 16, ~4 min); the trainer
+#   alone with and without --shape-multiple (TP_DATA=$W/tb/data-h200/sharegpt.0 TP_RUNS="b1=$PWD/src:peagle:8:8192:1
+#   shape=$PWD/src:peagle:8:8192:1:--shape-multiple,1024" TP_STEPS=40 throughput).
 # Later (issue 14's recipe, untried anchors): tb_stage x3 && TB_SECS=420 testbed_data; TRAIN_MIN=13
 #   AB_VARIANTS="base muon layers6" ablate (Muon: speculators' default optimizer; 6 layers: P-EAGLE's pass is cheap);
 #   wait; wait && SERVE_K=3,7 SERVE_N=64 SERVE_HEADS="ab-base ab-muon ab-layers6" serve.

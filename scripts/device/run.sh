@@ -601,6 +601,9 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
     #           that policy as its own row; the HF baselines on MT-Bench and HumanEval; one report of both calls
     #           (bench-report of bench-t0, bench2, bench-hf) in $OUT/sweep.
     # A sampled table is one more call: BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head (bench) or BENCH2_TEMPS=0.7 (bench2).
+    # Answers of BENCH_TOKENS (256 since run 13, the testbed's served length; 128 before): at concurrency 64 a
+    # request's prefill recurs every answer, and with 128-token answers nearly every round of run 12 admitted one,
+    # which costs a speculative round more than a plain step. A point lasts its 5 s either way.
     link_heads
     cal="$W/heads/peagle-cal"
     mkdir -p "$cal"
@@ -610,7 +613,7 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
     sweep() {  # out_dir time_limit_s peagle-bench-arguments...
       local out=$1 secs=$2; shift 2
       timeout -s INT "$secs" $py -m peagle bench --model "$W/smollm2" --draft-eagle3 "$W/heads/eagle3" \
-        --draft-peagle "$cal" --max-tokens 128 --num-prompts ${BENCH_N:-24} --min-waves ${BENCH_WAVES:-3} \
+        --draft-peagle "$cal" --max-tokens ${BENCH_TOKENS:-256} --num-prompts ${BENCH_N:-24} --min-waves ${BENCH_WAVES:-3} \
         --min-seconds ${BENCH_MIN_S:-5} --out "$out" "$@" 2>&1 | grep -v -E "^\s*$|it/s\]|point/s\]" | tail -40 || true
       [ -f "$out/results.md" ] || $py -m peagle bench-report "$out/results.json" > /dev/null 2>&1 || true
     }

@@ -601,10 +601,10 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
     #           that policy as its own row; the HF baselines on MT-Bench and HumanEval; one report of both calls
     #           (bench-report of bench-t0, bench2, bench-hf) in $OUT/sweep.
     # A sampled table is one more call: BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head (bench) or BENCH2_TEMPS=0.7 (bench2).
-    # Answers of BENCH_TOKENS (256 since run 13, the testbed's served length; 128 before). Run 12's MT-Bench point at
-    # concurrency 64 (128 tokens) spent 2.4x a plain step per P-EAGLE round against 1.6x in the engine's steady-state
-    # timing: with 128-token answers about one request in 64 is admitted every round, and admitting costs a
-    # speculative round more (not profiled yet). A point lasts its 5 s either way.
+    # Answers of BENCH_TOKENS (256 since run 13: the length of the testbed's served step and of issue 14's goals; 128
+    # before). A point lasts its 5 s either way. Run 12's points at concurrency 64 spent 2.3-2.4x a plain step per
+    # P-EAGLE round (AL over speed-up, MT-Bench at 128 tokens and HumanEval at 256 alike) against 1.6x in the
+    # engine's steady-state timing: not profiled yet (ENGINE_PROFILE=1 engine, or a profiled bench point).
     link_heads
     cal="$W/heads/peagle-cal"
     mkdir -p "$cal"

@@ -33,6 +33,10 @@ scenario runs twice and the second is reported (`stall_cold_max_ms`: the first, 
 With --arrivals, each variant also runs a closed loop at concurrency 8 (a new MT-Bench request, 64 tokens, as each
 finishes; 48 requests, twice, the second reported) and reports the inter-token latencies of all requests,
 `itl_p50_ms` and `itl_p99_ms` (the time between consecutive steps that return tokens to a request).
+With --closed-loop C:T, closed loops of C requests answering T tokens (a new MT-Bench request as each finishes, 3
+waves, twice, the second reported), the sweep's high-concurrency points without its harness: output tokens/s, and
+the steps that admit a request (prefill its prompt) against the others, by count, median time and share of the wall
+time (run 12's sweep at 64: a P-EAGLE round cost 2.3-2.4x a plain step, 1.6x in the steady state above).
 """
 
 from __future__ import annotations
@@ -206,6 +210,36 @@ def measure_arrivals(llm, prompts, batch: int = 8, num_requests: int = 48, max_t
             "itl_p99_ms": 1e3 * percentile(warm, 0.99), "itl_cold_p99_ms": 1e3 * percentile(cold, 0.99)}
 
 
+def closed_loop_steps(eng, prompts, tag: str, batch: int, num_requests: int, max_tokens: int) -> dict:
+    """A closed loop of `batch` requests of `max_tokens` answer tokens, a new one added as each finishes: its output
+    tokens/s, and its steps split into those that admit a request (prefill a prompt) and the rest."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    admit, pure, added, tokens = [], [], 0, 0
+    began = time.perf_counter()
+    while added < num_requests or eng.has_unfinished_requests():
+        while added < num_requests and eng.scheduler.num_running + eng.scheduler.num_waiting < batch:
+            eng.add_request(f"{tag}-{added}", prompts[added % len(prompts)], params)
+            added += 1
+        admits = eng.scheduler.num_waiting > 0 or any(s.num_computed_tokens == 0 for s in eng.scheduler.running)
+        t0 = time.perf_counter()
+        outs = eng.step()
+        (admit if admits else pure).append(time.perf_counter() - t0)
+        tokens += sum(len(o.new_token_ids) for o in outs)
+    wall = time.perf_counter() - began
+    return {"output_tokens_per_s": tokens / wall, "steps": len(admit) + len(pure), "admit_steps": len(admit),
+            "admit_step_ms_p50": 1e3 * statistics.median(admit) if admit else 0.0,
+            "pure_step_ms_p50": 1e3 * statistics.median(pure) if pure else 0.0,
+            "admit_time_share": sum(admit) / wall}
+
+
+def measure_closed_loop(llm, prompts, batch: int, max_tokens: int) -> dict:
+    """The closed loop twice (the first captures graphs), the second reported; 3 waves of `batch` requests."""
+    eng = llm.engine
+    for tag in ("loop0", "loop1"):
+        row = closed_loop_steps(eng, prompts, f"{tag}-{batch}-{max_tokens}", batch, 3 * batch, max_tokens)
+    return {"loop_batch": batch, "loop_max_tokens": max_tokens, **row}
+
+
 def measure_stall(llm, prompts, prompt_len: int) -> dict:
     cold, warm = (stall_once(llm, prompts, prompt_len, tag) for tag in ("s0", "s1"))
     return {**warm, "stall_cold_max_ms": cold["stall_max_ms"]}
@@ -254,7 +288,11 @@ def main(argv=None) -> int:
     ap.add_argument("--ttft-prompts", type=int, default=16, metavar="N",
                     help="MT-Bench first turns for the time to first token at concurrency 1 (default 16; 0: skip)")
     ap.add_argument("--profile", metavar="DIR", help="also write a torch.profiler table per method and batch here")
+    ap.add_argument("--closed-loop", default="", metavar="C:T,...",
+                    help="also run closed loops of C requests answering T tokens each (e.g. 64:128,64:256; MT-Bench "
+                         "prompts, 3 waves): tokens/s, and the steps that admit a request against the rest")
     args = ap.parse_args(argv)
+    loops = [tuple(map(int, item.split(":"))) for item in args.closed_loop.split(",") if item]
     heads = dict(h.split("=", 1) for h in args.head)
     tok = load_tokenizer(args.target)
     prompts = [tok.encode_chat(p.messages) for p in load_prompts("mtbench")]
@@ -295,6 +333,8 @@ def main(argv=None) -> int:
                 keep({"method": name, "variant": variant, "k": k, **measure_stall(llm, prompts, args.stall)})
             if args.arrivals:
                 keep({"method": name, "variant": variant, "k": k, **measure_arrivals(llm, prompts)})
+            for c, t in loops:
+                keep({"method": name, "variant": variant, "k": k, **measure_closed_loop(llm, prompts, c, t)})
             del llm
             gc.collect()
             torch.cuda.empty_cache()
@@ -312,7 +352,10 @@ def print_table(rows) -> None:
                                        "ttft_p90_ms", "ttft_cold_p50_ms")),
                       ("stall_max_ms", ("method", "variant", "stall_prompt_tokens", "stall_decode_ms", "stall_max_ms",
                                         "stall_ratio", "stall_steps", "stall_ttft_ms", "stall_cold_max_ms")),
-                      ("itl_p99_ms", ("method", "variant", "batch", "itl_p50_ms", "itl_p99_ms", "itl_cold_p99_ms"))):
+                      ("itl_p99_ms", ("method", "variant", "batch", "itl_p50_ms", "itl_p99_ms", "itl_cold_p99_ms")),
+                      ("loop_batch", ("method", "variant", "loop_batch", "loop_max_tokens", "output_tokens_per_s",
+                                      "steps", "admit_steps", "admit_step_ms_p50", "pure_step_ms_p50",
+                                      "admit_time_share"))):
         selected = [r for r in rows if key in r]
         if selected:
             print(" | ".join(cols))

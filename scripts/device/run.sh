@@ -27,7 +27,9 @@
 #   the policy, the HF baselines, one report, ~9 min); with what is left BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head
 #   BENCH_C=1,8,64 bench (the sampled table).
 # With minutes to spare in any session: GPU_TESTS=tests/gpu/test_optimizers_gpu.py gpu_tests (Muon on CUDA, seconds);
-#   ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+fused-merge engine (issue 16, ~4 min); the trainer
+#   ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+fused-merge engine (issue 16, ~4 min); with trained
+#   heads, ENGINE_HEAD=$W/heads/peagle ENGINE_LOOP=64:128,64:256 ENGINE_VARIANTS=async+prefill-graphs ENGINE_SECS=240
+#   engine (why a P-EAGLE round cost 2.3-2.4x a plain step at concurrency 64 in run 12's sweep); the trainer
 #   alone with and without --shape-multiple (TP_DATA=$W/tb/data-h200/sharegpt.0 TP_RUNS="b1=$PWD/src:peagle:8:8192:1
 #   shape=$PWD/src:peagle:8:8192:1:--shape-multiple,1024" TP_STEPS=40 throughput).
 # Later (issue 14's recipe, untried anchors): tb_stage x3 && TB_SECS=420 testbed_data; TRAIN_MIN=13
@@ -369,9 +371,12 @@ case "$stage" in
     # TTFT at concurrency 1, the stall a new 512-token prompt causes among 8 decodes, ITL as requests arrive.
     need_model
     random_heads
+    # ENGINE_HEAD: a trained P-EAGLE head instead of the random one (e.g. $W/heads/peagle after the testbed);
+    # ENGINE_LOOP: closed loops C:T,... (the sweep's high-concurrency points: admitting steps against the rest).
     timeout ${ENGINE_SECS:-150} $py scripts/device/engine_timing.py "$W/smollm2" "$OUT/engine_timing.json" \
-      --head peagle="$W/heads/random-peagle" --methods none,peagle \
+      --head peagle="${ENGINE_HEAD:-$W/heads/random-peagle}" --methods none,peagle \
       --variants ${ENGINE_VARIANTS:-async,async+prefill-graphs,async+chunked,async+chunked+prefill-graphs} \
+      ${ENGINE_LOOP:+--closed-loop $ENGINE_LOOP} \
       --stall ${ENGINE_STALL:-512} --arrivals ${ENGINE_PROFILE:+--profile "$W/profiles"} 2>&1 \
       | grep -E "^\{|Error|error" | tail -5 || true
     [ -z "${ENGINE_PROFILE:-}" ] || tar czf "$OUT/engine-profiles.tar.gz" -C "$W" profiles  # ENGINE_PROFILE=1

@@ -19,7 +19,9 @@
 #   testbed_wait (heads and the served step: $OUT/testbed-served.{json,md}); HEADS_N=24 HEADS_K=7,11 timeout 200
 #   heads (run 12's K=11 call had the same 24 prompts); then the heads back, three calls: heads_out;
 #   HEADS_OUT_FROM=4 heads_out; HEADS_OUT_FROM=8 heads_out (about 11 parts of 15 MiB), and here
-#   `bash scripts/device/stage_local.sh heads DIR DIR DIR` with the three calls' folders. About 27 device minutes.
+#   `bash scripts/device/stage_local.sh heads DIR DIR DIR` with the three calls' folders. About 27 device minutes;
+#   with what is left, ENGINE_HEAD=$W/heads/peagle ENGINE_LOOP=64:256 ENGINE_VARIANTS=async+prefill-graphs
+#   ENGINE_STALL=0 ENGINE_SECS=160 engine (a closed loop at concurrency 64 with the trained head).
 # The plan after it (run 14, a session of its own): issue 15's sweep with run 13's heads, carried in:
 #   stage_a (carry .stage_a .whl); heads_in (.stage_b: converts the target); heads_in (.hp_a); heads_in (.hp_b);
 #   heads_in (.hp_c); heads_in (.hp_d, if there is one: the heads are rebuilt once every part is in); bench (MT-Bench,

@@ -40,56 +40,8 @@
 # Run 12's plan (what was run, BENCHMARKS.md "Run 12": tb_stage; tb_stage; tb_stage && TB_SECS=560 testbed;
 # TB_SECS=560 testbed_wait; TB_SECS=420 testbed_wait; HEADS_N=24 HEADS_K=11 heads; BENCH_SECS=330 BENCH_K=7,11
 # BENCH_C=1,8,64 bench; a HumanEval bench by hand at K=7, concurrency 1, 8 and 64).
-# Run 11's plan (what was run, BENCHMARKS.md "Run 11": tb_stage; tb_stage; tb_stage && TB_SECS=420 testbed_data;
-# TRAIN_MIN=10 AB_VARIANTS="base vocab32k cod0.8" ablate (base then over the whole vocabulary); WAIT_SECS=560
-# HEADS="ab-base ab-vocab32k ab-cod0.8" wait; WAIT_SECS=200 ... wait && SERVE_K=7 SERVE_N=64 SERVE_SECS=120
-# SERVE_HEADS="ab-base ab-vocab32k ab-cod0.8" serve; WALK_HEADS=ab-vocab32k WALK_SECS=170 walk; CHECK_K=7,11
-# CHECK_PEAGLE=ab-vocab32k CHECK_SECS=180 check; GPU_TESTS=tests/gpu/test_training_gpu.py gpu_tests;
-# GPU_TESTS=tests/gpu/test_kernels_gpu.py gpu_tests).
-# Run 10's plan (what was run, BENCHMARKS.md "Run 10": tb_stage; tb_stage; tb_stage && TB_SECS=560 testbed;
-# TB_SECS=560 testbed_wait; HEADS_N=24 HEADS_K=3,7,11 heads; ENGINE_SECS=200
-# ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+gemv engine; mmhost; the walk check by hand on the
-# evaluation set, at the default --eval-fraction 0.01: 2 documents).
-# Run 9's plan (what was run, BENCHMARKS.md "Run 9": tb_stage; tb_stage; tb_stage && BUCKET_C=32,64 buckets &&
-# TB_SECS=400 testbed, whose machine was lost before the next call; on a fresh one stage_a; data && TRAIN_MIN=6
-# HEADS="peagle peagle-b eagle3" TRAIN_ARGS="--draft-vocab-size 0" PEAGLE_B_ARGS="--lr 1e-3" train; timeout 230
-# gpu_tests; WAIT_SECS=420 wait; HEADS_N=16 HEADS_K=3,7 heads; the lr 1e-3 head by peagle bench directly; pytest --lf
-# tests/gpu).
-# Run 8's plan (what was run, BENCHMARKS.md "Run 8": stage_a && kernels; data && TRAIN_MIN=8 HEADS="peagle peagle-b
-# eagle3" TRAIN_ARGS="--draft-vocab-size 0" PEAGLE_B_ARGS="--depth-decay 1" train, whose trainers refused the
-# evaluation set, then on the same machine mv $W/data-eval $W/eval-overlapping && the same train; WAIT_SECS=480 wait;
-# WAIT_SECS=60 wait && HEADS_N=24 HEADS_K=3,7,11 heads; BENCH_SECS=450 bench).
-# Run 7's plan (what was run, BENCHMARKS.md "Run 7": stage_a; ANSWER_TOKENS=256 REGEN_EXTRA=--no-async-scheduling
-# data && TRAIN_MIN=7.5 TRAIN_ARGS="--draft-vocab-size 0" train; CKPT_WAIT=150 CHECK_SECS=110 check; WALK_HEADS=peagle
-# WALK_SECS=200 walk; wait && HEADS_K=3,7,11 heads (the wait returned at once: fixed since, the trainers write their
-# own pid), again on the final heads; ENGINE_SECS=240 engine; AB_MIN=4 ablate; TP_STEPS=30 throughput;
-# WALK_HEADS="peagle eagle3" walk; SCALE_C=1 scale on a fresh machine).
-# Run 6's plan (what was run: stage_a; data && TRAIN_MIN=11 train; then, the trainers broken by a replaced working
-# directory and a tensorboard crash, TRAIN_MIN=7.5 TRAIN_ARGS="--draft-vocab-size 0" train from a copy in /tmp; wait;
-# HEADS_K=3,7 heads; engine_check --async-scheduling):
-#   stage_a                                                        carry .stage_a .whl
-#   data && TRAIN_MIN=11 train                                     carry .stage_b .whl .gpu
-#   CKPT_WAIT=240 CHECK_SECS=120 check; WALK_HEADS=peagle WALK_SECS=140 walk     (the heads keep training)
-#   WAIT_SECS=240 wait && WALK_HEADS=eagle3 WALK_SECS=130 heads
-# Run 5's plan (issues 14, 19, 16), one call each, back to back while the machine stays warm:
-#   stage_a                 carry .stage_a .whl            the first GGUF half
-#   throughput              carry .stage_b .whl .gpu .old  convert; the trainer of .old/src vs today's, each alone on
-#                           the GPU, fixed steps, with profiles
-#   data && train           carry .gpu: synthesise prompts and regenerate the training data; start three heads'
-#                           training in the background (TRAIN_MIN minutes, same data and time: two P-EAGLE recipes
-#                           and EAGLE-3)
-#   wait                    up to WAIT_SECS for the heads
-#   wait && heads; engine   served acceptance at K 3/7/11, the walk-vs-served check in fp32 and bf16 for the P-EAGLE
-#                           recipe with the better held-out walk and for EAGLE-3; the engine's variants (issue 16)
-#   ablate                  recipe A/B runs side by side on the same data, scored by the walk
-# The plan of earlier sessions:
-#   stage_a && scale   carry .stage_a .whl        the first GGUF half; the 8B shape with the adaptive policy
-#   stage_b            carry .stage_b .whl .gpu   convert, regenerate, train three heads (TRAIN_SECS), GPU tests
-#   bench              MT-Bench: the whole K x concurrency grid, then P-EAGLE's calibrated adaptive policy
-#   bench2             HumanEval and long code with that policy, the HF baselines, one report of both
-#   final              long context, greedy equality with the trained heads, training memory, the teacher's
-#                      attention variants, engine timing
-#                      (FINAL_SOAK=1 adds the server soak and the sampling check)
+# Earlier runs' calls, stage by stage, are in BENCHMARKS.md (each run's section opens with them); the stages
+# they name are all still here.
 # .gpu holds sharegpt_eval_first_turns.jsonl.gz (python -m peagle.training.data_sources sharegpt --split test
 # --first-turns --last 256: an evaluation set's prompts), sharegpt_train_turns.jsonl.gz (human turns of ShareGPT's
 # train split), longcode_train.jsonl.gz

@@ -184,17 +184,27 @@ def measure_ttft(llm, prompts, n: int) -> dict:
             "ttft_cold_p50_ms": 1e3 * statistics.median(cold)}
 
 
-def closed_loop_itl(eng, prompts, tag: str, batch: int, num_requests: int, max_tokens: int) -> list[float]:
-    """Inter-token latencies of a closed loop of `batch` requests, a new one added as each finishes."""
+def closed_loop(eng, prompts, tag: str, batch: int, num_requests: int, max_tokens: int):
+    """A closed loop of `batch` requests of `max_tokens` answer tokens, a new one added as each finishes; yields each
+    step's (end time, seconds, whether it admitted a request (prefilled a prompt), outputs)."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    last: dict[str, float] = {}
-    gaps, added = [], 0
+    added = 0
     while added < num_requests or eng.has_unfinished_requests():
         while added < num_requests and eng.scheduler.num_running + eng.scheduler.num_waiting < batch:
             eng.add_request(f"{tag}-{added}", prompts[added % len(prompts)], params)
             added += 1
+        admits = eng.scheduler.num_waiting > 0 or any(s.num_computed_tokens == 0 for s in eng.scheduler.running)
+        t0 = time.perf_counter()
         outs = eng.step()
         now = time.perf_counter()
+        yield now, now - t0, admits, outs
+
+
+def closed_loop_itl(eng, prompts, tag: str, batch: int, num_requests: int, max_tokens: int) -> list[float]:
+    """Inter-token latencies of a closed loop (the time between consecutive steps that return tokens to a request)."""
+    last: dict[str, float] = {}
+    gaps = []
+    for now, _, _, outs in closed_loop(eng, prompts, tag, batch, num_requests, max_tokens):
         for o in outs:
             if o.new_token_ids and o.request_id in last:
                 gaps.append(now - last[o.request_id])
@@ -211,19 +221,11 @@ def measure_arrivals(llm, prompts, batch: int = 8, num_requests: int = 48, max_t
 
 
 def closed_loop_steps(eng, prompts, tag: str, batch: int, num_requests: int, max_tokens: int) -> dict:
-    """A closed loop of `batch` requests of `max_tokens` answer tokens, a new one added as each finishes: its output
-    tokens/s, and its steps split into those that admit a request (prefill a prompt) and the rest."""
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    admit, pure, added, tokens = [], [], 0, 0
+    """A closed loop's output tokens/s, and its steps split into those that admit a request and the rest."""
+    admit, pure, tokens = [], [], 0
     began = time.perf_counter()
-    while added < num_requests or eng.has_unfinished_requests():
-        while added < num_requests and eng.scheduler.num_running + eng.scheduler.num_waiting < batch:
-            eng.add_request(f"{tag}-{added}", prompts[added % len(prompts)], params)
-            added += 1
-        admits = eng.scheduler.num_waiting > 0 or any(s.num_computed_tokens == 0 for s in eng.scheduler.running)
-        t0 = time.perf_counter()
-        outs = eng.step()
-        (admit if admits else pure).append(time.perf_counter() - t0)
+    for _, seconds, admits, outs in closed_loop(eng, prompts, tag, batch, num_requests, max_tokens):
+        (admit if admits else pure).append(seconds)
         tokens += sum(len(o.new_token_ids) for o in outs)
     wall = time.perf_counter() - began
     return {"output_tokens_per_s": tokens / wall, "steps": len(admit) + len(pure), "admit_steps": len(admit),
@@ -292,7 +294,12 @@ def main(argv=None) -> int:
                     help="also run closed loops of C requests answering T tokens each (e.g. 64:128,64:256; MT-Bench "
                          "prompts, 3 waves): tokens/s, and the steps that admit a request against the rest")
     args = ap.parse_args(argv)
-    loops = [tuple(map(int, item.split(":"))) for item in args.closed_loop.split(",") if item]
+    loops = []
+    for item in filter(None, args.closed_loop.split(",")):
+        c, sep, t = item.partition(":")
+        if not (sep and c.isdigit() and t.isdigit() and int(c) > 0 and int(t) > 0):
+            ap.error(f"--closed-loop {item!r}: expected CONCURRENCY:TOKENS, two positive integers")
+        loops.append((int(c), int(t)))
     heads = dict(h.split("=", 1) for h in args.head)
     tok = load_tokenizer(args.target)
     prompts = [tok.encode_chat(p.messages) for p in load_prompts("mtbench")]

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, load_file, save, save_file
 
 MANIFEST = "manifest.json"
 FROM_TARGET = "lm_head.weight"  # the tensor rebuilt from the target's rows
@@ -59,10 +59,7 @@ def pack(target: Path, heads: dict[str, Path], out: Path, part_mib: float, dtype
                 if t.shape == rows.shape and torch.equal(t, rows):
                     continue  # frozen: the target's rows, rebuilt on unpacking
             kept[key] = t.to(torch.bfloat16) if dtype == "bfloat16" and t.is_floating_point() else t
-        tmp = out / f"{name}.safetensors"
-        save_file(kept, str(tmp))
-        data = tmp.read_bytes()
-        tmp.unlink()
+        data = save(kept)
         step = int(part_mib * 2**20)
         parts = []
         for i in range(0, len(data), step):
@@ -102,10 +99,7 @@ def unpack(target: Path, parts_dirs: list[Path], out: Path) -> list[str]:
             raise ValueError(f"{name}: the joined parts' checksum differs from the manifest's")
         dest = out / name
         dest.mkdir(parents=True, exist_ok=True)
-        tmp = dest / "packed.safetensors"
-        tmp.write_bytes(data)
-        tensors = load_file(str(tmp))
-        tmp.unlink()
+        tensors = load(data)
         if head["from_target"]:
             lm_head = target_lm_head(target) if lm_head is None else lm_head
             vocab = head["config"].get("draft_vocab_size") or lm_head.shape[0]

@@ -19,7 +19,6 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from peagle.training.config import OPTIMIZERS
 
 ADAMW_BETAS = (0.9, 0.95)
 MUON_MOMENTUM = 0.95
@@ -105,9 +104,7 @@ class DrafterOptimizer:
 
     def __init__(self, model: nn.Module, kind: str, lr: float, weight_decay: float, factor: Callable[[int], float],
                  muon_lr: float | None = None, fused: bool = False):
-        if kind not in OPTIMIZERS:
-            raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {kind!r}")
-        self.kind = kind
+        self.kind = kind  # one of config.OPTIMIZERS (TrainConfig checks it)
         self.params = [p for p in model.parameters() if p.requires_grad]
         extra = {"fused": True} if fused else {}
         if kind == "adamw":

@@ -245,8 +245,18 @@ def test_buckets():
     assert token_buckets(8) == [8]
     assert token_buckets(16) == [16]
     assert token_buckets(24) == [16, 24]
-    assert token_buckets(512) == [16, 32, 64, 128, 256, 512]
-    assert token_buckets(4096) == [16, 32, 64, 128, 256, 512, 1024, 2048]  # capped: larger steps run eagerly
+    assert token_buckets(512) == [16, 32, 64, 128, 160, 192, 224, 256, 320, 384, 448, 512]
+    assert token_buckets(600) == [16, 32, 64, 128, 160, 192, 224, 256, 320, 384, 448, 512, 600]
+    assert token_buckets(4096)[-5:] == [1024, 1280, 1536, 1792, 2048]  # capped: larger steps run eagerly
+    assert len(token_buckets(4096)) == 20
+    # one bucket per doubling: the powers of two of the ladder before
+    assert token_buckets(4096, 1) == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert token_buckets(4096, 2)[3:9] == [128, 192, 256, 384, 512, 768]
+    with pytest.raises(ValueError, match="power of two"):
+        token_buckets(512, 3)
+    # no bucket pads a step by more than a quarter once past the fine ladder's start
+    ladder = token_buckets(2048)
+    assert all(b / a <= 1.25 for a, b in zip(ladder, ladder[1:]) if a >= 128)
     assert request_buckets(1) == [1]
     assert request_buckets(3) == [1, 2, 3]
     assert request_buckets(48) == [1, 2, 4, 8, 16, 32, 48]

@@ -28,13 +28,18 @@ from tqdm import tqdm
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-# General steps: token buckets are powers of two from 16 up to the step budget, capped (a larger step's compute
-# dwarfs its launch cost, so it runs eagerly); request buckets reach 64, the default max_num_seqs: at high
+# General steps: token buckets are powers of two from 16 to 128, then TOKEN_BUCKET_STEPS buckets per doubling (128,
+# 160, 192, 224, 256, 320, ...) up to the step budget, capped (a larger step's compute dwarfs its launch cost, so it
+# runs eagerly). A graphed step computes its whole bucket: at concurrency 64 and K=7 the decodes alone feed 512
+# tokens, and a step that also admits a 75-token prompt padded to 1,024 tokens cost 2.7x a decode round (run 13);
+# with four steps per doubling it pads to 640. Request buckets reach 64, the default max_num_seqs: at high
 # concurrency nearly every step admits a new prompt, and an eager step of 32-64 requests costs several graphed ones.
 TOKEN_BUCKET_MIN = 16
+TOKEN_BUCKET_FINE_FROM = 128
+TOKEN_BUCKET_STEPS = 4  # buckets per doubling from TOKEN_BUCKET_FINE_FROM (1: powers of two, the ladder before run 14)
 TOKEN_BUCKET_CAP = 2048
 REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-MAX_GENERAL_KEYS = 64  # (T, B, K) keys with graphs; steps of further keys run eagerly
+MAX_GENERAL_KEYS = 96  # (T, B, K) keys with graphs; steps of further keys run eagerly
 
 
 def capture_graph(fn, pool, error_mode: str = "global") -> tuple[torch.cuda.CUDAGraph, object]:
@@ -202,13 +207,17 @@ class CudaGraphs:
         self.next_tokens[:b].zero_()
 
 
-def token_buckets(max_num_batched_tokens: int) -> list[int]:
+def token_buckets(max_num_batched_tokens: int, steps_per_doubling: int | None = None) -> list[int]:
+    """General steps' token buckets up to the step budget (see TOKEN_BUCKET_STEPS; default: its value now)."""
+    steps = TOKEN_BUCKET_STEPS if steps_per_doubling is None else steps_per_doubling
+    if steps < 1 or steps & (steps - 1):
+        raise ValueError(f"steps_per_doubling must be a power of two >= 1, got {steps}")
     cap = min(max_num_batched_tokens, TOKEN_BUCKET_CAP)
     out = []
     t = TOKEN_BUCKET_MIN
     while t < cap:
         out.append(t)
-        t *= 2
+        t += (1 << (t.bit_length() - 1)) // steps if t >= TOKEN_BUCKET_FINE_FROM else t  # a power of two's share
     return out + [cap]
 
 

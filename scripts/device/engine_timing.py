@@ -22,7 +22,9 @@ step while the GPU runs the current one (async_scheduling: "other" then is the h
 `async+prefill-graphs` with async scheduling (the engine's defaults), `async+prefill-graphs+gemv` and the GEMV
 (decode_gemv: since run 8 with each decoder norm and the MLP's activation inside the GEMVs). Any variant may end in
 `+fused-merge`: the paged attention's KV splits merged by their last arrival inside the attention kernel, one launch
-instead of two per layer (peagle.kernels.paged_attention.FUSED_MERGE, off by default).
+instead of two per layer (peagle.kernels.paged_attention.FUSED_MERGE, off by default), and in
+`+coarse-buckets`: general steps' graphs padded to powers of two of tokens, the ladder before run 14
+(peagle.engine.cuda_graph.TOKEN_BUCKET_STEPS = 1; four buckets per doubling from 128 tokens since).
 Each variant first times the time to first token at concurrency 1 (`ttft_p50_ms`, median over --ttft-prompts MT-Bench
 first turns: from add_request to the step that returns the token). Prefill graphs are captured on a shape's first
 use, so the prompts run twice: the first pass is reported as `ttft_cold_p50_ms`, the second is the measurement.
@@ -36,7 +38,12 @@ finishes; 48 requests, twice, the second reported) and reports the inter-token l
 With --closed-loop C:T, closed loops of C requests answering T tokens (a new MT-Bench request as each finishes, 3
 waves, twice, the second reported), the sweep's high-concurrency points without its harness: output tokens/s, and
 the steps that admit a request (prefill its prompt) against the others, by count, median time and share of the wall
-time (run 12's sweep at 64: a P-EAGLE round cost 2.3-2.4x a plain step, 1.6x in the steady state above).
+time (run 12's sweep at 64: a P-EAGLE round cost 2.3-2.4x a plain step, 1.6x in the steady state above). An admitting
+step's median is split into the host's wait for the answer of the step before (`admit_wait_ms_p50`: the async
+pipeline drained), its launch (`admit_launch_ms_p50`: scheduling aside, building and enqueueing the step) and the GPU
+span of that launch (`admit_gpu_ms_p50`, CUDA events: the mixed step's own GPU time, host gaps inside it included).
+--loop-jitter F draws each request's answer length from T x [1 - F, 1 + F] (seeded): requests then finish apart, as
+answers that end at EOS do, and plain decoding admits one request at a time too.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import argparse
 import gc
 import importlib
 import json
+import random
 import statistics
 import sys
 import time
@@ -53,10 +61,24 @@ from pathlib import Path
 import torch
 
 from peagle import LLM, SamplingParams
+from peagle.engine import cuda_graph
+from peagle.engine.model_runner import StepHandle
 from peagle.bench.datasets import load_prompts
 from peagle.models.loader import load_tokenizer
 
 paged_attention_module = importlib.import_module("peagle.kernels.paged_attention")  # the package shadows the name
+TOKEN_BUCKET_STEPS = cuda_graph.TOKEN_BUCKET_STEPS
+MODIFIERS = ("fused-merge", "coarse-buckets")
+
+
+def split_variant(variant: str) -> tuple[str, set[str]]:
+    """A variant's engine options' name and its module switches (+fused-merge, +coarse-buckets, in any order)."""
+    mods = set()
+    while any(variant.endswith("+" + m) for m in MODIFIERS):
+        m = next(m for m in MODIFIERS if variant.endswith("+" + m))
+        variant = variant.removesuffix("+" + m)
+        mods.add(m)
+    return variant, mods
 
 CONFIGS = {"none": ("none", None, 0, False), "peagle": ("peagle", "peagle", 7, True),
            "eagle3-k3": ("eagle3", "eagle3", 3, False), "eagle3-k7": ("eagle3", "eagle3", 7, False)}
@@ -184,14 +206,16 @@ def measure_ttft(llm, prompts, n: int) -> dict:
             "ttft_cold_p50_ms": 1e3 * statistics.median(cold)}
 
 
-def closed_loop(eng, prompts, tag: str, batch: int, num_requests: int, max_tokens: int):
-    """A closed loop of `batch` requests of `max_tokens` answer tokens, a new one added as each finishes; yields each
-    step's (end time, seconds, whether it admitted a request (prefilled a prompt), outputs)."""
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+def closed_loop(eng, prompts, tag: str, batch: int, num_requests: int, max_tokens: int, jitter: float = 0.0):
+    """A closed loop of `batch` requests of `max_tokens` answer tokens (each drawn from max_tokens x [1 - jitter,
+    1 + jitter], seeded by its index), a new one added as each finishes; yields each step's (end time, seconds,
+    whether it admitted a request (prefilled a prompt), outputs)."""
     added = 0
     while added < num_requests or eng.has_unfinished_requests():
         while added < num_requests and eng.scheduler.num_running + eng.scheduler.num_waiting < batch:
-            eng.add_request(f"{tag}-{added}", prompts[added % len(prompts)], params)
+            n = max(1, round(max_tokens * random.Random(added).uniform(1 - jitter, 1 + jitter)))
+            eng.add_request(f"{tag}-{added}", prompts[added % len(prompts)],
+                            SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
             added += 1
         admits = eng.scheduler.num_waiting > 0 or any(s.num_computed_tokens == 0 for s in eng.scheduler.running)
         t0 = time.perf_counter()
@@ -220,26 +244,82 @@ def measure_arrivals(llm, prompts, batch: int = 8, num_requests: int = 48, max_t
             "itl_p99_ms": 1e3 * percentile(warm, 0.99), "itl_cold_p99_ms": 1e3 * percentile(cold, 0.99)}
 
 
-def closed_loop_steps(eng, prompts, tag: str, batch: int, num_requests: int, max_tokens: int) -> dict:
-    """A closed loop's output tokens/s, and its steps split into those that admit a request and the rest."""
-    admit, pure, tokens = [], [], 0
+class StepParts:
+    """Times one engine step's parts: the host's waits for answers (StepHandle.result) and the model runner's
+    launches (host time, and their GPU span between CUDA events), by patching the two for the loop's duration."""
+
+    def __init__(self, eng):
+        self.runner, self.wait, self.launch, self.events = eng.runner, 0.0, 0.0, []
+        self._result, self._launch = StepHandle.result, eng.runner.launch
+
+    def __enter__(self):
+        parts, result, launch = self, self._result, self._launch
+
+        def timed_result(handle):
+            t0 = time.perf_counter()
+            try:
+                return result(handle)
+            finally:
+                parts.wait += time.perf_counter() - t0
+
+        def timed_launch(*args, **kwargs):
+            cuda = parts.runner.device.type == "cuda"
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            try:
+                return launch(*args, **kwargs)
+            finally:
+                parts.launch += time.perf_counter() - t0
+                if cuda:
+                    end.record()
+                    parts.events.append((start, end))
+
+        StepHandle.result, self.runner.launch = timed_result, timed_launch
+        return self
+
+    def __exit__(self, *exc):
+        StepHandle.result = self._result
+        del self.runner.launch  # the instance attribute; the class's method shows again
+
+    def take(self) -> tuple[float, float, list]:
+        """This step's (wait seconds, launch seconds, launch events) so far; the counters start again."""
+        out, (self.wait, self.launch, self.events) = (self.wait, self.launch, self.events), (0.0, 0.0, [])
+        return out
+
+
+def closed_loop_steps(eng, prompts, tag: str, batch: int, num_requests: int, max_tokens: int,
+                      jitter: float = 0.0) -> dict:
+    """A closed loop's output tokens/s, and its steps split into those that admit a request and the rest; an
+    admitting step's time split into waiting for the answer before, launching, and the launch's GPU span."""
+    admit, pure, waits, launches, spans, tokens = [], [], [], [], [], 0
     began = time.perf_counter()
-    for _, seconds, admits, outs in closed_loop(eng, prompts, tag, batch, num_requests, max_tokens):
-        (admit if admits else pure).append(seconds)
-        tokens += sum(len(o.new_token_ids) for o in outs)
+    with StepParts(eng) as parts:
+        for _, seconds, admits, outs in closed_loop(eng, prompts, tag, batch, num_requests, max_tokens, jitter):
+            wait, launch, events = parts.take()
+            (admit if admits else pure).append(seconds)
+            if admits:
+                waits.append(wait)
+                launches.append(launch)
+                spans.append(events)
+            tokens += sum(len(o.new_token_ids) for o in outs)
     wall = time.perf_counter() - began
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    gpu = [sum(s.elapsed_time(e) for s, e in events) for events in spans if events]
+    p50 = lambda xs, scale=1e3: scale * statistics.median(xs) if xs else 0.0  # noqa: E731
     return {"output_tokens_per_s": tokens / wall, "steps": len(admit) + len(pure), "admit_steps": len(admit),
-            "admit_step_ms_p50": 1e3 * statistics.median(admit) if admit else 0.0,
-            "pure_step_ms_p50": 1e3 * statistics.median(pure) if pure else 0.0,
-            "admit_time_share": sum(admit) / wall}
+            "admit_step_ms_p50": p50(admit), "pure_step_ms_p50": p50(pure), "admit_time_share": sum(admit) / wall,
+            "admit_wait_ms_p50": p50(waits), "admit_launch_ms_p50": p50(launches), "admit_gpu_ms_p50": p50(gpu, 1)}
 
 
-def measure_closed_loop(llm, prompts, batch: int, max_tokens: int) -> dict:
+def measure_closed_loop(llm, prompts, batch: int, max_tokens: int, jitter: float = 0.0) -> dict:
     """The closed loop twice (the first captures graphs), the second reported; 3 waves of `batch` requests."""
     eng = llm.engine
     for tag in ("loop0", "loop1"):
-        row = closed_loop_steps(eng, prompts, f"{tag}-{batch}-{max_tokens}", batch, 3 * batch, max_tokens)
-    return {"loop_batch": batch, "loop_max_tokens": max_tokens, **row}
+        row = closed_loop_steps(eng, prompts, f"{tag}-{batch}-{max_tokens}", batch, 3 * batch, max_tokens, jitter)
+    return {"loop_batch": batch, "loop_max_tokens": max_tokens, "loop_jitter": jitter, **row}
 
 
 def measure_stall(llm, prompts, prompt_len: int) -> dict:
@@ -284,7 +364,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--methods", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS)} (those with a --head)")
     ap.add_argument("--variants", default="sync", help=f"engine variants timed side by side: {', '.join(VARIANTS)}; "
-                    "each may end in +fused-merge (the attention's KV splits merged inside its kernel)")
+                    "each may end in +fused-merge (the attention's KV splits merged inside its kernel) and "
+                    "+coarse-buckets (general graphs padded to powers of two of tokens, the ladder before run 14)")
     ap.add_argument("--stall", type=int, metavar="N", help="also time the stall a new N-token prompt causes")
     ap.add_argument("--arrivals", action="store_true", help="also time inter-token latencies as requests arrive")
     ap.add_argument("--ttft-prompts", type=int, default=16, metavar="N",
@@ -293,7 +374,11 @@ def main(argv=None) -> int:
     ap.add_argument("--closed-loop", default="", metavar="C:T,...",
                     help="also run closed loops of C requests answering T tokens each (e.g. 64:128,64:256; MT-Bench "
                          "prompts, 3 waves): tokens/s, and the steps that admit a request against the rest")
+    ap.add_argument("--loop-jitter", type=float, default=0.0, metavar="F",
+                    help="closed loops: each answer's length drawn from T x [1 - F, 1 + F] (0 <= F < 1; default 0)")
     args = ap.parse_args(argv)
+    if not 0 <= args.loop_jitter < 1:
+        ap.error(f"--loop-jitter {args.loop_jitter}: expected 0 <= F < 1")
     loops = []
     for item in filter(None, args.closed_loop.split(",")):
         c, sep, t = item.partition(":")
@@ -303,7 +388,7 @@ def main(argv=None) -> int:
     heads = dict(h.split("=", 1) for h in args.head)
     tok = load_tokenizer(args.target)
     prompts = [tok.encode_chat(p.messages) for p in load_prompts("mtbench")]
-    unknown = [v for v in args.variants.split(",") if v.removesuffix("+fused-merge") not in VARIANTS]
+    unknown = [v for v in args.variants.split(",") if split_variant(v)[0] not in VARIANTS]
     unknown += [m for m in args.methods.split(",") if m not in CONFIGS]
     if unknown:
         ap.error(f"unknown method(s) or variant(s) {unknown}")
@@ -323,10 +408,11 @@ def main(argv=None) -> int:
         spec = None if head is None else {"method": "eagle3", "model": heads[head], "num_speculative_tokens": k,
                                           "parallel_drafting": parallel}
         for variant in args.variants.split(","):
-            # "+fused-merge": the paged attention's KV splits merged inside its kernel (a module switch, no LLM
-            # option until it wins: peagle.kernels.paged_attention.FUSED_MERGE)
-            base, fused = variant.removesuffix("+fused-merge"), variant.endswith("+fused-merge")
-            paged_attention_module.FUSED_MERGE = fused
+            # module switches, no LLM options: "+fused-merge" (the paged attention's KV splits merged inside its
+            # kernel, until it wins) and "+coarse-buckets" (general graphs padded to powers of two, as before run 14)
+            base, mods = split_variant(variant)
+            paged_attention_module.FUSED_MERGE = "fused-merge" in mods
+            cuda_graph.TOKEN_BUCKET_STEPS = 1 if "coarse-buckets" in mods else TOKEN_BUCKET_STEPS
             llm = LLM(model=args.target, speculative_config=spec, dtype="bfloat16", max_model_len=4096,
                       max_num_seqs=64, **VARIANTS[base])
             if args.ttft_prompts:
@@ -341,7 +427,8 @@ def main(argv=None) -> int:
             if args.arrivals:
                 keep({"method": name, "variant": variant, "k": k, **measure_arrivals(llm, prompts)})
             for c, t in loops:
-                keep({"method": name, "variant": variant, "k": k, **measure_closed_loop(llm, prompts, c, t)})
+                keep({"method": name, "variant": variant, "k": k,
+                      **measure_closed_loop(llm, prompts, c, t, args.loop_jitter)})
             del llm
             gc.collect()
             torch.cuda.empty_cache()

@@ -1,0 +1,65 @@
+"""The device script scripts/device/engine_timing.py on the CPU: its closed loop (answer lengths drawn apart, the
+admitting steps split into their parts) and its variant names. The timings themselves are the GPU's."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from peagle import LLM
+from peagle.engine.model_runner import ModelRunner, StepHandle
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "device" / "engine_timing.py"
+
+
+@pytest.fixture(scope="module")
+def timing():
+    spec = importlib.util.spec_from_file_location("engine_timing", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def target_dir(tiny_hf_checkpoint):
+    return tiny_hf_checkpoint("llama", num_layers=2)
+
+
+def test_split_variant(timing):
+    assert timing.split_variant("async+prefill-graphs") == ("async+prefill-graphs", set())
+    assert timing.split_variant("async+prefill-graphs+coarse-buckets+fused-merge") == (
+        "async+prefill-graphs", {"coarse-buckets", "fused-merge"})
+    assert timing.split_variant("sync+fused-merge") == ("sync", {"fused-merge"})
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_closed_loop_jitter_and_parts(timing, target_dir, async_scheduling):
+    llm = LLM(model=str(target_dir), device="cpu", dtype="float32", max_model_len=64, max_num_seqs=4,
+              async_scheduling=async_scheduling)
+    eng = llm.engine
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    lengths = {}
+    for _, _, _, outs in timing.closed_loop(eng, prompts, "j", batch=4, num_requests=12, max_tokens=10, jitter=0.5):
+        for o in outs:
+            lengths[o.request_id] = lengths.get(o.request_id, 0) + len(o.new_token_ids)
+    assert len(lengths) == 12
+    assert all(5 <= n <= 15 for n in lengths.values()) and len(set(lengths.values())) > 2  # drawn apart
+    again = {}
+    for _, _, _, outs in timing.closed_loop(eng, prompts, "k", batch=4, num_requests=12, max_tokens=10, jitter=0.5):
+        for o in outs:
+            again[o.request_id] = again.get(o.request_id, 0) + len(o.new_token_ids)
+    assert sorted(again.values()) == sorted(lengths.values())  # seeded by the request's index
+
+    result = StepHandle.result
+    row = timing.closed_loop_steps(eng, prompts, "s", batch=4, num_requests=12, max_tokens=10, jitter=0.5)
+    # staggered finishes: new requests come in beside running ones, one or two at a time
+    assert row["admit_steps"] >= 4 and row["steps"] > row["admit_steps"]
+    assert row["admit_launch_ms_p50"] > 0  # every admitting step launches a step
+    assert row["admit_gpu_ms_p50"] == 0.0  # no CUDA events on the CPU
+    if async_scheduling:
+        assert row["admit_wait_ms_p50"] > 0  # the answer before is awaited before admitting
+    # the patched methods are restored
+    assert StepHandle.result is result and "launch" not in vars(eng.runner)
+    assert eng.runner.launch.__func__ is ModelRunner.launch

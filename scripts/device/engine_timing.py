@@ -67,7 +67,7 @@ from peagle.bench.datasets import load_prompts
 from peagle.models.loader import load_tokenizer
 
 paged_attention_module = importlib.import_module("peagle.kernels.paged_attention")  # the package shadows the name
-TOKEN_BUCKET_STEPS = cuda_graph.TOKEN_BUCKET_STEPS
+TOKEN_BUCKET_STEPS = getattr(cuda_graph, "TOKEN_BUCKET_STEPS", 1)  # 1 in trees before run 14
 MODIFIERS = ("fused-merge", "coarse-buckets")
 
 
@@ -374,11 +374,25 @@ def main(argv=None) -> int:
     ap.add_argument("--closed-loop", default="", metavar="C:T,...",
                     help="also run closed loops of C requests answering T tokens each (e.g. 64:128,64:256; MT-Bench "
                          "prompts, 3 waves): tokens/s, and the steps that admit a request against the rest")
+    ap.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                    help="dummy: random weights from TARGET's config.json (a --head may then be 'dummy': a random head)")
+    ap.add_argument("--synthetic-acceptance", metavar="R1,R2,...",
+                    help="with --load-format dummy: accept draft position i with rate Ri (accepted at i / rounds) "
+                         "instead of asking the target, so rounds carry a trained head's tokens and requests finish "
+                         "apart as with one (the decode round then verifies eagerly between its graphs)")
     ap.add_argument("--loop-jitter", type=float, default=0.0, metavar="F",
                     help="closed loops: each answer's length drawn from T x [1 - F, 1 + F] (0 <= F < 1; default 0)")
     args = ap.parse_args(argv)
     if not 0 <= args.loop_jitter < 1:
         ap.error(f"--loop-jitter {args.loop_jitter}: expected 0 <= F < 1")
+    rates = None
+    if args.synthetic_acceptance:
+        try:
+            rates = tuple(float(r) for r in args.synthetic_acceptance.split(","))
+        except ValueError:
+            ap.error(f"--synthetic-acceptance {args.synthetic_acceptance!r}: expected comma-separated rates")
+        if args.load_format != "dummy":
+            ap.error("--synthetic-acceptance is for random weights only: add --load-format dummy")
     loops = []
     for item in filter(None, args.closed_loop.split(",")):
         c, sep, t = item.partition(":")
@@ -413,8 +427,9 @@ def main(argv=None) -> int:
             base, mods = split_variant(variant)
             paged_attention_module.FUSED_MERGE = "fused-merge" in mods
             cuda_graph.TOKEN_BUCKET_STEPS = 1 if "coarse-buckets" in mods else TOKEN_BUCKET_STEPS
+            synthetic = None if head is None or not args.synthetic_acceptance else rates
             llm = LLM(model=args.target, speculative_config=spec, dtype="bfloat16", max_model_len=4096,
-                      max_num_seqs=64, **VARIANTS[base])
+                      max_num_seqs=64, load_format=args.load_format, synthetic_acceptance=synthetic, **VARIANTS[base])
             if args.ttft_prompts:
                 keep({"method": name, "variant": variant, "k": k, **measure_ttft(llm, prompts, args.ttft_prompts)})
             for b in map(int, args.batches.split(",")):

@@ -345,3 +345,75 @@ def check_engine_padding_on_triton_kernels(model_dir):
 def test_engine_padding_on_triton_kernels(interpreted, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     interpreted(check_engine_padding_on_triton_kernels, str(tmp_path))
+
+
+def reference_general_inputs(runner, seqs, drafts, k, pad_to=None, chunks=None) -> dict:
+    """General step inputs built request by request (the builder before it was vectorised): the specification."""
+    bs = runner.block_size
+    ids, pos, slots, lens = [], [], [], []
+    tables = np.full((pad_to or len(seqs), runner.max_blocks_per_seq), runner.scratch_block, dtype=np.int32)
+    chunk_next = None if chunks is None else np.full(len(tables), -1, dtype=np.int64)
+    for b, (seq, d) in enumerate(zip(seqs, drafts)):
+        nc = seq.num_computed_tokens
+        feed = seq.token_ids[nc:] + d
+        if chunks is not None and chunks[b] < len(feed):
+            feed = feed[:chunks[b]]
+            chunk_next[b] = seq.token_ids[nc + chunks[b]]
+        p = np.arange(nc, nc + len(feed), dtype=np.int64)
+        table = np.asarray(seq.block_table, dtype=np.int64)
+        ids.append(np.asarray(feed, dtype=np.int64))
+        pos.append(p)
+        slots.append(table[p // bs] * bs + p % bs)
+        tables[b, :len(table)] = table
+        lens.append(len(feed))
+    num_drafts = [len(d) for d in drafts]
+    drafts_arr = np.zeros((len(tables), k), dtype=np.int64)
+    for b, d in enumerate(drafts):
+        drafts_arr[b, :len(d)] = d
+    for _ in range(len(tables) - len(seqs)):
+        ids.append(np.zeros(k + 1, dtype=np.int64))
+        pos.append(np.arange(k + 1, dtype=np.int64))
+        slots.append(runner.scratch_block * bs + np.arange(k + 1, dtype=np.int64) % bs)
+        lens.append(k + 1)
+        num_drafts.append(k)
+    qsl = np.zeros(len(lens) + 1, dtype=np.int32)
+    np.cumsum(lens, out=qsl[1:])
+    nd = np.asarray(num_drafts, dtype=np.int64)
+    rows = np.minimum(qsl[1:, None] - (nd[:, None] + 1) + np.arange(k + 1)[None, :], qsl[1:, None] - 1)
+    return {"input_ids": np.concatenate(ids), "positions": np.concatenate(pos), "slot_mapping": np.concatenate(slots),
+            "query_start_loc": qsl, "block_tables": tables, "logit_rows": rows, "drafts": drafts_arr,
+            "num_drafts": nd, "max_query_len": max(lens), "num_real": len(seqs), "chunk_next": chunk_next}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_general_inputs_equal_the_request_by_request_build(seed):
+    """Random mixes of new prompts, later chunks, recomputed sequences and decodes with 0..k drafts, with and
+    without chunks and graph-bucket padding: the vectorised builder gives what the per-request build gives."""
+    rng = random.Random(seed)
+    runner = fake_runner(block_size=4, scratch=500, width=40)
+    k = rng.choice([0, 1, 3, 7])
+    seqs, next_block = [], 0
+    for _ in range(rng.randrange(1, 12)):
+        n = rng.randrange(1, 60)
+        kind = rng.choice(["prompt", "later", "decode", "decode"])
+        computed = {"prompt": 0, "later": rng.randrange(0, n), "decode": n - 1}[kind]
+        blocks = -(-(n + 2 * k) // 4)
+        table = list(range(next_block, next_block + blocks))
+        next_block += blocks
+        d = [rng.randrange(1000) for _ in range(rng.randrange(0, k + 1))] if kind == "decode" else []
+        seqs.append(FakeSeq([rng.randrange(1000) for _ in range(n)], computed, table, drafts=d))
+    drafts = [s.draft_token_ids for s in seqs]
+    k_step = max((len(d) for d in drafts), default=0)
+    chunks = None
+    if seed % 2:
+        chunks = [max(1, rng.randrange(1, s.num_tokens - s.num_computed_tokens + 1)) if not s.draft_token_ids
+                  else s.num_tokens - s.num_computed_tokens + len(s.draft_token_ids) for s in seqs]
+    pad_to = len(seqs) + rng.choice([0, 0, 1, 3])
+    got = runner._build_general_inputs(seqs, drafts, k_step, pad_to, chunks)
+    want = reference_general_inputs(runner, seqs, drafts, k_step, pad_to, chunks)
+    for name, value in want.items():
+        mine = getattr(got, name)
+        if isinstance(value, np.ndarray):
+            assert mine.dtype == value.dtype and np.array_equal(mine, value), name
+        else:
+            assert mine == value, name

@@ -63,3 +63,15 @@ def test_closed_loop_jitter_and_parts(timing, target_dir, async_scheduling):
     # the patched methods are restored
     assert StepHandle.result is result and "launch" not in vars(eng.runner)
     assert eng.runner.launch.__func__ is ModelRunner.launch
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--loop-jitter", "1.5"], "--loop-jitter 1.5"),
+    (["--synthetic-acceptance", "0.5,0.2"], "add --load-format dummy"),
+    (["--load-format", "dummy", "--synthetic-acceptance", "0.5,x"], "comma-separated rates"),
+    (["--closed-loop", "64"], "CONCURRENCY:TOKENS"),
+])
+def test_bad_arguments_are_refused_by_name(timing, argv, message, capsys):
+    with pytest.raises(SystemExit):
+        timing.main(["target", "out.json", *argv])
+    assert message in capsys.readouterr().err

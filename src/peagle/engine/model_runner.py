@@ -149,46 +149,60 @@ class ModelRunner:
 
     def _build_general_inputs(self, seqs, drafts: list[list[int]], k: int, pad_to: int | None,
                               chunks: list[int] | None = None) -> StepInputs:
-        """Any mix of prefills (whole uncomputed spans, or chunks of them) and decodes with up to k drafts."""
-        bs = self.block_size
-        ids, pos, slots, lens = [], [], [], []
-        tables = np.full((pad_to or len(seqs), self.max_blocks_per_seq), self.scratch_block, dtype=np.int32)
-        chunk_next = None if chunks is None else np.full(len(tables), -1, dtype=np.int64)
-        for b, (seq, d) in enumerate(zip(seqs, drafts)):
-            nc = seq.num_computed_tokens
-            feed = seq.token_ids[nc:] + d
-            if chunks is not None and chunks[b] < len(feed):  # a prefill chunk: the drafter reads the next token
-                assert not d, seq
-                feed = feed[:chunks[b]]
-                chunk_next[b] = seq.token_ids[nc + chunks[b]]
-            p = np.arange(nc, nc + len(feed), dtype=np.int64)
-            table = np.asarray(seq.block_table, dtype=np.int64)
-            ids.append(np.asarray(feed, dtype=np.int64))
-            pos.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
+        """Any mix of prefills (whole uncomputed spans, or chunks of them) and decodes with up to k drafts.
+
+        Request b feeds `token_ids[num_computed_tokens:]` and its drafts (or the first chunks[b] of them) at the
+        positions after its computed tokens; graph-bucket padding requests feed k + 1 rows into the scratch block.
+        Vectorised over the requests: only prefills (more than one uncomputed token) copy their spans one by one,
+        so a step that admits one prompt among 64 decodes costs the host about what a decode step does."""
+        bs, n = self.block_size, len(seqs)
+        b_all = pad_to or n
+        tables = np.full((b_all, self.max_blocks_per_seq), self.scratch_block, dtype=np.int32)
+        start = np.zeros(b_all, dtype=np.int64)  # padding requests sit at positions 0..k of the scratch block
+        span = np.ones(b_all, dtype=np.int64)  # uncomputed tokens fed (padding: one row, then k "drafts")
+        last = np.zeros(b_all, dtype=np.int64)
+        for b, seq in enumerate(seqs):
+            table = seq.block_table
             tables[b, :len(table)] = table
-            lens.append(len(feed))
-        num_drafts = [len(d) for d in drafts]
-        drafts_arr = np.zeros((len(tables), k), dtype=np.int64)
+            start[b] = seq.num_computed_tokens
+            span[b] = seq.num_tokens - start[b]
+            last[b] = seq.token_ids[-1]
+        nd = np.full(b_all, k, dtype=np.int64)
+        drafts_arr = np.zeros((b_all, k), dtype=np.int64)
         for b, d in enumerate(drafts):
+            nd[b] = len(d)
             drafts_arr[b, :len(d)] = d
-        for _ in range(len(tables) - len(seqs)):  # graph-bucket padding: k+1 rows writing the scratch block
-            ids.append(np.zeros(k + 1, dtype=np.int64))
-            pos.append(np.arange(k + 1, dtype=np.int64))
-            slots.append(self.scratch_block * bs + np.arange(k + 1, dtype=np.int64) % bs)
-            lens.append(k + 1)
-            num_drafts.append(k)
-        qsl = np.zeros(len(lens) + 1, dtype=np.int32)
+        lens = span + nd
+        chunk_next = None
+        if chunks is not None:  # a prefill chunk feeds its first chunks[b] tokens; the drafter reads the next one
+            chunk_next = np.full(b_all, -1, dtype=np.int64)
+            for b, c in enumerate(chunks):
+                if c < lens[b]:
+                    assert not drafts[b], seqs[b]
+                    lens[b] = c
+                    chunk_next[b] = seqs[b].token_ids[start[b] + c]
+        qsl = np.zeros(b_all + 1, dtype=np.int32)
         np.cumsum(lens, out=qsl[1:])
-        nd = np.asarray(num_drafts, dtype=np.int64)
+        total = int(qsl[-1])
+        req = np.repeat(np.arange(b_all), lens)  # each row's request
+        offset = np.arange(total, dtype=np.int64) - qsl[:-1].astype(np.int64)[req]  # row index within its request
+        pos = start[req] + offset
+        # ids: a request's uncomputed span, then its drafts; one uncomputed token is its last token
+        ids = np.where(offset == 0, last[req], 0)
+        is_draft = offset >= span[req]
+        ids[is_draft] = drafts_arr[req[is_draft], (offset - span[req])[is_draft]]
+        for b in np.flatnonzero(span[:n] > 1):  # prefills: their spans, copied
+            m = min(int(span[b]), int(lens[b]))
+            ids[qsl[b]:qsl[b] + m] = seqs[b].token_ids[start[b]:start[b] + m]
+        slots = tables[req, pos // bs].astype(np.int64) * bs + pos % bs
         # The last num_drafts + 1 rows of each request verify; shorter requests repeat their last row.
         j = np.arange(k + 1)[None, :]
         first = qsl[1:, None] - (nd[:, None] + 1)
         rows = np.minimum(first + j, qsl[1:, None] - 1)
         return StepInputs(
-            input_ids=np.concatenate(ids), positions=np.concatenate(pos), slot_mapping=np.concatenate(slots),
-            query_start_loc=qsl, block_tables=tables, logit_rows=rows.astype(np.int64), drafts=drafts_arr,
-            num_drafts=nd, max_query_len=max(lens), num_real=len(seqs), chunk_next=chunk_next,
+            input_ids=ids, positions=pos, slot_mapping=slots, query_start_loc=qsl, block_tables=tables,
+            logit_rows=rows.astype(np.int64), drafts=drafts_arr, num_drafts=nd, max_query_len=int(lens.max()),
+            num_real=n, chunk_next=chunk_next,
         )
 
     def _build_decode_inputs(self, seqs, drafts: list[list[int]], k: int, b: int) -> StepInputs:

@@ -6,6 +6,7 @@ import torch
 
 from peagle import LLM, SamplingParams
 from peagle.engine.config import EngineConfig, SpeculativeConfig
+from peagle.engine.spec import verifier
 from peagle.engine.spec.verifier import verify_synthetic
 
 
@@ -46,6 +47,14 @@ def test_synthetic_verifier_statistics():
     for i, r in enumerate(rates):
         assert abs((out.num_accepted > i).float().mean().item() - r) < 0.01
     assert torch.all(out.output_tokens[torch.arange(n), out.num_accepted] == 0)
+    # fewer drafts than rates: the first k rates; the conditional rates are made once, not every step
+    out = verify_synthetic(torch.zeros(n, 3, dtype=torch.long), torch.ones(n, 2, dtype=torch.long),
+                           torch.full((n,), 2), rates)
+    for i, r in enumerate(rates[:2]):
+        assert abs((out.num_accepted > i).float().mean().item() - r) < 0.01
+    made = verifier._conditional_rates(rates[:2], torch.device("cpu"))
+    assert verifier._conditional_rates(rates[:2], torch.device("cpu")) is made
+    assert torch.allclose(made, torch.tensor([0.9, 0.7 / 0.9]))
 
 
 def test_synthetic_acceptance_cannot_be_enabled_by_accident(tmp_path):

@@ -78,14 +78,26 @@ def verify_synthetic(
     probability rates[i] / rates[i-1]. The emitted tokens are the accepted drafts and the target's argmax after them.
     """
     k = drafts.shape[1]
-    r = torch.tensor(rates[:k], dtype=torch.float32, device=drafts.device)
-    prev = torch.cat([r.new_ones(1), r[:-1]])
-    conditional = torch.where(prev > 0, r / prev.clamp(min=1e-12), torch.zeros_like(r))
+    conditional = _conditional_rates(tuple(rates[:k]), drafts.device)
     in_range = torch.arange(k, device=drafts.device)[None, :] < num_drafts[:, None]
     accepted = (torch.rand(drafts.shape, device=drafts.device) < conditional) & in_range
     num_accepted = accepted.int().cumprod(dim=1).sum(dim=1)
     next_tokens = target_argmax.gather(1, num_accepted[:, None].long()).squeeze(1)
     return VerifyOutput(_emit(drafts, num_accepted, next_tokens), num_accepted, next_tokens)
+
+
+_CONDITIONAL_RATES: dict[tuple, torch.Tensor] = {}
+
+
+def _conditional_rates(rates: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """rates[i] / rates[i-1] on the device, made once per (rates, device): a host-to-device copy from pageable
+    memory waits for the stream, so making it every step would stall the host behind the target's forward."""
+    key = (rates, str(device))
+    if key not in _CONDITIONAL_RATES:
+        r = torch.tensor(rates, dtype=torch.float32, device=device)
+        prev = torch.cat([r.new_ones(1), r[:-1]])
+        _CONDITIONAL_RATES[key] = torch.where(prev > 0, r / prev.clamp(min=1e-12), torch.zeros_like(r))
+    return _CONDITIONAL_RATES[key]
 
 
 def _emit(drafts, num_accepted, next_tokens):

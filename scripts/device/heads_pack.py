@@ -1,4 +1,8 @@
-"""Trained heads in parts small enough to come back from the GPU machine and travel to it again in a later session.
+"""Trained heads in parts small enough to come back from the GPU machine and travel to a fresh one again.
+
+What for: a look at the heads on the development machine, or the same heads on a new machine of the same session
+(a machine goes back after 30 s idle). Not across sessions: a session starts from a fresh checkout, where the
+parts (about 150 MB for the testbed's pair) are gone, and they cannot be part of the repository.
 
 A head's frozen lm_head is the target's own rows of the draft vocabulary: it is left out (checked bit for bit) and
 rebuilt from the target on unpacking. The other tensors are stored in bf16 (what the engine serves in) unless

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One script for the GPU machine: builds, checks and times peagle in stages that fit one call each.
 #   bash scripts/device/run.sh STAGE  (STAGE: stage_a | tb_stage | testbed | testbed_wait | testbed_data | kernels |
+#                                      admit | heads_out | heads_in |
 #                                      gpu_tests | throughput | mmhost | buckets | engine | data | train | wait |
 #                                      heads | serve | walk | check | ablate |
 #                                      stage_b | bench | bench2 | final | scale | teacher)
@@ -9,34 +10,33 @@
 # against; .cfg: the testbed's config.json and tokenizer files, for runs with random weights; .tb_a, .tb_b, .tb_c:
 # the package wheels `peagle testbed` downloads, for `tb_stage`). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
-# The next session's plan (run 13), one call each, back to back; fire them one at a time (a failed call must not
+# The next session's plan (run 14), one call each, back to back; fire them one at a time (a failed call must not
 # start the next), from a tree no one is editing (the device gets a copy of the working tree, uncommitted edits too).
 # A call that comes more than 30 s after the previous one returned finds a fresh machine: run 9 lost its testbed so.
-#   Issue 14 (K_train; the sweep asks for K=11, run 12's P-EAGLE accepted nothing past its K_train of 8) and the
-#   heads for issue 15's sweep: the testbed as run 12 ran it but P-EAGLE trained to depth 12 (EAGLE-3 unchanged: the
-#   control that makes run 12's numbers comparable): tb_stage (carry .tb_a .whl); tb_stage (.tb_b); tb_stage &&
-#   TB_SECS=560 TB_PEAGLE_ARGS="--k-train 12" testbed (.tb_c .whl); TB_SECS=560 testbed_wait; TB_SECS=420
-#   testbed_wait (heads and the served step: $OUT/testbed-served.{json,md}); HEADS_N=24 HEADS_K=7,11 timeout 200
-#   heads (run 12's K=11 call had the same 24 prompts); then the heads back, three calls: heads_out;
-#   HEADS_OUT_FROM=4 heads_out; HEADS_OUT_FROM=8 heads_out (about 11 parts of 15 MiB), and here
-#   `bash scripts/device/stage_local.sh heads DIR DIR DIR` with the three calls' folders. About 27 device minutes;
-#   with what is left, ENGINE_HEAD=$W/heads/peagle ENGINE_LOOP=64:256 ENGINE_VARIANTS=async+prefill-graphs
-#   ENGINE_STALL=0 ENGINE_SECS=160 engine (a closed loop at concurrency 64 with the trained head).
-# The plan after it (run 14, a session of its own): issue 15's sweep with run 13's heads, carried in:
-#   stage_a (carry .stage_a .whl); heads_in (.stage_b: converts the target); heads_in (.hp_a); heads_in (.hp_b);
-#   heads_in (.hp_c); heads_in (.hp_d, if there is one: the heads are rebuilt once every part is in); bench (MT-Bench,
-#   K 3/5/7/11, concurrency 1-64, calibrated adaptive row, ~9 min); bench2 (HumanEval and long code at 1 and 64 with
-#   the policy, the HF baselines, one report, ~9 min); with what is left BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head
-#   BENCH_C=1,8,64 bench (the sampled table).
-# With minutes to spare in any session: GPU_TESTS=tests/gpu/test_optimizers_gpu.py gpu_tests (Muon on CUDA, seconds);
-#   ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+fused-merge engine (issue 16, ~4 min); with trained
-#   heads, ENGINE_HEAD=$W/heads/peagle ENGINE_LOOP=64:128,64:256 ENGINE_VARIANTS=async+prefill-graphs ENGINE_SECS=240
-#   engine (why a P-EAGLE round cost 2.3-2.4x a plain step at concurrency 64 in run 12's sweep); the trainer
-#   alone with and without --shape-multiple (TP_DATA=$W/tb/data-h200/sharegpt.0 TP_RUNS="b1=$PWD/src:peagle:8:8192:1
-#   shape=$PWD/src:peagle:8:8192:1:--shape-multiple,1024" TP_STEPS=40 throughput).
+# Nothing outlives the session: a session starts from a fresh checkout, so heads are trained in the session that
+# serves them (heads_out / heads_in move them between machines of one session, or home for a look, not further).
+#   tb_stage && ADMIT_VARIANTS=async+prefill-graphs,async+prefill-graphs+coarse-buckets admit (carry .tb_a .whl
+#   .cfg: the closed loop at 64 now that the synthetic verifier's per-step sync is gone, both token-bucket ladders,
+#   none and P-EAGLE, ~90 s); tb_stage (.tb_b); tb_stage && TB_SECS=560 TB_PEAGLE_ARGS="--optimizer muon" testbed (.tb_c
+#   .whl: issue 14's next anchor, Muon for P-EAGLE, EAGLE-3 the control as in runs 12 and 13); TB_SECS=560
+#   testbed_wait; TB_SECS=430 testbed_wait (heads and the served step); with what is left (~5 min) issue 15's points
+#   with these heads and the engine's admission changes: BENCH_SECS=280 BENCH_K=7 BENCH_C=1,8,64 bench (MT-Bench,
+#   the calibrated adaptive row), or, with more, ENGINE_HEAD=$W/heads/peagle ENGINE_LOOP=64:256 ENGINE_STALL=0
+#   ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+coarse-buckets engine (the trained head's closed loop
+#   with both token-bucket ladders).
+# Issue 15's full sweep (K 3/5/7/11, concurrency 1-64, three sets, HF baselines: ~18 device minutes) does not fit
+# beside the testbed's 21 in one session's 30; see BENCHMARKS.md run 13 for what that leaves.
+# With minutes to spare in any session: ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+fused-merge engine
+#   (issue 16, ~4 min); the trainer alone with and without --shape-multiple (TP_DATA=$W/tb/data-h200/sharegpt.0
+#   TP_RUNS="b1=$PWD/src:peagle:8:8192:1 shape=$PWD/src:peagle:8:8192:1:--shape-multiple,1024" TP_STEPS=40
+#   throughput).
 # Later (issue 14's recipe, untried anchors): tb_stage x3 && TB_SECS=420 testbed_data; TRAIN_MIN=13
-#   AB_VARIANTS="base muon layers6" ablate (Muon: speculators' default optimizer; 6 layers: P-EAGLE's pass is cheap);
-#   wait; wait && SERVE_K=3,7 SERVE_N=64 SERVE_HEADS="ab-base ab-muon ab-layers6" serve.
+#   AB_VARIANTS="base muon layers6" ablate (6 layers: P-EAGLE's pass is cheap); wait; wait && SERVE_K=3,7 SERVE_N=64
+#   SERVE_HEADS="ab-base ab-muon ab-layers6" serve.
+# Run 13's plan (what was run, BENCHMARKS.md "Run 13": tb_stage && gpu_tests; tb_stage; tb_stage && TB_SECS=560
+# TB_PEAGLE_ARGS="--k-train 12" testbed; TB_SECS=560 testbed_wait; TB_SECS=430 testbed_wait; heads_out x3;
+# HEADS_N=24 HEADS_K=7,11 heads; ENGINE_LOOP=64:256 engine with the trained head; engine_timing by hand, what
+# `admit` now runs).
 # Run 12's plan (what was run, BENCHMARKS.md "Run 12": tb_stage; tb_stage; tb_stage && TB_SECS=560 testbed;
 # TB_SECS=560 testbed_wait; TB_SECS=420 testbed_wait; HEADS_N=24 HEADS_K=11 heads; BENCH_SECS=330 BENCH_K=7,11
 # BENCH_C=1,8,64 bench; a HumanEval bench by hand at K=7, concurrency 1, 8 and 64).
@@ -271,8 +271,9 @@ case "$stage" in
     testbed_follow ${TB_SECS:-540}
     ;;
   heads_out)
-    # The trained heads back to the development machine, so that a later session serves the same heads (issue 15's
-    # sweep needs more device time than is left after the testbed): scripts/device/heads_pack.py cuts
+    # The trained heads back to the development machine (for a look there, or to carry them to a fresh machine of
+    # the same session with heads_in: a session's machine goes back after 30 s idle, and a later session starts from
+    # a fresh checkout, so heads do not outlive their session): scripts/device/heads_pack.py cuts
     # $W/heads/{eagle3,peagle} into parts of 15 MiB (bf16, the frozen lm_head left out: about 160 MB for the
     # testbed's pair); each call brings back manifest.json and HEADS_OUT_N parts (default 4, 60 MiB: what a call
     # returns) from the HEADS_OUT_FROM-th. On the development machine `stage_local.sh heads DIR...` files them into
@@ -300,6 +301,22 @@ case "$stage" in
       mkdir -p "$W/heads"
       for m in eagle3 peagle; do ln -sfn "$W/heads-packed/$m" "$W/heads/$m"; done
     fi
+    ;;
+  admit)
+    # Issues 15/16: a closed loop of 64 requests, answer lengths drawn from 128-384 tokens (requests finish apart, as
+    # at EOS), random weights of the testbed's shape (.cfg carried) and a random P-EAGLE head whose drafts are
+    # accepted at ADMIT_RATES (run 13's MT-Bench rates): the steps that admit a prompt, taken apart (engine_timing's
+    # admit_* columns). Each tree in turn: this one (admit-new.json) and an earlier one when .old/src is carried
+    # (admit-old.json); ADMIT_VARIANTS e.g. async+prefill-graphs,async+prefill-graphs+coarse-buckets.
+    for tree in new old; do
+      src=$PWD/src; [ $tree = old ] && src=$PWD/.old/src
+      [ -d "$src" ] || continue
+      PYTHONPATH="$src:/tmp/site" timeout ${ADMIT_SECS:-80} $py scripts/device/engine_timing.py .cfg \
+        "$OUT/admit-$tree.json" --load-format dummy --head peagle=dummy --batches 64 --ttft-prompts 0 \
+        --closed-loop 64:256 --loop-jitter 0.5 --synthetic-acceptance ${ADMIT_RATES:-0.63,0.35,0.22,0.15,0.10,0.08,0.06} \
+        --methods ${ADMIT_METHODS:-none,peagle} --variants ${ADMIT_VARIANTS:-async+prefill-graphs} 2>&1 \
+        | grep -E "^\{|Error|error" || true
+    done
     ;;
   mmhost)
     # The host cost of a matmul whose shape changes every call against a repeated one (the trainer's steps change

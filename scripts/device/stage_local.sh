@@ -10,7 +10,8 @@
 #   .gpu    prompt files: ShareGPT train-split human turns, its test split's first turns (an evaluation set),
 #           code prompts from the installed environment's Python source
 #   .old    the source tree of an earlier commit (OLD_COMMIT), for the trainer throughput comparison
-#   .hp_a .hp_b ...   trained heads in parts (run.sh heads_out), three parts and the manifest a folder:
+#   .hp_a .hp_b ...   trained heads in parts (run.sh heads_out), three parts and the manifest a folder, for heads_in on a
+#           fresh machine of the same session (ignored folders do not outlive the session's checkout):
 #           bash scripts/device/stage_local.sh heads DIR [DIR ...]   (the folders heads_out's calls came back in)
 set -euo pipefail
 cd "$(dirname "$0")/../.."

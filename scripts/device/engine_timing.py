@@ -24,7 +24,9 @@ step while the GPU runs the current one (async_scheduling: "other" then is the h
 `+fused-merge`: the paged attention's KV splits merged by their last arrival inside the attention kernel, one launch
 instead of two per layer (peagle.kernels.paged_attention.FUSED_MERGE, off by default), and in
 `+coarse-buckets`: general steps' graphs padded to powers of two of tokens, the ladder before run 14
-(peagle.engine.cuda_graph.TOKEN_BUCKET_STEPS = 1; four buckets per doubling from 128 tokens since).
+(peagle.engine.cuda_graph.TOKEN_BUCKET_STEPS = 1; four buckets per doubling from 128 tokens since), and in
+`+admit-ahead`: with async scheduling, a step that admits waiting prompts launched before the answer in flight
+arrives (peagle.engine.llm_engine.ADMIT_AHEAD, off by default until timed).
 Each variant first times the time to first token at concurrency 1 (`ttft_p50_ms`, median over --ttft-prompts MT-Bench
 first turns: from add_request to the step that returns the token). Prefill graphs are captured on a shape's first
 use, so the prompts run twice: the first pass is reported as `ttft_cold_p50_ms`, the second is the measurement.
@@ -61,18 +63,19 @@ from pathlib import Path
 import torch
 
 from peagle import LLM, SamplingParams
-from peagle.engine import cuda_graph
+from peagle.engine import cuda_graph, llm_engine
 from peagle.engine.model_runner import StepHandle
 from peagle.bench.datasets import load_prompts
 from peagle.models.loader import load_tokenizer
 
 paged_attention_module = importlib.import_module("peagle.kernels.paged_attention")  # the package shadows the name
 TOKEN_BUCKET_STEPS = getattr(cuda_graph, "TOKEN_BUCKET_STEPS", 1)  # 1 in trees before run 14
-MODIFIERS = ("fused-merge", "coarse-buckets")
+MODIFIERS = ("fused-merge", "coarse-buckets", "admit-ahead")
 
 
 def split_variant(variant: str) -> tuple[str, set[str]]:
-    """A variant's engine options' name and its module switches (+fused-merge, +coarse-buckets, in any order)."""
+    """A variant's engine options' name and its module switches (+fused-merge, +coarse-buckets, +admit-ahead, in
+    any order)."""
     mods = set()
     while any(variant.endswith("+" + m) for m in MODIFIERS):
         m = next(m for m in MODIFIERS if variant.endswith("+" + m))
@@ -365,7 +368,8 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS)} (those with a --head)")
     ap.add_argument("--variants", default="sync", help=f"engine variants timed side by side: {', '.join(VARIANTS)}; "
                     "each may end in +fused-merge (the attention's KV splits merged inside its kernel) and "
-                    "+coarse-buckets (general graphs padded to powers of two of tokens, the ladder before run 14)")
+                    "+coarse-buckets (general graphs padded to powers of two of tokens, the ladder before run 14) and "
+                    "+admit-ahead (a step that admits prompts launched before the answer in flight)")
     ap.add_argument("--stall", type=int, metavar="N", help="also time the stall a new N-token prompt causes")
     ap.add_argument("--arrivals", action="store_true", help="also time inter-token latencies as requests arrive")
     ap.add_argument("--ttft-prompts", type=int, default=16, metavar="N",
@@ -423,10 +427,12 @@ def main(argv=None) -> int:
                                           "parallel_drafting": parallel}
         for variant in args.variants.split(","):
             # module switches, no LLM options: "+fused-merge" (the paged attention's KV splits merged inside its
-            # kernel, until it wins) and "+coarse-buckets" (general graphs padded to powers of two, as before run 14)
+            # kernel, until it wins), "+coarse-buckets" (general graphs padded to powers of two, as before run 14)
+            # and "+admit-ahead" (async scheduling launches a step that admits prompts before the answer in flight)
             base, mods = split_variant(variant)
             paged_attention_module.FUSED_MERGE = "fused-merge" in mods
             cuda_graph.TOKEN_BUCKET_STEPS = 1 if "coarse-buckets" in mods else TOKEN_BUCKET_STEPS
+            llm_engine.ADMIT_AHEAD = "admit-ahead" in mods  # an attribute older trees lack: harmless there
             synthetic = None if head is None or not args.synthetic_acceptance else rates
             llm = LLM(model=args.target, speculative_config=spec, dtype="bfloat16", max_model_len=4096,
                       max_num_seqs=64, load_format=args.load_format, synthetic_acceptance=synthetic, **VARIANTS[base])

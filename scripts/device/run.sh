@@ -15,9 +15,10 @@
 # A call that comes more than 30 s after the previous one returned finds a fresh machine: run 9 lost its testbed so.
 # Nothing outlives the session: a session starts from a fresh checkout, so heads are trained in the session that
 # serves them (heads_out / heads_in move them between machines of one session, or home for a look, not further).
-#   tb_stage && ADMIT_VARIANTS=async+prefill-graphs,async+prefill-graphs+coarse-buckets admit (carry .tb_a .whl
-#   .cfg: the closed loop at 64 now that the synthetic verifier's per-step sync is gone, both token-bucket ladders,
-#   none and P-EAGLE, ~90 s); tb_stage (.tb_b); tb_stage && TB_SECS=560 TB_PEAGLE_ARGS="--optimizer muon" testbed (.tb_c
+#   tb_stage && ADMIT_SECS=100 ADMIT_VARIANTS=async+prefill-graphs,async+prefill-graphs+admit-ahead,\
+#   async+prefill-graphs+coarse-buckets admit (no space after the comma; carry .tb_a .whl .cfg: the closed loop at 64 now that the synthetic verifier's per-step sync is gone;
+#   prompts admitted ahead of the answer in flight, and the coarse token buckets, beside today's default; none and
+#   P-EAGLE, ~2 min; turn ADMIT_AHEAD on by default if it wins); tb_stage (.tb_b); tb_stage && TB_SECS=560 TB_PEAGLE_ARGS="--optimizer muon" testbed (.tb_c
 #   .whl: issue 14's next anchor, Muon for P-EAGLE, EAGLE-3 the control as in runs 12 and 13); TB_SECS=560
 #   testbed_wait; TB_SECS=430 testbed_wait (heads and the served step); with what is left (~5 min) issue 15's points
 #   with these heads and the engine's admission changes: BENCH_SECS=280 BENCH_K=7 BENCH_C=1,8,64 bench (MT-Bench,

@@ -61,6 +61,23 @@ def test_graphed_general_steps_keep_greedy_output(model_dir, method, variant):
     assert outs[True] == outs[False]
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("method", sorted(SPECS))
+def test_admit_ahead_keeps_greedy_output(model_dir, method, graphs, monkeypatch):
+    """Prompts admitted in a step launched before the answer in flight (ADMIT_AHEAD: staged pinned inputs, the
+    decodes' rows written by the Triton kernel into the general graph's buffers) give the output of the engine
+    without async scheduling, and the path did run."""
+    import peagle.engine.llm_engine as llm_engine
+
+    ref = [o.token_ids for o in make_llm(model_dir, method, False).generate(PROMPTS, params(), use_tqdm=False)]
+    monkeypatch.setattr(llm_engine, "ADMIT_AHEAD", True)
+    llm = make_llm(model_dir, method, graphs, async_scheduling=True)
+    calls, real = [], llm.engine.runner.launch_admit_next
+    llm.engine.runner.launch_admit_next = lambda *a: calls.append(len(a[3])) or real(*a)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params(), use_tqdm=False)] == ref
+    assert calls
+
+
 @pytest.mark.parametrize("method", ["none", "peagle"])
 def test_replay_equals_an_eager_call_on_the_static_buffers(model_dir, method):
     llm = make_llm(model_dir, method, True)

@@ -32,6 +32,7 @@ def test_split_variant(timing):
     assert timing.split_variant("async+prefill-graphs+coarse-buckets+fused-merge") == (
         "async+prefill-graphs", {"coarse-buckets", "fused-merge"})
     assert timing.split_variant("sync+fused-merge") == ("sync", {"fused-merge"})
+    assert timing.split_variant("async+prefill-graphs+admit-ahead") == ("async+prefill-graphs", {"admit-ahead"})
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -260,6 +260,11 @@ class GeneralGraphs:
         num_aux = len(runner.aux_layer_ids or ())
         self.aux = (torch.zeros(tmax, num_aux * cfg.hidden_size, dtype=runner.dtype, device=dev) if num_aux
                     else None)
+        self.next_rows = torch.zeros(2 * bmax, dtype=torch.long, device=dev)  # load_inputs(..., next_rows): src, base
+        pinned = dev.type == "cuda"  # staged loads: launched while a step is in flight (a pageable copy would wait)
+        self._stage64 = [torch.empty(len(self.i64) + 2 * bmax, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self._stage32 = [torch.empty(len(self.i32), dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
+        self._flip = 0
         self.pool = pool
         self.capture = capture and dev.type == "cuda"
         self.graphs: dict[tuple[str, int, int, int], tuple[torch.cuda.CUDAGraph, object]] = {}
@@ -286,17 +291,37 @@ class GeneralGraphs:
                 "drafts": drafts.view(b, k), "num_drafts": nd, "chunk_next": chunk_next, "query_start_loc": qsl,
                 "block_tables": tables.view(b, self.width)}
 
-    def load_inputs(self, inp, key: tuple[int, int, int]) -> dict[str, torch.Tensor]:
-        """`inp`, padded to `key` (`ModelRunner.pad_inputs`), into the static buffers: two host-to-device copies."""
+    def load_inputs(self, inp, key: tuple[int, int, int], next_rows: tuple[np.ndarray, np.ndarray] | None = None):
+        """`inp`, padded to `key` (`ModelRunner.pad_inputs`), into the static buffers: two host-to-device copies.
+
+        With `next_rows` (src, base of `kernels.advance_decode_inputs`, for a step launched while another is in
+        flight) the copies go through pinned staging, so the host does not wait for the step in flight, and the
+        two arrays come up too: returns (views, src, base) on the device. A staging buffer is reused two staged
+        loads later, after the engine has read the answer of the step that used it."""
         t, b, _ = key
         assert len(inp.input_ids) == t and len(inp.query_start_loc) == b + 1, (key, inp.max_query_len)
         self.current = key
-        host64 = np.concatenate([inp.input_ids, inp.positions, inp.slot_mapping, inp.logit_rows.ravel(),
-                                 inp.drafts.ravel(), inp.num_drafts, inp.chunk_next])
-        host32 = np.concatenate([inp.query_start_loc, inp.block_tables.ravel()])
-        self.i64[:len(host64)].copy_(torch.from_numpy(host64), non_blocking=True)
-        self.i32[:len(host32)].copy_(torch.from_numpy(host32), non_blocking=True)
-        return self._views(key)
+        parts64 = [inp.input_ids, inp.positions, inp.slot_mapping, inp.logit_rows.ravel(), inp.drafts.ravel(),
+                   inp.num_drafts, inp.chunk_next]
+        if next_rows is None:
+            host64 = np.concatenate(parts64)
+            host32 = np.concatenate([inp.query_start_loc, inp.block_tables.ravel()])
+            self.i64[:len(host64)].copy_(torch.from_numpy(host64), non_blocking=True)
+            self.i32[:len(host32)].copy_(torch.from_numpy(host32), non_blocking=True)
+            return self._views(key)
+        self._flip ^= 1
+        s64, s32 = self._stage64[self._flip], self._stage32[self._flip]
+        h64, h32 = s64.numpy(), s32.numpy()
+        n64 = sum(len(a) for a in parts64)
+        np.concatenate(parts64, out=h64[:n64])
+        src, base = next_rows
+        h64[n64:n64 + len(src)], h64[n64 + len(src):n64 + 2 * len(src)] = src, base
+        n32 = b + 1 + inp.block_tables.size
+        h32[:b + 1], h32[b + 1:n32] = inp.query_start_loc, inp.block_tables.ravel()
+        self.i64[:n64].copy_(s64[:n64], non_blocking=True)
+        self.next_rows[:2 * len(src)].copy_(s64[n64:n64 + 2 * len(src)], non_blocking=True)
+        self.i32[:n32].copy_(s32[:n32], non_blocking=True)
+        return self._views(key), self.next_rows[:len(src)], self.next_rows[len(src):2 * len(src)]
 
     def run_target(self):
         return self._replay("target", self._target_fn)

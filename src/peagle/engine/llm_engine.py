@@ -23,6 +23,10 @@ from peagle.models.config import ModelConfig
 logger = logging.getLogger(__name__)
 
 _ACTIVATION_RESERVE = 2 << 30  # bytes kept free for activations, logits and graphs
+# Async scheduling: a step that admits waiting prompts is launched before the answer in flight arrives (the prompts
+# built on the host, the decodes' rows on the device from that answer), instead of after it with the GPU idle while
+# the host builds the step. Off until timed on the GPU (scripts/device/engine_timing.py, variant "+admit-ahead").
+ADMIT_AHEAD = False
 
 
 @dataclass
@@ -251,10 +255,23 @@ class LLMEngine:
             return None  # penalties, min_tokens and grammars read the history and drafts the answer in flight holds
         k_policy = self.spec.adaptive.k_for(len(seqs), self.k) if self.spec else 0
         k = min(k_policy, handle.num_drafts)
+        if ADMIT_AHEAD and self._can_admit_ahead():
+            new = self.scheduler.admit_ahead(seqs, handle.k + 1, k + 1)
+            if not new:
+                return None
+            batch = new + seqs
+            return _Launched(batch, self.runner.launch_admit_next(handle, rows, seqs, new,
+                                                                  self._sampling_tensors(batch), k))
         if not self.scheduler.schedule_ahead(seqs, handle.k + 1, k + 1):
             return None
         return _Launched(seqs, self.runner.launch_next(handle, rows, seqs, self._sampling_tensors(seqs), k,
                                                        draft=k_policy > 0))
+
+    def _can_admit_ahead(self) -> bool:
+        """Prompts wait, there is room for one, and none of them needs logits processing (it reads the history)."""
+        sched = self.scheduler
+        return (bool(sched.waiting) and sched.num_running < sched.config.max_num_seqs
+                and not any(seq.sampling_params.needs_logits_processing for seq in sched.waiting))
 
     def _schedule(self):
         """The next step from the committed state: its scheduler output, each request's drafts, whether to draft,

@@ -363,6 +363,56 @@ class ModelRunner:
                                       self.scratch_block, x)
         return self._run(x, st, k, len(seqs), k + 1, self.graphs if graphed else None, draft)
 
+    @torch.inference_mode()
+    def launch_admit_next(self, prev: StepHandle, rows: list[int], seqs, new, st: SamplingTensors,
+                          k: int) -> StepHandle:
+        """`launch_next` with new prompts admitted in the same step: the prompts' whole spans first (built on the
+        host), then the decodes of `seqs` (request i is row rows[i] of prev's batch, feeding prev's next token and
+        the first k of its drafts), whose rows `kernels.advance_decode_inputs` writes on the device from prev's
+        answer. The drafter runs (it reads the new prompts). A general graph runs the step when its bucket has one,
+        its inputs staged through pinned memory so the host does not wait for prev; else it runs eagerly."""
+        assert k <= prev.num_drafts, (k, prev.num_drafts)
+        pre = self._build_general_inputs(new, [[] for _ in new], k, None)
+        n_new, d, bs = len(new), len(seqs), self.block_size
+        t_pre = int(pre.query_start_loc[-1])
+        tables = np.full((d, self.max_blocks_per_seq), self.scratch_block, dtype=np.int32)
+        base = np.zeros(d, dtype=np.int64)
+        for i, seq in enumerate(seqs):
+            tables[i, :len(seq.block_table)] = seq.block_table
+            base[i] = seq.num_tokens
+        j = np.tile(np.arange(k + 1, dtype=np.int64), d)  # placeholders until the device writes the decode rows
+        inp = StepInputs(
+            input_ids=np.concatenate([pre.input_ids, np.zeros(d * (k + 1), dtype=np.int64)]),
+            positions=np.concatenate([pre.positions, j]),
+            slot_mapping=np.concatenate([pre.slot_mapping, self.scratch_block * bs + j % bs]),
+            query_start_loc=np.concatenate([pre.query_start_loc,
+                                            t_pre + (k + 1) * np.arange(1, d + 1, dtype=np.int32)]),
+            block_tables=np.concatenate([pre.block_tables, tables]),
+            logit_rows=np.concatenate([pre.logit_rows, t_pre + np.arange(d * (k + 1)).reshape(d, k + 1)]),
+            drafts=np.zeros((n_new + d, k), dtype=np.int64),
+            num_drafts=np.concatenate([pre.num_drafts, np.full(d, k, dtype=np.int64)]),
+            max_query_len=max(pre.max_query_len, k + 1), num_real=n_new + d,
+        )
+        src = np.asarray(rows, dtype=np.int64)
+        general = self.general_graphs
+        key = None if general is None else general.key_for(len(inp.input_ids), n_new + d, k)
+        if key is None:
+            x = self.to_device(inp)
+            src_d, base_d = (torch.from_numpy(a).to(self.device) for a in (src, base))
+            max_query_len = inp.max_query_len
+        else:
+            inp = self.pad_inputs(inp, key[0], key[1])
+            x, src_d, base_d = general.load_inputs(inp, key, next_rows=(src, base))
+            max_query_len = key[0]
+        rows_d = slice(t_pre, t_pre + d * (k + 1))
+        out = {"input_ids": x["input_ids"][rows_d], "positions": x["positions"][rows_d],
+               "slot_mapping": x["slot_mapping"][rows_d], "drafts": x["drafts"][n_new:n_new + d],
+               "num_drafts": x["num_drafts"][n_new:n_new + d]}
+        kernels.advance_decode_inputs(prev.packed, src_d, base_d, x["block_tables"][n_new:n_new + d], prev.k, k,
+                                      bs, self.scratch_block, out)
+        return self._run(x, st, k, n_new + d, max_query_len, None if key is None else general,
+                         self.proposer is not None)
+
     def build_next_inputs(self, seqs, rows: list[int], pad_to: int):
         """Host arrays for `launch_next`: per request the packed row it reads (-1 = padding), its token count
         and its block table."""

@@ -160,9 +160,14 @@ class Scheduler:
         sequences (the next reservation would ask for them anyway).
         """
         cfg = self.config
-        if not seqs or len(seqs) != len(self.running):
-            return False
         if self.waiting and len(self.running) < cfg.max_num_seqs:
+            return False
+        return self._reserve_ahead(seqs, num_inflight_tokens, num_new_tokens)
+
+    def _reserve_ahead(self, seqs: list[Sequence], num_inflight_tokens: int, num_new_tokens: int) -> bool:
+        """`schedule_ahead`'s checks of the batch in flight, and its blocks for the most tokens it can have."""
+        cfg = self.config
+        if not seqs or len(seqs) != len(self.running):
             return False
         if len(seqs) * num_new_tokens > cfg.max_num_batched_tokens:
             return False
@@ -176,6 +181,37 @@ class Scheduler:
                 return False
             self.block_manager.allocate(seq, num_slots)
         return True
+
+    def admit_ahead(self, seqs: list[Sequence], num_inflight_tokens: int, num_new_tokens: int) -> list[Sequence]:
+        """Async scheduling with prompts waiting: `schedule_ahead`'s batch plus waiting prompts admitted whole, so that
+        the step that admits them is launched before the answer in flight arrives (the GPU is not left idle while the
+        host builds it). The prompts come first in the step, as in `schedule()`; each is admitted only if it fits the
+        token budget after the decodes, a free request slot and its blocks, none chunked. Returns the admitted
+        sequences (now running), or [] when the step must be scheduled after the answer arrives (nothing admitted;
+        blocks reserved for `seqs` before that stay with them, as in `schedule_ahead`)."""
+        cfg = self.config
+        if not self.waiting or len(self.running) >= cfg.max_num_seqs:
+            return []
+        budget = cfg.max_num_batched_tokens - len(seqs) * num_new_tokens
+        first = self.waiting[0]
+        if first.num_new_tokens > budget or self.block_manager.blocks_needed(
+                first.num_tokens + cfg.num_lookahead_slots) > self.block_manager.num_free_blocks:
+            return []  # the first prompt waits for the answer either way: chunked, or the cache must make room
+        if not self._reserve_ahead(seqs, num_inflight_tokens, num_new_tokens):
+            return []
+        admitted: list[Sequence] = []
+        while self.waiting and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            num_slots = seq.num_tokens + cfg.num_lookahead_slots
+            if seq.num_new_tokens > budget or not self.block_manager.can_allocate(seq, num_slots):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, num_slots)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            admitted.append(seq)
+            budget -= seq.num_new_tokens
+        return admitted
 
     def _schedule_running(self, chunks: dict[int, int]):
         """Running decodes, oldest first; then, with chunked prefill, the running sequences still prefilling."""

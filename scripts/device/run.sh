@@ -15,16 +15,17 @@
 # A call that comes more than 30 s after the previous one returned finds a fresh machine: run 9 lost its testbed so.
 # Nothing outlives the session: a session starts from a fresh checkout, so heads are trained in the session that
 # serves them (heads_out / heads_in move them between machines of one session, or home for a look, not further).
-#   tb_stage && ADMIT_SECS=100 ADMIT_VARIANTS=async+prefill-graphs,async+prefill-graphs+admit-ahead,\
-#   async+prefill-graphs+coarse-buckets admit (no space after the comma; carry .tb_a .whl .cfg: the closed loop at 64 now that the synthetic verifier's per-step sync is gone;
-#   prompts admitted ahead of the answer in flight, and the coarse token buckets, beside today's default; none and
-#   P-EAGLE, ~2 min; turn ADMIT_AHEAD on by default if it wins); tb_stage (.tb_b); tb_stage && TB_SECS=560 TB_PEAGLE_ARGS="--optimizer muon" testbed (.tb_c
-#   .whl: issue 14's next anchor, Muon for P-EAGLE, EAGLE-3 the control as in runs 12 and 13); TB_SECS=560
-#   testbed_wait; TB_SECS=430 testbed_wait (heads and the served step); with what is left (~5 min) issue 15's points
-#   with these heads and the engine's admission changes: BENCH_SECS=280 BENCH_K=7 BENCH_C=1,8,64 bench (MT-Bench,
-#   the calibrated adaptive row), or, with more, ENGINE_HEAD=$W/heads/peagle ENGINE_LOOP=64:256 ENGINE_STALL=0
-#   ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+coarse-buckets engine (the trained head's closed loop
-#   with both token-bucket ladders).
+#   1. tb_stage && ADMIT_SECS=100 ADMIT_VARIANTS=V admit (carry .tb_a .whl .cfg), V = async+prefill-graphs,
+#      async+prefill-graphs+admit-ahead,async+prefill-graphs+coarse-buckets written without spaces: the closed loop
+#      at 64 now that the synthetic verifier's per-step sync is gone, prompts admitted ahead of the answer in flight
+#      and the coarse token buckets beside today's default, none and P-EAGLE, ~2 min (ADMIT_AHEAD on by default if it
+#      wins); 2. tb_stage (.tb_b); 3. tb_stage && TB_SECS=560 TB_PEAGLE_ARGS="--optimizer muon" testbed (.tb_c .whl:
+#      issue 14's next anchor, Muon for P-EAGLE, EAGLE-3 the control as in runs 12 and 13); 4. TB_SECS=560
+#      testbed_wait; 5. TB_SECS=430 testbed_wait (heads and the served step); 6. with what is left (~5 min) issue
+#      15's points with these heads and the engine's admission changes: BENCH_SECS=280 BENCH_K=7 BENCH_C=1,8,64
+#      bench (MT-Bench, the calibrated adaptive row), or, with more, ENGINE_HEAD=$W/heads/peagle ENGINE_LOOP=64:256
+#      ENGINE_STALL=0 ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+admit-ahead engine (the trained
+#      head's closed loop).
 # Issue 15's full sweep (K 3/5/7/11, concurrency 1-64, three sets, HF baselines: ~18 device minutes) does not fit
 # beside the testbed's 21 in one session's 30; see BENCHMARKS.md run 13 for what that leaves.
 # With minutes to spare in any session: ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+fused-merge engine
@@ -314,7 +315,8 @@ case "$stage" in
       [ -d "$src" ] || continue
       PYTHONPATH="$src:/tmp/site" timeout ${ADMIT_SECS:-80} $py scripts/device/engine_timing.py .cfg \
         "$OUT/admit-$tree.json" --load-format dummy --head peagle=dummy --batches 64 --ttft-prompts 0 \
-        --closed-loop 64:256 --loop-jitter 0.5 --synthetic-acceptance ${ADMIT_RATES:-0.63,0.35,0.22,0.15,0.10,0.08,0.06} \
+        --closed-loop 64:256 --loop-jitter 0.5 \
+        --synthetic-acceptance ${ADMIT_RATES:-0.63,0.35,0.22,0.15,0.10,0.08,0.06} \
         --methods ${ADMIT_METHODS:-none,peagle} --variants ${ADMIT_VARIANTS:-async+prefill-graphs} 2>&1 \
         | grep -E "^\{|Error|error" || true
     done

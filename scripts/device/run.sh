@@ -26,8 +26,10 @@
 #      bench (MT-Bench, the calibrated adaptive row), or, with more, ENGINE_HEAD=$W/heads/peagle ENGINE_LOOP=64:256
 #      ENGINE_STALL=0 ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+admit-ahead engine (the trained
 #      head's closed loop).
-# Issue 15's full sweep (K 3/5/7/11, concurrency 1-64, three sets, HF baselines: ~18 device minutes) does not fit
-# beside the testbed's 21 in one session's 30; see BENCHMARKS.md run 13 for what that leaves.
+# Issue 15's full sweep (K 3/5/7/11, concurrency 1-64, three sets, HF baselines: ~18 device minutes at 5 s a point)
+# does not fit beside the testbed's 21 in one session's 30, and heads do not outlive a session. What does fit
+# (estimated, not yet run): the testbed, then the grid at a stated minimum of 2 s a point (BENCH_MIN_S=2) on MT-Bench
+# and HumanEval, with the HF baselines at concurrency 1 only.
 # With minutes to spare in any session: ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+fused-merge engine
 #   (issue 16, ~4 min); the trainer alone with and without --shape-multiple (TP_DATA=$W/tb/data-h200/sharegpt.0
 #   TP_RUNS="b1=$PWD/src:peagle:8:8192:1 shape=$PWD/src:peagle:8:8192:1:--shape-multiple,1024" TP_STEPS=40
@@ -582,8 +584,8 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
     # A sampled table is one more call: BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head (bench) or BENCH2_TEMPS=0.7 (bench2).
     # Answers of BENCH_TOKENS (256 since run 13: the length of the testbed's served step and of issue 14's goals; 128
     # before). A point lasts its 5 s either way. Run 12's points at concurrency 64 spent 2.3-2.4x a plain step per
-    # P-EAGLE round (AL over speed-up, MT-Bench at 128 tokens and HumanEval at 256 alike) against 1.6x in the
-    # engine's steady-state timing: not profiled yet (ENGINE_PROFILE=1 engine, or a profiled bench point).
+    # P-EAGLE round against 1.6x in the engine's steady-state timing: run 13 found it in the rounds that admit a
+    # prompt (a third of them, 2.7x the cost of the others; BENCHMARKS.md run 13, the `admit` stage).
     link_heads
     cal="$W/heads/peagle-cal"
     mkdir -p "$cal"

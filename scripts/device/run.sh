@@ -27,9 +27,11 @@
 #      ENGINE_STALL=0 ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+admit-ahead engine (the trained
 #      head's closed loop).
 # Issue 15's full sweep (K 3/5/7/11, concurrency 1-64, three sets, HF baselines: ~18 device minutes at 5 s a point)
-# does not fit beside the testbed's 21 in one session's 30, and heads do not outlive a session. What does fit
-# (estimated, not yet run): the testbed, then the grid at a stated minimum of 2 s a point (BENCH_MIN_S=2) on MT-Bench
-# and HumanEval, with the HF baselines at concurrency 1 only.
+# does not fit beside the testbed's 21 in one session's 30, and heads do not outlive a session. What may fit
+# (estimated from run 12's bench call: about 35 s per method-and-K engine beside 5 s per point; not yet run): the
+# testbed, then one data set's grid at K 3/7/11 and a stated minimum of 2 s a point (BENCH_K=3,7,11 BENCH_MIN_S=2
+# BENCH_SECS=400 bench), about 6-7 minutes; the other sets in later sessions, with heads trained anew by the same
+# recipe (each table then comes from one session's heads).
 # With minutes to spare in any session: ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+fused-merge engine
 #   (issue 16, ~4 min); the trainer alone with and without --shape-multiple (TP_DATA=$W/tb/data-h200/sharegpt.0
 #   TP_RUNS="b1=$PWD/src:peagle:8:8192:1 shape=$PWD/src:peagle:8:8192:1:--shape-multiple,1024" TP_STEPS=40

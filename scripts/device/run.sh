@@ -15,10 +15,10 @@
 # A call that comes more than 30 s after the previous one returned finds a fresh machine: run 9 lost its testbed so.
 # Nothing outlives the session: a session starts from a fresh checkout, so heads are trained in the session that
 # serves them (heads_out / heads_in move them between machines of one session, or home for a look, not further).
-#   1. tb_stage && ADMIT_SECS=100 ADMIT_VARIANTS=V admit (carry .tb_a .whl .cfg), V = async+prefill-graphs,
+#   1. tb_stage && ADMIT_SECS=170 ADMIT_VARIANTS=V admit (carry .tb_a .whl .cfg), V = async+prefill-graphs,
 #      async+prefill-graphs+admit-ahead,async+prefill-graphs+coarse-buckets written without spaces: the closed loop
 #      at 64 now that the synthetic verifier's per-step sync is gone, prompts admitted ahead of the answer in flight
-#      and the coarse token buckets beside today's default, none and P-EAGLE, ~2 min (ADMIT_AHEAD on by default if it
+#      and the coarse token buckets beside today's default, none and P-EAGLE, ~3 min (ADMIT_AHEAD on by default if it
 #      wins); 2. tb_stage (.tb_b); 3. tb_stage && TB_SECS=560 TB_PEAGLE_ARGS="--optimizer muon" testbed (.tb_c .whl:
 #      issue 14's next anchor, Muon for P-EAGLE, EAGLE-3 the control as in runs 12 and 13); 4. TB_SECS=560
 #      testbed_wait; 5. TB_SECS=430 testbed_wait (heads and the served step); 6. with what is left (~5 min) issue

@@ -14,7 +14,8 @@
 # start the next), from a tree no one is editing (the device gets a copy of the working tree, uncommitted edits too).
 # A call that comes more than 30 s after the previous one returned finds a fresh machine: run 9 lost its testbed so.
 # Nothing outlives the session: a session starts from a fresh checkout, so heads are trained in the session that
-# serves them (heads_out / heads_in move them between machines of one session, or home for a look, not further).
+# serves them (heads_out / heads_in move them between machines of one session, or home for a look, not further), and
+# the carried folders are built first: bash scripts/device/stage_local.sh wheels && ... stage_local.sh cfg.
 #   1. tb_stage && ADMIT_SECS=170 ADMIT_VARIANTS=V admit (carry .tb_a .whl .cfg), V = async+prefill-graphs,
 #      async+prefill-graphs+admit-ahead,async+prefill-graphs+coarse-buckets written without spaces: the closed loop
 #      at 64 now that the synthetic verifier's per-step sync is gone, prompts admitted ahead of the answer in flight

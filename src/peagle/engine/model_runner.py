@@ -375,11 +375,7 @@ class ModelRunner:
         pre = self._build_general_inputs(new, [[] for _ in new], k, None)
         n_new, d, bs = len(new), len(seqs), self.block_size
         t_pre = int(pre.query_start_loc[-1])
-        tables = np.full((d, self.max_blocks_per_seq), self.scratch_block, dtype=np.int32)
-        base = np.zeros(d, dtype=np.int64)
-        for i, seq in enumerate(seqs):
-            tables[i, :len(seq.block_table)] = seq.block_table
-            base[i] = seq.num_tokens
+        src, base, tables = self.build_next_inputs(seqs, rows, d)
         j = np.tile(np.arange(k + 1, dtype=np.int64), d)  # placeholders until the device writes the decode rows
         inp = StepInputs(
             input_ids=np.concatenate([pre.input_ids, np.zeros(d * (k + 1), dtype=np.int64)]),
@@ -393,7 +389,6 @@ class ModelRunner:
             num_drafts=np.concatenate([pre.num_drafts, np.full(d, k, dtype=np.int64)]),
             max_query_len=max(pre.max_query_len, k + 1), num_real=n_new + d,
         )
-        src = np.asarray(rows, dtype=np.int64)
         general = self.general_graphs
         key = None if general is None else general.key_for(len(inp.input_ids), n_new + d, k)
         if key is None:

@@ -1,5 +1,5 @@
 """Async scheduling that admits waiting prompts in a step launched before the answer in flight arrives
-(`peagle.engine.llm_engine.ADMIT_AHEAD`): the prompts' rows built on the host, the decodes' rows on the device from
+(`peagle.engine.llm_engine.ADMIT_AHEAD`, on by default since run 14): the prompts' rows built on the host, the decodes' rows on the device from
 the answer in flight. Output must equal the engine's without async scheduling, token for token; the scheduler's part
 (`Scheduler.admit_ahead`) admits only what fits whole."""
 
@@ -60,7 +60,8 @@ def test_admit_ahead_keeps_greedy_output(target_dir, heads, method, padded, monk
         assert all(o.metrics.num_drafting_rounds > 0 for o in outs)
 
 
-def test_admit_ahead_off_launches_none(target_dir, heads):
+def test_admit_ahead_off_launches_none(target_dir, heads, monkeypatch):
+    monkeypatch.setattr(llm_engine, "ADMIT_AHEAD", False)
     llm = make_llm(target_dir, heads["peagle"], "peagle", async_scheduling=True)
     calls = count_admit_ahead(llm.engine.runner)
     llm.generate(PROMPTS, params(), use_tqdm=False)
@@ -69,6 +70,7 @@ def test_admit_ahead_off_launches_none(target_dir, heads):
 
 def test_admit_ahead_keeps_seeded_sampling(target_dir, heads, monkeypatch):
     """Seeded sampling draws from each request's own generator: the same text with and without admission ahead."""
+    monkeypatch.setattr(llm_engine, "ADMIT_AHEAD", False)
     ref = make_llm(target_dir, heads["peagle"], "peagle", async_scheduling=True).generate(
         PROMPTS, params(0.8), use_tqdm=False)
     monkeypatch.setattr(llm_engine, "ADMIT_AHEAD", True)

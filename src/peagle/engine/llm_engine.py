@@ -25,8 +25,9 @@ logger = logging.getLogger(__name__)
 _ACTIVATION_RESERVE = 2 << 30  # bytes kept free for activations, logits and graphs
 # Async scheduling: a step that admits waiting prompts is launched before the answer in flight arrives (the prompts
 # built on the host, the decodes' rows on the device from that answer), instead of after it with the GPU idle while
-# the host builds the step. Off until timed on the GPU (scripts/device/engine_timing.py, variant "+admit-ahead").
-ADMIT_AHEAD = False
+# the host builds the step. On since run 14 (BENCHMARKS.md: a closed loop of 64 requests 13-14% more tokens/s, P-EAGLE's
+# ITL p99 as requests arrive 2.84 -> 2.04 ms); scripts/device/engine_timing.py's "+admit-ahead" variant times it.
+ADMIT_AHEAD = True
 
 
 @dataclass

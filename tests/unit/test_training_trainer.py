@@ -582,15 +582,28 @@ def test_muon_trains_resumes_exactly_and_refuses_another_optimizer(setup, tmp_pa
                                  "--optimizer", "muon", "--muon-lr", "5e-3"), cpu).train() == 0
     assert _losses(tmp_path / "c")[1:] != losses[1:]
     with pytest.raises(ValueError, match="trained with --optimizer muon, this run has --optimizer adamw"):
-        build_trainer(_config(checkpoint, data, b, "--steps", "6", "--resume"), cpu).train()
+        build_trainer(_config(checkpoint, data, b, "--steps", "6", "--resume", "--optimizer", "adamw"), cpu).train()
 
 
 def test_optimizer_option_refusals(setup, tmp_path):
     checkpoint, data = setup
     with pytest.raises(ValueError, match="--muon-lr .* with --optimizer muon only"):
-        _config(checkpoint, data, tmp_path / "x", "--steps", "1", "--muon-lr", "1e-2")
+        _config(checkpoint, data, tmp_path / "x", "--steps", "1", "--optimizer", "adamw", "--muon-lr", "1e-2")
     with pytest.raises(SystemExit):
         _config(checkpoint, data, tmp_path / "x", "--steps", "1", "--optimizer", "sgd")
+
+
+def test_optimizer_default_depends_on_the_method(setup, tmp_path):
+    """Muon for P-EAGLE (run 14), AdamW for EAGLE-3, unless --optimizer says otherwise; --muon-lr goes with Muon."""
+    checkpoint, data = setup
+    assert _config(checkpoint, data, tmp_path / "x", "--steps", "1").optimizer == "muon"
+    assert _config(checkpoint, data, tmp_path / "x", "--steps", "1", "--muon-lr", "1e-2").muon_lr == 1e-2
+    assert _config(checkpoint, data, tmp_path / "x", "--steps", "1", "--optimizer", "adamw").optimizer == "adamw"
+    eagle3 = _args(checkpoint, data, tmp_path / "x", "--steps", "1")
+    eagle3[eagle3.index("--method") + 1] = "eagle3"
+    assert train_config(build_parser().parse_args(eagle3)).optimizer == "adamw"
+    assert TrainConfig(target=str(checkpoint), data=(str(data),), out=str(tmp_path / "y"), method="eagle3",
+                       steps=1).optimizer == "adamw"
 
 
 def test_checkpoints_from_before_the_optimizer_option_resume(setup, tmp_path):
@@ -598,14 +611,15 @@ def test_checkpoints_from_before_the_optimizer_option_resume(setup, tmp_path):
 
     checkpoint, data = setup
     cpu = DistContext(0, 1, torch.device("cpu"))
-    common = ("--steps", "2", "--save-every", "2")
+    common = ("--steps", "2", "--save-every", "2", "--optimizer", "adamw")
     assert build_trainer(_config(checkpoint, data, tmp_path / "a", *common), cpu).train() == 0
     path = complete_checkpoints(tmp_path / "a" / CHECKPOINTS)[-1] / TRAINER_STATE
     state = torch.load(path, weights_only=False)
     (adamw,), (schedule,) = state["optimizers"]["optimizers"], state["optimizers"]["schedulers"]
     legacy = {k: v for k, v in state.items() if k != "optimizers"} | {"optimizer": adamw, "scheduler": schedule}
     torch.save(legacy, path)
-    trainer = build_trainer(_config(checkpoint, data, tmp_path / "a", "--steps", "3", "--resume"), cpu)
+    trainer = build_trainer(_config(checkpoint, data, tmp_path / "a", "--steps", "3", "--resume", "--optimizer",
+                                    "adamw"), cpu)
     trainer._load_latest()
     assert trainer.step == 2 and trainer.optimizer.schedulers[0].last_epoch == schedule["last_epoch"]
     loaded = trainer.optimizer.optimizers[0].state_dict()["state"]

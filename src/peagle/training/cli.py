@@ -98,9 +98,10 @@ def register(subparsers) -> None:
     train.add_argument("--lr", type=float,
                        help="peak learning rate (default 1e-3 for --method peagle, 6e-4 for eagle3)")
     train.add_argument("--weight-decay", type=float, default=0.0)
-    train.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
-                       help="adamw (default): AdamW for every trained parameter; muon: Muon for the drafter's hidden "
-                            "weight matrices (speculators' default), AdamW for embeddings, norms and mask_hidden")
+    train.add_argument("--optimizer", choices=OPTIMIZERS,
+                       help="adamw: AdamW for every trained parameter; muon: Muon for the drafter's hidden weight "
+                            "matrices (speculators' default), AdamW for embeddings, norms and mask_hidden (default: "
+                            "muon for --method peagle, adamw for eagle3)")
     train.add_argument("--muon-lr", type=float, help="Muon's peak learning rate (default: --lr; Muon's update is "
                                                      "scaled to AdamW's RMS)")
     train.add_argument("--warmup-steps", type=int, help="linear warmup steps (default 2%% of the steps; with --time-limit at most 30)")

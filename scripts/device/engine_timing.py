@@ -26,7 +26,8 @@ instead of two per layer (peagle.kernels.paged_attention.FUSED_MERGE, off by def
 `+coarse-buckets`: general steps' graphs padded to powers of two of tokens, the ladder before run 14
 (peagle.engine.cuda_graph.TOKEN_BUCKET_STEPS = 1; four buckets per doubling from 128 tokens since), and in
 `+admit-ahead`: with async scheduling, a step that admits waiting prompts launched before the answer in flight
-arrives (peagle.engine.llm_engine.ADMIT_AHEAD, off by default until timed).
+arrives (peagle.engine.llm_engine.ADMIT_AHEAD, on by default since run 14; without the modifier the variant runs
+with it off, so rows mean the same in every run).
 Each variant first times the time to first token at concurrency 1 (`ttft_p50_ms`, median over --ttft-prompts MT-Bench
 first turns: from add_request to the step that returns the token). Prefill graphs are captured on a shape's first
 use, so the prompts run twice: the first pass is reported as `ttft_cold_p50_ms`, the second is the measurement.
@@ -44,6 +45,8 @@ time (run 12's sweep at 64: a P-EAGLE round cost 2.3-2.4x a plain step, 1.6x in 
 step's median is split into the host's wait for the answer of the step before (`admit_wait_ms_p50`: the async
 pipeline drained), its launch (`admit_launch_ms_p50`: scheduling aside, building and enqueueing the step) and the GPU
 span of that launch (`admit_gpu_ms_p50`, CUDA events: the mixed step's own GPU time, host gaps inside it included).
+--profile-loop DIR profiles a third pass of each closed loop: the kernels an admitting step launches against another
+step's, per step (what makes a step that prefills a prompt among 64 decodes cost twice a decode round).
 --loop-jitter F draws each request's answer length from T x [1 - F, 1 + F] (seeded): requests then finish apart, as
 answers that end at EOS do, and plain decoding admits one request at a time too.
 """
@@ -249,14 +252,20 @@ def measure_arrivals(llm, prompts, batch: int = 8, num_requests: int = 48, max_t
 
 class StepParts:
     """Times one engine step's parts: the host's waits for answers (StepHandle.result) and the model runner's
-    launches (host time, and their GPU span between CUDA events), by patching the two for the loop's duration."""
+    launches (host time, and their GPU span between CUDA events), by patching them for the loop's duration. The
+    launches: `launch`, and `launch_admit_next` where the tree has it (admit-ahead: a step that admits prompts is
+    launched inside the engine step that finds them waiting, before the answer in flight arrives, so its launch is
+    timed in that step, as an admitting step's launch is without admit-ahead)."""
+
+    LAUNCHES = ("launch", "launch_admit_next")
 
     def __init__(self, eng):
         self.runner, self.wait, self.launch, self.events = eng.runner, 0.0, 0.0, []
-        self._result, self._launch = StepHandle.result, eng.runner.launch
+        self._result = StepHandle.result
+        self._launches = {name: getattr(eng.runner, name) for name in self.LAUNCHES if hasattr(eng.runner, name)}
 
     def __enter__(self):
-        parts, result, launch = self, self._result, self._launch
+        parts, result = self, self._result
 
         def timed_result(handle):
             t0 = time.perf_counter()
@@ -265,26 +274,31 @@ class StepParts:
             finally:
                 parts.wait += time.perf_counter() - t0
 
-        def timed_launch(*args, **kwargs):
-            cuda = parts.runner.device.type == "cuda"
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            t0 = time.perf_counter()
-            try:
-                return launch(*args, **kwargs)
-            finally:
-                parts.launch += time.perf_counter() - t0
+        def timed(launch):
+            def timed_launch(*args, **kwargs):
+                cuda = parts.runner.device.type == "cuda"
                 if cuda:
-                    end.record()
-                    parts.events.append((start, end))
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                t0 = time.perf_counter()
+                try:
+                    return launch(*args, **kwargs)
+                finally:
+                    parts.launch += time.perf_counter() - t0
+                    if cuda:
+                        end.record()
+                        parts.events.append((start, end))
+            return timed_launch
 
-        StepHandle.result, self.runner.launch = timed_result, timed_launch
+        StepHandle.result = timed_result
+        for name, launch in self._launches.items():
+            setattr(self.runner, name, timed(launch))
         return self
 
     def __exit__(self, *exc):
         StepHandle.result = self._result
-        del self.runner.launch  # the instance attribute; the class's method shows again
+        for name in self._launches:
+            delattr(self.runner, name)  # the instance attribute; the class's method shows again
 
     def take(self) -> tuple[float, float, list]:
         """This step's (wait seconds, launch seconds, launch events) so far; the counters start again."""
@@ -317,12 +331,106 @@ def closed_loop_steps(eng, prompts, tag: str, batch: int, num_requests: int, max
             "admit_wait_ms_p50": p50(waits), "admit_launch_ms_p50": p50(launches), "admit_gpu_ms_p50": p50(gpu, 1)}
 
 
-def measure_closed_loop(llm, prompts, batch: int, max_tokens: int, jitter: float = 0.0) -> dict:
-    """The closed loop twice (the first captures graphs), the second reported; 3 waves of `batch` requests."""
+def measure_closed_loop(llm, prompts, batch: int, max_tokens: int, jitter: float = 0.0,
+                        profile_path: str | None = None) -> dict:
+    """The closed loop twice (the first captures graphs), the second reported; 3 waves of `batch` requests. With
+    `profile_path`, a third pass under the profiler (`profile_closed_loop`), its medians added to the row."""
     eng = llm.engine
     for tag in ("loop0", "loop1"):
         row = closed_loop_steps(eng, prompts, f"{tag}-{batch}-{max_tokens}", batch, 3 * batch, max_tokens, jitter)
+    if profile_path is not None:
+        row.update(profile_closed_loop(eng, prompts, f"loop2-{batch}-{max_tokens}", batch, max_tokens, jitter,
+                                       profile_path))
     return {"loop_batch": batch, "loop_max_tokens": max_tokens, "loop_jitter": jitter, **row}
+
+
+def _step_kernels(event) -> list:
+    """The device kernels launched inside a profiler range: its own and its descendants' (name, duration us)."""
+    found, todo = [], [event]
+    while todo:
+        e = todo.pop()
+        found += [(k.name, k.duration) for k in e.kernels]
+        todo += e.cpu_children
+    return found
+
+
+def profile_closed_loop(eng, prompts, tag: str, batch: int, max_tokens: int, jitter: float, path: str,
+                        steps: int = 40) -> dict:
+    """One more pass of the closed loop with `steps` engine steps after its first wave under torch.profiler, each
+    step in a range of its own ("peagle step N admit" or "... pure", admit as `closed_loop` counts it). A step's
+    kernels are those launched inside it, i.e. the GPU work of the round it launches: an admitting step launches the
+    mixed step that prefills the new prompts (after the answer before, or ahead of it with admit-ahead). Writes a
+    table to `path` (per step kind: the median host time, kernel count and summed kernel time per step, and each
+    kernel's mean time per step) and the Chrome trace beside it (`path`.trace.json.gz); returns the medians."""
+    import gzip
+    import shutil
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    prof = profile(activities=activities)
+    real_step, count, kinds = eng.step, 0, {}
+
+    def step():
+        nonlocal count
+        i, count = count, count + 1
+        if i == batch:
+            prof.start()
+        if not batch <= i < batch + steps:
+            return real_step()
+        sched = eng.scheduler
+        kind = "admit" if sched.num_waiting > 0 or any(s.num_computed_tokens == 0 for s in sched.running) else "pure"
+        kinds[i] = kind
+        try:
+            with record_function(f"peagle step {i} {kind}"):
+                return real_step()
+        finally:
+            if i == batch + steps - 1:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                prof.stop()
+
+    eng.step = step
+    try:
+        for _ in closed_loop(eng, prompts, tag, batch, 3 * batch, max_tokens, jitter):
+            pass
+    finally:
+        del eng.step  # the instance attribute; the class's method shows again
+        if prof.profiler is not None and count < batch + steps:  # the loop ended inside the window
+            prof.stop()
+    per_kind: dict[str, list] = {"admit": [], "pure": []}
+    for e in prof.events():
+        if e.name.startswith("peagle step "):
+            kernels = _step_kernels(e)
+            per_kind[e.name.rsplit(" ", 1)[1]].append((e.cpu_time_total / 1e3, kernels))
+    out, lines = {}, [f"torch.profiler over {sum(map(len, per_kind.values()))} engine steps of a closed loop of "
+                      f"{batch} requests (answers of {max_tokens} tokens, jitter {jitter}), after its first wave\n"]
+    for kind, rows in per_kind.items():
+        p50 = (lambda xs: statistics.median(xs) if xs else 0.0)  # noqa: E731
+        host = p50([r[0] for r in rows])
+        count_k = p50([len(r[1]) for r in rows])
+        gpu = p50([sum(d for _, d in r[1]) / 1e3 for r in rows])
+        out.update({f"profiled_{kind}_steps": len(rows), f"profiled_{kind}_host_ms_p50": host,
+                    f"profiled_{kind}_kernels_p50": count_k, f"profiled_{kind}_kernel_ms_p50": gpu})
+        lines.append(f"{kind} steps: {len(rows)}; per step (medians): host {host:.3f} ms, {count_k:.0f} kernels, "
+                     f"kernel time {gpu:.3f} ms")
+        totals: dict[str, list] = {}
+        for _, kernels in rows:
+            for name, d in kernels:
+                totals.setdefault(name, []).append(d)
+        ranked = sorted(totals.items(), key=lambda kv: -sum(kv[1]))
+        lines.append(f"  {'mean us per step':>16} {'calls per step':>14}  kernel")
+        for name, ds in ranked[:30]:
+            lines.append(f"  {sum(ds) / max(1, len(rows)):16.1f} {len(ds) / max(1, len(rows)):14.1f}  {name[:110]}")
+        lines.append("")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text("\n".join(lines))
+    trace = f"{path}.trace.json"
+    prof.export_chrome_trace(trace)
+    with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    Path(trace).unlink()
+    return out
 
 
 def measure_stall(llm, prompts, prompt_len: int) -> dict:
@@ -384,6 +492,11 @@ def main(argv=None) -> int:
                     help="with --load-format dummy: accept draft position i with rate Ri (accepted at i / rounds) "
                          "instead of asking the target, so rounds carry a trained head's tokens and requests finish "
                          "apart as with one (the decode round then verifies eagerly between its graphs)")
+    ap.add_argument("--profile-loop", metavar="DIR",
+                    help="closed loops: a third pass with 40 steps after its first wave under torch.profiler; per "
+                         "method and variant a table of the kernels each admitting step and each other step launches "
+                         "(DIR/loop-METHOD-VARIANT-cC-tT.txt, + written _) and the Chrome trace beside it "
+                         "(.trace.json.gz)")
     ap.add_argument("--loop-jitter", type=float, default=0.0, metavar="F",
                     help="closed loops: each answer's length drawn from T x [1 - F, 1 + F] (0 <= F < 1; default 0)")
     args = ap.parse_args(argv)
@@ -448,8 +561,9 @@ def main(argv=None) -> int:
             if args.arrivals:
                 keep({"method": name, "variant": variant, "k": k, **measure_arrivals(llm, prompts)})
             for c, t in loops:
+                path = (f"{args.profile_loop}/loop-{name}-{variant.replace('+', '_')}-c{c}-t{t}.txt" if args.profile_loop else None)
                 keep({"method": name, "variant": variant, "k": k,
-                      **measure_closed_loop(llm, prompts, c, t, args.loop_jitter)})
+                      **measure_closed_loop(llm, prompts, c, t, args.loop_jitter, profile_path=path)})
             del llm
             gc.collect()
             torch.cuda.empty_cache()

@@ -10,36 +10,38 @@
 # against; .cfg: the testbed's config.json and tokenizer files, for runs with random weights; .tb_a, .tb_b, .tb_c:
 # the package wheels `peagle testbed` downloads, for `tb_stage`). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
-# The next session's plan (run 14), one call each, back to back; fire them one at a time (a failed call must not
+# The next session's plan (run 15), one call each, back to back; fire them one at a time (a failed call must not
 # start the next), from a tree no one is editing (the device gets a copy of the working tree, uncommitted edits too).
 # A call that comes more than 30 s after the previous one returned finds a fresh machine: run 9 lost its testbed so.
 # Nothing outlives the session: a session starts from a fresh checkout, so heads are trained in the session that
 # serves them (heads_out / heads_in move them between machines of one session, or home for a look, not further), and
 # the carried folders are built first: bash scripts/device/stage_local.sh wheels && ... stage_local.sh cfg.
-#   1. tb_stage && ADMIT_SECS=170 ADMIT_VARIANTS=V admit (carry .tb_a .whl .cfg), V = async+prefill-graphs,
-#      async+prefill-graphs+admit-ahead,async+prefill-graphs+coarse-buckets written without spaces: the closed loop
-#      at 64 now that the synthetic verifier's per-step sync is gone, prompts admitted ahead of the answer in flight
-#      and the coarse token buckets beside today's default, none and P-EAGLE, ~3 min (ADMIT_AHEAD on by default if it
-#      wins); 2. tb_stage (.tb_b); 3. tb_stage && TB_SECS=560 TB_PEAGLE_ARGS="--optimizer muon" testbed (.tb_c .whl:
-#      issue 14's next anchor, Muon for P-EAGLE, EAGLE-3 the control as in runs 12 and 13); 4. TB_SECS=560
-#      testbed_wait; 5. TB_SECS=430 testbed_wait (heads and the served step); 6. with what is left (~5 min) issue
-#      15's points with these heads and the engine's admission changes: BENCH_SECS=280 BENCH_K=7 BENCH_C=1,8,64
-#      bench (MT-Bench, the calibrated adaptive row), or, with more, ENGINE_HEAD=$W/heads/peagle ENGINE_LOOP=64:256
-#      ENGINE_STALL=0 ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+admit-ahead engine (the trained
-#      head's closed loop).
+#   1. tb_stage && ADMIT_SECS=150 ADMIT_PROFILE=1 ADMIT_METHODS=none,peagle
+#      ADMIT_VARIANTS=async+prefill-graphs+admit-ahead admit (carry .tb_a .whl .cfg): where an admitting step's GPU
+#      time goes (the kernels it launches against a decode round's, engine_timing.py --profile-loop; admitting rounds
+#      were 57% of the closed loop's wall time in run 14), ~2.5 min; 2. tb_stage (.tb_b); 3. tb_stage && TB_SECS=560
+#      TB_EAGLE3_ARGS="--optimizer muon" testbed (.tb_c .whl: Muon for EAGLE-3 too, P-EAGLE's recipe as in run 14 the
+#      control: the EAGLE-3 baseline gets its best recipe, or the AL ratio is not honest); 4. TB_SECS=560
+#      testbed_wait; 5. TB_SECS=400 testbed_wait (heads and the served step); 6. with what is left (~5 min):
+#      HF_SECS=150 BENCH2_DATASETS=none bench2 (the HF transformers baselines, issue 15's P-EAGLE / HF cell, beside
+#      the served step's rows), else BENCH_SECS=280 BENCH_K=3,7 BENCH_C=1,8,64 bench.
+# Run 14's plan (what was run, BENCHMARKS.md "Run 14"): tb_stage && GPU_TESTS=... gpu_tests && ADMIT_VARIANTS=...
+# admit; tb_stage; tb_stage && TB_PEAGLE_ARGS="--optimizer muon" testbed; testbed_wait x2; the trained head's closed
+# loop (engine with ENGINE_HEAD, ENGINE_LOOP=64:256); BENCH_K=7 BENCH_C=1,64 bench on MT-Bench and on HumanEval.
 # Issue 15's full sweep (K 3/5/7/11, concurrency 1-64, three sets, HF baselines: ~18 device minutes at 5 s a point)
 # does not fit beside the testbed's 21 in one session's 30, and heads do not outlive a session. What may fit
 # (estimated from run 12's bench call: about 35 s per method-and-K engine beside 5 s per point; not yet run): the
 # testbed, then one data set's grid at K 3/7/11 and a stated minimum of 2 s a point (BENCH_K=3,7,11 BENCH_MIN_S=2
 # BENCH_SECS=400 bench), about 6-7 minutes; the other sets in later sessions, with heads trained anew by the same
 # recipe (each table then comes from one session's heads).
-# With minutes to spare in any session: ENGINE_VARIANTS=async+prefill-graphs,async+prefill-graphs+fused-merge engine
-#   (issue 16, ~4 min); the trainer alone with and without --shape-multiple (TP_DATA=$W/tb/data-h200/sharegpt.0
-#   TP_RUNS="b1=$PWD/src:peagle:8:8192:1 shape=$PWD/src:peagle:8:8192:1:--shape-multiple,1024" TP_STEPS=40
-#   throughput).
-# Later (issue 14's recipe, untried anchors): tb_stage x3 && TB_SECS=420 testbed_data; TRAIN_MIN=13
-#   AB_VARIANTS="base muon layers6" ablate (6 layers: P-EAGLE's pass is cheap); wait; wait && SERVE_K=3,7 SERVE_N=64
-#   SERVE_HEADS="ab-base ab-muon ab-layers6" serve.
+# With minutes to spare in any session:
+#   ENGINE_VARIANTS=async+prefill-graphs+admit-ahead,async+prefill-graphs+admit-ahead+fused-merge engine (issue 16,
+#   ~4 min: the attention's split merge inside its kernel, batch 1's 0.96 ms step); the trainer alone with and
+#   without --shape-multiple (TP_DATA=$W/tb/data-h200/sharegpt.0 TP_STEPS=40
+#   TP_RUNS="b1=$PWD/src:peagle:8:8192:1 shape=$PWD/src:peagle:8:8192:1:--shape-multiple,1024" throughput).
+# Later (issue 14's recipe, untried anchors; P-EAGLE's default is Muon since run 14): tb_stage x3 && TB_SECS=420
+#   testbed_data; TRAIN_MIN=13 AB_VARIANTS="base layers6 muon-lr2e-3" ablate (6 layers: P-EAGLE's pass is cheap);
+#   wait; wait && SERVE_K=3,7 SERVE_N=64 SERVE_HEADS="ab-base ab-layers6 ab-muon-lr2e-3" serve.
 # Run 13's plan (what was run, BENCHMARKS.md "Run 13": tb_stage && gpu_tests; tb_stage; tb_stage && TB_SECS=560
 # TB_PEAGLE_ARGS="--k-train 12" testbed; TB_SECS=560 testbed_wait; TB_SECS=430 testbed_wait; heads_out x3;
 # HEADS_N=24 HEADS_K=7,11 heads; ENGINE_LOOP=64:256 engine with the trained head; engine_timing by hand, what
@@ -314,7 +316,9 @@ case "$stage" in
     # at EOS), random weights of the testbed's shape (.cfg carried) and a random P-EAGLE head whose drafts are
     # accepted at ADMIT_RATES (run 13's MT-Bench rates): the steps that admit a prompt, taken apart (engine_timing's
     # admit_* columns). Each tree in turn: this one (admit-new.json) and an earlier one when .old/src is carried
-    # (admit-old.json); ADMIT_VARIANTS e.g. async+prefill-graphs,async+prefill-graphs+coarse-buckets.
+    # (admit-old.json); ADMIT_VARIANTS e.g. async+prefill-graphs,async+prefill-graphs+coarse-buckets. ADMIT_PROFILE=1:
+    # a third, profiled pass of each loop (the kernels an admitting step launches against another step's, per step;
+    # tables and Chrome traces under admit-profile-TREE/, packed with the rest when more than 8 files).
     for tree in new old; do
       src=$PWD/src; [ $tree = old ] && src=$PWD/.old/src
       [ -d "$src" ] || continue
@@ -322,7 +326,8 @@ case "$stage" in
         "$OUT/admit-$tree.json" --load-format dummy --head peagle=dummy --batches 64 --ttft-prompts 0 \
         --closed-loop 64:256 --loop-jitter 0.5 \
         --synthetic-acceptance ${ADMIT_RATES:-0.63,0.35,0.22,0.15,0.10,0.08,0.06} \
-        --methods ${ADMIT_METHODS:-none,peagle} --variants ${ADMIT_VARIANTS:-async+prefill-graphs} 2>&1 \
+        --methods ${ADMIT_METHODS:-none,peagle} --variants ${ADMIT_VARIANTS:-async+prefill-graphs} \
+        ${ADMIT_PROFILE:+--profile-loop "$OUT/admit-profile-$tree"} 2>&1 \
         | grep -E "^\{|Error|error" || true
     done
     ;;
@@ -351,11 +356,12 @@ case "$stage" in
     need_model
     random_heads
     # ENGINE_HEAD: a trained P-EAGLE head instead of the random one (e.g. $W/heads/peagle after the testbed);
-    # ENGINE_LOOP: closed loops C:T,... (the sweep's high-concurrency points: admitting steps against the rest).
+    # ENGINE_LOOP: closed loops C:T,... (the sweep's high-concurrency points: admitting steps against the rest);
+    # ENGINE_LOOP_PROFILE=1 profiles a third pass of each (engine_timing.py --profile-loop).
     timeout ${ENGINE_SECS:-150} $py scripts/device/engine_timing.py "$W/smollm2" "$OUT/engine_timing.json" \
       --head peagle="${ENGINE_HEAD:-$W/heads/random-peagle}" --methods none,peagle \
       --variants ${ENGINE_VARIANTS:-async,async+prefill-graphs,async+chunked,async+chunked+prefill-graphs} \
-      ${ENGINE_LOOP:+--closed-loop $ENGINE_LOOP} \
+      ${ENGINE_LOOP:+--closed-loop $ENGINE_LOOP} ${ENGINE_LOOP_PROFILE:+--profile-loop "$OUT/loop-profile"} \
       --stall ${ENGINE_STALL:-512} --arrivals ${ENGINE_PROFILE:+--profile "$W/profiles"} 2>&1 \
       | grep -E "^\{|Error|error" | tail -5 || true
     [ -z "${ENGINE_PROFILE:-}" ] || tar czf "$OUT/engine-profiles.tar.gz" -C "$W" profiles  # ENGINE_PROFILE=1
@@ -511,6 +517,8 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
         layers6) extra=(--num-layers 6) ;;
         k12) extra=(--k-train 12) ;;
         muon) extra=(--optimizer muon) ;;
+        adamw) extra=(--optimizer adamw) ;;
+        muon-lr2e-3) extra=(--muon-lr 2e-3) ;;
         *) echo "unknown variant $name"; exit 2 ;;
       esac
       launch ab-$name peagle 8 8192 1 "${base[@]}" ${AB_ARGS:-} "${extra[@]}"
@@ -615,9 +623,11 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
         $py -m peagle bench-report "$W/results/bench-t0/results.json" --calibrate peagle="$cal" | tail -1 || true
       fi
       [ -f "$cal/adaptive.json" ] && adaptive=(--adaptive head)
-      sweep "$OUT/bench2" ${BENCH2_SECS:-360} --methods none,eagle3,peagle --k ${BENCH_K:-3,5,7,11} \
-        --concurrency ${BENCH2_C:-1,64} --datasets ${BENCH2_DATASETS:-humaneval,longcode} \
-        --temperature ${BENCH2_TEMPS:-0} --max-model-len 8192 "${adaptive[@]}"
+      # BENCH2_DATASETS=none: the HF baselines and the report only (beside an earlier bench call's rows)
+      [ "${BENCH2_DATASETS:-}" = none ] || \
+        sweep "$OUT/bench2" ${BENCH2_SECS:-360} --methods none,eagle3,peagle --k ${BENCH_K:-3,5,7,11} \
+          --concurrency ${BENCH2_C:-1,64} --datasets ${BENCH2_DATASETS:-humaneval,longcode} \
+          --temperature ${BENCH2_TEMPS:-0} --max-model-len 8192 "${adaptive[@]}"
       # transformers generate (greedy) beside a no-speculation point; the P-EAGLE rows come from the runs above.
       sweep "$OUT/bench-hf" ${HF_SECS:-140} --methods none --concurrency 1 --datasets mtbench,humaneval \
         --max-model-len 4096 --hf-baselines --hf-num-prompts ${HF_N:-4} --hf-batch-sizes 1,64

@@ -63,7 +63,35 @@ def test_closed_loop_jitter_and_parts(timing, target_dir, async_scheduling):
         assert row["admit_wait_ms_p50"] > 0  # the answer before is awaited before admitting
     # the patched methods are restored
     assert StepHandle.result is result and "launch" not in vars(eng.runner)
+    assert "launch_admit_next" not in vars(eng.runner)
     assert eng.runner.launch.__func__ is ModelRunner.launch
+
+
+def test_profiled_closed_loop_splits_admitting_steps(timing, target_dir, tmp_path):
+    """The third, profiled pass: every step in the window is a range of its own, admitting and other steps both
+    seen, the table and the gzipped trace written, and the engine's step method restored."""
+    import gzip
+    import json
+
+    llm = LLM(model=str(target_dir), device="cpu", dtype="float32", max_model_len=64, max_num_seqs=4)
+    eng = llm.engine
+    path = tmp_path / "prof" / "loop.txt"
+    row = timing.profile_closed_loop(eng, [[5, 6, 7], [8, 9]], "p", batch=4, max_tokens=10, jitter=0.5,
+                                     path=str(path), steps=12)
+    assert row["profiled_admit_steps"] >= 1 and row["profiled_pure_steps"] >= 1
+    assert row["profiled_admit_steps"] + row["profiled_pure_steps"] == 12
+    assert row["profiled_admit_host_ms_p50"] > 0 and row["profiled_pure_host_ms_p50"] > 0
+    assert row["profiled_admit_kernels_p50"] == 0  # no device kernels on the CPU
+    text = path.read_text()
+    assert "admit steps:" in text and "pure steps:" in text
+    trace = json.loads(gzip.open(f"{path}.trace.json.gz").read())
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert sum(n.startswith("peagle step ") for n in names) == 12
+    assert "step" not in vars(eng) and not eng.has_unfinished_requests()
+    # a window longer than the loop: the profiler stops with the loop, every step profiled
+    row = timing.profile_closed_loop(eng, [[5, 6, 7]], "q", batch=4, max_tokens=4, jitter=0.0,
+                                     path=str(tmp_path / "short.txt"), steps=10_000)
+    assert row["profiled_admit_steps"] + row["profiled_pure_steps"] > 0
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -27,7 +27,9 @@ instead of two per layer (peagle.kernels.paged_attention.FUSED_MERGE, off by def
 (peagle.engine.cuda_graph.TOKEN_BUCKET_STEPS = 1; four buckets per doubling from 128 tokens since), and in
 `+admit-ahead`: with async scheduling, a step that admits waiting prompts launched before the answer in flight
 arrives (peagle.engine.llm_engine.ADMIT_AHEAD, on by default since run 14; without the modifier the variant runs
-with it off, so rows mean the same in every run).
+with it off, so rows mean the same in every run), and in `+mixed-tiles`: the attention of a step that prefills beside
+decodes in two launches, short requests in small tiles and long ones listed by a tile map
+(peagle.kernels.paged_attention.MIXED_TILES, off by default until timed).
 Each variant first times the time to first token at concurrency 1 (`ttft_p50_ms`, median over --ttft-prompts MT-Bench
 first turns: from add_request to the step that returns the token). Prefill graphs are captured on a shape's first
 use, so the prompts run twice: the first pass is reported as `ttft_cold_p50_ms`, the second is the measurement.
@@ -73,12 +75,12 @@ from peagle.models.loader import load_tokenizer
 
 paged_attention_module = importlib.import_module("peagle.kernels.paged_attention")  # the package shadows the name
 TOKEN_BUCKET_STEPS = getattr(cuda_graph, "TOKEN_BUCKET_STEPS", 1)  # 1 in trees before run 14
-MODIFIERS = ("fused-merge", "coarse-buckets", "admit-ahead")
+MODIFIERS = ("fused-merge", "coarse-buckets", "admit-ahead", "mixed-tiles")
 
 
 def split_variant(variant: str) -> tuple[str, set[str]]:
-    """A variant's engine options' name and its module switches (+fused-merge, +coarse-buckets, +admit-ahead, in
-    any order)."""
+    """A variant's engine options' name and its module switches (+fused-merge, +coarse-buckets, +admit-ahead,
+    +mixed-tiles, in any order)."""
     mods = set()
     while any(variant.endswith("+" + m) for m in MODIFIERS):
         m = next(m for m in MODIFIERS if variant.endswith("+" + m))
@@ -477,7 +479,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="sync", help=f"engine variants timed side by side: {', '.join(VARIANTS)}; "
                     "each may end in +fused-merge (the attention's KV splits merged inside its kernel) and "
                     "+coarse-buckets (general graphs padded to powers of two of tokens, the ladder before run 14) and "
-                    "+admit-ahead (a step that admits prompts launched before the answer in flight)")
+                    "+admit-ahead (a step that admits prompts launched before the answer in flight) and "
+                    "+mixed-tiles (a mixed step's short and long requests tiled apart in its attention)")
     ap.add_argument("--stall", type=int, metavar="N", help="also time the stall a new N-token prompt causes")
     ap.add_argument("--arrivals", action="store_true", help="also time inter-token latencies as requests arrive")
     ap.add_argument("--ttft-prompts", type=int, default=16, metavar="N",
@@ -544,6 +547,7 @@ def main(argv=None) -> int:
             # and "+admit-ahead" (async scheduling launches a step that admits prompts before the answer in flight)
             base, mods = split_variant(variant)
             paged_attention_module.FUSED_MERGE = "fused-merge" in mods
+            paged_attention_module.MIXED_TILES = "mixed-tiles" in mods  # harmless in trees without it
             cuda_graph.TOKEN_BUCKET_STEPS = 1 if "coarse-buckets" in mods else TOKEN_BUCKET_STEPS
             llm_engine.ADMIT_AHEAD = "admit-ahead" in mods  # an attribute older trees lack: harmless there
             synthetic = None if head is None or not args.synthetic_acceptance else rates

@@ -78,6 +78,22 @@ def test_admit_ahead_keeps_greedy_output(model_dir, method, graphs, monkeypatch)
     assert calls
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("method", sorted(SPECS))
+def test_mixed_tiles_keep_greedy_output(model_dir, method, graphs, monkeypatch):
+    """Mixed steps' attention in two launches (MIXED_TILES: short requests in small tiles, long ones by a tile map
+    made on the device inside the graph) gives the output of one launch, token for token in fp32, and it ran."""
+    from peagle.kernels import paged_attention as module
+
+    ref = [o.token_ids for o in make_llm(model_dir, method, graphs).generate(PROMPTS, params(), use_tqdm=False)]
+    monkeypatch.setattr(module, "MIXED_TILES", True)
+    maps, real = [], module._launch
+    monkeypatch.setattr(module, "_launch", lambda *a, **kw: maps.append(kw.get("map_mode", 0)) or real(*a, **kw))
+    llm = make_llm(model_dir, method, graphs)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params(), use_tqdm=False)] == ref
+    assert 2 in maps
+
+
 @pytest.mark.parametrize("method", ["none", "peagle"])
 def test_replay_equals_an_eager_call_on_the_static_buffers(model_dir, method):
     llm = make_llm(model_dir, method, True)

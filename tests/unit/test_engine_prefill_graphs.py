@@ -155,16 +155,18 @@ def test_padding_rows_of_the_features_are_never_read(target_dir, heads, method):
         real_forward, real_propose = runner.target_forward, runner.propose
         drafts, poisoned = [], []
 
-        def target_forward(x, max_query_len, all_rows=False, real_forward=real_forward, poisoned=poisoned):
-            logits, aux = real_forward(x, max_query_len, all_rows)
+        def target_forward(x, max_query_len, all_rows=False, small_query_len=None, real_forward=real_forward,
+                           poisoned=poisoned):
+            logits, aux = real_forward(x, max_query_len, all_rows, small_query_len)
             real = int(x["query_start_loc"][-1])
             if poison and real < len(aux):
                 aux[real:] = float("nan")
                 poisoned.append(len(aux) - real)
             return logits, aux
 
-        def propose(x, aux, num_rejected, next_tokens, max_query_len, real_propose=real_propose, drafts=drafts):
-            out = real_propose(x, aux, num_rejected, next_tokens, max_query_len)
+        def propose(x, aux, num_rejected, next_tokens, max_query_len, small_query_len=None,
+                    real_propose=real_propose, drafts=drafts):
+            out = real_propose(x, aux, num_rejected, next_tokens, max_query_len, small_query_len)
             num_real = int((x["query_start_loc"][1:] > x["query_start_loc"][:-1]).sum())
             drafts.append(out[:num_real].tolist())
             return out

@@ -260,8 +260,8 @@ def oracle_proposer(runner, reference, k, rng):
         for p, token in enumerate(ref):
             by_key.setdefault((p, token), []).append(ref)
 
-    def propose(x, aux, num_rejected, next_tokens, max_query_len):
-        drafts = real(x, aux, num_rejected, next_tokens, max_query_len).clone()
+    def propose(x, aux, num_rejected, next_tokens, max_query_len, small_query_len=None):
+        drafts = real(x, aux, num_rejected, next_tokens, max_query_len, small_query_len).clone()
         qsl, pos = x["query_start_loc"].tolist(), x["positions"].tolist()
         for b, token in enumerate(next_tokens.tolist()):
             if qsl[b + 1] == qsl[b]:

@@ -33,6 +33,8 @@ def test_split_variant(timing):
         "async+prefill-graphs", {"coarse-buckets", "fused-merge"})
     assert timing.split_variant("sync+fused-merge") == ("sync", {"fused-merge"})
     assert timing.split_variant("async+prefill-graphs+admit-ahead") == ("async+prefill-graphs", {"admit-ahead"})
+    assert timing.split_variant("async+prefill-graphs+admit-ahead+mixed-tiles") == (
+        "async+prefill-graphs", {"admit-ahead", "mixed-tiles"})
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

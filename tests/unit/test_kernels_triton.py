@@ -140,6 +140,63 @@ def test_paged_attention(interpreted, case, num_splits, fused_merge):
     interpreted(check_paged_attention, case, num_splits, fused_merge)
 
 
+MIXED_CASES = {
+    # name: (query_lens, context_lens, num_kv_heads, group, head_dim, dtype, tail, small_query_len)
+    "decodes_beside_a_prompt": ([8, 8, 40, 8, 3, 8], [30, 9, 40, 60, 17, 8], 3, 3, 64, torch.float32, 5, 8),
+    "two_prompts_chunk_and_empty": ([1, 70, 0, 1, 33, 2], [20, 70, 5, 9, 50, 2], 2, 4, 32, torch.bfloat16, 0, 2),
+    "plain_decodes_beside_a_prompt": ([1, 1, 19, 1], [5, 12, 19, 40], 1, 8, 16, torch.float32, 3, 1),
+    # 12 rows x 8 heads do not fit a 64-pair tile (head_dim 128): 12-row requests go to the long launch
+    "capped_small_tile": ([12, 3, 12, 30, 8], [12, 9, 40, 30, 20], 1, 8, 128, torch.float16, 0, 12),
+}
+
+
+def check_paged_attention_mixed_tiles(case, num_splits, fused_merge):
+    query_lens, context_lens, num_kv_heads, group, head_dim, dtype, tail, small = MIXED_CASES[case]
+    batch = make_attention_batch(len(case), query_lens, context_lens, num_kv_heads=num_kv_heads, group=group,
+                                 head_dim=head_dim, dtype=dtype, shuffle=False, tail=tail)
+    batch["max_query_len"] = sum(query_lens) + tail  # a mixed step's bucket: its whole token count
+    module = triton_kernels("paged_attention")
+    expected = kernels.paged_attention_ref(**batch)
+    rows = sum(query_lens)
+    tol = TOLERANCE[dtype]
+    calls = []
+    real = module._launch
+    module._launch = lambda *a, **kw: calls.append(kw.get("map_mode", 0)) or real(*a, **kw)
+    try:
+        maps = {}
+        for _ in range(2):  # the second call reuses the tile map kept in `maps`
+            out = module.paged_attention(**batch, num_splits=num_splits, fused_merge=fused_merge,
+                                         small_query_len=small, mixed_tiles=True, tile_maps=maps)
+            torch.testing.assert_close(out[:rows].float(), expected[:rows].float(), atol=tol, rtol=tol)
+        assert calls == [1, 2, 1, 2] and len(maps) == 1
+        # off (the default), or no request longer than small_query_len (a decode round): one launch
+        calls.clear()
+        module.paged_attention(**batch, num_splits=num_splits, small_query_len=small)
+        module.paged_attention(**batch, num_splits=num_splits, small_query_len=batch["max_query_len"],
+                               mixed_tiles=True)
+        assert calls == [0, 0]
+    finally:
+        module._launch = real
+
+
+@pytest.mark.parametrize("num_splits,fused_merge", [(1, False), (2, False), (2, True)])
+@pytest.mark.parametrize("case", sorted(MIXED_CASES))
+def test_paged_attention_mixed_tiles(interpreted, case, num_splits, fused_merge):
+    """Short and long requests of a mixed step in two launches, against the reference."""
+    interpreted(check_paged_attention_mixed_tiles, case, num_splits, fused_merge)
+
+
+def test_mixed_tile_map_lists_the_long_requests_tiles():
+    from peagle.kernels.paged_attention import mixed_tile_map, mixed_tiles_bound
+
+    qsl = torch.tensor([0, 8, 48, 56, 57, 157], dtype=I32)  # rows 8, 40, 8, 1, 100
+    bound = mixed_tiles_bound(157, 5, small_q=8, block_q=42)
+    assert bound == 4 + 5
+    got = mixed_tile_map(qsl, small_q=8, block_q=42, num_tiles=bound).tolist()
+    # request 1 (40 rows): one tile; request 4 (100 rows): three, last first; then nothing
+    assert got == [[1, 0], [4, 2], [4, 1], [4, 0]] + [[-1, 0]] * 5
+
+
 def check_dispatch_when_forced():
     os.environ[kernels.BACKEND_ENV] = "triton"
     try:
@@ -482,6 +539,42 @@ def check_engine_on_triton_kernels(model_dir):
     assert tokens["triton", "plain"] == tokens["torch", "plain"]
     assert tokens["triton", "peagle"] == tokens["torch", "peagle"] == tokens["torch", "plain"]
     assert tokens["triton", "async-gemv"] == [tokens["torch", "plain"][0][:4]]
+
+
+def check_engine_with_mixed_tiles(model_dir):
+    # Steps that prefill a prompt beside decoding requests (more prompts than max_num_seqs, answers of different
+    # lengths), their attention in two launches (MIXED_TILES): the tokens of the references.
+    from peagle import LLM, SamplingParams
+
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [40] * 20, [7] * 11, [3, 4]]
+    params = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True) for i in range(len(prompts))]
+    spec = {"method": "eagle3", "model": "dummy", "num_speculative_tokens": 3, "parallel_drafting": True}
+    tokens = {}
+    module = triton_kernels("paged_attention")
+    real, maps = module._launch, []
+    module._launch = lambda *a, **kw: maps.append(kw.get("map_mode", 0)) or real(*a, **kw)
+    module.MIXED_TILES = True
+    try:
+        for backend in ("torch", "triton"):
+            os.environ[kernels.BACKEND_ENV] = backend
+            try:
+                llm = LLM(model=model_dir, load_format="dummy", dtype="float32", device="cpu", max_model_len=256,
+                          max_num_seqs=2, speculative_config=spec)
+                sharpen_attention(llm.engine.target)
+                tokens[backend] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            finally:
+                del os.environ[kernels.BACKEND_ENV]
+    finally:
+        module._launch, module.MIXED_TILES = real, False
+    assert tokens["triton"] == tokens["torch"]
+    assert 2 in maps and 1 in maps  # steps mixed prompts with decodes, tiled apart
+
+
+def test_engine_with_mixed_tiles(interpreted, tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    interpreted(check_engine_with_mixed_tiles, str(tmp_path))
 
 
 def test_engine_on_triton_kernels(interpreted, tmp_path):

@@ -18,6 +18,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     query_start_loc: torch.Tensor  # [B + 1] int32
     max_query_len: int
+    # A mixed step's most rows of a decoding request (K + 1), so that the attention tiles short and long requests
+    # apart (kernels.paged_attention); None: one tiling for every request.
+    small_query_len: int | None = None
 
 
 class PagedAttention:
@@ -27,6 +30,7 @@ class PagedAttention:
         self.kv_caches = kv_caches
         self.meta = meta
         self.scale = scale
+        self.tile_maps: dict = {}  # a mixed step's tile map, made by the first layer and read by the others
 
     def __call__(self, layer_idx, q, k, v):
         k_cache, v_cache = self.kv_caches[layer_idx]
@@ -43,7 +47,8 @@ class PagedAttention:
     def _attend(self, q, k_cache, v_cache):
         m = self.meta
         return kernels.paged_attention(
-            q, k_cache, v_cache, m.block_tables, m.query_start_loc, m.positions, self.scale, m.max_query_len
+            q, k_cache, v_cache, m.block_tables, m.query_start_loc, m.positions, self.scale, m.max_query_len,
+            small_query_len=m.small_query_len, tile_maps=self.tile_maps,
         )
 
 

@@ -338,7 +338,7 @@ class GeneralGraphs:
         aux_out = None if self.aux is None else self.aux[:t]
 
         def fn():
-            logits, aux = self.runner.target_forward(x, t)
+            logits, aux = self.runner.target_forward(x, t, small_query_len=k + 1)
             logits_out.copy_(logits)
             if aux_out is not None:
                 aux_out.copy_(aux)
@@ -348,7 +348,7 @@ class GeneralGraphs:
     def _draft_fn(self, t: int, b: int, k: int):
         x = self._views((t, b, k))
         aux, nrej, nxt = self.aux[:t], self.num_rejected[:b], self.next_tokens[:b]
-        return lambda: self.runner.propose(x, aux, nrej, nxt, t)
+        return lambda: self.runner.propose(x, aux, nrej, nxt, t, small_query_len=k + 1)
 
     def _replay(self, kind: str, make_fn):
         key = self.current

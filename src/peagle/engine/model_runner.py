@@ -270,19 +270,24 @@ class ModelRunner:
 
     # ---- device side --------------------------------------------------------------------------------------------
 
-    def target_forward(self, x: dict[str, torch.Tensor], max_query_len: int, all_rows: bool = False):
+    def target_forward(self, x: dict[str, torch.Tensor], max_query_len: int, all_rows: bool = False,
+                       small_query_len: int | None = None):
+        """`small_query_len`: the most rows a decoding request feeds (K + 1), for a step that may mix decodes with
+        longer prompts or chunks (AttentionMetadata)."""
         meta = AttentionMetadata(x["positions"], x["slot_mapping"], x["block_tables"], x["query_start_loc"],
-                                 max_query_len)
+                                 max_query_len, small_query_len)
         out = self.target(x["input_ids"], x["positions"], PagedAttention(self.target_kv, meta, self.target_scale),
                           self.aux_layer_ids)
         hidden = out.hidden if all_rows else out.hidden.index_select(0, x["logit_rows"])
         return self.target.compute_logits(hidden), out.aux  # [B*(k+1), V], [T, F]
 
-    def propose(self, x: dict[str, torch.Tensor], aux, num_rejected, next_tokens, max_query_len: int):
+    def propose(self, x: dict[str, torch.Tensor], aux, num_rejected, next_tokens, max_query_len: int,
+                small_query_len: int | None = None):
         return self.proposer.propose(DraftInputs(
             input_ids=x["input_ids"], positions=x["positions"], slot_mapping=x["slot_mapping"],
             query_start_loc=x["query_start_loc"], block_tables=x["block_tables"], aux=aux,
             num_rejected=num_rejected, next_tokens=next_tokens, max_query_len=max_query_len,
+            small_query_len=small_query_len,
         ))
 
     def verify(self, logits, x, st: SamplingTensors, k: int, num_real: int):
@@ -441,7 +446,7 @@ class ModelRunner:
                 return self._handle(graphs.run_greedy(num_real, draft), k)
             logits, aux = graphs.run_target()
         else:
-            logits, aux = self.target_forward(x, max_query_len)
+            logits, aux = self.target_forward(x, max_query_len, small_query_len=k + 1)
         v = self.verify(logits, x, st, k, num_real)
         new_drafts = None
         if draft:
@@ -457,7 +462,7 @@ class ModelRunner:
             if graphs is not None:
                 new_drafts = graphs.run_proposer(num_rejected, next_tokens)
             else:
-                new_drafts = self.propose(x, aux, num_rejected, next_tokens, max_query_len)
+                new_drafts = self.propose(x, aux, num_rejected, next_tokens, max_query_len, small_query_len=k + 1)
             new_drafts = new_drafts[:num_real]
         handle = self._handle(_pack(v, new_drafts, num_real), k)
         if st.logprob_requests is not None:

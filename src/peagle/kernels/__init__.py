@@ -95,9 +95,17 @@ def paged_attention(
     positions: torch.Tensor,  # [num_tokens]
     scale: float,
     max_query_len: int,
+    *,
+    small_query_len: int | None = None,
+    tile_maps: dict | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    fn = triton_module("paged_attention", q.device).paged_attention if use_triton(q.device) else paged_attention_ref
-    return fn(q, k_cache, v_cache, block_tables, query_start_loc, positions, scale, max_query_len)
+    """`small_query_len` and `tile_maps`: a mixed step's tiling hints for the Triton kernel (its MIXED_TILES); the
+    reference computes the same either way."""
+    if use_triton(q.device):
+        return triton_module("paged_attention", q.device).paged_attention(
+            q, k_cache, v_cache, block_tables, query_start_loc, positions, scale, max_query_len,
+            small_query_len=small_query_len, tile_maps=tile_maps)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, positions, scale, max_query_len)
 
 
 def expand_draft_batch(

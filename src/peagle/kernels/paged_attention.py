@@ -16,6 +16,13 @@ power of two of max_query_len * GROUP, at least 16 (the smallest MMA tile) and a
 bound the fp32 accumulator's registers). The program walks the KV blocks up to the largest position in its tile with
 an online softmax in fp32 and masks per pair by position.
 
+Mixed steps (`small_query_len`, MIXED_TILES). A step that prefills a prompt beside decoding requests has a large
+max_query_len, so every request would get its tiles: 64 decodes of 8 rows beside a 75-token prompt, padded to 640
+tokens, make 64 x 16 tiles of 128 (query, head) pairs, one in sixteen used and that one a quarter full. With
+`small_query_len` (K + 1) two launches share the work: the requests of at most that many rows, one small tile each
+(MAP 1), and the longer ones in max_query_len's tiles, listed on the device by `mixed_tile_map` (MAP 2) within a
+static bound, so a CUDA graph captures both.
+
 Split KV. Decode and verify at small batch launch few programs (batch 1 of a 3-KV-head model: 3), and one program
 walking a 2K-token context alone is latency-bound. When the grid is small for the GPU, the context is split evenly
 into `num_splits` chunks (static per call, so a CUDA graph captures it); each split writes an unnormalised partial
@@ -47,14 +54,29 @@ _MAX_SPLITS = 8
 
 
 @triton.jit
-def _tile_rows(query_start_loc_ptr, tile, num_q_tiles, kv_head,
-               GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr):
-    # The (query row, query head) pairs of one program and whether each belongs to the request.
-    req = tile // num_q_tiles
-    # Last query tile first: in a causal prefill it sees the most keys, and programs start in grid order.
-    q_tile = num_q_tiles - 1 - tile % num_q_tiles
+def _tile_rows(query_start_loc_ptr, tile_map_ptr, tile, num_q_tiles, small_q, kv_head,
+               GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, MAP: tl.constexpr):
+    # The (query row, query head) pairs of one program and whether each belongs to the request. MAP 0: every request
+    # has num_q_tiles tiles; 1 (mixed steps' short requests): one tile per request, rows only for requests of at
+    # most small_q rows; 2 (mixed steps' long requests): the tile's (request, query tile) from tile_map, -1: none.
+    if MAP == 2:
+        req = tl.load(tile_map_ptr + 2 * tile)
+        q_tile = tl.load(tile_map_ptr + 2 * tile + 1)
+        valid = req >= 0
+        req = tl.maximum(req, 0)
+    elif MAP == 1:
+        req = tile
+        q_tile = 0
+    else:
+        req = tile // num_q_tiles
+        # Last query tile first: in a causal prefill it sees the most keys, and programs start in grid order.
+        q_tile = num_q_tiles - 1 - tile % num_q_tiles
     q_start = tl.load(query_start_loc_ptr + req)
     q_end = tl.load(query_start_loc_ptr + req + 1)
+    if MAP == 2:
+        q_end = tl.where(valid, q_end, q_start)  # no tile: no row
+    elif MAP == 1:
+        q_end = tl.where(q_end - q_start <= small_q, q_end, q_start)  # a long request: the other launch's
     pair = tl.arange(0, BLOCK_M)
     row = q_start + q_tile * BLOCK_Q + pair // GROUP
     head = kv_head * GROUP + pair % GROUP
@@ -73,21 +95,21 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 # Batch-dependent integers are not specialised (Triton would compile a variant per value class: == 1,
 # divisible by 16, other), so a new batch shape never compiles a kernel inside a serving step.
-@triton.jit(do_not_specialize=["num_tokens", "num_q_tiles", "stride_bt"])
+@triton.jit(do_not_specialize=["num_tokens", "num_q_tiles", "small_q", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr,
-    block_tables_ptr, query_start_loc_ptr, positions_ptr,
-    qk_scale, num_tokens, num_q_tiles,
+    block_tables_ptr, query_start_loc_ptr, positions_ptr, tile_map_ptr,
+    qk_scale, num_tokens, num_q_tiles, small_q,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, MAP: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, FUSED_MERGE: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    req, row, head, row_ok = _tile_rows(query_start_loc_ptr, tl.program_id(0), num_q_tiles, kv_head,
-                                        GROUP, BLOCK_M, BLOCK_Q)
+    req, row, head, row_ok = _tile_rows(query_start_loc_ptr, tile_map_ptr, tl.program_id(0), num_q_tiles, small_q,
+                                        kv_head, GROUP, BLOCK_M, BLOCK_Q, MAP)
     pos = tl.load(positions_ptr + row, mask=row_ok, other=-1).to(tl.int32)  # [BLOCK_M]
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
@@ -181,16 +203,16 @@ def _merge_partials(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, head
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_q_tiles"])
+@triton.jit(do_not_specialize=["num_tokens", "num_q_tiles", "small_q"])
 def _merge_splits_kernel(
-    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr,
-    num_tokens, num_q_tiles, stride_ot, stride_oh,
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr, tile_map_ptr,
+    num_tokens, num_q_tiles, small_q, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, MAP: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
     # Same tiling as the attention kernel, so exactly the rows of requests are read and written.
-    req, row, head, row_ok = _tile_rows(query_start_loc_ptr, tl.program_id(0), num_q_tiles, tl.program_id(1),
-                                        GROUP, BLOCK_M, BLOCK_Q)
+    req, row, head, row_ok = _tile_rows(query_start_loc_ptr, tile_map_ptr, tl.program_id(0), num_q_tiles, small_q,
+                                        tl.program_id(1), GROUP, BLOCK_M, BLOCK_Q, MAP)
     _merge_partials(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, head, row_ok, num_tokens,
                     stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, BLOCK_M, NUM_SPLITS, "")
 
@@ -236,6 +258,9 @@ def kv_tile(head_dim: int, num_splits: int) -> dict[str, int]:
 # Whether split-KV calls merge their splits inside the attention kernel (one launch) rather than in a second kernel.
 # Off until timed on the GPU (scripts/device/kernel_timing.py, its `splits` rows); the GPU tests check both.
 FUSED_MERGE = False
+# Whether a mixed step (a `small_query_len` given, and longer requests present) tiles its short and long requests in
+# two launches (`paged_attention`). Off until timed on the GPU (scripts/device/engine_timing.py, "+mixed-tiles").
+MIXED_TILES = False
 _ARRIVALS_MIN = 1 << 16
 _arrivals_buffers: dict[str, list[torch.Tensor]] = {}  # per device, every buffer made (graphs keep pointers to them)
 
@@ -272,6 +297,27 @@ def default_num_splits(device: torch.device, num_programs: int, max_query_len: i
     return 1 << (splits.bit_length() - 1) if splits > 1 else 1
 
 
+def mixed_tile_map(query_start_loc: torch.Tensor, small_q: int, block_q: int, num_tiles: int) -> torch.Tensor:
+    """[num_tiles, 2] int32 (request, query tile) of the requests of more than `small_q` rows, `block_q` rows a
+    tile, each request's last tile first (a causal prefill's longest); rows past the last tile are (-1, 0). Built
+    on the device from `query_start_loc` (a few small ops, captured with the step in a CUDA graph)."""
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    tiles = torch.where(q_lens > small_q, (q_lens + block_q - 1) // block_q, 0)
+    ends = tiles.cumsum(0)
+    p = torch.arange(num_tiles, device=query_start_loc.device)
+    req = torch.searchsorted(ends, p, right=True)
+    valid = req < len(q_lens)
+    r = req.clamp(max=max(len(q_lens) - 1, 0))
+    q_tile = ends[r] - 1 - p  # the request's tiles from its last down to 0
+    return torch.stack([torch.where(valid, req, -1), torch.where(valid, q_tile, 0)], 1).to(torch.int32)
+
+
+def mixed_tiles_bound(num_tokens: int, num_requests: int, small_q: int, block_q: int) -> int:
+    """The most tiles the requests of more than `small_q` rows can need among `num_tokens` rows: one per `block_q`
+    rows plus a partial tile for each such request."""
+    return triton.cdiv(num_tokens, block_q) + min(num_requests, num_tokens // (small_q + 1))
+
+
 def paged_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -284,9 +330,19 @@ def paged_attention(
     *,
     num_splits: int | None = None,
     fused_merge: bool | None = None,
+    small_query_len: int | None = None,
+    mixed_tiles: bool | None = None,
+    tile_maps: dict | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Triton paged attention; see the module docstring. `num_splits` overrides the split-KV heuristic;
-    `fused_merge` (default FUSED_MERGE) merges the splits in the attention kernel itself (see `_arrivals`)."""
+    `fused_merge` (default FUSED_MERGE) merges the splits in the attention kernel itself (see `_arrivals`).
+
+    `small_query_len`: in a mixed step, the most rows a decoding request feeds (K + 1). With `mixed_tiles` (default
+    MIXED_TILES) and longer requests present, two launches: the requests of at most that many rows in one small tile
+    each, and the longer ones (prompts, chunks) in tiles of `max_query_len`'s size listed by `mixed_tile_map`,
+    instead of every request in `max_query_len`'s tiles (64 decodes of 8 rows beside one prompt in a 640-token
+    bucket: 16 tiles of 128 pairs each, 15 of them empty, against one of 32 pairs). `tile_maps`: a dict that keeps
+    the tile map between calls on the same batch (the layers of one forward)."""
     _check_args(q, k_cache, v_cache, block_tables, query_start_loc, positions, max_query_len)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -295,15 +351,47 @@ def paged_attention(
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim (stride {t.stride(-1)})")
+    if small_query_len is not None and small_query_len < 1:
+        raise ValueError(f"small_query_len must be >= 1, got {small_query_len}")
     out = torch.empty_like(q)
     num_requests = block_tables.shape[0]
     if num_tokens == 0 or num_requests == 0:
         return out
     group = num_heads // num_kv_heads
+    fused = FUSED_MERGE if fused_merge is None else fused_merge
+    launch = functools.partial(_launch, q, k_cache, v_cache, out, block_tables, query_start_loc, positions, scale,
+                               group=group, num_splits=num_splits, fused_merge=fused)
+    mixed = MIXED_TILES if mixed_tiles is None else mixed_tiles
+    if not (mixed and small_query_len is not None and small_query_len < max_query_len):
+        block_m, block_q = query_tile(max_query_len, group, head_dim)
+        num_q_tiles = triton.cdiv(max_query_len, block_q)
+        launch(num_requests * num_q_tiles, block_m, block_q, max_query_len, num_q_tiles=num_q_tiles)
+        return out
+    # Short: the rows one small tile holds (at least small_query_len, unless the tile's pair cap binds: then the
+    # requests between go to the long launch).
+    block_m, small_q = query_tile(small_query_len, group, head_dim)
+    launch(num_requests, block_m, small_q, small_q, map_mode=1, small_q=small_q)
     block_m, block_q = query_tile(max_query_len, group, head_dim)
-    num_q_tiles = triton.cdiv(max_query_len, block_q)
-    num_programs = num_requests * num_q_tiles * num_kv_heads
-    splits = num_splits if num_splits is not None else default_num_splits(q.device, num_programs, max_query_len)
+    bound = mixed_tiles_bound(num_tokens, num_requests, small_q, block_q)
+    key = (small_q, block_q, bound)
+    tile_map = None if tile_maps is None else tile_maps.get(key)
+    if tile_map is None:
+        tile_map = mixed_tile_map(query_start_loc, small_q, block_q, bound)
+        if tile_maps is not None:
+            tile_maps[key] = tile_map
+    launch(bound, block_m, block_q, max_query_len, map_mode=2, small_q=small_q, tile_map=tile_map)
+    return out
+
+
+def _launch(q, k_cache, v_cache, out, block_tables, query_start_loc, positions, scale, num_programs, block_m,
+            block_q, max_query_len, *, group, num_splits, fused_merge, num_q_tiles=1, map_mode=0, small_q=0,
+            tile_map=None):
+    """One attention launch over `num_programs` query tiles (`_tile_rows`' MAP `map_mode`), and the merge of its
+    KV splits where they are merged by a second kernel."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    splits = num_splits if num_splits is not None else default_num_splits(q.device, num_programs * num_kv_heads,
+                                                                          max_query_len)
     if splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {splits}")
     kv = kv_tile(head_dim, splits)
@@ -312,16 +400,17 @@ def paged_attention(
         part_acc = torch.empty((splits, num_tokens, num_heads, head_dim), dtype=torch.float32, device=q.device)
         part_max = torch.empty((splits, num_tokens, num_heads), dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
-        if FUSED_MERGE if fused_merge is None else fused_merge:
-            arrivals = _arrivals(q.device, num_requests * num_q_tiles * num_kv_heads)
+        if fused_merge:
+            arrivals = _arrivals(q.device, num_programs * num_kv_heads)
     else:  # unused by the single-pass kernel
         part_acc = part_max = part_sum = out
+    tile_map = query_start_loc if tile_map is None else tile_map  # unread unless map_mode == 2
     consts = dict(NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_Q=block_q,
-                  NUM_SPLITS=splits)
-    _paged_attention_kernel[(num_requests * num_q_tiles, num_kv_heads, splits)](
+                  MAP=map_mode, NUM_SPLITS=splits)
+    _paged_attention_kernel[(num_programs, num_kv_heads, splits)](
         q, k_cache, v_cache, out, part_acc, part_max, part_sum, out if arrivals is None else arrivals,
-        block_tables, query_start_loc, positions,
-        scale * _LOG2E, num_tokens, num_q_tiles,
+        block_tables, query_start_loc, positions, tile_map,
+        scale * _LOG2E, num_tokens, num_q_tiles, small_q,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
@@ -331,12 +420,11 @@ def paged_attention(
         **consts,
     )
     if splits > 1 and arrivals is None:
-        _merge_splits_kernel[(num_requests * num_q_tiles, num_kv_heads)](
-            out, part_acc, part_max, part_sum, query_start_loc,
-            num_tokens, num_q_tiles, out.stride(0), out.stride(1),
+        _merge_splits_kernel[(num_programs, num_kv_heads)](
+            out, part_acc, part_max, part_sum, query_start_loc, tile_map,
+            num_tokens, num_q_tiles, small_q, out.stride(0), out.stride(1),
             num_warps=4, **consts,
         )
-    return out
 
 
 def paged_attention_ref(

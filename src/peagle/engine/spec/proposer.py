@@ -29,6 +29,7 @@ class DraftInputs:
     num_rejected: torch.Tensor  # [B] trailing target rows that are not valid
     next_tokens: torch.Tensor  # [B] the token sampled after the last valid row
     max_query_len: int
+    small_query_len: int | None = None  # a mixed step's most target rows of a decoding request (AttentionMetadata)
 
 
 class Proposer(ABC):
@@ -55,8 +56,9 @@ class Proposer(ABC):
             features = inp.aux.index_select(0, e.hidden_index.clamp(min=0))  # [R, 3 * d_target]
         else:
             features = kernels.gather_draft_features(inp.aux, e.hidden_index, mask_hidden)
+        small = None if inp.small_query_len is None else inp.small_query_len + num_mask_slots
         meta = AttentionMetadata(e.positions, e.slot_mapping, inp.block_tables, e.query_start_loc,
-                                 inp.max_query_len + num_mask_slots)
+                                 inp.max_query_len + num_mask_slots, small)
         hidden = self.drafter(e.input_ids, e.positions, PagedAttention(self.kv_caches, meta, self.scale),
                               self.drafter.fc(features))  # [R, d]
         return e, hidden

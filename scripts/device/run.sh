@@ -16,15 +16,17 @@
 # Nothing outlives the session: a session starts from a fresh checkout, so heads are trained in the session that
 # serves them (heads_out / heads_in move them between machines of one session, or home for a look, not further), and
 # the carried folders are built first: bash scripts/device/stage_local.sh wheels && ... stage_local.sh cfg.
-#   1. tb_stage && ADMIT_SECS=150 ADMIT_PROFILE=1 ADMIT_METHODS=none,peagle
-#      ADMIT_VARIANTS=async+prefill-graphs+admit-ahead admit (carry .tb_a .whl .cfg): where an admitting step's GPU
-#      time goes (the kernels it launches against a decode round's, engine_timing.py --profile-loop; admitting rounds
-#      were 57% of the closed loop's wall time in run 14), ~2.5 min; 2. tb_stage (.tb_b); 3. tb_stage && TB_SECS=560
+#   1. tb_stage && GPU_TESTS="tests/gpu/test_prefill_graphs_gpu.py -k mixed_tiles" gpu_tests; ADMIT_SECS=200
+#      ADMIT_PROFILE=1 ADMIT_VARIANTS=async+prefill-graphs+admit-ahead,async+prefill-graphs+admit-ahead+mixed-tiles
+#      admit (carry .tb_a .whl .cfg): where an admitting step's GPU time goes (the kernels it launches against a
+#      decode round's, engine_timing.py --profile-loop; admitting rounds were 57% of the closed loop's wall time in
+#      run 14) and the mixed step's attention tiled apart (MIXED_TILES on by default if it wins and its GPU tests
+#      pass), ~4 min; 2. tb_stage (.tb_b); 3. tb_stage && TB_SECS=560
 #      TB_EAGLE3_ARGS="--optimizer muon" testbed (.tb_c .whl: Muon for EAGLE-3 too, P-EAGLE's recipe as in run 14 the
 #      control: the EAGLE-3 baseline gets its best recipe, or the AL ratio is not honest); 4. TB_SECS=560
-#      testbed_wait; 5. TB_SECS=400 testbed_wait (heads and the served step); 6. with what is left (~5 min):
+#      testbed_wait; 5. TB_SECS=400 testbed_wait (heads and the served step); 6. with what is left (3-4 min):
 #      HF_SECS=150 BENCH2_DATASETS=none bench2 (the HF transformers baselines, issue 15's P-EAGLE / HF cell, beside
-#      the served step's rows), else BENCH_SECS=280 BENCH_K=3,7 BENCH_C=1,8,64 bench.
+#      the served step's rows), or with more, BENCH_SECS=280 BENCH_K=3,7 BENCH_C=1,8,64 bench.
 # Run 14's plan (what was run, BENCHMARKS.md "Run 14"): tb_stage && GPU_TESTS=... gpu_tests && ADMIT_VARIANTS=...
 # admit; tb_stage; tb_stage && TB_PEAGLE_ARGS="--optimizer muon" testbed; testbed_wait x2; the trained head's closed
 # loop (engine with ENGINE_HEAD, ENGINE_LOOP=64:256); BENCH_K=7 BENCH_C=1,64 bench on MT-Bench and on HumanEval.
@@ -632,7 +634,8 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
       sweep "$OUT/bench-hf" ${HF_SECS:-140} --methods none --concurrency 1 --datasets mtbench,humaneval \
         --max-model-len 4096 --hf-baselines --hf-num-prompts ${HF_N:-4} --hf-batch-sizes 1,64
       runs=()
-      for r in "$W"/results/bench-t*/results.json "$OUT/bench2/results.json" "$OUT/bench-hf/results.json"; do
+      for r in "$W"/results/bench-t*/results.json "$OUT/bench2/results.json" "$OUT/bench-hf/results.json" \
+               "$W/tb/served/${TB_SCALE:-h200}/results.json"; do  # the last: the testbed's served step, if any
         [ -f "$r" ] && runs+=("$r")
       done
       [ ${#runs[@]} -gt 0 ] && $py -m peagle bench-report "${runs[@]}" --out "$OUT/sweep" | tail -1 || true

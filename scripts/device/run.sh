@@ -16,16 +16,18 @@
 # Nothing outlives the session: a session starts from a fresh checkout, so heads are trained in the session that
 # serves them (heads_out / heads_in move them between machines of one session, or home for a look, not further), and
 # the carried folders are built first: bash scripts/device/stage_local.sh wheels && ... stage_local.sh cfg.
-#   1. tb_stage && GPU_TESTS="tests/gpu/test_prefill_graphs_gpu.py -k mixed_tiles" gpu_tests; ADMIT_SECS=200
-#      ADMIT_PROFILE=1 ADMIT_VARIANTS=async+prefill-graphs+admit-ahead,async+prefill-graphs+admit-ahead+mixed-tiles
-#      admit (carry .tb_a .whl .cfg): where an admitting step's GPU time goes (the kernels it launches against a
-#      decode round's, engine_timing.py --profile-loop; admitting rounds were 57% of the closed loop's wall time in
-#      run 14) and the mixed step's attention tiled apart (MIXED_TILES on by default if it wins and its GPU tests
-#      pass), ~4 min; 2. tb_stage (.tb_b); 3. tb_stage && TB_SECS=560
+#   1. tb_stage && GPU_TESTS="tests/gpu/test_prefill_graphs_gpu.py -k mixed_tiles" gpu_tests; ADMIT_SECS=260
+#      ADMIT_PROFILE=1 ADMIT_BATCHES=1,64 ADMIT_VARIANTS=V admit (carry .tb_a .whl .cfg), V =
+#      async+prefill-graphs+admit-ahead,async+prefill-graphs+admit-ahead+mixed-tiles,
+#      async+prefill-graphs+admit-ahead+fused-merge without spaces: where an admitting step's GPU time goes (the
+#      kernels it launches against a decode round's, engine_timing.py --profile-loop; admitting rounds were 57% of
+#      the closed loop's wall time in run 14), the mixed step's attention tiled apart (MIXED_TILES on by default if
+#      it wins and its GPU tests pass) and the split merge inside the attention kernel at batch 1 (FUSED_MERGE,
+#      issue 16's 1,200 tok/s), ~5 min; 2. tb_stage (.tb_b); 3. tb_stage && TB_SECS=560
 #      TB_EAGLE3_ARGS="--optimizer muon" testbed (.tb_c .whl: Muon for EAGLE-3 too, P-EAGLE's recipe as in run 14 the
 #      control: the EAGLE-3 baseline gets its best recipe, or the AL ratio is not honest); 4. TB_SECS=560
-#      testbed_wait; 5. TB_SECS=400 testbed_wait (heads and the served step); 6. with what is left (3-4 min):
-#      HF_SECS=150 BENCH2_DATASETS=none bench2 (the HF transformers baselines, issue 15's P-EAGLE / HF cell, beside
+#      testbed_wait; 5. TB_SECS=400 testbed_wait (heads and the served step); 6. with what is left (about 2-3 min):
+#      HF_SECS=120 BENCH2_DATASETS=none bench2 (the HF transformers baselines, issue 15's P-EAGLE / HF cell, beside
 #      the served step's rows), or with more, BENCH_SECS=280 BENCH_K=3,7 BENCH_C=1,8,64 bench.
 # Run 14's plan (what was run, BENCHMARKS.md "Run 14"): tb_stage && GPU_TESTS=... gpu_tests && ADMIT_VARIANTS=...
 # admit; tb_stage; tb_stage && TB_PEAGLE_ARGS="--optimizer muon" testbed; testbed_wait x2; the trained head's closed
@@ -325,7 +327,7 @@ case "$stage" in
       src=$PWD/src; [ $tree = old ] && src=$PWD/.old/src
       [ -d "$src" ] || continue
       PYTHONPATH="$src:/tmp/site" timeout ${ADMIT_SECS:-80} $py scripts/device/engine_timing.py .cfg \
-        "$OUT/admit-$tree.json" --load-format dummy --head peagle=dummy --batches 64 --ttft-prompts 0 \
+        "$OUT/admit-$tree.json" --load-format dummy --head peagle=dummy --batches ${ADMIT_BATCHES:-64} --ttft-prompts 0 \
         --closed-loop 64:256 --loop-jitter 0.5 \
         --synthetic-acceptance ${ADMIT_RATES:-0.63,0.35,0.22,0.15,0.10,0.08,0.06} \
         --methods ${ADMIT_METHODS:-none,peagle} --variants ${ADMIT_VARIANTS:-async+prefill-graphs} \

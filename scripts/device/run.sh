@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One script for the GPU machine: builds, checks and times peagle in stages that fit one call each.
 #   bash scripts/device/run.sh STAGE  (STAGE: stage_a | tb_stage | testbed | testbed_wait | testbed_data | kernels |
-#                                      admit | heads_out | heads_in |
+#                                      admit | muon | heads_out | heads_in |
 #                                      gpu_tests | throughput | mmhost | buckets | engine | data | train | wait |
 #                                      heads | serve | walk | check | ablate |
 #                                      stage_b | bench | bench2 | final | scale | teacher)
@@ -16,14 +16,16 @@
 # Nothing outlives the session: a session starts from a fresh checkout, so heads are trained in the session that
 # serves them (heads_out / heads_in move them between machines of one session, or home for a look, not further), and
 # the carried folders are built first: bash scripts/device/stage_local.sh wheels && ... stage_local.sh cfg.
-#   1. tb_stage && GPU_TESTS="tests/gpu/test_prefill_graphs_gpu.py -k mixed_tiles" gpu_tests; ADMIT_SECS=260
+#   1. tb_stage && GPU_TESTS="tests/gpu/test_prefill_graphs_gpu.py::test_mixed_tiles_keep_greedy_output
+#      tests/gpu/test_optimizers_gpu.py" gpu_tests; muon; ADMIT_SECS=260
 #      ADMIT_PROFILE=1 ADMIT_BATCHES=1,64 ADMIT_VARIANTS=V admit (carry .tb_a .whl .cfg), V =
 #      async+prefill-graphs+admit-ahead,async+prefill-graphs+admit-ahead+mixed-tiles,
 #      async+prefill-graphs+admit-ahead+fused-merge without spaces: where an admitting step's GPU time goes (the
 #      kernels it launches against a decode round's, engine_timing.py --profile-loop; admitting rounds were 57% of
 #      the closed loop's wall time in run 14), the mixed step's attention tiled apart (MIXED_TILES on by default if
 #      it wins and its GPU tests pass) and the split merge inside the attention kernel at batch 1 (FUSED_MERGE,
-#      issue 16's 1,200 tok/s), ~5 min; 2. tb_stage (.tb_b); 3. tb_stage && TB_SECS=560
+#      issue 16's 1,200 tok/s), and the Muon step batched by shape against block by block (run 14's Muon steps
+#      cost 23% more than AdamW's), ~5 min; 2. tb_stage (.tb_b); 3. tb_stage && TB_SECS=560
 #      TB_EAGLE3_ARGS="--optimizer muon" testbed (.tb_c .whl: Muon for EAGLE-3 too, P-EAGLE's recipe as in run 14 the
 #      control: the EAGLE-3 baseline gets its best recipe, or the AL ratio is not honest); 4. TB_SECS=560
 #      testbed_wait; 5. TB_SECS=400 testbed_wait (heads and the served step); 6. with what is left (about 2-3 min):
@@ -334,6 +336,11 @@ case "$stage" in
         ${ADMIT_PROFILE:+--profile-loop "$OUT/admit-profile-$tree"} 2>&1 \
         | grep -E "^\{|Error|error" || true
     done
+    ;;
+  muon)
+    # Issue 14's training throughput: the Muon step of a testbed-shaped P-EAGLE head, blocks of one shape
+    # orthogonalised together against each alone, and fused AdamW for scale; no model needed, ~20 s.
+    timeout ${MUON_SECS:-120} $py scripts/device/muon_timing.py "$OUT/muon_timing.json" 2>&1 | tail -4 || true
     ;;
   mmhost)
     # The host cost of a matmul whose shape changes every call against a repeated one (the trainer's steps change

@@ -33,3 +33,24 @@ def test_muon_on_cuda_matches_torch_and_steps_blocks_apart(shape):
     Muon(parts, [None] * 3, lr=1e-3).step()
     torch.testing.assert_close(fused.detach(), torch.cat([p.detach() for p in parts]), rtol=0, atol=0)
     assert (fused - w).abs().max() > 0  # it moved
+
+
+def test_muon_batched_by_shape_on_cuda_matches_each_block_alone():
+    """The testbed head's blocks, same-shape ones through one batched Newton-Schulz, step as each alone would, to
+    bf16's precision (batched and single GEMMs may round differently)."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    shapes = [((960, 1152), [576, 192, 192]), ((960, 576), [576, 192, 192]), ((576, 576), None),
+              ((3072, 576), [1536, 1536]), ((576, 1536), None), ((576, 1728), None)]
+    ws = [torch.randn(s, device="cuda", generator=gen) * 0.02 for s, _ in shapes]
+    blocks = [rows for _, rows in shapes]
+    batched = [torch.nn.Parameter(w.clone()) for w in ws]
+    alone = [torch.nn.Parameter(w.clone()) for w in ws]
+    a, b = Muon(batched, blocks, lr=1e-3), Muon(alone, blocks, lr=1e-3, batch_shapes=False)
+    for _ in range(3):
+        for x, y in zip(batched, alone):
+            x.grad = torch.randn(x.shape, device="cuda", generator=gen) * 1e-3
+            y.grad = x.grad.clone()
+        a.step(), b.step()
+    for x, y, w in zip(batched, alone, ws):
+        torch.testing.assert_close(x.detach(), y.detach(), atol=1e-4, rtol=0)
+        assert (x - w).abs().max() > 1e-3  # it moved, more than the tolerance

@@ -548,6 +548,33 @@ def test_muon_of_one_block_is_torch_muon_and_blocks_step_as_separate_matrices(sh
     assert not torch.allclose(fused, whole)
 
 
+def test_muon_orthogonalises_blocks_of_one_shape_together():
+    """Blocks of one shape, tall ones transposed, go through one batched Newton-Schulz: what each alone gives, to
+    bf16's precision; the step of many such matrices is the step of each alone."""
+    from peagle.training.optimizers import orthogonalise, orthogonalise_batch
+
+    gen = torch.Generator().manual_seed(3)
+    g = torch.randn(5, 12, 30, generator=gen)
+    torch.testing.assert_close(orthogonalise_batch(g).float(), torch.stack([orthogonalise(x) for x in g]).float(),
+                               atol=2e-2, rtol=2e-2)
+    shapes = [(12, 30), (30, 12), (12, 30), (8, 30), (12, 30)]  # (12, 30) x 3 and its transpose: one batch of 4
+    ws = [torch.randn(s, generator=gen) for s in shapes]
+    together = [torch.nn.Parameter(w.clone()) for w in ws]
+    alone = [torch.nn.Parameter(w.clone()) for w in ws]
+    opt = Muon(together, [None] * len(ws), lr=0.02, weight_decay=0.1)
+    opts = [Muon([p], [None], lr=0.02, weight_decay=0.1) for p in alone]
+    for _ in range(3):
+        for a, b in zip(together, alone):
+            a.grad = torch.randn(a.shape, generator=gen)
+            b.grad = a.grad.clone()
+        opt.step()
+        for o in opts:
+            o.step()
+    for a, b, w in zip(together, alone, ws):
+        torch.testing.assert_close(a.detach(), b.detach(), atol=2e-3, rtol=0)
+        assert (a - w).abs().max() > 0.01  # it moved, more than the tolerance
+
+
 def test_muon_trains_resumes_exactly_and_refuses_another_optimizer(setup, tmp_path, one_thread):
     checkpoint, data = setup
     cpu = DistContext(0, 1, torch.device("cpu"))

@@ -29,8 +29,9 @@
 #      TB_EAGLE3_ARGS="--optimizer muon" testbed (.tb_c .whl: Muon for EAGLE-3 too, P-EAGLE's recipe as in run 14 the
 #      control: the EAGLE-3 baseline gets its best recipe, or the AL ratio is not honest); 4. TB_SECS=560
 #      testbed_wait; 5. TB_SECS=400 testbed_wait (heads and the served step); 6. with what is left (about 2-3 min):
-#      HF_SECS=120 BENCH2_DATASETS=none bench2 (the HF transformers baselines, issue 15's P-EAGLE / HF cell, beside
-#      the served step's rows), or with more, BENCH_SECS=280 BENCH_K=3,7 BENCH_C=1,8,64 bench.
+#      HF_SECS=120 HF_BATCHES=1 BENCH2_DATASETS=none bench2 (the HF transformers baselines at batch 1, issue 15's
+#      P-EAGLE / HF cell, beside the served step's rows), or with more, BENCH_SECS=280 BENCH_K=3,7 BENCH_C=1,8,64
+#      bench.
 # Run 14's plan (what was run, BENCHMARKS.md "Run 14"): tb_stage && GPU_TESTS=... gpu_tests && ADMIT_VARIANTS=...
 # admit; tb_stage; tb_stage && TB_PEAGLE_ARGS="--optimizer muon" testbed; testbed_wait x2; the trained head's closed
 # loop (engine with ENGINE_HEAD, ENGINE_LOOP=64:256); BENCH_K=7 BENCH_C=1,64 bench on MT-Bench and on HumanEval.
@@ -641,7 +642,7 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
           --temperature ${BENCH2_TEMPS:-0} --max-model-len 8192 "${adaptive[@]}"
       # transformers generate (greedy) beside a no-speculation point; the P-EAGLE rows come from the runs above.
       sweep "$OUT/bench-hf" ${HF_SECS:-140} --methods none --concurrency 1 --datasets mtbench,humaneval \
-        --max-model-len 4096 --hf-baselines --hf-num-prompts ${HF_N:-4} --hf-batch-sizes 1,64
+        --max-model-len 4096 --hf-baselines --hf-num-prompts ${HF_N:-4} --hf-batch-sizes ${HF_BATCHES:-1,64}
       runs=()
       for r in "$W"/results/bench-t*/results.json "$OUT/bench2/results.json" "$OUT/bench-hf/results.json" \
                "$W/tb/served/${TB_SCALE:-h200}/results.json"; do  # the last: the testbed's served step, if any

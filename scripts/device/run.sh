@@ -17,7 +17,7 @@
 # serves them (heads_out / heads_in move them between machines of one session, or home for a look, not further), and
 # the carried folders are built first: bash scripts/device/stage_local.sh wheels && ... stage_local.sh cfg.
 #   1. tb_stage && GPU_TESTS="tests/gpu/test_prefill_graphs_gpu.py::test_mixed_tiles_keep_greedy_output
-#      tests/gpu/test_optimizers_gpu.py" gpu_tests; muon; ADMIT_SECS=260
+#      tests/gpu/test_optimizers_gpu.py" gpu_tests; muon; ADMIT_SECS=300
 #      ADMIT_PROFILE=1 ADMIT_BATCHES=1,64 ADMIT_VARIANTS=V admit (carry .tb_a .whl .cfg), V =
 #      async+prefill-graphs+admit-ahead,async+prefill-graphs+admit-ahead+mixed-tiles,
 #      async+prefill-graphs+admit-ahead+fused-merge without spaces: where an admitting step's GPU time goes (the

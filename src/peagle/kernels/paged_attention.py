@@ -361,16 +361,18 @@ def paged_attention(
     fused = FUSED_MERGE if fused_merge is None else fused_merge
     launch = functools.partial(_launch, q, k_cache, v_cache, out, block_tables, query_start_loc, positions, scale,
                                group=group, num_splits=num_splits, fused_merge=fused)
-    mixed = MIXED_TILES if mixed_tiles is None else mixed_tiles
-    if not (mixed and small_query_len is not None and small_query_len < max_query_len):
+    mixed = small_query_len is not None and (MIXED_TILES if mixed_tiles is None else mixed_tiles)
+    if mixed:
+        # Short: the rows one small tile holds (at least small_query_len, unless the tile's pair cap binds: then the
+        # requests between go to the long launch). Every request that short: one launch as usual.
+        small_m, small_q = query_tile(small_query_len, group, head_dim)
+        mixed = small_q < max_query_len
+    if not mixed:
         block_m, block_q = query_tile(max_query_len, group, head_dim)
         num_q_tiles = triton.cdiv(max_query_len, block_q)
         launch(num_requests * num_q_tiles, block_m, block_q, max_query_len, num_q_tiles=num_q_tiles)
         return out
-    # Short: the rows one small tile holds (at least small_query_len, unless the tile's pair cap binds: then the
-    # requests between go to the long launch).
-    block_m, small_q = query_tile(small_query_len, group, head_dim)
-    launch(num_requests, block_m, small_q, small_q, map_mode=1, small_q=small_q)
+    launch(num_requests, small_m, small_q, small_q, map_mode=1, small_q=small_q)
     block_m, block_q = query_tile(max_query_len, group, head_dim)
     bound = mixed_tiles_bound(num_tokens, num_requests, small_q, block_q)
     key = (small_q, block_q, bound)

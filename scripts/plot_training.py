@@ -45,7 +45,7 @@ def main() -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    fig, ax = plt.subplots(figsize=(9.6, 4.4))
     for spec in args.runs:
         name, _, path = spec.partition("=")
         minutes, walk, simulated, evaluation = curve(Path(path), args.k)
@@ -62,7 +62,7 @@ def main() -> int:
     ax.set_xlabel("training time (minutes)")
     ax.set_ylabel(f"held-out acceptance length at K={args.k}")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside the axes, not over the lines
     fig.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=110)

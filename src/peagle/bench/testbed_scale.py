@@ -55,7 +55,7 @@ class Scale:
     num_kv_blocks: int | None = None  # --num-kv-blocks of every `peagle regenerate` (None: sized from free memory)
     # Training: both heads get train_args and --time-limit train_minutes, each its own method's arguments; the
     # recipe (learning rate, optimizer, schedule, frozen 32K head, COD, depth decay, feature noise) is `peagle train`'s
-    # default (Muon for P-EAGLE, AdamW for EAGLE-3 since run 14).
+    # default (Muon for both heads: P-EAGLE's since run 14, EAGLE-3's since run 15).
     train_args: tuple[str, ...] = TRAIN_ARGS
     eagle3_args: tuple[str, ...] = ("--num-layers", "1", "--k-train", "7", "--batch-size", "1")
     peagle_args: tuple[str, ...] = ("--num-layers", "4", "--k-train", "8", "--batch-size", "1")

@@ -101,7 +101,7 @@ def register(subparsers) -> None:
     train.add_argument("--optimizer", choices=OPTIMIZERS,
                        help="adamw: AdamW for every trained parameter; muon: Muon for the drafter's hidden weight "
                             "matrices (speculators' default), AdamW for embeddings, norms and mask_hidden (default: "
-                            "muon for --method peagle, adamw for eagle3)")
+                            "muon for both methods)")
     train.add_argument("--muon-lr", type=float, help="Muon's peak learning rate (default: --lr; Muon's update is "
                                                      "scaled to AdamW's RMS)")
     train.add_argument("--warmup-steps", type=int, help="linear warmup steps (default 2%% of the steps; with --time-limit at most 30)")

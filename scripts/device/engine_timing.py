@@ -29,7 +29,9 @@ instead of two per layer (peagle.kernels.paged_attention.FUSED_MERGE, off by def
 arrives (peagle.engine.llm_engine.ADMIT_AHEAD, on by default since run 14; without the modifier the variant runs
 with it off, so rows mean the same in every run), and in `+mixed-tiles`: the attention of a step that prefills beside
 decodes in two launches, short requests in small tiles and long ones listed by a tile map
-(peagle.kernels.paged_attention.MIXED_TILES, off by default until timed).
+(peagle.kernels.paged_attention.MIXED_TILES, off by default until timed), and in `+pdl`: the decode path's Triton
+kernels launched with programmatic dependent launch, each starting while the one before finishes
+(peagle.kernels.pdl.ENABLED, off by default until timed; Hopper and newer).
 Each variant first times the time to first token at concurrency 1 (`ttft_p50_ms`, median over --ttft-prompts MT-Bench
 first turns: from add_request to the step that returns the token). Prefill graphs are captured on a shape's first
 use, so the prompts run twice: the first pass is reported as `ttft_cold_p50_ms`, the second is the measurement.
@@ -74,13 +76,17 @@ from peagle.bench.datasets import load_prompts
 from peagle.models.loader import load_tokenizer
 
 paged_attention_module = importlib.import_module("peagle.kernels.paged_attention")  # the package shadows the name
+try:  # trees before programmatic dependent launch lack it (`+pdl` is refused there)
+    pdl = importlib.import_module("peagle.kernels.pdl")
+except ImportError:
+    pdl = None
 TOKEN_BUCKET_STEPS = getattr(cuda_graph, "TOKEN_BUCKET_STEPS", 1)  # 1 in trees before run 14
-MODIFIERS = ("fused-merge", "coarse-buckets", "admit-ahead", "mixed-tiles")
+MODIFIERS = ("fused-merge", "coarse-buckets", "admit-ahead", "mixed-tiles", "pdl")
 
 
 def split_variant(variant: str) -> tuple[str, set[str]]:
     """A variant's engine options' name and its module switches (+fused-merge, +coarse-buckets, +admit-ahead,
-    +mixed-tiles, in any order)."""
+    +mixed-tiles, +pdl, in any order)."""
     mods = set()
     while any(variant.endswith("+" + m) for m in MODIFIERS):
         m = next(m for m in MODIFIERS if variant.endswith("+" + m))
@@ -480,7 +486,8 @@ def main(argv=None) -> int:
                     "each may end in +fused-merge (the attention's KV splits merged inside its kernel) and "
                     "+coarse-buckets (general graphs padded to powers of two of tokens, the ladder before run 14) and "
                     "+admit-ahead (a step that admits prompts launched before the answer in flight) and "
-                    "+mixed-tiles (a mixed step's short and long requests tiled apart in its attention)")
+                    "+mixed-tiles (a mixed step's short and long requests tiled apart in its attention) and "
+                    "+pdl (the Triton kernels launched with programmatic dependent launch)")
     ap.add_argument("--stall", type=int, metavar="N", help="also time the stall a new N-token prompt causes")
     ap.add_argument("--arrivals", action="store_true", help="also time inter-token latencies as requests arrive")
     ap.add_argument("--ttft-prompts", type=int, default=16, metavar="N",
@@ -550,6 +557,10 @@ def main(argv=None) -> int:
             paged_attention_module.MIXED_TILES = "mixed-tiles" in mods  # harmless in trees without it
             cuda_graph.TOKEN_BUCKET_STEPS = 1 if "coarse-buckets" in mods else TOKEN_BUCKET_STEPS
             llm_engine.ADMIT_AHEAD = "admit-ahead" in mods  # an attribute older trees lack: harmless there
+            if pdl is not None:
+                pdl.ENABLED = "pdl" in mods
+            elif "pdl" in mods:
+                raise SystemExit(f"{variant}: this tree has no programmatic dependent launch (peagle.kernels.pdl)")
             synthetic = None if head is None or not args.synthetic_acceptance else rates
             llm = LLM(model=args.target, speculative_config=spec, dtype="bfloat16", max_model_len=4096,
                       max_num_seqs=64, load_format=args.load_format, synthetic_acceptance=synthetic, **VARIANTS[base])

@@ -1,7 +1,8 @@
 """General-step CUDA graphs (prefill_cuda_graphs) on the GPU: greedy output with them equals the output of eager
 general steps, token for token in fp32, without speculation and with EAGLE-3 and P-EAGLE drafting, with chunked
 prefill and async scheduling; and a captured graph's replay equals an eager call of its function on the same static
-buffers. Timing: scripts/device/engine_timing.py --variants sync,prefill-graphs."""
+buffers. Timing: scripts/device/engine_timing.py --variants sync,prefill-graphs. The mixed steps' attention in two
+launches (MIXED_TILES) and programmatic dependent launch (peagle.kernels.pdl) keep the same output."""
 
 from __future__ import annotations
 
@@ -93,6 +94,28 @@ def test_mixed_tiles_keep_greedy_output(model_dir, method, graphs, monkeypatch):
     llm = make_llm(model_dir, method, graphs)
     assert [o.token_ids for o in llm.generate(PROMPTS, params(), use_tqdm=False)] == ref
     assert 2 in maps
+
+
+@pytest.mark.parametrize("gemv", [False, True])
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("method", sorted(SPECS))
+def test_pdl_keeps_greedy_output(model_dir, method, graphs, gemv, monkeypatch):
+    """The Triton kernels launched with programmatic dependent launch (peagle.kernels.pdl.ENABLED: each waits for the
+    kernel before, then lets the next one start) give the output of ordinary launches, token for token in fp32, with
+    and without CUDA graphs for general steps and with the GEMV path (decode_gemv: every linear a Triton kernel, so
+    whole layers chain by PDL), and PDL launches did happen."""
+    from peagle.kernels import pdl
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0 or newer")
+    ref = [o.token_ids for o in make_llm(model_dir, method, graphs, decode_gemv=gemv).generate(
+        PROMPTS, params(), use_tqdm=False)]
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    launched, real = [], pdl.options
+    monkeypatch.setattr(pdl, "options", lambda device: launched.append(real(device)) or launched[-1])
+    llm = make_llm(model_dir, method, graphs, decode_gemv=gemv)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params(), use_tqdm=False)] == ref
+    assert {"USE_PDL": True, "launch_pdl": True} in launched
 
 
 @pytest.mark.parametrize("method", ["none", "peagle"])

@@ -35,6 +35,8 @@ def test_split_variant(timing):
     assert timing.split_variant("async+prefill-graphs+admit-ahead") == ("async+prefill-graphs", {"admit-ahead"})
     assert timing.split_variant("async+prefill-graphs+admit-ahead+mixed-tiles") == (
         "async+prefill-graphs", {"admit-ahead", "mixed-tiles"})
+    assert timing.split_variant("async+prefill-graphs+admit-ahead+pdl") == (
+        "async+prefill-graphs", {"admit-ahead", "pdl"})
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from peagle.kernels import pdl
 from peagle.kernels.kv_cache import _check_args as _check_kv_args
 from peagle.kernels.kv_cache import store_kv_ref
 
@@ -39,9 +40,12 @@ def _norm_warps(block: int) -> int:
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, summed_ptr,
     num_heads, d, stride_xt, stride_xh, stride_rt, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # One program normalises one row: row = token * num_heads + head (num_heads is 1 for [T, d] inputs).
+    if USE_PDL:  # programmatic dependent launch (kernels/pdl.py): nothing is touched before the wait
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < d
@@ -83,7 +87,7 @@ def _launch_rms_norm(x, residual, weight, eps, summed):
     _rms_norm_kernel[(num_rows,)](
         x, residual, weight.contiguous(), out, summed,
         num_heads, d, x.stride(0), x.stride(1) if x.dim() == 3 else 0, stride_rt, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_norm_warps(block),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_norm_warps(block), **pdl.options(x.device),
     )
     return out
 
@@ -202,9 +206,12 @@ def _rotary_kernel(
     positions_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
     num_q_heads, num_kv_heads, half,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
-    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # One program rotates one token's q and k heads.
+    if USE_PDL:  # programmatic dependent launch (kernels/pdl.py): nothing is touched before the wait
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     cos1, cos2, sin1, sin2 = _rope_row(cos_ptr, sin_ptr, pos, stride_cos, stride_sin, half, q_out_ptr, BLOCK_HALF)
@@ -253,7 +260,7 @@ def rotary(
         num_q_heads, num_kv_heads, head_dim // 2,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
         BLOCK_HQ=block_hq, BLOCK_HKV=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=block_half,
-        num_warps=ROTARY_WARPS,
+        num_warps=ROTARY_WARPS, **pdl.options(q.device),
         enable_fp_fusion=False,  # a fused multiply-add would skip the rounding of the fp32 products
     )
     return q_out, k_out
@@ -266,9 +273,13 @@ def _rotary_store_kv_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # One program per token: rotate its q heads into q_out, rotate its k heads straight into the paged cache and
     # copy its v heads there (the cache writes only where the slot is not -1).
+    if USE_PDL:  # programmatic dependent launch (kernels/pdl.py): nothing is touched before the wait
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -320,7 +331,7 @@ def rotary_store_kv(
         v_cache.stride(2),
         BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=ROTARY_WARPS,
+        num_warps=ROTARY_WARPS, **pdl.options(q.device),
         enable_fp_fusion=False,  # a fused multiply-add would skip the rounding of the fp32 products
     )
     return q_out
@@ -355,8 +366,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 # silu_and_mul
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     # Program (row, tile) computes silu(gate) * up over one tile of columns of one row.
+    if USE_PDL:  # programmatic dependent launch (kernels/pdl.py): nothing is touched before the wait
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
@@ -385,7 +399,7 @@ def silu_and_mul(
         return out
     block = min(SILU_TILE, triton.next_power_of_2(inter))
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-        x, out, inter, x.stride(0), BLOCK=block, num_warps=SILU_WARPS,
+        x, out, inter, x.stride(0), BLOCK=block, num_warps=SILU_WARPS, **pdl.options(x.device),
     )
     return out
 

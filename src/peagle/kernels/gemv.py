@@ -19,6 +19,8 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from peagle.kernels import pdl
+
 MAX_GEMV_ROWS = 8  # GemvLinear's rows at most; more go to cuBLAS
 MIN_SPLIT_BLOCKS = 8  # split-K only for a reduction of at least this many BLOCK_K
 
@@ -59,10 +61,13 @@ def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
     res_ptr, nw_ptr, sum_ptr, stride_rm, eps,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr, SILU_AND_MUL: tl.constexpr,
-    NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # NORM: 0, x as it is; 1, rms_norm(x) with weight nw; 2, the same of x + residual, whose sum (x's dtype) the
     # programs of the first column of N tiles write to sum_ptr, each its slice of the reduction.
+    if USE_PDL:  # programmatic dependent launch (kernels/pdl.py): nothing is touched before the wait
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -114,7 +119,10 @@ def _gemv_kernel(
 
 @triton.jit(do_not_specialize=["M"])
 def _split_sum_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # programmatic dependent launch (kernels/pdl.py): nothing is touched before the wait
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = idx < M * N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -183,11 +191,11 @@ def gemv(
                        res, norm_weight.contiguous(), out_sum, res.stride(0), eps,
                        HAS_BIAS=bias is not None, SPLIT_K=split, IEEE=ieee, SILU_AND_MUL=silu_and_mul,
                        NORM=0 if norm is None else 1 if residual is None else 2,
-                       BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+                       BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, **pdl.options(x.device))
     if split > 1:
         block = 256
         _split_sum_kernel[(triton.cdiv(m * n, block),)](part, b, y, m, n, y.stride(0), HAS_BIAS=bias is not None,
-                                                         SPLIT_K=split, BLOCK=block)
+                                                         SPLIT_K=split, BLOCK=block, **pdl.options(x.device))
     return y
 
 

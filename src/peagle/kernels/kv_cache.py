@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from peagle.kernels import pdl
+
 PADDING_SLOT_ID = -1
 
 
@@ -21,8 +23,12 @@ def _store_kv_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     block_size,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # One program copies one token's [num_kv_heads, head_dim] rows of k and v.
+    if USE_PDL:  # programmatic dependent launch (kernels/pdl.py): nothing is touched before the wait
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     block = slot // block_size
@@ -75,7 +81,7 @@ def store_kv(
         k_cache.shape[1],
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=1 if num_kv_heads * head_dim <= 512 else 4,
+        num_warps=1 if num_kv_heads * head_dim <= 512 else 4, **pdl.options(k.device),
     )
 
 

@@ -49,6 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
+from peagle.kernels import pdl
+
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 8
 
@@ -105,7 +107,11 @@ def _paged_attention_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, MAP: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # programmatic dependent launch (kernels/pdl.py): nothing is touched before the wait
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     req, row, head, row_ok = _tile_rows(query_start_loc_ptr, tile_map_ptr, tl.program_id(0), num_q_tiles, small_q,
@@ -209,8 +215,12 @@ def _merge_splits_kernel(
     num_tokens, num_q_tiles, small_q, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, MAP: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # Same tiling as the attention kernel, so exactly the rows of requests are read and written.
+    if USE_PDL:  # programmatic dependent launch (kernels/pdl.py): nothing is touched before the wait
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     req, row, head, row_ok = _tile_rows(query_start_loc_ptr, tile_map_ptr, tl.program_id(0), num_q_tiles, small_q,
                                         tl.program_id(1), GROUP, BLOCK_M, BLOCK_Q, MAP)
     _merge_partials(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, head, row_ok, num_tokens,
@@ -419,13 +429,13 @@ def _launch(q, k_cache, v_cache, out, block_tables, query_start_loc, positions, 
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=kv["BLOCK_N"],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_UPCAST=q.device.type != "cuda",
         num_warps=4 if block_m <= 64 else 8, num_stages=kv["num_stages"], FUSED_MERGE=arrivals is not None,
-        **consts,
+        **consts, **pdl.options(q.device),
     )
     if splits > 1 and arrivals is None:
         _merge_splits_kernel[(num_programs, num_kv_heads)](
             out, part_acc, part_max, part_sum, query_start_loc, tile_map,
             num_tokens, num_q_tiles, small_q, out.stride(0), out.stride(1),
-            num_warps=4, **consts,
+            num_warps=4, **consts, **pdl.options(q.device),
         )
 
 

@@ -28,13 +28,16 @@
 #      honest baseline); 4. TB_SECS=560 testbed_wait; 5. TB_SECS=300 testbed_wait; 6. with what is left (3-4 min):
 #      HF_SECS=150 HF_BATCHES=1 BENCH2_DATASETS=none bench2 (the HF transformers baselines at batch 1 beside the
 #      served step's rows: issue 15's P-EAGLE / HF cell).
-# The session after (run 17, no heads: issue 16's timing, about 12 minutes with the start): tb_stage (.tb_a .whl
-#   .cfg); ADMIT_SECS=300 ADMIT_PROFILE=1 ADMIT_BATCHES=1,64 ADMIT_VARIANTS=async+prefill-graphs+admit-ahead,
-#   async+prefill-graphs+admit-ahead+mixed-tiles,async+prefill-graphs+admit-ahead+fused-merge admit (without
-#   spaces: the mixed step's attention tiled apart, MIXED_TILES, on by default if it wins, its GPU tests passed in
-#   run 15; the split merge inside the attention kernel at batch 1, FUSED_MERGE, for the 1,200 tok/s goal; where an
-#   admitting step's GPU time goes, engine_timing.py --profile-loop); then the 8B shape's batch-1 step against its
-#   weight-bandwidth floor (`scale`), unmeasured since run 7.
+# The session after (run 17, no heads: issue 16's timing, about 14 minutes with the start): 1. tb_stage &&
+#   GPU_TESTS="tests/gpu/test_prefill_graphs_gpu.py -k pdl" gpu_tests (carry .tb_a .whl .cfg: programmatic dependent
+#   launch keeps greedy output, with and without the GEMV path; its first run on a GPU); 2. ADMIT_SECS=480
+#   ADMIT_PROFILE=1 ADMIT_BATCHES=1,64 ADMIT_VARIANTS=V admit, V = B,B+mixed-tiles,B+fused-merge,B+pdl,G+pdl without
+#   spaces, B = async+prefill-graphs+admit-ahead (today's defaults), G = async+prefill-graphs+gemv+admit-ahead (every
+#   linear a Triton GEMV, so whole layers chain by PDL): the mixed step's attention tiled apart (MIXED_TILES, on by
+#   default if it wins; its GPU tests passed in run 15), the split merge inside the attention kernel (FUSED_MERGE)
+#   and PDL (peagle.kernels.pdl.ENABLED) at batch 1 for the 1,200 tok/s goal, and where an admitting step's GPU time
+#   goes (engine_timing.py --profile-loop); then the 8B shape's batch-1 step against its weight-bandwidth floor
+#   (`scale`), unmeasured since run 7, with PDL if it won.
 # Run 15's plan (what was run, BENCHMARKS.md "Run 15"): tb_stage (.tb_b); tb_stage (.tb_a); TB_SECS=560
 #   TB_EAGLE3_ARGS="--optimizer muon" testbed; testbed_wait x2; GPU_TESTS=... gpu_tests; muon.
 # Run 14's plan (what was run, BENCHMARKS.md "Run 14"): tb_stage && GPU_TESTS=... gpu_tests && ADMIT_VARIANTS=...

@@ -65,15 +65,20 @@ def _gemv_kernel(
 ):
     # NORM: 0, x as it is; 1, rms_norm(x) with weight nw; 2, the same of x + residual, whose sum (x's dtype) the
     # programs of the first column of N tiles write to sum_ptr, each its slice of the reduction.
-    if USE_PDL:  # programmatic dependent launch (kernels/pdl.py): nothing is touched before the wait
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    # The weight tiles are read one ahead of their use; the first before waiting for the kernel before (weights are
+    # never written while the model runs), so under programmatic dependent launch it loads while that one finishes.
+    w_rows = w_ptr + n[:, None] * stride_wn
+    w = tl.load(w_rows + (k_lo + kk)[None, :], mask=(n[:, None] < N) & ((k_lo + kk)[None, :] < k_hi), other=0.0)
+    if USE_PDL:  # programmatic dependent launch (kernels/pdl.py): nothing else is touched before the wait
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if NORM > 0:  # every program reads its rows whole for their mean square (a few KB at decode sizes)
         squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -103,11 +108,14 @@ def _gemv_kernel(
             gate = x.to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(x.dtype).to(tl.float32)
             x = (act * up).to(x.dtype)
-        w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+        w_now = w
+        k_next = k + BLOCK_K  # the next tile of this slice, if any
+        w = tl.load(w_rows + k_next[None, :], mask=(n[:, None] < N) & (k_next[None, :] < k_hi), other=0.0)
         if IEEE:  # fp32 inputs, or bf16 under the CPU interpreter (whose bf16 dot is wrong): exact fp32 products
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
+            # [BLOCK_M, BLOCK_N]
+            acc += tl.dot(x.to(tl.float32), tl.trans(w_now.to(tl.float32)), input_precision="ieee")
         else:
-            acc += tl.dot(x, tl.trans(w))
+            acc += tl.dot(x, tl.trans(w_now))
     ok = (m[:, None] < M) & (n[None, :] < N)
     if SPLIT_K == 1:
         if HAS_BIAS:

@@ -11,10 +11,11 @@ finished and its writes are visible. The kernels that take a USE_PDL constexpr b
         tl.extra.cuda.gdc_launch_dependents()  # the kernel after may start its launch
 
 (written out in each kernel: a jitted helper from another module would not follow Triton's interpreter into the
-private kernel copies of peagle.kernels' CPU tests). Nothing is read or written before the wait, so a buffer that the caching allocator hands from a finished
-kernel's input to the next kernel's output is never written early, and a kernel launched without PDL (cuBLAS, PyTorch)
-simply runs after the one before, as always. Under CUDA graph capture the launches become programmatic edges of the
-graph (CUDA 12.3 and newer).
+private kernel copies of peagle.kernels' CPU tests). Nothing but weights (never written while the model runs: the GEMV
+reads its first tile early) is read, and nothing written, before the wait, so a buffer that the caching allocator
+hands from a finished kernel's input to the next kernel's output is never written early, and a kernel launched without
+PDL (cuBLAS, PyTorch) simply runs after the one before, as always. Under CUDA graph capture the launches become
+programmatic edges of the graph (CUDA 12.3 and newer).
 
 `ENABLED` (off by default until timed: scripts/device/engine_timing.py, variant `+pdl`) turns it on for CUDA devices of
 compute capability 9 or newer; elsewhere, and under Triton's interpreter, `options` gives `USE_PDL=False` only.

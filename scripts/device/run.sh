@@ -27,7 +27,13 @@
 #      training-time-test steps (speculators' default; EAGLE-3's best K is 3: its best recipe for that K is the
 #      honest baseline); 4. TB_SECS=560 testbed_wait; 5. TB_SECS=300 testbed_wait; 6. with what is left (3-4 min):
 #      HF_SECS=150 HF_BATCHES=1 BENCH2_DATASETS=none bench2 (the HF transformers baselines at batch 1 beside the
-#      served step's rows: issue 15's P-EAGLE / HF cell).
+#      served step's rows: issue 15's P-EAGLE / HF cell); 7. heads_out, HEADS_OUT_FROM=4 heads_out, HEADS_OUT_FROM=8
+#      heads_out (the heads home in 11 parts, then stage_local.sh heads into .hp_a-.hp_d). Run 13's parts did not
+#      reach the next session, but this session found the last one's ignored folders (.tb_c, .whl) still in its
+#      checkout: if the next session finds .hp_*, it skips the testbed and spends its time on these heads: stage_a
+#      (.stage_a .whl .cfg); heads_in (.stage_b: the target); heads_in (.hp_a) ... (.hp_d); BENCH_K=3,7,11
+#      BENCH_MIN_S=2 BENCH_SECS=480 bench (MT-Bench's grid, issue 15); bench2 (HumanEval and long code, HF); then run
+#      17's timing below.
 # The session after (run 17, no heads: issue 16's timing, about 14 minutes with the start): 1. tb_stage &&
 #   GPU_TESTS="tests/gpu/test_prefill_graphs_gpu.py::test_pdl_keeps_greedy_output tests/gpu/test_kernels_gemv_gpu.py"
 #   gpu_tests (carry .tb_a .whl .cfg: programmatic dependent launch keeps greedy output, with and without the GEMV

@@ -37,7 +37,7 @@
 # The session after (run 17, no heads: issue 16's timing, about 14 minutes with the start): 1. tb_stage &&
 #   GPU_TESTS="tests/gpu/test_prefill_graphs_gpu.py::test_pdl_keeps_greedy_output tests/gpu/test_kernels_gemv_gpu.py"
 #   gpu_tests (carry .tb_a .whl .cfg: programmatic dependent launch keeps greedy output, with and without the GEMV
-#   path, and the GEMV that reads its weight tiles one ahead still equals cuBLAS; their first run on a GPU); 2. ADMIT_SECS=480
+#   path, and the GEMV that reads its weight tiles one ahead still equals cuBLAS; their first run on a GPU); 2. ADMIT_SECS=540
 #   ADMIT_PROFILE=1 ADMIT_BATCHES=1,64 ADMIT_VARIANTS=V admit, V = B,B+mixed-tiles,B+fused-merge,B+pdl,G+pdl without
 #   spaces, B = async+prefill-graphs+admit-ahead (today's defaults), G = async+prefill-graphs+gemv+admit-ahead (every
 #   linear a Triton GEMV, so whole layers chain by PDL): the mixed step's attention tiled apart (MIXED_TILES, on by

@@ -44,7 +44,7 @@
 #   default if it wins; its GPU tests passed in run 15), the split merge inside the attention kernel (FUSED_MERGE)
 #   and PDL (peagle.kernels.pdl.ENABLED) at batch 1 for the 1,200 tok/s goal, and where an admitting step's GPU time
 #   goes (engine_timing.py --profile-loop); then the 8B shape's batch-1 step against its weight-bandwidth floor
-#   (`scale`), unmeasured since run 7, with PDL if it won.
+#   (`scale`), unmeasured since run 7, with PEAGLE_PDL=1 too if PDL won.
 # Run 15's plan (what was run, BENCHMARKS.md "Run 15"): tb_stage (.tb_b); tb_stage (.tb_a); TB_SECS=560
 #   TB_EAGLE3_ARGS="--optimizer muon" testbed; testbed_wait x2; GPU_TESTS=... gpu_tests; muon.
 # Run 14's plan (what was run, BENCHMARKS.md "Run 14"): tb_stage && GPU_TESTS=... gpu_tests && ADMIT_VARIANTS=...

@@ -17,8 +17,9 @@ hands from a finished kernel's input to the next kernel's output is never writte
 PDL (cuBLAS, PyTorch) simply runs after the one before, as always. Under CUDA graph capture the launches become
 programmatic edges of the graph (CUDA 12.3 and newer).
 
-`ENABLED` (off by default until timed: scripts/device/engine_timing.py, variant `+pdl`) turns it on for CUDA devices of
-compute capability 9 or newer; elsewhere, and under Triton's interpreter, `options` gives `USE_PDL=False` only.
+`ENABLED` (off by default until timed: scripts/device/engine_timing.py, variant `+pdl`; the environment variable
+PEAGLE_PDL=1 sets it at import, for any script) turns it on for CUDA devices of compute capability 9 or newer;
+elsewhere, and under Triton's interpreter, `options` gives `USE_PDL=False` only.
 """
 
 from __future__ import annotations
@@ -28,7 +29,17 @@ import os
 
 import torch
 
-ENABLED = False
+ENV = "PEAGLE_PDL"
+
+
+def _from_env() -> bool:
+    value = os.environ.get(ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV}={value!r}: expected 0 or 1")
+    return value == "1"
+
+
+ENABLED = _from_env()
 
 
 @functools.cache

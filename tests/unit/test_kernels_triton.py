@@ -471,6 +471,14 @@ def test_gemv_split_k_choice_follows_the_h200_timing(monkeypatch):
     assert gemv.choose_split_k(576, 1536, torch.device("cpu")) == 1  # 8 "SMs" off the GPU: 18 programs suffice
 
 
+def test_gemv_norm_reads_a_decode_row_in_one_tile():
+    """The norm inside the GEMV reads the testbed's rows (K = 576) in one tile, the 8B shape's (4096) in four."""
+    from peagle.kernels.gemv import NORM_TILE_MAX, norm_block
+
+    assert norm_block(576) == 1024 and norm_block(96) == 128
+    assert norm_block(4096) == NORM_TILE_MAX == 1024
+
+
 def test_gemv_linear_dispatch():
     """GemvLinear keeps nn.Linear's parameters and answers; it takes the kernel path only for small batches."""
     torch.manual_seed(0)

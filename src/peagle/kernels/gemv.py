@@ -61,7 +61,8 @@ def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
     res_ptr, nw_ptr, sum_ptr, stride_rm, eps,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr, SILU_AND_MUL: tl.constexpr,
-    NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # NORM: 0, x as it is; 1, rms_norm(x) with weight nw; 2, the same of x + residual, whose sum (x's dtype) the
     # programs of the first column of N tiles write to sum_ptr, each its slice of the reduction.
@@ -80,10 +81,11 @@ def _gemv_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if NORM > 0:  # every program reads its rows whole for their mean square (a few KB at decode sizes)
+    if NORM > 0:  # every program reads its rows whole for their mean square (a few KB at decode sizes), in tiles of
+        # NORM_BLOCK: at the testbed's K = 576 one load instead of one per BLOCK_K, each a round trip to memory
         squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + kk
+        for k0 in range(0, K, NORM_BLOCK):
+            k = k0 + tl.arange(0, NORM_BLOCK)
             ok = (m[:, None] < M) & (k[None, :] < K)
             x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=ok, other=0.0)
             s = x.to(tl.float32)
@@ -140,6 +142,15 @@ def _split_sum_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.cons
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + m * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+NORM_TILE_MAX = 1024  # the norm's tile of a row at most ([16, 1024] fp32 in registers: 128 a thread at 4 warps)
+
+
+def norm_block(k: int) -> int:
+    """The tile in which a GEMV with the norm inside reads its rows for their mean square: the whole row up to
+    NORM_TILE_MAX (one load at decode sizes, where each load is a round trip), else tiles of that size."""
+    return min(triton.next_power_of_2(k), NORM_TILE_MAX)
 
 
 @functools.cache
@@ -199,7 +210,8 @@ def gemv(
                        res, norm_weight.contiguous(), out_sum, res.stride(0), eps,
                        HAS_BIAS=bias is not None, SPLIT_K=split, IEEE=ieee, SILU_AND_MUL=silu_and_mul,
                        NORM=0 if norm is None else 1 if residual is None else 2,
-                       BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, **pdl.options(x.device))
+                       BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, NORM_BLOCK=norm_block(k), num_warps=4,
+                       **pdl.options(x.device))
     if split > 1:
         block = 256
         _split_sum_kernel[(triton.cdiv(m * n, block),)](part, b, y, m, n, y.stride(0), HAS_BIAS=bias is not None,

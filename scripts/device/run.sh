@@ -34,17 +34,19 @@
 #      (.stage_a .whl .cfg); heads_in (.stage_b: the target); heads_in (.hp_a) ... (.hp_d); BENCH_K=3,7,11
 #      BENCH_MIN_S=2 BENCH_SECS=480 bench (MT-Bench's grid, issue 15); bench2 (HumanEval and long code, HF); then run
 #      17's timing below.
-# The session after (run 17, no heads: issue 16's timing, about 14 minutes with the start): 1. tb_stage &&
+# The session after (run 17, no heads: issue 16's timing, about 16 minutes with the start): 1. tb_stage &&
 #   GPU_TESTS="tests/gpu/test_prefill_graphs_gpu.py::test_pdl_keeps_greedy_output tests/gpu/test_kernels_gemv_gpu.py"
 #   gpu_tests (carry .tb_a .whl .cfg: programmatic dependent launch keeps greedy output, with and without the GEMV
-#   path, and the GEMV that reads its weight tiles one ahead still equals cuBLAS; their first run on a GPU); 2. ADMIT_SECS=540
-#   ADMIT_PROFILE=1 ADMIT_BATCHES=1,64 ADMIT_VARIANTS=V admit, V = B,B+mixed-tiles,B+fused-merge,B+pdl,G+pdl without
-#   spaces, B = async+prefill-graphs+admit-ahead (today's defaults), G = async+prefill-graphs+gemv+admit-ahead (every
-#   linear a Triton GEMV, so whole layers chain by PDL): the mixed step's attention tiled apart (MIXED_TILES, on by
-#   default if it wins; its GPU tests passed in run 15), the split merge inside the attention kernel (FUSED_MERGE)
-#   and PDL (peagle.kernels.pdl.ENABLED) at batch 1 for the 1,200 tok/s goal, and where an admitting step's GPU time
-#   goes (engine_timing.py --profile-loop); then the 8B shape's batch-1 step against its weight-bandwidth floor
-#   (`scale`), unmeasured since run 7, with PEAGLE_PDL=1 too if PDL won.
+#   path, and the GEMV that reads its weight tiles one ahead and a decode row's norm in one tile still equals cuBLAS;
+#   their first run on a GPU); 2. ADMIT_SECS=330 ADMIT_PROFILE=1 ADMIT_BATCHES=1,64 ADMIT_VARIANTS=B,B+mixed-tiles,
+#   B+fused-merge admit; 3. ADMIT_SECS=330 ADMIT_BATCHES=1,64 ADMIT_VARIANTS=B,B+pdl,G,G+pdl admit (without spaces;
+#   B = async+prefill-graphs+admit-ahead, today's defaults; G = async+prefill-graphs+gemv+admit-ahead, every linear
+#   a Triton GEMV, so whole layers chain by PDL; B again so that the two calls' rows compare): the mixed step's
+#   attention tiled apart (MIXED_TILES, on by default if it wins; its GPU tests passed in run 15), the split merge
+#   inside the attention kernel (FUSED_MERGE), PDL (peagle.kernels.pdl.ENABLED) and the GEMV path (run 10: 0.19 ms
+#   slower a batch-1 step than cuBLAS, its norm then read in five dependent loads) for the 1,200 tok/s goal, and
+#   where an admitting step's GPU time goes (engine_timing.py --profile-loop); then the 8B shape's batch-1 step
+#   against its weight-bandwidth floor (`scale`), unmeasured since run 7, with PEAGLE_PDL=1 too if PDL won.
 # Run 15's plan (what was run, BENCHMARKS.md "Run 15"): tb_stage (.tb_b); tb_stage (.tb_a); TB_SECS=560
 #   TB_EAGLE3_ARGS="--optimizer muon" testbed; testbed_wait x2; GPU_TESTS=... gpu_tests; muon.
 # Run 14's plan (what was run, BENCHMARKS.md "Run 14"): tb_stage && GPU_TESTS=... gpu_tests && ADMIT_VARIANTS=...

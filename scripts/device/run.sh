@@ -44,7 +44,7 @@
 #   a Triton GEMV, so whole layers chain by PDL; B again so that the two calls' rows compare): the mixed step's
 #   attention tiled apart (MIXED_TILES, on by default if it wins; its GPU tests passed in run 15), the split merge
 #   inside the attention kernel (FUSED_MERGE), PDL (peagle.kernels.pdl.ENABLED) and the GEMV path (run 10: 0.19 ms
-#   slower a batch-1 step than cuBLAS, its norm then read in five dependent loads) for the 1,200 tok/s goal, and
+#   slower a batch-1 step than cuBLAS; one suspect, its norm's five loads a row, is gone) for the 1,200 tok/s goal, and
 #   where an admitting step's GPU time goes (engine_timing.py --profile-loop); then the 8B shape's batch-1 step
 #   against its weight-bandwidth floor (`scale`), unmeasured since run 7, with PEAGLE_PDL=1 too if PDL won.
 # Run 15's plan (what was run, BENCHMARKS.md "Run 15"): tb_stage (.tb_b); tb_stage (.tb_a); TB_SECS=560

@@ -98,10 +98,27 @@ def test_plots_cover_what_was_measured(tmp_path):
     points = [p for p in sample_points() if p["method"] != "eagle3"]
     written = plot_all({"points": points}, tmp_path)
     # No EAGLE-3 points: no P-EAGLE / EAGLE-3 speed-up plot.
-    assert [p.name for p in written] == ["throughput_mtbench.png", "acceptance_vs_k.png"]
+    assert [p.name for p in written] == ["throughput_mtbench.png", "acceptance_vs_k.png",
+                                         "acceptance_by_position.png"]
     for png in written:
         data = png.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) < 100_000
+
+
+def test_conditional_acceptance_by_position():
+    from peagle.bench.plots import conditional_acceptance
+
+    assert conditional_acceptance([0.8, 0.4, 0.1]) == [0.8, 0.5, 0.25]
+    assert conditional_acceptance([0.5, 0.0, 0.0]) == [0.5, 0.0, None]  # none accepted draft 2: draft 3 undefined
+    assert conditional_acceptance([]) == []
+
+
+def test_acceptance_by_position_needs_per_position_rates(tmp_path):
+    from peagle.bench.plots import plot_per_position
+
+    points = [{**p, "per_position_acceptance": []} for p in sample_points()]
+    assert plot_per_position(points, tmp_path / "a.png") is None and not (tmp_path / "a.png").exists()
+    assert plot_per_position(sample_points(), tmp_path / "b.png") == tmp_path / "b.png"
 
 
 def test_schema_1_files_load_as_schema_2(tmp_path):

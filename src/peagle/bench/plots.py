@@ -1,4 +1,5 @@
-"""PNG plots of a results file: throughput vs concurrency, P-EAGLE / EAGLE-3 speed-up, acceptance length vs K.
+"""PNG plots of a results file: throughput vs concurrency, P-EAGLE / EAGLE-3 speed-up, acceptance length vs K, and
+acceptance by draft position.
 
 Small figures (500x320 px) so that they can be committed next to BENCHMARKS.md. Greedy plots carry plain names;
 those of a sampling temperature T end in _tT (throughput_mtbench_t0.7.png); the speed-up plot holds both.
@@ -122,6 +123,47 @@ def plot_acceptance_vs_k(points: list[dict], path: Path, temperature: float = 0.
     return _save(plt, fig, path)
 
 
+def conditional_acceptance(per_position: list[float]) -> list[float | None]:
+    """Acceptance of draft i given that draft i-1 was accepted (draft 1: of every round); None where no round
+    accepted the draft before."""
+    return [p if i == 0 else (p / per_position[i - 1] if per_position[i - 1] > 0 else None)
+            for i, p in enumerate(per_position)]
+
+
+def plot_per_position(points: list[dict], path: Path, temperature: float = 0.0) -> Path | None:
+    """Acceptance by draft position per method and dataset, at each method's largest fixed K and lowest measured
+    concurrency: the share of rounds that accepted draft i (left) and the share of those that accepted draft i - 1
+    which accepted draft i too (right), where a drafter that drafts all positions at once (P-EAGLE) and one that
+    feeds each draft back (EAGLE-3) part."""
+    spec = [p for p in points if p.get("per_position_acceptance") and p["k"] is not None
+            and not p.get("adaptive") and p.get("temperature", 0.0) == temperature]
+    if not spec:
+        return None
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(2 * FIGSIZE[0], FIGSIZE[1]))
+    for dataset, linestyle in zip(datasets_of(spec), itertools.cycle(LINESTYLES)):
+        for method in ENGINE_METHODS:
+            mine = [p for p in spec if p["dataset"] == dataset and p["method"] == method]
+            if not mine:
+                continue
+            k = max(p["k"] for p in mine)
+            point = min((p for p in mine if p["k"] == k), key=lambda p: p["concurrency"])
+            rates = point["per_position_acceptance"]
+            style = dict(linestyle=linestyle, marker=MARKERS[method], color=COLORS[method],
+                         label=f"{variant_label(method)} K={k}, {dataset}")
+            left.plot(range(1, len(rates) + 1), rates, **style)
+            cond = [(i + 1, c) for i, c in enumerate(conditional_acceptance(rates)) if c is not None]
+            right.plot(*zip(*cond), **style)
+    for ax, what in ((left, "rounds accepting draft i"), (right, "accepting draft i, given draft i - 1")):
+        ax.set_xlabel("draft position i")
+        ax.set_ylabel(what)
+        ax.set_ylim(0, 1)
+        ax.grid(True, alpha=0.3)
+    left.set_title(f"Acceptance by draft position ({temperature_title(temperature)})", fontsize=10)
+    right.legend(fontsize=7)
+    return _save(plt, fig, path)
+
+
 def _save(plt, fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
@@ -139,5 +181,6 @@ def plot_all(results: dict[str, Any], out_dir: Path) -> list[Path]:
         mine = [p for p in points if p.get("temperature", 0.0) == t]
         written += [plot_throughput(mine, d, out_dir / f"throughput_{d}{suffix}.png", t) for d in datasets_of(mine)]
         written.append(plot_acceptance_vs_k(mine, out_dir / f"acceptance_vs_k{suffix}.png", t))
+        written.append(plot_per_position(mine, out_dir / f"acceptance_by_position{suffix}.png", t))
     written.append(plot_speedup(points, out_dir / "speedup_peagle_vs_eagle3.png"))
     return [p for p in written if p is not None]

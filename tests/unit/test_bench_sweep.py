@@ -221,7 +221,8 @@ def test_run_benchmark_writes_results_table_and_plots(tmp_path):
     table = (tmp_path / "results.md").read_text()
     assert "### mtbench (4 requests per point)" in table and "P-EAGLE / EAGLE-3" in table
     assert {p.name for p in files["plots"]} == {"throughput_mtbench.png", "throughput_humaneval.png",
-                                                "speedup_peagle_vs_eagle3.png", "acceptance_vs_k.png"}
+                                                "speedup_peagle_vs_eagle3.png", "acceptance_vs_k.png",
+                                                "acceptance_by_position.png"}
     for plot in files["plots"]:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

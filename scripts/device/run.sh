@@ -26,7 +26,8 @@
 #      P-EAGLE with 6 layers (its pass is cheap: 0.20 ms at K=7 against EAGLE-3's 0.68) and EAGLE-3 trained with 3
 #      training-time-test steps (speculators' default; EAGLE-3's best K is 3: its best recipe for that K is the
 #      honest baseline: EAGLE-3's default becomes the recipe that serves it the most tokens/s at its best K, and the
-#      K=7 AL ratio is quoted with that recipe named); 4. TB_SECS=560 testbed_wait; 5. TB_SECS=300 testbed_wait; 6. with what is left (3-4 min):
+#      K=7 AL ratio is quoted with that recipe named); 4. TB_SECS=560 testbed_wait; 5. TB_SECS=300 testbed_wait;
+#      6. with what is left (3-4 min):
 #      HF_SECS=150 HF_BATCHES=1 BENCH2_DATASETS=none bench2 (the HF transformers baselines at batch 1 beside the
 #      served step's rows: issue 15's P-EAGLE / HF cell); 7. heads_out, HEADS_OUT_FROM=4 heads_out, HEADS_OUT_FROM=8
 #      heads_out (the heads home in 11 parts, then stage_local.sh heads into .hp_a-.hp_d). Run 13's parts did not

@@ -97,24 +97,33 @@ def plot_speedup(points: list[dict], path: Path) -> Path | None:
     return _save(plt, fig, path)
 
 
-def plot_acceptance_vs_k(points: list[dict], path: Path, temperature: float = 0.0) -> Path | None:
-    """Acceptance length vs K per method and dataset (fixed-K rows), at the lowest measured concurrency."""
-    spec = [p for p in points if p["acceptance_length"] is not None and p["k"] is not None
-            and not p.get("adaptive") and p.get("temperature", 0.0) == temperature]
-    if not spec:
-        return None
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=FIGSIZE)
+def _fixed_k_series(points: list[dict], temperature: float, has) -> list[tuple[str, str, list[dict], dict]]:
+    """Fixed-K rows of `temperature` for which `has(point)` holds, grouped per dataset and engine method: (dataset,
+    method, its rows, its line style: one line style per dataset, one marker and colour per method)."""
+    spec = [p for p in points if has(p) and p["k"] is not None and not p.get("adaptive")
+            and p.get("temperature", 0.0) == temperature]
+    groups = []
     for dataset, linestyle in zip(datasets_of(spec), itertools.cycle(LINESTYLES)):
         for method in ENGINE_METHODS:
             mine = [p for p in spec if p["dataset"] == dataset and p["method"] == method]
-            if not mine:
-                continue
-            c_min = min(p["concurrency"] for p in mine)
-            series = sorted((p["k"], p["acceptance_length"]) for p in mine if p["concurrency"] == c_min)
-            ax.plot(*zip(*series), linestyle=linestyle, marker=MARKERS[method], color=COLORS[method],
-                    label=f"{variant_label(method)}, {dataset}")
-    ax.set_xticks(sorted({p["k"] for p in spec}))
+            if mine:
+                groups.append((dataset, method, mine, dict(linestyle=linestyle, marker=MARKERS[method],
+                                                           color=COLORS[method])))
+    return groups
+
+
+def plot_acceptance_vs_k(points: list[dict], path: Path, temperature: float = 0.0) -> Path | None:
+    """Acceptance length vs K per method and dataset (fixed-K rows), at the lowest measured concurrency."""
+    groups = _fixed_k_series(points, temperature, lambda p: p["acceptance_length"] is not None)
+    if not groups:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=FIGSIZE)
+    for dataset, method, mine, style in groups:
+        c_min = min(p["concurrency"] for p in mine)
+        series = sorted((p["k"], p["acceptance_length"]) for p in mine if p["concurrency"] == c_min)
+        ax.plot(*zip(*series), **style, label=f"{variant_label(method)}, {dataset}")
+    ax.set_xticks(sorted({p["k"] for _, _, mine, _ in groups for p in mine}))
     ax.set_xlabel("K (draft tokens per round)")
     ax.set_ylabel("acceptance length")
     ax.grid(True, alpha=0.3)
@@ -135,25 +144,18 @@ def plot_per_position(points: list[dict], path: Path, temperature: float = 0.0) 
     concurrency: the share of rounds that accepted draft i (left) and the share of those that accepted draft i - 1
     which accepted draft i too (right), where a drafter that drafts all positions at once (P-EAGLE) and one that
     feeds each draft back (EAGLE-3) part."""
-    spec = [p for p in points if p.get("per_position_acceptance") and p["k"] is not None
-            and not p.get("adaptive") and p.get("temperature", 0.0) == temperature]
-    if not spec:
+    groups = _fixed_k_series(points, temperature, lambda p: bool(p.get("per_position_acceptance")))
+    if not groups:
         return None
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(2 * FIGSIZE[0], FIGSIZE[1]))
-    for dataset, linestyle in zip(datasets_of(spec), itertools.cycle(LINESTYLES)):
-        for method in ENGINE_METHODS:
-            mine = [p for p in spec if p["dataset"] == dataset and p["method"] == method]
-            if not mine:
-                continue
-            k = max(p["k"] for p in mine)
-            point = min((p for p in mine if p["k"] == k), key=lambda p: p["concurrency"])
-            rates = point["per_position_acceptance"]
-            style = dict(linestyle=linestyle, marker=MARKERS[method], color=COLORS[method],
-                         label=f"{variant_label(method)} K={k}, {dataset}")
-            left.plot(range(1, len(rates) + 1), rates, **style)
-            cond = [(i + 1, c) for i, c in enumerate(conditional_acceptance(rates)) if c is not None]
-            right.plot(*zip(*cond), **style)
+    for dataset, method, mine, style in groups:
+        k = max(p["k"] for p in mine)
+        rates = min((p for p in mine if p["k"] == k), key=lambda p: p["concurrency"])["per_position_acceptance"]
+        label = f"{variant_label(method)} K={k}, {dataset}"
+        left.plot(range(1, len(rates) + 1), rates, **style, label=label)
+        cond = [(i + 1, c) for i, c in enumerate(conditional_acceptance(rates)) if c is not None]
+        right.plot(*zip(*cond), **style, label=label)
     for ax, what in ((left, "rounds accepting draft i"), (right, "accepting draft i, given draft i - 1")):
         ax.set_xlabel("draft position i")
         ax.set_ylabel(what)

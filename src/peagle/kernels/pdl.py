@@ -54,8 +54,12 @@ def active(device: torch.device) -> bool:
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 
 
+_ON = {"USE_PDL": True, "launch_pdl": True}
+_OFF = {"USE_PDL": False}
+
+
 def options(device: torch.device) -> dict:
-    """Keyword arguments of a kernel launch on `device`: the kernel's USE_PDL constexpr, and Triton's launch_pdl
-    option where PDL is active."""
-    return {"USE_PDL": True, "launch_pdl": True} if active(device) else {"USE_PDL": False}
+    """Keyword arguments of a kernel launch on `device` (called at every launch; shared, never to be changed): the
+    kernel's USE_PDL constexpr, and Triton's launch_pdl option where PDL is active."""
+    return _ON if active(device) else _OFF
 

@@ -169,10 +169,14 @@ def check_paged_attention_mixed_tiles(case, num_splits, fused_merge):
                                          small_query_len=small, mixed_tiles=True, tile_maps=maps)
             torch.testing.assert_close(out[:rows].float(), expected[:rows].float(), atol=tol, rtol=tol)
         assert calls == [1, 2, 1, 2] and len(maps) == 1
-        # off (the default), or every request within one small tile (a decode round): one launch; a small tile
-        # capped below max_query_len still splits
+        if module.MIXED_TILES:  # the default: the same two launches when mixed_tiles is not given
+            calls.clear()
+            module.paged_attention(**batch, num_splits=num_splits, small_query_len=small)
+            assert calls == [1, 2]
+        # off, or every request within one small tile (a decode round): one launch; a small tile capped below
+        # max_query_len still splits
         calls.clear()
-        module.paged_attention(**batch, num_splits=num_splits, small_query_len=small)
+        module.paged_attention(**batch, num_splits=num_splits, small_query_len=small, mixed_tiles=False)
         module.paged_attention(**batch, num_splits=num_splits, small_query_len=batch["max_query_len"],
                                mixed_tiles=True)
         _, covered = module.query_tile(batch["max_query_len"], group, head_dim)
@@ -471,6 +475,32 @@ def test_gemv_split_k_choice_follows_the_h200_timing(monkeypatch):
     assert gemv.choose_split_k(576, 1536, torch.device("cpu")) == 1  # 8 "SMs" off the GPU: 18 programs suffice
 
 
+def test_gemv_tiling_follows_the_cold_h200_sweep(monkeypatch):
+    """Tiles where they were timed with the weights out of L2 (BENCHMARKS.md run 16): the testbed's K = 576
+    projections in one slice of 16 x 256 tiles, K = 1536 and the 8B shape's as choose_split_k splits them."""
+    gemv = triton_kernels("gemv")
+    monkeypatch.setattr(gemv, "_num_sms", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    want = {(960, 576): (16, 256, 1), (576, 576): (16, 256, 1), (3072, 576): (16, 256, 1),
+            (576, 1536): (32, 128, 6), (6144, 4096): (32, 128, 2), (4096, 14336): (32, 128, 3)}
+    assert {nk: gemv.choose_tiling(*nk, cuda) for nk in want} == want
+
+
+def check_gemv_tiling_choices(seed):
+    # Whatever the tiling (chosen, or given in part), the GEMV equals the fp32 product in fp32.
+    gemv = triton_kernels("gemv")
+    gen = torch.Generator().manual_seed(seed)
+    for n, k in ((40, 200), (24, 1100)):  # a short reduction (16 x 256 tiles) and a split one
+        x, w = torch.randn(3, k, generator=gen), torch.randn(n, k, generator=gen) / k ** 0.5
+        want = x @ w.T
+        for kw in ({}, {"block_n": 32}, {"block_k": 64}, {"split_k": 2}, {"block_n": 16, "block_k": 128}):
+            torch.testing.assert_close(gemv.gemv(x, w, **kw), want, rtol=1e-5, atol=1e-5, msg=str((n, k, kw)))
+
+
+def test_gemv_tiling_choices(interpreted):
+    interpreted(check_gemv_tiling_choices, 0)
+
+
 def test_gemv_norm_reads_a_decode_row_in_one_tile():
     """The norm inside the GEMV reads the testbed's rows (K = 576) in one tile, the 8B shape's (4096) in four."""
     from peagle.kernels.gemv import NORM_TILE_MAX, norm_block
@@ -561,7 +591,7 @@ def check_engine_with_mixed_tiles(model_dir):
     spec = {"method": "eagle3", "model": "dummy", "num_speculative_tokens": 3, "parallel_drafting": True}
     tokens = {}
     module = triton_kernels("paged_attention")
-    real, maps = module._launch, []
+    real, maps, default = module._launch, [], module.MIXED_TILES
     module._launch = lambda *a, **kw: maps.append(kw.get("map_mode", 0)) or real(*a, **kw)
     module.MIXED_TILES = True
     try:
@@ -575,7 +605,7 @@ def check_engine_with_mixed_tiles(model_dir):
             finally:
                 del os.environ[kernels.BACKEND_ENV]
     finally:
-        module._launch, module.MIXED_TILES = real, False
+        module._launch, module.MIXED_TILES = real, default
     assert tokens["triton"] == tokens["torch"]
     assert 2 in maps and 1 in maps  # steps mixed prompts with decodes, tiled apart
 

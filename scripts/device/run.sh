@@ -23,10 +23,12 @@
 # the carried folders are built first: bash scripts/device/stage_local.sh wheels && ... stage_local.sh cfg.
 # B=async+prefill-graphs+admit-ahead (today's defaults: mixed tiles on since run 16),
 # G=async+prefill-graphs+gemv+admit-ahead.
-#   1. tb_stage && ADMIT_SECS=150 ADMIT_BATCHES=1 ADMIT_VARIANTS=$B,$B+fused-merge,$G+pdl,$B+fused-merge,$B admit &&
+#   1. tb_stage && ADMIT_SECS=180 ADMIT_BATCHES=1
+#      ADMIT_VARIANTS=$B,$B+fused-merge,$G+pdl,$G+pdl+gemv-wide,$B+fused-merge,$B admit &&
 #      KERNELS_SECS=240 KERNELS_GEMV_ONLY=1 GEMV_ARGS="--rows 1 --sweep 16,32,64:128,256,512,1024:1,2,4" kernels
 #      (carry .tb_a .whl .cfg): the fused merge's batch-1 gain (run 16: 1,049 against 1,017 tokens/s, one row) again
-#      in both orders; the GEMV path with run 16's tiling (16 x 256 for K < 1,024) and PDL against cuBLAS's; wider
+#      in both orders; the GEMV path with run 16's tiling (16 x 256 for K < 1,024) and PDL against cuBLAS's, and
+#      with each program's whole weight slice read before PDL's wait (+gemv-wide: 16 x 1,024 tiles); wider
 #      tiles swept cold at both shapes (at the testbed's, a short reduction's whole weight slice in one tile, read
 #      before the PDL wait; at the 8B shape's, more bytes in flight: cuBLAS reads qkv / o / down at 57-86% of copy
 #      bandwidth cold, the gap that keeps its batch-1 step at 1.24x the floor);

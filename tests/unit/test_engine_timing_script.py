@@ -37,6 +37,8 @@ def test_split_variant(timing):
         "async+prefill-graphs", {"admit-ahead", "mixed-tiles"})
     assert timing.split_variant("async+prefill-graphs+admit-ahead+pdl") == (
         "async+prefill-graphs", {"admit-ahead", "pdl"})
+    assert timing.split_variant("async+prefill-graphs+gemv+admit-ahead+pdl+gemv-wide") == (
+        "async+prefill-graphs+gemv", {"admit-ahead", "pdl", "gemv-wide"})
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -493,7 +493,9 @@ def check_gemv_tiling_choices(seed):
     for n, k in ((40, 200), (24, 1100)):  # a short reduction (16 x 256 tiles) and a split one
         x, w = torch.randn(3, k, generator=gen), torch.randn(n, k, generator=gen) / k ** 0.5
         want = x @ w.T
-        for kw in ({}, {"block_n": 32}, {"block_k": 64}, {"split_k": 2}, {"block_n": 16, "block_k": 128}):
+        # {} at K = 200 and block_k 2048: one tile a program (ONE_TILE: no read ahead); block_k 1024 at K = 1100: two
+        for kw in ({}, {"block_n": 32}, {"block_k": 64}, {"split_k": 2}, {"block_n": 16, "block_k": 128},
+                   {"block_k": 1024}, {"block_k": 2048}):
             torch.testing.assert_close(gemv.gemv(x, w, **kw), want, rtol=1e-5, atol=1e-5, msg=str((n, k, kw)))
 
 

@@ -62,7 +62,7 @@ def _gemv_kernel(
     res_ptr, nw_ptr, sum_ptr, stride_rm, eps,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr, SILU_AND_MUL: tl.constexpr,
     NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, ONE_TILE: tl.constexpr,
 ):
     # NORM: 0, x as it is; 1, rms_norm(x) with weight nw; 2, the same of x + residual, whose sum (x's dtype) the
     # programs of the first column of N tiles write to sum_ptr, each its slice of the reduction.
@@ -75,6 +75,7 @@ def _gemv_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, K)
     # The weight tiles are read one ahead of their use; the first before waiting for the kernel before (weights are
     # never written while the model runs), so under programmatic dependent launch it loads while that one finishes.
+    # ONE_TILE: the slice is one tile (k_per_split == BLOCK_K): all of this program's weights load before the wait.
     w_rows = w_ptr + n[:, None] * stride_wn
     w = tl.load(w_rows + (k_lo + kk)[None, :], mask=(n[:, None] < N) & ((k_lo + kk)[None, :] < k_hi), other=0.0)
     if USE_PDL:  # programmatic dependent launch (kernels/pdl.py): nothing else is touched before the wait
@@ -111,8 +112,9 @@ def _gemv_kernel(
             act = (gate / (1.0 + tl.exp(-gate))).to(x.dtype).to(tl.float32)
             x = (act * up).to(x.dtype)
         w_now = w
-        k_next = k + BLOCK_K  # the next tile of this slice, if any
-        w = tl.load(w_rows + k_next[None, :], mask=(n[:, None] < N) & (k_next[None, :] < k_hi), other=0.0)
+        if not ONE_TILE:
+            k_next = k + BLOCK_K  # the next tile of this slice, if any
+            w = tl.load(w_rows + k_next[None, :], mask=(n[:, None] < N) & (k_next[None, :] < k_hi), other=0.0)
         if IEEE:  # fp32 inputs, or bf16 under the CPU interpreter (whose bf16 dot is wrong): exact fp32 products
             # [BLOCK_M, BLOCK_N]
             acc += tl.dot(x.to(tl.float32), tl.trans(w_now.to(tl.float32)), input_precision="ieee")
@@ -172,6 +174,7 @@ def choose_split_k(n: int, k: int, device: torch.device, block_n: int = 32, bloc
 
 
 SHORT_K_TILING = (16, 256)  # (BLOCK_N, BLOCK_K) for a reduction too short to split (K < MIN_SPLIT_BLOCKS * 128)
+WARPS4_TILE_MAX = 16 * 256  # weight tiles of more elements run on 8 warps (fewer registers a thread)
 
 
 def choose_tiling(n: int, k: int, device: torch.device) -> tuple[int, int, int]:
@@ -230,7 +233,8 @@ def gemv(
                        res, norm_weight.contiguous(), out_sum, res.stride(0), eps,
                        HAS_BIAS=bias is not None, SPLIT_K=split, IEEE=ieee, SILU_AND_MUL=silu_and_mul,
                        NORM=0 if norm is None else 1 if residual is None else 2,
-                       BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, NORM_BLOCK=norm_block(k), num_warps=4,
+                       BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, NORM_BLOCK=norm_block(k),
+                       ONE_TILE=k_per_split == block_k, num_warps=4 if block_n * block_k <= WARPS4_TILE_MAX else 8,
                        **pdl.options(x.device))
     if split > 1:
         block = 256

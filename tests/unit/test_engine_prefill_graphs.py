@@ -73,9 +73,9 @@ def record_padded_steps(runner) -> list[dict]:
     steps, launched = [], {}
     real_launch, real_pad = runner.launch, runner.pad_inputs
 
-    def launch(seqs, drafts, st, draft=True, chunks=None):
+    def launch(seqs, drafts, st, draft=True, chunks=None, num_new_drafts=None):
         launched["reqs"] = [(s.num_tokens - s.num_computed_tokens, s.num_computed_tokens) for s in seqs]
-        return real_launch(seqs, drafts, st, draft, chunks)
+        return real_launch(seqs, drafts, st, draft, chunks, num_new_drafts)
 
     def pad_inputs(inp, t, b):
         steps.append({"t": t, "b": b, "tokens": len(inp.input_ids), "reqs": launched["reqs"]})
@@ -164,9 +164,9 @@ def test_padding_rows_of_the_features_are_never_read(target_dir, heads, method):
                 poisoned.append(len(aux) - real)
             return logits, aux
 
-        def propose(x, aux, num_rejected, next_tokens, max_query_len, small_query_len=None,
+        def propose(x, aux, num_rejected, next_tokens, max_query_len, small_query_len=None, num_drafts=None,
                     real_propose=real_propose, drafts=drafts):
-            out = real_propose(x, aux, num_rejected, next_tokens, max_query_len, small_query_len)
+            out = real_propose(x, aux, num_rejected, next_tokens, max_query_len, small_query_len, num_drafts)
             num_real = int((x["query_start_loc"][1:] > x["query_start_loc"][:-1]).sum())
             drafts.append(out[:num_real].tolist())
             return out

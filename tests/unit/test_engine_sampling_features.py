@@ -112,8 +112,8 @@ def oracle_drafts(llm, continuations: dict[str, list[int]], k: int, corrupt_ever
     real_execute = llm.engine.runner.execute
     rounds = iter(range(10 ** 6))
 
-    def execute(seqs, drafts, st, draft=True):
-        result = real_execute(seqs, drafts, st, draft)
+    def execute(seqs, drafts, st, draft=True, **kw):
+        result = real_execute(seqs, drafts, st, draft, **kw)
         for i, seq in enumerate(seqs):
             full = continuations[seq.seq_id]
             oracle = (full[seq.num_tokens + len(result.output_tokens[i]):] + [0] * k)[:k]

@@ -114,9 +114,9 @@ def test_partial_acceptance_keeps_both_caches_consistent(target_dir, heads, refe
     real_execute = engine.runner.execute
     num_chunks = 0
 
-    def execute(seqs, drafts, st, draft=True, chunks=None):
+    def execute(seqs, drafts, st, draft=True, chunks=None, **kw):
         nonlocal num_chunks
-        result = real_execute(seqs, drafts, st, draft, chunks)
+        result = real_execute(seqs, drafts, st, draft, chunks, **kw)
         for i, seq in enumerate(seqs):
             if chunks is not None and chunks[i] < seq.num_new_tokens:
                 num_chunks += 1  # a prefill chunk: nothing sampled, its drafts are dropped
@@ -191,9 +191,9 @@ def test_adaptive_policy_turns_speculation_off_and_on(target_dir, heads, referen
     steps = []
     real_execute = runner.execute
 
-    def execute(seqs, drafts, st, draft=True):
+    def execute(seqs, drafts, st, draft=True, **kw):
         steps.append((len(seqs), max(map(len, drafts)), draft))
-        return real_execute(seqs, drafts, st, draft)
+        return real_execute(seqs, drafts, st, draft, **kw)
 
     runner.execute = execute
     lengths = [8, 40, 12, 40, 16, 20]
@@ -204,6 +204,41 @@ def test_adaptive_policy_turns_speculation_off_and_on(target_dir, heads, referen
     assert off and all(k == 0 for _, k, _ in off)  # plain steps, the drafter skipped
     assert any(b <= 2 and k == 3 for b, k, _ in steps)  # speculation resumed when the load fell
     assert outs[1].metrics.num_drafting_rounds > 0 and outs[1].metrics.num_drafting_rounds < 40
+    assert llm.engine.scheduler.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+def test_adaptive_policy_drafts_only_what_it_verifies(target_dir, heads, reference, method, async_scheduling):
+    # Engine K = 4; the policy verifies 1 draft above 4 running requests, 2 up to 4, 4 up to 1. Each drafter pass
+    # proposes the policy's K for the load of its step (the engine's K after a step without drafts), never K = 4
+    # to verify 1 (drafting passes of EAGLE-3 and P-EAGLE's mask positions grow with the count); when the load
+    # falls and the policy's K rises, a step proposes the new count. The output stays plain greedy's.
+    spec = {"method": "eagle3", "model": heads[method], "num_speculative_tokens": 4,
+            "parallel_drafting": method == "peagle", "adaptive": {"thresholds": [[1, 4], [4, 2]], "above": 1}}
+    llm = LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
+              max_num_seqs=6, async_scheduling=async_scheduling)
+    runner, policy = llm.engine.runner, llm.engine.spec.adaptive
+    proposed, verified = [], []
+    real_propose, real_run = runner.propose, runner._run
+
+    def propose(*a, num_drafts=None, **kw):
+        out = real_propose(*a, num_drafts=num_drafts, **kw)
+        proposed.append(out.shape[1])
+        return out
+
+    def run(x, st, k, num_real, *a, **kw):
+        verified.append((num_real, k))
+        return real_run(x, st, k, num_real, *a, **kw)
+
+    runner.propose, runner._run = propose, run
+    lengths = [8, 40, 12, 30, 16, 20]
+    outs = llm.generate(PROMPTS, [greedy(n) for n in lengths], use_tqdm=False)
+    for prompt, ref, out, n in zip(PROMPTS, reference, outs, lengths):
+        assert out.token_ids == ref[len(prompt):len(prompt) + n]
+    assert set(proposed) == {1, 2, 4}  # the counts the policy verifies, each proposed (4 also after prompts)
+    assert all(k <= policy.k_for(b, 4) for b, k in verified)  # no step verifies more than its load's K
+    assert {1, 2, 4} <= {k for _, k in verified}  # and each was verified
     assert llm.engine.scheduler.block_manager.num_used_blocks == 0
 
 
@@ -260,8 +295,9 @@ def oracle_proposer(runner, reference, k, rng):
         for p, token in enumerate(ref):
             by_key.setdefault((p, token), []).append(ref)
 
-    def propose(x, aux, num_rejected, next_tokens, max_query_len, small_query_len=None):
-        drafts = real(x, aux, num_rejected, next_tokens, max_query_len, small_query_len).clone()
+    def propose(x, aux, num_rejected, next_tokens, max_query_len, small_query_len=None, num_drafts=None):
+        drafts = real(x, aux, num_rejected, next_tokens, max_query_len, small_query_len, num_drafts).clone()
+        n = drafts.shape[1]  # the engine's K, or the adaptive policy's
         qsl, pos = x["query_start_loc"].tolist(), x["positions"].tolist()
         for b, token in enumerate(next_tokens.tolist()):
             if qsl[b + 1] == qsl[b]:
@@ -269,9 +305,9 @@ def oracle_proposer(runner, reference, k, rng):
             p = pos[qsl[b + 1] - 1 - int(num_rejected[b])] + 1
             refs = by_key.get((p, token), [])
             if len(refs) == 1:
-                oracle = (refs[0][p + 1:] + [0] * k)[:k]
-                cut = rng.randrange(k + 1)
-                if cut < k:
+                oracle = (refs[0][p + 1:] + [0] * n)[:n]
+                cut = rng.randrange(n + 1)
+                if cut < n:
                     oracle[cut] = (oracle[cut] + 1) % 300
                 drafts[b] = torch.tensor(oracle)
         return drafts

@@ -165,7 +165,8 @@ class CudaGraphs:
             logits, aux = self._capture(("target", b, k), lambda: r.target_forward(x, k + 1, all_rows=True))
             if r.proposer is not None and k > 0:
                 nrej, nxt = self.num_rejected[:b], self.next_tokens[:b]
-                self._capture(("draft", b, k), lambda: r.propose(x, aux, nrej, nxt, k + 1))
+                self._capture(("draft", b, k), lambda: r.propose(x, aux, nrej, nxt, k + 1,
+                                                                 num_drafts=r.draft_count(k)))
         if r.proposer is not None and 0 in self.ks:
             self.resume = self._capture_resume()
         torch.cuda.synchronize()
@@ -348,7 +349,8 @@ class GeneralGraphs:
     def _draft_fn(self, t: int, b: int, k: int):
         x = self._views((t, b, k))
         aux, nrej, nxt = self.aux[:t], self.num_rejected[:b], self.next_tokens[:b]
-        return lambda: self.runner.propose(x, aux, nrej, nxt, t, small_query_len=k + 1)
+        return lambda: self.runner.propose(x, aux, nrej, nxt, t, small_query_len=k + 1,
+                                           num_drafts=self.runner.draft_count(k))
 
     def _replay(self, kind: str, make_fn):
         key = self.current

@@ -213,12 +213,13 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         if self.config.async_scheduling:
             return self._step_async()
-        sched, drafts, draft, chunks = self._schedule()
+        sched, drafts, draft, chunks, k = self._schedule()
         outputs: list[StepOutput] = []
         if sched.seqs:
-            chunked = {} if chunks is None else {"chunks": chunks}
-            result = self.runner.execute(sched.seqs, drafts, self._sampling_tensors(sched.seqs), draft=draft,
-                                         **chunked)
+            more = {} if chunks is None else {"chunks": chunks}
+            if self._proposes_other_count(drafts, k):
+                more["num_new_drafts"] = k
+            result = self.runner.execute(sched.seqs, drafts, self._sampling_tensors(sched.seqs), draft=draft, **more)
             outputs = self._commit(_Launched(sched.seqs, None, chunks), result)
         return self._release(outputs)
 
@@ -238,10 +239,11 @@ class LLMEngine:
         if prev is not None:
             outputs = self._commit(prev, prev.handle.result(), None if ahead is None else ahead.handle.k)
         if ahead is None:
-            sched, drafts, draft, chunks = self._schedule()
+            sched, drafts, draft, chunks, k = self._schedule()
             if sched.seqs:
                 st = self._sampling_tensors(sched.seqs)
-                ahead = _Launched(sched.seqs, self.runner.launch(sched.seqs, drafts, st, draft, chunks), chunks)
+                more = k if self._proposes_other_count(drafts, k) else None
+                ahead = _Launched(sched.seqs, self.runner.launch(sched.seqs, drafts, st, draft, chunks, more), chunks)
         self._inflight = ahead
         return self._release(outputs)
 
@@ -255,6 +257,8 @@ class LLMEngine:
         if any(seq.sampling_params.needs_logits_processing for seq in seqs):
             return None  # penalties, min_tokens and grammars read the history and drafts the answer in flight holds
         k_policy = self.spec.adaptive.k_for(len(seqs), self.k) if self.spec else 0
+        if 0 < handle.num_drafts < k_policy:
+            return None  # the policy's K rose: a step scheduled from the answer proposes the new count
         k = min(k_policy, handle.num_drafts)
         if ADMIT_AHEAD and self._can_admit_ahead():
             new = self.scheduler.admit_ahead(seqs, handle.k + 1, k + 1)
@@ -268,6 +272,13 @@ class LLMEngine:
         return _Launched(seqs, self.runner.launch_next(handle, rows, seqs, self._sampling_tensors(seqs), k,
                                                        draft=k_policy > 0))
 
+    def _proposes_other_count(self, drafts: list[list[int]], k: int) -> bool:
+        """Whether a step verifying `drafts` should propose the policy's K for the next, not what the runner would
+        (as many as it verifies): the load fell and the policy's K rose. A step without drafts (prompts, or the
+        first after speculation was off) proposes the engine's K, truncated to the policy's by the next."""
+        most = max(map(len, drafts), default=0)
+        return 0 < most < k
+
     def _can_admit_ahead(self) -> bool:
         """Prompts wait, there is room for one, and none of them needs logits processing (it reads the history)."""
         sched = self.scheduler
@@ -276,7 +287,8 @@ class LLMEngine:
 
     def _schedule(self):
         """The next step from the committed state: its scheduler output, each request's drafts, whether to draft,
-        and the tokens each request feeds when a prefill is chunked (else None)."""
+        the tokens each request feeds when a prefill is chunked (else None), and the adaptive policy's K for the
+        load (the drafts the step verifies at most, and proposes for the next)."""
         k = self.spec.adaptive.k_for(self.scheduler.num_running, self.k) if self.spec else 0
         for seq in self.scheduler.running:
             room = self.max_model_len - seq.num_tokens  # verify positions must stay inside max_model_len
@@ -286,7 +298,7 @@ class LLMEngine:
         draft = k > 0 or any(s.num_computed_tokens < s.num_tokens - 1 for s in sched.seqs)
         counts = sched.num_scheduled_tokens
         chunks = counts if any(n < s.num_new_tokens for s, n in zip(sched.seqs, counts)) else None
-        return sched, [s.draft_token_ids for s in sched.seqs], draft, chunks
+        return sched, [s.draft_token_ids for s in sched.seqs], draft, chunks, k
 
     def _commit(self, step: _Launched, result: StepResult, next_k: int | None = None) -> list[StepOutput]:
         """Apply a step's answer. `next_k`: the drafts the step launched after it verifies (async scheduling)."""

@@ -281,14 +281,23 @@ class ModelRunner:
         hidden = out.hidden if all_rows else out.hidden.index_select(0, x["logit_rows"])
         return self.target.compute_logits(hidden), out.aux  # [B*(k+1), V], [T, F]
 
+    def draft_count(self, k: int) -> int:
+        """The drafts a step verifying k per request proposes for the next: as many (the adaptive policy's K for
+        the load, which the next step most likely verifies again), or the engine's K after a step without drafts.
+        A step that should propose another count (the policy's K rose) runs eagerly (`launch`)."""
+        return k if k > 0 else self.k
+
     def propose(self, x: dict[str, torch.Tensor], aux, num_rejected, next_tokens, max_query_len: int,
-                small_query_len: int | None = None):
+                small_query_len: int | None = None, num_drafts: int | None = None):
+        """[B, num_drafts] drafts (default: the engine's K)."""
+        if num_drafts is not None and not 1 <= num_drafts <= self.k:
+            raise ValueError(f"num_drafts must be in [1, {self.k}], got {num_drafts}")
         return self.proposer.propose(DraftInputs(
             input_ids=x["input_ids"], positions=x["positions"], slot_mapping=x["slot_mapping"],
             query_start_loc=x["query_start_loc"], block_tables=x["block_tables"], aux=aux,
             num_rejected=num_rejected, next_tokens=next_tokens, max_query_len=max_query_len,
             small_query_len=small_query_len,
-        ))
+        ), num_drafts)
 
     def verify(self, logits, x, st: SamplingTensors, k: int, num_real: int):
         logits = logits[: num_real * (k + 1)]
@@ -317,22 +326,29 @@ class ModelRunner:
         if draft is None:  # by default a round without drafts is a plain step (the adaptive policy's "off")
             draft = k > 0
         if self.proposer is not None and draft:
-            drafts = self.propose(x, aux, x["num_drafts"] - v.num_accepted, v.next_tokens, k + 1)
+            drafts = self.propose(x, aux, x["num_drafts"] - v.num_accepted, v.next_tokens, k + 1,
+                                  num_drafts=self.draft_count(k))
         return _pack(v, drafts, b)
 
     def execute(self, seqs, drafts: list[list[int]], st: SamplingTensors, draft: bool = True,
-                chunks: list[int] | None = None) -> StepResult:
+                chunks: list[int] | None = None, num_new_drafts: int | None = None) -> StepResult:
         """One step, answered on the host (`launch` and wait)."""
-        return self.launch(seqs, drafts, st, draft, chunks).result()
+        return self.launch(seqs, drafts, st, draft, chunks, num_new_drafts).result()
 
     @torch.inference_mode()
     def launch(self, seqs, drafts: list[list[int]], st: SamplingTensors, draft: bool = True,
-               chunks: list[int] | None = None) -> StepHandle:
+               chunks: list[int] | None = None, num_new_drafts: int | None = None) -> StepHandle:
         """One step from the host's sequences. `draft=False` skips the drafter (speculation off for this step): no
         drafts come back. `chunks`: tokens fed per request when a prefill is chunked; a chunk's answer is
-        meaningless (nothing is sampled), but the drafter reads the prompt token after it, so its cache fills."""
+        meaningless (nothing is sampled), but the drafter reads the prompt token after it, so its cache fills.
+        `num_new_drafts`: the drafts to propose per request (default `draft_count` of the drafts given); a count
+        other than that default runs eagerly (the graphs propose the default)."""
         k = max((len(d) for d in drafts), default=0)
         draft = draft and self.proposer is not None
+        want = self.draft_count(k) if num_new_drafts is None else num_new_drafts
+        if draft and want != self.draft_count(k):  # the adaptive policy's K rose: one eager step proposes more
+            inp = self.build_inputs(seqs, drafts, k, chunks=chunks)
+            return self._run(self.to_device(inp), st, k, inp.num_real, inp.max_query_len, None, draft, want)
         if chunks is None and self.graphs is not None and self.graphs.can_run(seqs, drafts, k, draft):
             inp = self.build_inputs(seqs, drafts, k, pad_to=self.graphs.bucket_for(len(seqs)))
             return self._run(self.graphs.load_inputs(inp), st, k, inp.num_real, inp.max_query_len, self.graphs,
@@ -341,7 +357,7 @@ class ModelRunner:
         general = self.general_graphs
         key = None if general is None else general.key_for(len(inp.input_ids), len(seqs), k)
         if key is None:
-            return self._run(self.to_device(inp), st, k, inp.num_real, inp.max_query_len, None, draft)
+            return self._run(self.to_device(inp), st, k, inp.num_real, inp.max_query_len, None, draft, want)
         inp = self.pad_inputs(inp, key[0], key[1])
         return self._run(general.load_inputs(inp, key), st, k, inp.num_real, inp.max_query_len, general, draft)
 
@@ -437,9 +453,10 @@ class ModelRunner:
         return x, torch.from_numpy(src).to(dev), torch.from_numpy(base).to(dev)
 
     def _run(self, x: dict[str, torch.Tensor], st: SamplingTensors, k: int, num_real: int, max_query_len: int,
-             graphs, draft: bool) -> StepHandle:
+             graphs, draft: bool, num_new_drafts: int | None = None) -> StepHandle:
         """Verify and draft over inputs already on the device; the answer starts its way to the host. `graphs`:
-        the CudaGraphs or GeneralGraphs whose buffers hold the inputs (None: eager)."""
+        the CudaGraphs or GeneralGraphs whose buffers hold the inputs (None: eager; graphs propose
+        `draft_count(k)` drafts, eager steps `num_new_drafts`, by default the same)."""
         if graphs is not None:
             if graphs.fused_greedy and st.all_greedy and st.processing is None and st.logprob_requests is None \
                     and self.synthetic_acceptance is None:
@@ -462,7 +479,8 @@ class ModelRunner:
             if graphs is not None:
                 new_drafts = graphs.run_proposer(num_rejected, next_tokens)
             else:
-                new_drafts = self.propose(x, aux, num_rejected, next_tokens, max_query_len, small_query_len=k + 1)
+                new_drafts = self.propose(x, aux, num_rejected, next_tokens, max_query_len, small_query_len=k + 1,
+                                          num_drafts=num_new_drafts or self.draft_count(k))
             new_drafts = new_drafts[:num_real]
         handle = self._handle(_pack(v, new_drafts, num_real), k)
         if st.logprob_requests is not None:

@@ -33,7 +33,8 @@ class DraftInputs:
 
 
 class Proposer(ABC):
-    """Drafts K tokens per request with a drafter that owns a paged KV cache of its own."""
+    """Drafts K tokens per request with a drafter that owns a paged KV cache of its own (K: the engine's, or fewer
+    where the adaptive policy verifies fewer)."""
 
     def __init__(self, drafter, kv_caches, block_size: int, k: int):
         self.drafter = drafter
@@ -44,7 +45,7 @@ class Proposer(ABC):
         self.scale = cfg.head_dim ** -0.5
 
     @abstractmethod
-    def propose(self, inp: DraftInputs) -> torch.Tensor:  # [B, K] target ids
+    def propose(self, inp: DraftInputs, k: int | None = None) -> torch.Tensor:  # [B, k] target ids (k: self.k)
         ...
 
     def _first_pass(self, inp: DraftInputs, num_mask_slots: int, mask_hidden: torch.Tensor | None):
@@ -74,16 +75,18 @@ class Proposer(ABC):
 class ParallelDraftingProposer(Proposer):
     """P-EAGLE: [shifted tokens..., next token, MASK x (K-1)] in ONE drafter pass."""
 
-    def propose(self, inp: DraftInputs) -> torch.Tensor:
-        e, hidden = self._first_pass(inp, self.k - 1, self.drafter.mask_hidden)
+    def propose(self, inp: DraftInputs, k: int | None = None) -> torch.Tensor:
+        k = self.k if k is None else k
+        e, hidden = self._first_pass(inp, k - 1, self.drafter.mask_hidden)
         b = e.sample_rows.shape[0]
-        return self._tokens(hidden[e.sample_rows.reshape(-1)]).view(b, self.k)
+        return self._tokens(hidden[e.sample_rows.reshape(-1)]).view(b, k)
 
 
 class Eagle3Proposer(Proposer):
     """EAGLE-3: one pass over the verified rows, then K-1 chained passes fed the drafter's own argmax and hidden."""
 
-    def propose(self, inp: DraftInputs) -> torch.Tensor:
+    def propose(self, inp: DraftInputs, k: int | None = None) -> torch.Tensor:
+        k = self.k if k is None else k
         e, hidden = self._first_pass(inp, 0, None)
         rows = e.sample_rows[:, 0]
         h = hidden[rows]  # [B, d]
@@ -93,7 +96,7 @@ class Eagle3Proposer(Proposer):
         live = inp.query_start_loc[1:] > inp.query_start_loc[:-1]  # padding requests write nothing
         pos = e.positions[rows]
         qsl = torch.arange(b + 1, device=pos.device, dtype=inp.query_start_loc.dtype)
-        for _ in range(self.k - 1):
+        for _ in range(k - 1):
             pos = pos + 1
             block = inp.block_tables.gather(1, (pos // self.block_size).clamp(max=inp.block_tables.shape[1] - 1)
                                             .long()[:, None]).squeeze(1)

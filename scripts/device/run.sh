@@ -23,7 +23,8 @@
 # the carried folders are built first: bash scripts/device/stage_local.sh wheels && ... stage_local.sh cfg.
 # B=async+prefill-graphs+admit-ahead (today's defaults: mixed tiles on since run 16),
 # G=async+prefill-graphs+gemv+admit-ahead.
-#   1. tb_stage && ADMIT_SECS=180 ADMIT_BATCHES=1
+#   1. tb_stage && GPU_TESTS="tests/gpu/test_prefill_graphs_gpu.py -k adaptive" gpu_tests && ADMIT_SECS=180
+#      ADMIT_BATCHES=1
 #      ADMIT_VARIANTS=$B,$B+fused-merge,$G+pdl,$G+pdl+gemv-wide,$B+fused-merge,$B admit &&
 #      KERNELS_SECS=240 KERNELS_GEMV_ONLY=1 GEMV_ARGS="--rows 1 --sweep 16,32,64:128,256,512,1024:1,2,4" kernels
 #      (carry .tb_a .whl .cfg): the fused merge's batch-1 gain (run 16: 1,049 against 1,017 tokens/s, one row) again
@@ -43,7 +44,10 @@
 #      its first call finds a machine at once, as in run 16): BENCH_SECS=200 BENCH_K=3,7 BENCH_C=64 bench (issue
 #      15's cell at concurrency 64, P-EAGLE / EAGLE-3 each at its best K, unmeasured since EAGLE-3 got Muon; the
 #      served step covers concurrency 1); 7. HF_SECS=150 HF_BATCHES=1 BENCH2_DATASETS=none bench2 (the HF
-#      transformers baselines at batch 1 beside the served step's rows: issue 15's P-EAGLE / HF cell).
+#      transformers baselines at batch 1 beside the served step's rows: issue 15's P-EAGLE / HF cell); 8. if
+#      minutes remain, SCALE_C=1,32,64 scale (the 8B shape's adaptive rows now that the drafter proposes only what
+#      the policy verifies; run 16: EAGLE-3 K=3 led them by 3-7% at 32 and 64). The adaptive GPU test in step 1
+#      comes first: the graphs that propose fewer drafts than the engine's K run there for the first time.
 # Run 16's plan (what was run, BENCHMARKS.md "Run 16"): tb_stage; tb_stage; tb_stage && testbed as in step 3 above
 #   (lost with its machine); then run 17's old plan: gpu_tests (PDL, GEMV); admit x2 (mixed tiles, fused merge, PDL,
 #   GEMV); scale; PEAGLE_PDL=1 scale; admit (batch 1 again); gemv_timing.py; gemv_timing.py --sweep.

@@ -138,3 +138,29 @@ def test_replay_equals_an_eager_call_on_the_static_buffers(model_dir, method):
         real = int(general._views(key)["query_start_loc"][-1])
         assert 0 < real <= key[0], (real, key)
         torch.testing.assert_close(replayed[1][:real], eager_aux[:real], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("method", ["eagle3", "peagle"])
+def test_adaptive_policy_drafts_what_it_verifies_under_graphs(model_dir, method, async_scheduling):
+    """With an adaptive policy whose K falls with the load (1 draft above 2 running requests, 2 up to 2, the
+    engine's K for one), CUDA-graphed steps propose only the drafts their K verifies and a rise in K proposes the
+    new count: greedy output equals plain greedy output, token for token in fp32, and each count was proposed."""
+    ref = [o.token_ids for o in make_llm(model_dir, "none", True).generate(PROMPTS, params(), use_tqdm=False)]
+    k = SPECS[method]["num_speculative_tokens"]
+    spec = {**SPECS[method], "adaptive": {"thresholds": [[1, k], [2, 2]], "above": 1}}
+    llm = LLM(model=model_dir, load_format="dummy", dtype="float32", max_model_len=512, max_num_seqs=4,
+              speculative_config=spec, async_scheduling=async_scheduling)
+    steps, real = [], llm.engine.runner._run  # (drafts verified, drafts proposed) per step
+
+    def run(x, st, verified, *a, **kw):
+        handle = real(x, st, verified, *a, **kw)
+        steps.append((verified, handle.num_drafts))
+        return handle
+
+    llm.engine.runner._run = run
+    assert [o.token_ids for o in llm.generate(PROMPTS, params(), use_tqdm=False)] == ref
+    assert any(v == 1 and d == 1 for v, d in steps)  # under load: one draft verified, one proposed
+    assert {1, 2, k} <= {d for _, d in steps}
+    assert all(d >= v for v, d in steps if d)  # never fewer proposed than verified (K only falls by the load)
+    assert sorted({key[2] for key in llm.engine.runner.graphs.graphs if key[0] == "draft"}) == [1, 2, k]

@@ -67,7 +67,8 @@ def sweep(spec: str, model: str, proj: str, x: torch.Tensor, ws: list, cold_cubl
                 if split > 1 and k < split * bk:
                     continue
                 row = {"sweep": True, "model": model, "proj": proj, "n": n, "k": k, "m": m, "block_n": bn,
-                       "block_k": bk, "split_k": split}
+                       "block_k": bk, "split_k": split,
+                       "num_warps": 4 if bn * bk <= getattr(gemv, "WARPS4_TILE_MAX", bn * bk) else 8}
                 try:  # a tiling too large for the chip (registers, shared memory) is recorded, not fatal
                     us = graph_us(lambda i: gemv.gemv(x, ws[i], split_k=split, block_n=bn, block_k=bk), len(ws))
                 except Exception as e:  # noqa: BLE001 - Triton's and the driver's errors have no common base

@@ -16,23 +16,20 @@
 # A call that comes more than 30 s after the previous one returned finds a fresh machine: run 9 lost its testbed so.
 # Run 16 lost its testbed to a machine that went away between two calls fired back to back, so the short timing
 # runs go first, before the testbed, where a lost machine costs them nothing.
-# A fresh machine costs about 2-3 device minutes before its first command runs; the testbed about 21.5 (run 15), so
+# A fresh machine costs about 1.5-2 device minutes before its first command runs; the testbed about 21.5 (run 15), so
 # a session that trains heads has about 5 minutes for anything else, and the MT-Bench grid (about 7) does not fit.
 # Nothing outlives the session: a session starts from a fresh checkout, so heads are trained in the session that
 # serves them (heads_out / heads_in move them between machines of one session, or home for a look, not further), and
 # the carried folders are built first: bash scripts/device/stage_local.sh wheels && ... stage_local.sh cfg.
 # B=async+prefill-graphs+admit-ahead (today's defaults: mixed tiles on since run 16),
 # G=async+prefill-graphs+gemv+admit-ahead.
-#   1. tb_stage && GPU_TESTS="tests/gpu/test_prefill_graphs_gpu.py -k adaptive" gpu_tests && ADMIT_SECS=180
-#      ADMIT_BATCHES=1
-#      ADMIT_VARIANTS=$B,$B+fused-merge,$G+pdl,$G+pdl+gemv-wide,$B+fused-merge,$B admit &&
-#      KERNELS_SECS=240 KERNELS_GEMV_ONLY=1 GEMV_ARGS="--rows 1 --sweep 16,32,64:128,256,512,1024:1,2,4" kernels
-#      (carry .tb_a .whl .cfg): the fused merge's batch-1 gain (run 16: 1,049 against 1,017 tokens/s, one row) again
-#      in both orders; the GEMV path with run 16's tiling (16 x 256 for K < 1,024) and PDL against cuBLAS's, and
-#      with each program's whole weight slice read before PDL's wait (+gemv-wide: 16 x 1,024 tiles); wider
-#      tiles swept cold at both shapes (at the testbed's, a short reduction's whole weight slice in one tile, read
-#      before the PDL wait; at the 8B shape's, more bytes in flight: cuBLAS reads qkv / o / down at 57-86% of copy
-#      bandwidth cold, the gap that keeps its batch-1 step at 1.24x the floor);
+#   1. tb_stage && GPU_TESTS="tests/gpu/test_prefill_graphs_gpu.py -k adaptive" gpu_tests && ADMIT_SECS=120
+#      ADMIT_BATCHES=1 ADMIT_VARIANTS=$B,$B+fused-merge,$G+pdl,$G+pdl+gemv-wide,$B+fused-merge,$B admit (carry .tb_a
+#      .whl .cfg; about 2.5 minutes, so that the testbed still ends about 26 minutes into the session): the graphs
+#      that propose fewer drafts than the engine's K (the adaptive policy) on a GPU for the first time; the fused
+#      merge's batch-1 gain (run 16: 1,049 against 1,017 tokens/s, one row) again, in both orders; the GEMV path with
+#      run 16's tiling (16 x 256 for K < 1,024) and PDL against cuBLAS's, and with each program's whole weight slice
+#      read before PDL's wait (+gemv-wide: 16 x 1,024 tiles);
 #   2. tb_stage (.tb_b); 3. tb_stage && TB_SECS=560 TB_PEAGLE_ARGS="--num-layers 6" TB_EAGLE3_ARGS="--k-train 3"
 #      testbed (.tb_c .whl): issue 14's two untried anchors at once, each against run 15's head of its method (the
 #      same recipe otherwise; run 14 -> 15 moved P-EAGLE's served AL by 0.04-0.06 with its recipe unchanged, the
@@ -40,14 +37,16 @@
 #      EAGLE-3 trained with 3 training-time-test steps (speculators' default; EAGLE-3's best K is 3: its best recipe
 #      for that K is the honest baseline: EAGLE-3's default becomes the recipe that serves it the most tokens/s at
 #      its best K, and the K=7 AL ratio is quoted with that recipe named); 4. TB_SECS=560 testbed_wait;
-#      5. TB_SECS=300 testbed_wait; 6. with what is left (the testbed ends about 23 minutes into the session when
-#      its first call finds a machine at once, as in run 16): BENCH_SECS=200 BENCH_K=3,7 BENCH_C=64 bench (issue
-#      15's cell at concurrency 64, P-EAGLE / EAGLE-3 each at its best K, unmeasured since EAGLE-3 got Muon; the
-#      served step covers concurrency 1); 7. HF_SECS=150 HF_BATCHES=1 BENCH2_DATASETS=none bench2 (the HF
-#      transformers baselines at batch 1 beside the served step's rows: issue 15's P-EAGLE / HF cell); 8. if
-#      minutes remain, SCALE_C=1,32,64 scale (the 8B shape's adaptive rows now that the drafter proposes only what
-#      the policy verifies; run 16: EAGLE-3 K=3 led them by 3-7% at 32 and 64). The adaptive GPU test in step 1
-#      comes first: the graphs that propose fewer drafts than the engine's K run there for the first time.
+#      5. TB_SECS=300 testbed_wait; 6. with what is left (about 3.5 minutes): BENCH_SECS=190 BENCH_K=3,7 BENCH_C=64
+#      bench (issue 15's cell at concurrency 64, P-EAGLE / EAGLE-3 each at its best K, unmeasured since EAGLE-3 got
+#      Muon; the served step covers concurrency 1). In a session without the testbed: HF_SECS=150 HF_BATCHES=1
+#      BENCH2_DATASETS=none bench2 (issue 15's P-EAGLE / HF cell, beside earlier rows);
+#      KERNELS_SECS=240 KERNELS_GEMV_ONLY=1 GEMV_ARGS="--rows 1 --sweep 16,32,64:128,256,512,1024:1,2,4" kernels
+#      (wider GEMV tiles swept cold at both shapes: at the testbed's, a short reduction's whole weight slice in one
+#      tile; at the 8B shape's, more bytes in flight: cuBLAS reads qkv / o / down at 57-86% of copy bandwidth cold,
+#      the gap that keeps its batch-1 step at 1.24x the floor); SCALE_C=1,32,64 scale (the 8B shape's adaptive rows
+#      now that the drafter proposes only what the policy verifies; run 16: EAGLE-3 K=3 led them by 3-7% at 32 and
+#      64).
 # Run 16's plan (what was run, BENCHMARKS.md "Run 16"): tb_stage; tb_stage; tb_stage && testbed as in step 3 above
 #   (lost with its machine); then run 17's old plan: gpu_tests (PDL, GEMV); admit x2 (mixed tiles, fused merge, PDL,
 #   GEMV); scale; PEAGLE_PDL=1 scale; admit (batch 1 again); gemv_timing.py; gemv_timing.py --sweep.

@@ -56,9 +56,10 @@ def graph_us(fn, calls: int = CALLS) -> float:
     return statistics.median(times[1:])
 
 
-def sweep(spec: str, model: str, proj: str, x: torch.Tensor, ws: list, cold_cublas_us: float) -> list[dict]:
-    """Cold rows of the GEMV at each tiling of `spec` (BLOCK_NS:BLOCK_KS:SPLITS) that splits K into whole tiles."""
-    block_ns, block_ks, splits = ([int(v) for v in part.split(",")] for part in spec.split(":"))
+def sweep(spec: list[list[int]], model: str, proj: str, x: torch.Tensor, ws: list,
+          cold_cublas_us: float) -> list[dict]:
+    """Cold rows of the GEMV at each tiling of `spec` ([BLOCK_NS, BLOCK_KS, SPLITS]) that splits K into whole tiles."""
+    block_ns, block_ks, splits = spec
     (n, k), m = ws[0].shape, x.shape[0]
     out = []
     for bn in block_ns:
@@ -94,6 +95,13 @@ def main(argv=None) -> int:
                     help="also time the GEMV cold at each tiling, e.g. 16,32:64,128,256:1,2,3,5 (at the first of "
                          "--rows only)")
     args = ap.parse_args(argv)
+    if args.sweep is not None:
+        try:
+            parts = [[int(v) for v in part.split(",")] for part in args.sweep.split(":")]
+        except ValueError:
+            parts = []
+        if len(parts) != 3 or not all(parts):
+            ap.error(f"--sweep wants BLOCK_NS:BLOCK_KS:SPLITS, comma-separated integers each, got {args.sweep!r}")
     dev = torch.device("cuda")
     rows = []
     print(f"{'model':14} {'proj':13} {'M':>3} {'cuBLAS us':>10} {'gemv us':>8} {'split':>5} {'gemv s=1 us':>11} "
@@ -123,7 +131,7 @@ def main(argv=None) -> int:
                 row["cold_gemv_gbps"] = 2 * n * k / (row["cold_gemv_us"] * 1e3)
                 rows.append(row)
                 if args.sweep and m == int(args.rows.split(",")[0]):
-                    rows += sweep(args.sweep, model, proj, x, ws, row["cold_cublas_us"])
+                    rows += sweep(parts, model, proj, x, ws, row["cold_cublas_us"])
                 write(args.out, rows)  # after every row: a run cut by its time limit keeps what it measured
                 print(f"{model:14} {proj:13} {m:3d} {row['cublas_us']:10.2f} {row['gemv_us']:8.2f} {split:5d} "
                       f"{row['gemv_split1_us']:11.2f} {row['best_over_cublas']:11.2f} {row['gemv_gbps']:9.0f} | "

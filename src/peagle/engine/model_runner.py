@@ -346,15 +346,13 @@ class ModelRunner:
         k = max((len(d) for d in drafts), default=0)
         draft = draft and self.proposer is not None
         want = self.draft_count(k) if num_new_drafts is None else num_new_drafts
-        if draft and want != self.draft_count(k):  # the adaptive policy's K rose: one eager step proposes more
-            inp = self.build_inputs(seqs, drafts, k, chunks=chunks)
-            return self._run(self.to_device(inp), st, k, inp.num_real, inp.max_query_len, None, draft, want)
-        if chunks is None and self.graphs is not None and self.graphs.can_run(seqs, drafts, k, draft):
+        eager = draft and want != self.draft_count(k)  # the adaptive policy's K rose: one eager step proposes more
+        if not eager and chunks is None and self.graphs is not None and self.graphs.can_run(seqs, drafts, k, draft):
             inp = self.build_inputs(seqs, drafts, k, pad_to=self.graphs.bucket_for(len(seqs)))
             return self._run(self.graphs.load_inputs(inp), st, k, inp.num_real, inp.max_query_len, self.graphs,
                              draft)
         inp = self.build_inputs(seqs, drafts, k, chunks=chunks)
-        general = self.general_graphs
+        general = None if eager else self.general_graphs
         key = None if general is None else general.key_for(len(inp.input_ids), len(seqs), k)
         if key is None:
             return self._run(self.to_device(inp), st, k, inp.num_real, inp.max_query_len, None, draft, want)

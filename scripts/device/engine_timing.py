@@ -22,7 +22,8 @@ step while the GPU runs the current one (async_scheduling: "other" then is the h
 `async+prefill-graphs` with async scheduling (the engine's defaults), `async+prefill-graphs+gemv` and the GEMV
 (decode_gemv: since run 8 with each decoder norm and the MLP's activation inside the GEMVs). Any variant may end in
 `+fused-merge`: the paged attention's KV splits merged by their last arrival inside the attention kernel, one launch
-instead of two per layer (peagle.kernels.paged_attention.FUSED_MERGE, off by default), and in
+instead of two per layer (peagle.kernels.paged_attention.FUSED_MERGE, on by default since run 17; without the
+modifier the variant runs with it off, as with admit-ahead), and in
 `+coarse-buckets`: general steps' graphs padded to powers of two of tokens, the ladder before run 14
 (peagle.engine.cuda_graph.TOKEN_BUCKET_STEPS = 1; four buckets per doubling from 128 tokens since), and in
 `+admit-ahead`: with async scheduling, a step that admits waiting prompts launched before the answer in flight
@@ -558,8 +559,8 @@ def main(argv=None) -> int:
         spec = None if head is None else {"method": "eagle3", "model": heads[head], "num_speculative_tokens": k,
                                           "parallel_drafting": parallel}
         for variant in args.variants.split(","):
-            # module switches, no LLM options: "+fused-merge" (the paged attention's KV splits merged inside its
-            # kernel, until it wins), "+coarse-buckets" (general graphs padded to powers of two, as before run 14)
+            # module switches, no LLM options, each off without its modifier: "+fused-merge" (the paged attention's
+            # KV splits merged inside its kernel), "+coarse-buckets" (general graphs padded to powers of two, as before run 14)
             # and "+admit-ahead" (async scheduling launches a step that admits prompts before the answer in flight)
             base, mods = split_variant(variant)
             paged_attention_module.FUSED_MERGE = "fused-merge" in mods

@@ -2,7 +2,8 @@
 general steps, token for token in fp32, without speculation and with EAGLE-3 and P-EAGLE drafting, with chunked
 prefill and async scheduling; and a captured graph's replay equals an eager call of its function on the same static
 buffers. Timing: scripts/device/engine_timing.py --variants sync,prefill-graphs. The mixed steps' attention in two
-launches (MIXED_TILES) and programmatic dependent launch (peagle.kernels.pdl) keep the same output."""
+launches (MIXED_TILES), the KV splits merged inside the attention kernel (FUSED_MERGE) and programmatic dependent
+launch (peagle.kernels.pdl) keep the same output."""
 
 from __future__ import annotations
 
@@ -94,6 +95,27 @@ def test_mixed_tiles_keep_greedy_output(model_dir, method, graphs, monkeypatch):
     llm = make_llm(model_dir, method, graphs)
     assert [o.token_ids for o in llm.generate(PROMPTS, params(), use_tqdm=False)] == ref
     assert 2 in maps
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("method", sorted(SPECS))
+def test_fused_merge_keeps_greedy_output(model_dir, method, graphs, monkeypatch):
+    """The KV splits merged by their last arrival inside the attention kernel (FUSED_MERGE, on by default since run
+    17) give the output of the separate merge kernel, token for token in fp32, with async scheduling (the engine's
+    default) and with or without graphs for general steps; fused split calls did run, and every arrival counter is
+    back at zero afterwards (a counter left behind would merge a later call's splits early)."""
+    module = importlib.import_module("peagle.kernels.paged_attention")
+    monkeypatch.setattr(module, "FUSED_MERGE", False)
+    ref = [o.token_ids for o in make_llm(model_dir, method, graphs, async_scheduling=True).generate(
+        PROMPTS, params(), use_tqdm=False)]
+    monkeypatch.setattr(module, "FUSED_MERGE", True)
+    fused, real = [], module._arrivals  # called by split calls that merge inside the kernel only
+    monkeypatch.setattr(module, "_arrivals", lambda *a: fused.append(real(*a)) or fused[-1])
+    llm = make_llm(model_dir, method, graphs, async_scheduling=True)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params(), use_tqdm=False)] == ref
+    assert any(b is not None for b in fused)
+    torch.cuda.synchronize()
+    assert all(int(b.abs().sum()) == 0 for bufs in module._arrivals_buffers.values() for b in bufs)
 
 
 @pytest.mark.parametrize("gemv", [False, True])

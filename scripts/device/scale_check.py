@@ -54,19 +54,25 @@ def decode_ms(generate) -> float:
     return 1e3 * (times[136] - times[8]) / 128
 
 
-def run(d, spec, rates, conc, **engine):
+def run(d, spec, rates, conc, repeat=1, **engine):
     llm = LLM(model=d, load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=max(conc),
               speculative_config=spec, synthetic_acceptance=rates, **engine)
+    runner, eager = llm.engine.runner, []
+    real_run = runner._run
+    runner._run = lambda *a, **kw: eager.append(a[5] is None) or real_run(*a, **kw)  # a[5]: graphs (None: eager)
     rows = []
     for c in conc:
         prompts = [[1000 + i, 2000, 3000 + i] for i in range(c)]
         p = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
         # Warm this concurrency's shapes (Triton variants compile on first use), then time.
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-        t = time.perf_counter()
-        outs = llm.generate(prompts, p, use_tqdm=False)
-        wall = time.perf_counter() - t
-        rows.append({"concurrency": c, "tokens_per_s": sum(len(o.token_ids) for o in outs) / wall})
+        for _ in range(repeat):  # --repeat: the same wave again (first-use costs show as a slower first wave)
+            eager.clear()
+            t = time.perf_counter()
+            outs = llm.generate(prompts, p, use_tqdm=False)
+            wall = time.perf_counter() - t
+            rows.append({"concurrency": c, "tokens_per_s": sum(len(o.token_ids) for o in outs) / wall,
+                         "steps": len(eager), "eager_steps": sum(eager)})
     weights = sum(p.numel() * p.element_size() for p in llm.engine.target.parameters())
     step_ms = decode_ms(lambda n: llm.generate([[1000, 2000, 3000]], SamplingParams(temperature=0, max_tokens=n,
                                                                                    ignore_eos=True), use_tqdm=False))
@@ -100,7 +106,8 @@ def hf_static_compile(d) -> dict:
     return {"transformers": transformers.__version__, "compile_s": compile_s, "decode_ms_batch1": step_ms}
 
 
-def main(out: str, hf: bool, concurrency: list[int], gemv: bool = False) -> int:
+def main(out: str, hf: bool, concurrency: list[int], gemv: bool = False, repeat: int = 1,
+         only: str | None = None) -> int:
     d = tempfile.mkdtemp()
     (Path(d) / "config.json").write_text(json.dumps(LLAMA_8B))
     bw = copy_bandwidth()
@@ -110,7 +117,7 @@ def main(out: str, hf: bool, concurrency: list[int], gemv: bool = False) -> int:
     def save():
         Path(out).write_text(json.dumps(result, indent=1))
 
-    none, weights, step_ms = run(d, None, None, concurrency)
+    none, weights, step_ms = run(d, None, None, concurrency if only is None else [1])
     result.update(weight_bytes=weights, floor_ms=1e3 * weights / bw, decode_ms_batch1=step_ms)
     result["decode_vs_floor"] = step_ms / result["floor_ms"]
     result["runs"]["none"] = none
@@ -126,7 +133,9 @@ def main(out: str, hf: bool, concurrency: list[int], gemv: bool = False) -> int:
         label = f"{name}-k{k}"
         if adaptive:
             spec["adaptive"], label = adaptive, f"{label}-adaptive"
-        rows, _, ms = run(d, spec, RATES[:k], concurrency)
+        if only is not None and label != only:
+            continue
+        rows, _, ms = run(d, spec, RATES[:k], concurrency, repeat)
         result["runs"][label] = rows
         result.setdefault("ms_per_token_batch1", {})[label] = ms
         save()
@@ -148,5 +157,9 @@ if __name__ == "__main__":
     ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
     ap.add_argument("--gemv", action="store_true",
                     help="also time plain decoding with decode_gemv (the rows 'none-gemv', decode_vs_floor_gemv)")
+    ap.add_argument("--repeat", type=int, default=1, help="time each concurrency's wave this many times")
+    ap.add_argument("--only", help="the speculative run of this label only (e.g. peagle-k7-adaptive), no speculation "
+                                   "at concurrency 1 for the floor")
     args = ap.parse_args()
-    sys.exit(main(args.out, args.hf, [int(c) for c in args.concurrency.split(",")], args.gemv))
+    sys.exit(main(args.out, args.hf, [int(c) for c in args.concurrency.split(",")], args.gemv, args.repeat,
+                  args.only))

@@ -164,10 +164,14 @@ def test_replay_equals_an_eager_call_on_the_static_buffers(model_dir, method):
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("method", ["eagle3", "peagle"])
-def test_adaptive_policy_drafts_what_it_verifies_under_graphs(model_dir, method, async_scheduling):
+def test_adaptive_policy_drafts_what_it_verifies_under_graphs(model_dir, method, async_scheduling, monkeypatch):
     """With an adaptive policy whose K falls with the load (1 draft above 2 running requests, 2 up to 2, the
     engine's K for one), CUDA-graphed steps propose only the drafts their K verifies and a rise in K proposes the
-    new count: greedy output equals plain greedy output, token for token in fp32, and each count was proposed."""
+    new count: greedy output equals plain greedy output, token for token in fp32, and each count was proposed
+    (model_runner.PROPOSE_VERIFIED_ONLY, off by default)."""
+    from peagle.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "PROPOSE_VERIFIED_ONLY", True)
     ref = [o.token_ids for o in make_llm(model_dir, "none", True).generate(PROMPTS, params(), use_tqdm=False)]
     k = SPECS[method]["num_speculative_tokens"]
     spec = {**SPECS[method], "adaptive": {"thresholds": [[1, k], [2, 2]], "above": 1}}

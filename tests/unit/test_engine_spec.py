@@ -207,13 +207,19 @@ def test_adaptive_policy_turns_speculation_off_and_on(target_dir, heads, referen
     assert llm.engine.scheduler.block_manager.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("verified_only", [False, True])
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("method", ["peagle", "eagle3"])
-def test_adaptive_policy_drafts_only_what_it_verifies(target_dir, heads, reference, method, async_scheduling):
+def test_adaptive_policy_drafts_only_what_it_verifies(target_dir, heads, reference, method, async_scheduling,
+                                                      verified_only, monkeypatch):
     # Engine K = 4; the policy verifies 1 draft above 4 running requests, 2 up to 4, 4 up to 1. Each drafter pass
     # proposes the policy's K for the load of its step (the engine's K after a step without drafts), never K = 4
     # to verify 1 (drafting passes of EAGLE-3 and P-EAGLE's mask positions grow with the count); when the load
-    # falls and the policy's K rises, a step proposes the new count. The output stays plain greedy's.
+    # falls and the policy's K rises, a step proposes the new count. The output stays plain greedy's. Off by
+    # default (PROPOSE_VERIFIED_ONLY): then every pass proposes the engine's K and steps verify the load's.
+    from peagle.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "PROPOSE_VERIFIED_ONLY", verified_only)
     spec = {"method": "eagle3", "model": heads[method], "num_speculative_tokens": 4,
             "parallel_drafting": method == "peagle", "adaptive": {"thresholds": [[1, 4], [4, 2]], "above": 1}}
     llm = LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
@@ -236,7 +242,8 @@ def test_adaptive_policy_drafts_only_what_it_verifies(target_dir, heads, referen
     outs = llm.generate(PROMPTS, [greedy(n) for n in lengths], use_tqdm=False)
     for prompt, ref, out, n in zip(PROMPTS, reference, outs, lengths):
         assert out.token_ids == ref[len(prompt):len(prompt) + n]
-    assert set(proposed) == {1, 2, 4}  # the counts the policy verifies, each proposed (4 also after prompts)
+    # the counts the policy verifies, each proposed (4 also after prompts); or the engine's K alone
+    assert set(proposed) == ({1, 2, 4} if verified_only else {4})
     assert all(k <= policy.k_for(b, 4) for b, k in verified)  # no step verifies more than its load's K
     assert {1, 2, 4} <= {k for _, k in verified}  # and each was verified
     assert llm.engine.scheduler.block_manager.num_used_blocks == 0

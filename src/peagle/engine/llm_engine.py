@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from peagle.engine import model_runner
 from peagle.engine.config import EngineConfig
 from peagle.engine.model_runner import ModelRunner, StepHandle, StepResult
 from peagle.engine.outputs import RequestMetrics, StepOutput
@@ -275,9 +276,10 @@ class LLMEngine:
     def _proposes_other_count(self, drafts: list[list[int]], k: int) -> bool:
         """Whether a step verifying `drafts` should propose the policy's K for the next, not what the runner would
         (as many as it verifies): the load fell and the policy's K rose. A step without drafts (prompts, or the
-        first after speculation was off) proposes the engine's K, truncated to the policy's by the next."""
+        first after speculation was off) proposes the engine's K, truncated to the policy's by the next. Never
+        without model_runner.PROPOSE_VERIFIED_ONLY: every step proposes the engine's K."""
         most = max(map(len, drafts), default=0)
-        return 0 < most < k
+        return model_runner.PROPOSE_VERIFIED_ONLY and 0 < most < k
 
     def _can_admit_ahead(self) -> bool:
         """Prompts wait, there is room for one, and none of them needs logits processing (it reads the history)."""

@@ -28,6 +28,13 @@ from peagle.engine.sampler import (SamplingTensors, exponential_like, process_lo
 from peagle.engine.spec.proposer import DraftInputs, Proposer
 from peagle.engine.spec.verifier import verify_greedy, verify_sampled, verify_synthetic
 
+# Whether an adaptive engine's drafter proposes only the drafts its step's K verifies (not the engine's K). Off: at
+# the 8B shape (BENCHMARKS.md run 17) a warm wave of 64 requests ran 15.2-15.6K tokens/s with it against 11.4-11.8K
+# without, but the eager step that proposes the larger count when the load falls made some waves 2.5-4x slower
+# (2.5K / 2.8K / 10.6K tokens/s in three waves of 32 requests, 5.9K in the first of 64), a first-use cost of shapes
+# that eager steps meet (not profiled). On again once that step runs from a graph.
+PROPOSE_VERIFIED_ONLY = False
+
 logger = logging.getLogger(__name__)
 
 
@@ -282,10 +289,11 @@ class ModelRunner:
         return self.target.compute_logits(hidden), out.aux  # [B*(k+1), V], [T, F]
 
     def draft_count(self, k: int) -> int:
-        """The drafts a step verifying k per request proposes for the next: as many (the adaptive policy's K for
-        the load, which the next step most likely verifies again), or the engine's K after a step without drafts.
-        A step that should propose another count (the policy's K rose) runs eagerly (`launch`)."""
-        return k if k > 0 else self.k
+        """The drafts a step verifying k per request proposes for the next: the engine's K, or with
+        PROPOSE_VERIFIED_ONLY as many as it verifies (the adaptive policy's K for the load, which the next step most
+        likely verifies again; the engine's K after a step without drafts); a step that should then propose another
+        count (the policy's K rose) runs eagerly (`launch`)."""
+        return k if k > 0 and PROPOSE_VERIFIED_ONLY else self.k
 
     def propose(self, x: dict[str, torch.Tensor], aux, num_rejected, next_tokens, max_query_len: int,
                 small_query_len: int | None = None, num_drafts: int | None = None):

@@ -10,43 +10,35 @@
 # against; .cfg: the testbed's config.json and tokenizer files, for runs with random weights; .tb_a, .tb_b, .tb_c:
 # the package wheels `peagle testbed` downloads, for `tb_stage`). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
-# The next session's plan (run 17), one call each, back to back; fire them one at a time (a failed call must not
+# The next session's plan (run 18), one call each, back to back; fire them one at a time (a failed call must not
 # start the next: run 15's first call got no machine and three calls fired behind it ran out of order), from a tree
 # no one is editing (the device gets a copy of the working tree, uncommitted edits too).
 # A call that comes more than 30 s after the previous one returned finds a fresh machine: run 9 lost its testbed so.
-# Run 16 lost its testbed to a machine that went away between two calls fired back to back, so the short timing
-# runs go first, before the testbed, where a lost machine costs them nothing.
+# Runs 16 and 17 lost the machine between calls fired back to back (run 16 in the testbed's training, run 17 at the
+# testbed's first call, after two calls of staging), so the testbed goes FIRST now, while the whole budget is left
+# and a lost machine can still be replaced: with 30 minutes it fits once (about 21.5 on a warm machine, plus a start).
 # A fresh machine costs about 1.5-2 device minutes before its first command runs; the testbed about 21.5 (run 15), so
 # a session that trains heads has about 5 minutes for anything else, and the MT-Bench grid (about 7) does not fit.
 # Nothing outlives the session: a session starts from a fresh checkout, so heads are trained in the session that
 # serves them (heads_out / heads_in move them between machines of one session, or home for a look, not further), and
 # the carried folders are built first: bash scripts/device/stage_local.sh wheels && ... stage_local.sh cfg.
-# B=async+prefill-graphs+admit-ahead (today's defaults: mixed tiles on since run 16),
-# G=async+prefill-graphs+gemv+admit-ahead.
-#   1. tb_stage && GPU_TESTS="tests/gpu/test_prefill_graphs_gpu.py -k adaptive" gpu_tests && ADMIT_SECS=120
-#      ADMIT_BATCHES=1 ADMIT_VARIANTS=$B,$B+fused-merge,$G+pdl,$G+pdl+gemv-wide,$B+fused-merge,$B admit (carry .tb_a
-#      .whl .cfg; about 2.5 minutes, so that the testbed still ends about 26 minutes into the session): the graphs
-#      that propose fewer drafts than the engine's K (the adaptive policy) on a GPU for the first time; the fused
-#      merge's batch-1 gain (run 16: 1,049 against 1,017 tokens/s, one row) again, in both orders; the GEMV path with
-#      run 16's tiling (16 x 256 for K < 1,024) and PDL against cuBLAS's, and with each program's whole weight slice
-#      read before PDL's wait (+gemv-wide: 16 x 1,024 tiles);
-#   2. tb_stage (.tb_b); 3. tb_stage && TB_SECS=560 TB_PEAGLE_ARGS="--num-layers 6" TB_EAGLE3_ARGS="--k-train 3"
-#      testbed (.tb_c .whl): issue 14's two untried anchors at once, each against run 15's head of its method (the
-#      same recipe otherwise; run 14 -> 15 moved P-EAGLE's served AL by 0.04-0.06 with its recipe unchanged, the
+# B=async+prefill-graphs+admit-ahead+mixed-tiles+fused-merge (today's defaults: engine_timing's modifiers are off
+# without their name, so run 17's "B" without +mixed-tiles timed mixed tiles off).
+#   1. tb_stage (carry .tb_a .whl); 2. tb_stage (.tb_b); 3. tb_stage && TB_SECS=560 TB_PEAGLE_ARGS="--num-layers 6"
+#      TB_EAGLE3_ARGS="--k-train 3" testbed (.tb_c .whl): issue 14's two untried anchors at once, each against run
+#      15's head of its method (run 14 -> 15 moved P-EAGLE's served AL by 0.04-0.06 with its recipe unchanged: the
 #      noise to read them by): P-EAGLE with 6 layers (its pass is cheap: 0.20 ms at K=7 against EAGLE-3's 0.68) and
-#      EAGLE-3 trained with 3 training-time-test steps (speculators' default; EAGLE-3's best K is 3: its best recipe
-#      for that K is the honest baseline: EAGLE-3's default becomes the recipe that serves it the most tokens/s at
-#      its best K, and the K=7 AL ratio is quoted with that recipe named); 4. TB_SECS=560 testbed_wait;
-#      5. TB_SECS=300 testbed_wait; 6. with what is left (about 3.5 minutes): BENCH_SECS=190 BENCH_K=3,7 BENCH_C=64
-#      bench (issue 15's cell at concurrency 64, P-EAGLE / EAGLE-3 each at its best K, unmeasured since EAGLE-3 got
-#      Muon; the served step covers concurrency 1). In a session without the testbed: HF_SECS=150 HF_BATCHES=1
-#      BENCH2_DATASETS=none bench2 (issue 15's P-EAGLE / HF cell, beside earlier rows);
-#      KERNELS_SECS=240 KERNELS_GEMV_ONLY=1 GEMV_ARGS="--rows 1 --sweep 16,32,64:128,256,512,1024:1,2,4" kernels
-#      (wider GEMV tiles swept cold at both shapes: at the testbed's, a short reduction's whole weight slice in one
-#      tile; at the 8B shape's, more bytes in flight: cuBLAS reads qkv / o / down at 57-86% of copy bandwidth cold,
-#      the gap that keeps its batch-1 step at 1.24x the floor); SCALE_C=1,32,64 scale (the 8B shape's adaptive rows
-#      now that the drafter proposes only what the policy verifies; run 16: EAGLE-3 K=3 led them by 3-7% at 32 and
-#      64).
+#      EAGLE-3 with 3 training-time-test steps (EAGLE-3's best K is 3; its default becomes the recipe that serves it
+#      the most tokens/s at its best K); 4. TB_SECS=560 testbed_wait; 5. TB_SECS=300 testbed_wait; 6. with what is
+#      left: BENCH_SECS=190 BENCH_K=3,7 BENCH_C=64 bench (issue 15's cell at concurrency 64 with Muon heads).
+#   In a session without the testbed: KERNELS_SECS=300 KERNELS_GEMV_ONLY=1 GEMV_ARGS="--rows 1 --sweep
+#      16,32,64:128,256,512,1024:1,2,4" kernels (wider GEMV tiles swept cold at both shapes: cuBLAS reads the 8B
+#      qkv / o / down at 57-86% of copy bandwidth cold, the gap that keeps its batch-1 step at 1.23x the floor; no
+#      machine was left for it in run 17); HF_SECS=150 HF_BATCHES=1 BENCH2_DATASETS=none bench2 (after stage_a and
+#      stage_b: issue 15's P-EAGLE / HF cell, beside earlier rows).
+# Run 17's plan (what was run, BENCHMARKS.md "Run 17"): tb_stage && gpu_tests (adaptive) && admit (batch 1: fused
+#   merge, G+PDL, gemv-wide); tb_stage; the testbed call got no machine; then gpu_tests (fused merge) and scale;
+#   scale_check.py --repeat 3 --only (adaptive, fixed K=7); scale_check.py --repeat 2.
 # Run 16's plan (what was run, BENCHMARKS.md "Run 16"): tb_stage; tb_stage; tb_stage && testbed as in step 3 above
 #   (lost with its machine); then run 17's old plan: gpu_tests (PDL, GEMV); admit x2 (mixed tiles, fused merge, PDL,
 #   GEMV); scale; PEAGLE_PDL=1 scale; admit (batch 1 again); gemv_timing.py; gemv_timing.py --sweep.

@@ -31,14 +31,13 @@
 #      EAGLE-3 with 3 training-time-test steps (EAGLE-3's best K is 3; its default becomes the recipe that serves it
 #      the most tokens/s at its best K); 4. TB_SECS=560 testbed_wait; 5. TB_SECS=300 testbed_wait; 6. with what is
 #      left: BENCH_SECS=190 BENCH_K=3,7 BENCH_C=64 bench (issue 15's cell at concurrency 64 with Muon heads).
-#   In a session without the testbed: KERNELS_SECS=300 KERNELS_GEMV_ONLY=1 GEMV_ARGS="--rows 1 --sweep
-#      16,32,64:128,256,512,1024:1,2,4" kernels (wider GEMV tiles swept cold at both shapes: cuBLAS reads the 8B
-#      qkv / o / down at 57-86% of copy bandwidth cold, the gap that keeps its batch-1 step at 1.23x the floor; no
-#      machine was left for it in run 17); HF_SECS=150 HF_BATCHES=1 BENCH2_DATASETS=none bench2 (after stage_a and
-#      stage_b: issue 15's P-EAGLE / HF cell, beside earlier rows).
+#   In a session without the testbed: HF_SECS=150 HF_BATCHES=1 BENCH2_DATASETS=none bench2 (after stage_a and
+#      stage_b: issue 15's P-EAGLE / HF cell, beside earlier rows). (Run 17 swept the GEMV's tilings cold at both
+#      shapes, wider tiles included: none beats cuBLAS at the 8B shape; not worth another call.)
 # Run 17's plan (what was run, BENCHMARKS.md "Run 17"): tb_stage && gpu_tests (adaptive) && admit (batch 1: fused
 #   merge, G+PDL, gemv-wide); tb_stage; the testbed call got no machine; then gpu_tests (fused merge) and scale;
-#   scale_check.py --repeat 3 --only (adaptive, fixed K=7); scale_check.py --repeat 2.
+#   scale_check.py --repeat 3 --only (adaptive, fixed K=7); scale_check.py --repeat 2; a call with no machine; the
+#   GEMV tiling sweep (kernels, as in the line above run 17's).
 # Run 16's plan (what was run, BENCHMARKS.md "Run 16"): tb_stage; tb_stage; tb_stage && testbed as in step 3 above
 #   (lost with its machine); then run 17's old plan: gpu_tests (PDL, GEMV); admit x2 (mixed tiles, fused merge, PDL,
 #   GEMV); scale; PEAGLE_PDL=1 scale; admit (batch 1 again); gemv_timing.py; gemv_timing.py --sweep.

@@ -560,8 +560,8 @@ def main(argv=None) -> int:
                                           "parallel_drafting": parallel}
         for variant in args.variants.split(","):
             # module switches, no LLM options, each off without its modifier: "+fused-merge" (the paged attention's
-            # KV splits merged inside its kernel), "+coarse-buckets" (general graphs padded to powers of two, as before run 14)
-            # and "+admit-ahead" (async scheduling launches a step that admits prompts before the answer in flight)
+            # KV splits merged inside its kernel), "+coarse-buckets" (general graphs padded to powers of two, as
+            # before run 14) and "+admit-ahead" (async scheduling launches a step that admits prompts before the answer in flight)
             base, mods = split_variant(variant)
             paged_attention_module.FUSED_MERGE = "fused-merge" in mods
             paged_attention_module.MIXED_TILES = "mixed-tiles" in mods  # harmless in trees without it

@@ -29,10 +29,10 @@ from peagle.engine.spec.proposer import DraftInputs, Proposer
 from peagle.engine.spec.verifier import verify_greedy, verify_sampled, verify_synthetic
 
 # Whether an adaptive engine's drafter proposes only the drafts its step's K verifies (not the engine's K). Off: at
-# the 8B shape (BENCHMARKS.md run 17) a warm wave of 64 requests ran 15.2-15.6K tokens/s with it against 11.4-11.8K
-# without, but the eager step that proposes the larger count when the load falls made some waves 2.5-4x slower
-# (2.5K / 2.8K / 10.6K tokens/s in three waves of 32 requests, 5.9K in the first of 64), a first-use cost of shapes
-# that eager steps meet (not profiled). On again once that step runs from a graph.
+# the 8B shape (BENCHMARKS.md run 17) a warm wave of 64 requests ran 15.2-15.6K tokens/s with it against 13.9-14.5K
+# without, but five of eight waves took 1-5 s longer (753-2,794 tokens/s at 32 requests against 10.6K warm; 4.1K and
+# 5.9K at 64) with the same two eager steps (those that propose the larger count when the load falls) as the fast
+# waves: a first-use cost of shapes eager steps meet (not profiled). On again once that step runs from a graph.
 PROPOSE_VERIFIED_ONLY = False
 
 logger = logging.getLogger(__name__)

@@ -106,6 +106,11 @@ def hf_static_compile(d) -> dict:
     return {"transformers": transformers.__version__, "compile_s": compile_s, "decode_ms_batch1": step_ms}
 
 
+# The speculative runs timed after plain decoding: label -> (K, parallel drafting, adaptive policy or None).
+SPECULATIVE_RUNS = {"eagle3-k3": (3, False, None), "peagle-k7": (7, True, None),
+                    "peagle-k7-adaptive": (7, True, ADAPTIVE)}
+
+
 def main(out: str, hf: bool, concurrency: list[int], gemv: bool = False, repeat: int = 1,
          only: str | None = None) -> int:
     d = tempfile.mkdtemp()
@@ -127,12 +132,10 @@ def main(out: str, hf: bool, concurrency: list[int], gemv: bool = False, repeat:
         result["runs"]["none-gemv"] = rows
         result.update(decode_ms_batch1_gemv=ms, decode_vs_floor_gemv=ms / result["floor_ms"])
         save()
-    for name, k, par, adaptive in (("eagle3", 3, False, None), ("peagle", 7, True, None),
-                                   ("peagle", 7, True, ADAPTIVE)):
+    for label, (k, par, adaptive) in SPECULATIVE_RUNS.items():
         spec = {"method": "eagle3", "model": "dummy", "num_speculative_tokens": k, "parallel_drafting": par}
-        label = f"{name}-k{k}"
         if adaptive:
-            spec["adaptive"], label = adaptive, f"{label}-adaptive"
+            spec["adaptive"] = adaptive
         if only is not None and label != only:
             continue
         rows, _, ms = run(d, spec, RATES[:k], concurrency, repeat)
@@ -157,9 +160,12 @@ if __name__ == "__main__":
     ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
     ap.add_argument("--gemv", action="store_true",
                     help="also time plain decoding with decode_gemv (the rows 'none-gemv', decode_vs_floor_gemv)")
-    ap.add_argument("--repeat", type=int, default=1, help="time each concurrency's wave this many times")
-    ap.add_argument("--only", help="the speculative run of this label only (e.g. peagle-k7-adaptive), no speculation "
-                                   "at concurrency 1 for the floor")
+    ap.add_argument("--repeat", type=int, default=1, help="time each concurrency's wave this many times (>= 1)")
+    ap.add_argument("--only", choices=sorted(SPECULATIVE_RUNS),
+                    help="the speculative run of this label only; plain decoding then at concurrency 1 only, for "
+                         "the floor")
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error(f"--repeat must be at least 1 (got {args.repeat})")
     sys.exit(main(args.out, args.hf, [int(c) for c in args.concurrency.split(",")], args.gemv, args.repeat,
                   args.only))

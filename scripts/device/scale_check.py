@@ -164,8 +164,15 @@ if __name__ == "__main__":
     ap.add_argument("--only", choices=sorted(SPECULATIVE_RUNS),
                     help="the speculative run of this label only; plain decoding then at concurrency 1 only, for "
                          "the floor")
+    ap.add_argument("--propose-verified-only", action="store_true",
+                    help="the adaptive engine's drafter proposes only the drafts its step's K verifies "
+                         "(model_runner.PROPOSE_VERIFIED_ONLY)")
     args = ap.parse_args()
     if args.repeat < 1:
         ap.error(f"--repeat must be at least 1 (got {args.repeat})")
+    if args.propose_verified_only:
+        from peagle.engine import model_runner
+
+        model_runner.PROPOSE_VERIFIED_ONLY = True
     sys.exit(main(args.out, args.hf, [int(c) for c in args.concurrency.split(",")], args.gemv, args.repeat,
                   args.only))

@@ -167,7 +167,8 @@ def test_replay_equals_an_eager_call_on_the_static_buffers(model_dir, method):
 def test_adaptive_policy_drafts_what_it_verifies_under_graphs(model_dir, method, async_scheduling, monkeypatch):
     """With an adaptive policy whose K falls with the load (1 draft above 2 running requests, 2 up to 2, the
     engine's K for one), CUDA-graphed steps propose only the drafts their K verifies and a rise in K proposes the
-    new count: greedy output equals plain greedy output, token for token in fp32, and each count was proposed
+    new count, laid out as that count's step with the missing drafts padded (graphed as it is): greedy output
+    equals plain greedy output, token for token in fp32, and each count was proposed
     (model_runner.PROPOSE_VERIFIED_ONLY, off by default)."""
     from peagle.engine import model_runner
 
@@ -189,4 +190,6 @@ def test_adaptive_policy_drafts_what_it_verifies_under_graphs(model_dir, method,
     assert any(v == 1 and d == 1 for v, d in steps)  # under load: one draft verified, one proposed
     assert {1, 2, k} <= {d for _, d in steps}
     assert all(d >= v for v, d in steps if d)  # never fewer proposed than verified (K only falls by the load)
+    # a rise in K is laid out as the new K's step (the missing drafts padded), so it proposes what it verifies
+    assert all(d == v for v, d in steps if d and v), steps
     assert sorted({key[2] for key in llm.engine.runner.graphs.graphs if key[0] == "draft"}) == [1, 2, k]

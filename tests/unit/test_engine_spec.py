@@ -233,11 +233,22 @@ def test_adaptive_policy_drafts_only_what_it_verifies(target_dir, heads, referen
         proposed.append(out.shape[1])
         return out
 
+    rounds = []  # (K of the step's layout, drafts proposed) per step that verifies drafts
+
     def run(x, st, k, num_real, *a, **kw):
         verified.append((num_real, k))
-        return real_run(x, st, k, num_real, *a, **kw)
+        handle = real_run(x, st, k, num_real, *a, **kw)
+        if k:
+            rounds.append((k, handle.num_drafts))
+        return handle
 
-    runner.propose, runner._run = propose, run
+    padded, real_can_pad = [], runner._can_pad_drafts
+
+    def can_pad(*a):
+        padded.append(real_can_pad(*a))
+        return padded[-1]
+
+    runner.propose, runner._run, runner._can_pad_drafts = propose, run, can_pad
     lengths = [8, 40, 12, 30, 16, 20]
     outs = llm.generate(PROMPTS, [greedy(n) for n in lengths], use_tqdm=False)
     for prompt, ref, out, n in zip(PROMPTS, reference, outs, lengths):
@@ -246,6 +257,9 @@ def test_adaptive_policy_drafts_only_what_it_verifies(target_dir, heads, referen
     assert set(proposed) == ({1, 2, 4} if verified_only else {4})
     assert all(k <= policy.k_for(b, 4) for b, k in verified)  # no step verifies more than its load's K
     assert {1, 2, 4} <= {k for _, k in verified}  # and each was verified
+    if verified_only:  # a rise in K is laid out as the new K's step (its missing drafts padded), as graphs run it
+        assert all(k == d for k, d in rounds), rounds
+        assert padded and all(padded)  # the load fell, so K rose; each rise was padded
     assert llm.engine.scheduler.block_manager.num_used_blocks == 0
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from peagle.engine.sampler import SamplingTensors, target_probs
-from peagle.engine.spec.verifier import verify_greedy, verify_sampled
+from peagle.engine.spec.verifier import verify_greedy, verify_sampled, verify_synthetic
 
 CHI2_CRIT_P001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88, 10: 29.59,
                   11: 31.26}  # chi-square critical values at p = 0.001
@@ -25,6 +25,30 @@ def test_greedy_accepts_matching_prefix_then_emits_target_token():
     assert out.num_accepted.tolist() == [2, 3, 1]
     assert out.next_tokens.tolist() == [7, 4, 9]
     assert out.output_tokens.tolist() == [[5, 6, 7, -1], [1, 2, 3, 4], [9, 9, -1, -1]]
+
+
+def test_pad_drafts_are_fed_but_never_accepted():
+    # A step whose K rose is laid out for more drafts than it has; its pads (id < 0) end acceptance like the end of
+    # the drafts would: the same answers as verifying the real drafts alone, greedy, sampled and synthetic.
+    torch.manual_seed(0)
+    b, v = 64, 5
+    probs = torch.softmax(torch.randn(b, 4, v), dim=-1)
+    real = probs[:, :2].argmax(-1)  # two real drafts the target agrees with, then a pad
+    padded = torch.cat([real, torch.full((b, 1), -1)], dim=1)
+    nd = torch.full((b,), 3)
+    g = verify_greedy(probs.argmax(-1), padded, nd)
+    ref = verify_greedy(probs[:, :3].argmax(-1), real, torch.full((b,), 2))
+    assert g.num_accepted.tolist() == ref.num_accepted.tolist() == [2] * b
+    assert g.next_tokens.tolist() == ref.next_tokens.tolist()
+    u = torch.rand(b, 3)
+    noise = torch.empty(b, v).exponential_()
+    s = verify_sampled(probs, padded, nd, u, noise)
+    ref = verify_sampled(probs[:, :3], real, torch.full((b,), 2), u[:, :2], noise)
+    assert s.num_accepted.tolist() == ref.num_accepted.tolist()
+    assert s.next_tokens.tolist() == ref.next_tokens.tolist()  # a bonus after the real drafts, from the plain distribution
+    assert (s.num_accepted == 2).any() and (s.num_accepted < 2).any()
+    y = verify_synthetic(probs.argmax(-1), padded, nd, (1.0, 1.0, 1.0))
+    assert y.num_accepted.tolist() == [2] * b
 
 
 def _sample_many(p_rows: torch.Tensor, drafts: torch.Tensor, n: int, seed: int):

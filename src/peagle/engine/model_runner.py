@@ -34,6 +34,8 @@ from peagle.engine.spec.verifier import verify_greedy, verify_sampled, verify_sy
 # 5.9K at 64) with the same two eager steps (those that propose the larger count when the load falls) as the fast
 # waves: a first-use cost of shapes eager steps meet (not profiled). On again once that step runs from a graph.
 PROPOSE_VERIFIED_ONLY = False
+# A draft that is fed but never accepted (the verifiers skip ids < 0): pads a step whose K rose to the new K's layout.
+PAD_DRAFT = -1
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +105,7 @@ class ModelRunner:
         self.scratch_block = num_blocks  # one extra block that padding requests of a graph bucket write into
         self.device = device
         self.dtype = dtype
+        self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-(max_model_len + 2 * self.k + 1) // block_size)
         tcfg = target.config
         self.target_scale = tcfg.head_dim ** -0.5
@@ -226,7 +229,7 @@ class ModelRunner:
         drafts_arr = np.zeros((b, k), dtype=np.int64)
         if k and n:
             drafts_arr[:n] = drafts
-            ids[:n, 1:] = drafts_arr[:n]
+            ids[:n, 1:] = np.maximum(drafts_arr[:n], 0)  # a PAD_DRAFT feeds token 0
         pos = start[:, None] + np.arange(k + 1)  # [b, k + 1]
         slots = tables[np.arange(b)[:, None], pos // bs].astype(np.int64) * bs + pos % bs
         qsl = np.arange(b + 1, dtype=np.int32) * (k + 1)
@@ -354,7 +357,11 @@ class ModelRunner:
         k = max((len(d) for d in drafts), default=0)
         draft = draft and self.proposer is not None
         want = self.draft_count(k) if num_new_drafts is None else num_new_drafts
-        eager = draft and want != self.draft_count(k)  # the adaptive policy's K rose: one eager step proposes more
+        if draft and want > self.draft_count(k) and self._can_pad_drafts(seqs, drafts, k, want, st, chunks):
+            # The adaptive policy's K rose: the step is laid out as one verifying `want` drafts, the missing ones
+            # PAD_DRAFT (fed, never accepted), so it runs as that K's steps do (graphs) and proposes `want`.
+            drafts, k = [d + [PAD_DRAFT] * (want - k) for d in drafts], want
+        eager = draft and want != self.draft_count(k)  # a rise that could not be padded: one eager step
         if not eager and chunks is None and self.graphs is not None and self.graphs.can_run(seqs, drafts, k, draft):
             inp = self.build_inputs(seqs, drafts, k, pad_to=self.graphs.bucket_for(len(seqs)))
             return self._run(self.graphs.load_inputs(inp), st, k, inp.num_real, inp.max_query_len, self.graphs,
@@ -366,6 +373,14 @@ class ModelRunner:
             return self._run(self.to_device(inp), st, k, inp.num_real, inp.max_query_len, None, draft, want)
         inp = self.pad_inputs(inp, key[0], key[1])
         return self._run(general.load_inputs(inp, key), st, k, inp.num_real, inp.max_query_len, general, draft)
+
+    def _can_pad_drafts(self, seqs, drafts, k: int, want: int, st: SamplingTensors, chunks) -> bool:
+        """Whether a step verifying k drafts can be laid out as one verifying `want` (padded): every request decodes
+        with k drafts, no logits processing reads the drafts, and the padded positions stay inside the model."""
+        if chunks is not None or st.processing is not None:
+            return False
+        return all(s.num_tokens - s.num_computed_tokens == 1 and len(d) == k and s.num_tokens + want <= self.max_model_len
+                   for s, d in zip(seqs, drafts))
 
     @torch.inference_mode()
     def launch_next(self, prev: StepHandle, rows: list[int], seqs, st: SamplingTensors, k: int,

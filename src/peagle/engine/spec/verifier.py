@@ -6,6 +6,9 @@ RECOVERED token, sampled from the target distribution with the rejected draft re
 is accepted, the BONUS token is sampled from the distribution after the last draft. Either way each round emits the
 accepted drafts plus exactly one more token, the NEXT token.
 
+A draft id < 0 is a pad (a step laid out for more drafts than it has): fed, never accepted; the greedy verifier needs
+no test for it (no argmax is negative), the others mask it.
+
 Drafts are the drafter's argmax (a one-hot draft distribution), so the acceptance probability of draft d is
 p_target(d) (Leviathan et al. 2023 with q = one-hot). Greedy requests get one-hot target distributions, which makes
 this plain "accept while equal to the target argmax".
@@ -49,14 +52,14 @@ def verify_sampled(
     if k == 0:  # no drafts: plain sampling of the next token
         next_tokens = (probs[:, 0] / exp_noise).argmax(dim=-1)
         return VerifyOutput(next_tokens[:, None], torch.zeros_like(num_drafts), next_tokens)
-    in_range = torch.arange(k, device=drafts.device)[None, :] < num_drafts[:, None]
-    p_draft = probs[:, :k].gather(2, drafts[:, :, None].long()).squeeze(2)  # [B, K]
+    in_range = (torch.arange(k, device=drafts.device)[None, :] < num_drafts[:, None]) & (drafts >= 0)
+    p_draft = probs[:, :k].gather(2, drafts.clamp(min=0)[:, :, None].long()).squeeze(2)  # [B, K]
     accepted = (uniforms < p_draft) & in_range
     num_accepted = accepted.int().cumprod(dim=1).sum(dim=1)
     rows = torch.arange(b, device=probs.device)
     p_next = probs[rows, num_accepted.long()]  # [B, V]
-    rejected = num_accepted < num_drafts
-    rejected_draft = drafts[rows, num_accepted.clamp(max=k - 1).long()]
+    rejected = num_accepted < in_range.sum(dim=1)  # a real draft was turned down (not: the drafts, pads aside, ran out)
+    rejected_draft = drafts[rows, num_accepted.clamp(max=k - 1).long()].clamp(min=0)
     # Recovered token: the target distribution with the rejected draft removed. Bonus: the plain distribution.
     remove = torch.zeros_like(p_next, dtype=torch.bool)
     remove[rows, rejected_draft.long()] = rejected
@@ -79,7 +82,7 @@ def verify_synthetic(
     """
     k = drafts.shape[1]
     conditional = _conditional_rates(tuple(rates[:k]), drafts.device)
-    in_range = torch.arange(k, device=drafts.device)[None, :] < num_drafts[:, None]
+    in_range = (torch.arange(k, device=drafts.device)[None, :] < num_drafts[:, None]) & (drafts >= 0)
     accepted = (torch.rand(drafts.shape, device=drafts.device) < conditional) & in_range
     num_accepted = accepted.int().cumprod(dim=1).sum(dim=1)
     next_tokens = target_argmax.gather(1, num_accepted[:, None].long()).squeeze(1)

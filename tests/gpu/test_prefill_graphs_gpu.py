@@ -169,7 +169,7 @@ def test_adaptive_policy_drafts_what_it_verifies_under_graphs(model_dir, method,
     engine's K for one), CUDA-graphed steps propose only the drafts their K verifies and a rise in K proposes the
     new count, laid out as that count's step with the missing drafts padded (graphed as it is): greedy output
     equals plain greedy output, token for token in fp32, and each count was proposed
-    (model_runner.PROPOSE_VERIFIED_ONLY, off by default)."""
+    (model_runner.PROPOSE_VERIFIED_ONLY, on by default)."""
     from peagle.engine import model_runner
 
     monkeypatch.setattr(model_runner, "PROPOSE_VERIFIED_ONLY", True)

@@ -15,8 +15,9 @@ class AdaptivePolicy:
     `thresholds` maps an upper bound on running requests to K: [(4, 7), (16, 5), (64, 3)] means up to 4 running
     requests verify 7 drafts, up to 16 verify 5, up to 64 verify 3, and more than 64 verify `above`.
     Larger batches make verification compute-bound, where rejected drafts cost real time; fewer drafts then pay.
-    The drafter proposes the engine's K and a step verifies the first K of the load's (with
-    model_runner.PROPOSE_VERIFIED_ONLY, off by default, it proposes only what the load's K verifies).
+    The drafter proposes as many drafts as the load's K verifies (model_runner.PROPOSE_VERIFIED_ONLY; off: the
+    engine's K, of which each step verifies the load's first K); when the load falls and K rises, the step
+    verifies its drafts padded to the new K and proposes that many.
     K = 0 turns speculation off in that band: plain decoding steps, the drafter not run at all (except over new
     prompts, so that it knows them). When the load falls again, drafting resumes; the drafter's cache then lacks the
     tokens decoded while it was off, which lowers its acceptance for those requests, never their output.

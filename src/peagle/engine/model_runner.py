@@ -28,12 +28,12 @@ from peagle.engine.sampler import (SamplingTensors, exponential_like, process_lo
 from peagle.engine.spec.proposer import DraftInputs, Proposer
 from peagle.engine.spec.verifier import verify_greedy, verify_sampled, verify_synthetic
 
-# Whether an adaptive engine's drafter proposes only the drafts its step's K verifies (not the engine's K). Off: at
-# the 8B shape (BENCHMARKS.md run 17) a warm wave of 64 requests ran 15.2-15.6K tokens/s with it against 13.9-14.5K
-# without, but five of eight waves took 1-5 s longer (753-2,794 tokens/s at 32 requests against 10.6K warm; 4.1K and
-# 5.9K at 64) with the same two eager steps (those that propose the larger count when the load falls) as the fast
-# waves: a first-use cost of shapes eager steps meet (not profiled). On again once that step runs from a graph.
-PROPOSE_VERIFIED_ONLY = False
+# Whether an adaptive engine's drafter proposes only the drafts its step's K verifies (not the engine's K). At the 8B
+# shape (BENCHMARKS.md run 18) 14.7-15.4K tokens/s at 64 requests against 13.1-13.5K without, 10.1-11.0K at 32
+# against 9.9-10.6K (one first wave of its process 7.8K). The step at a rise in K is laid out as the new K's step
+# with its missing drafts padded (PAD_DRAFT), so it replays graphs; run 17 ran it eagerly and five of eight waves
+# took 1-5 s longer.
+PROPOSE_VERIFIED_ONLY = True
 # A draft that is fed but never accepted (the verifiers skip ids < 0): pads a step whose K rose to the new K's layout.
 PAD_DRAFT = -1
 
@@ -292,10 +292,10 @@ class ModelRunner:
         return self.target.compute_logits(hidden), out.aux  # [B*(k+1), V], [T, F]
 
     def draft_count(self, k: int) -> int:
-        """The drafts a step verifying k per request proposes for the next: the engine's K, or with
-        PROPOSE_VERIFIED_ONLY as many as it verifies (the adaptive policy's K for the load, which the next step most
-        likely verifies again; the engine's K after a step without drafts); a step that should then propose another
-        count (the policy's K rose) runs eagerly (`launch`)."""
+        """The drafts a step verifying k per request proposes for the next: with PROPOSE_VERIFIED_ONLY (the default)
+        as many as it verifies (the adaptive policy's K for the load, which the next step most likely verifies again;
+        the engine's K after a step without drafts), else the engine's K. A step that should propose more (the
+        policy's K rose) is padded to that count when it can be, else runs eagerly (`launch`)."""
         return k if k > 0 and PROPOSE_VERIFIED_ONLY else self.k
 
     def propose(self, x: dict[str, torch.Tensor], aux, num_rejected, next_tokens, max_query_len: int,
@@ -352,8 +352,9 @@ class ModelRunner:
         """One step from the host's sequences. `draft=False` skips the drafter (speculation off for this step): no
         drafts come back. `chunks`: tokens fed per request when a prefill is chunked; a chunk's answer is
         meaningless (nothing is sampled), but the drafter reads the prompt token after it, so its cache fills.
-        `num_new_drafts`: the drafts to propose per request (default `draft_count` of the drafts given); a count
-        other than that default runs eagerly (the graphs propose the default)."""
+        `num_new_drafts`: the drafts to propose per request (default `draft_count` of the drafts given); a larger
+        count pads the drafts to it (`_can_pad_drafts`), so the step runs as that K's steps do; a count that cannot
+        be padded runs eagerly (the graphs propose the default)."""
         k = max((len(d) for d in drafts), default=0)
         draft = draft and self.proposer is not None
         want = self.draft_count(k) if num_new_drafts is None else num_new_drafts

@@ -29,8 +29,8 @@ from peagle.engine.spec.proposer import DraftInputs, Proposer
 from peagle.engine.spec.verifier import verify_greedy, verify_sampled, verify_synthetic
 
 # Whether an adaptive engine's drafter proposes only the drafts its step's K verifies (not the engine's K). At the 8B
-# shape (BENCHMARKS.md run 18) 14.7-15.4K tokens/s at 64 requests against 13.1-13.5K without, 10.1-11.0K at 32
-# against 9.9-10.6K (one first wave of its process 7.8K). The step at a rise in K is laid out as the new K's step
+# shape (BENCHMARKS.md run 18) 14.7-15.4K tokens/s at 64 requests against 13.1-13.5K without, 9.0-11.0K at 32
+# against 9.9-10.6K (and one first wave of its process at 7.8K). The step at a rise in K is laid out as the new K's step
 # with its missing drafts padded (PAD_DRAFT), so it replays graphs; run 17 ran it eagerly and five of eight waves
 # took 1-5 s longer.
 PROPOSE_VERIFIED_ONLY = True

@@ -263,6 +263,39 @@ def test_adaptive_policy_drafts_only_what_it_verifies(target_dir, heads, referen
     assert llm.engine.scheduler.block_manager.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+def test_adaptive_policy_pads_a_rise_for_sampled_requests(target_dir, heads, method):
+    # Sampled requests (and one with logprobs) through rises in K: each padded step verifies only its real drafts
+    # (the pads are never accepted, so no request emits more than its drafts allow), the lengths are as asked.
+    spec = {"method": "eagle3", "model": heads[method], "num_speculative_tokens": 4,
+            "parallel_drafting": method == "peagle", "adaptive": {"thresholds": [[1, 4], [4, 2]], "above": 1}}
+    llm = LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
+              max_num_seqs=6)
+    runner = llm.engine.runner
+    padded, real_can_pad, real_run = [], runner._can_pad_drafts, runner._run
+    emitted = []  # (drafts the step's requests had, tokens each emitted) per padded step
+
+    def can_pad(seqs, drafts, k, want, *a):
+        padded.append(real_can_pad(seqs, drafts, k, want, *a))
+        return padded[-1]
+
+    def run(x, st, k, num_real, *a, **kw):
+        handle = real_run(x, st, k, num_real, *a, **kw)
+        real = x["drafts"][:num_real] >= 0
+        emitted.append((real.sum(1).tolist(), [n for n in handle.result().num_accepted]))
+        return handle
+
+    runner._can_pad_drafts, runner._run = can_pad, run
+    lengths = [8, 40, 12, 30, 16, 20]
+    params = [SamplingParams(temperature=0.9, seed=i, max_tokens=n, ignore_eos=True, logprobs=1 if i == 0 else None)
+              for i, n in enumerate(lengths)]
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == lengths
+    assert padded and all(padded)
+    assert all(a <= d for real, acc in emitted for d, a in zip(real, acc))
+    assert llm.engine.scheduler.block_manager.num_used_blocks == 0
+
+
 def test_adaptive_policy_rejects_negative_k():
     from peagle.engine.config import AdaptivePolicy
 

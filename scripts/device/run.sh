@@ -10,13 +10,14 @@
 # against; .cfg: the testbed's config.json and tokenizer files, for runs with random weights; .tb_a, .tb_b, .tb_c:
 # the package wheels `peagle testbed` downloads, for `tb_stage`). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
-# The next session's plan (run 18), one call each, back to back; fire them one at a time (a failed call must not
-# start the next: run 15's first call got no machine and three calls fired behind it ran out of order), from a tree
+# The next session's plan (run 19: run 18's, which lost its testbed), one call each, back to back; fire them one at
+# a time (a failed call must not start the next: run 15's first call got no machine and three calls fired behind it ran out of order), from a tree
 # no one is editing (the device gets a copy of the working tree, uncommitted edits too).
 # A call that comes more than 30 s after the previous one returned finds a fresh machine: run 9 lost its testbed so.
 # Runs 16 and 17 lost the machine between calls fired back to back (run 16 in the testbed's training, run 17 at the
-# testbed's first call, after two calls of staging), so the testbed goes FIRST now, while the whole budget is left
-# and a lost machine can still be replaced: with 30 minutes it fits once (about 21.5 on a warm machine, plus a start).
+# testbed's first call, after two calls of staging), run 18 between the testbed's call and its first wait (issued
+# more than 30 s after the call returned: nothing may come between them), so the testbed goes FIRST, while the
+# whole budget is left and a lost machine can still be replaced: with 30 minutes it fits once (about 21.5 on a warm machine, plus a start).
 # A fresh machine costs about 1.5-2 device minutes before its first command runs; the testbed about 21.5 (run 15), so
 # a session that trains heads has about 5 minutes for anything else, and the MT-Bench grid (about 7) does not fit.
 # Nothing outlives the session: a session starts from a fresh checkout, so heads are trained in the session that
@@ -31,9 +32,12 @@
 #      EAGLE-3 with 3 training-time-test steps (EAGLE-3's best K is 3; its default becomes the recipe that serves it
 #      the most tokens/s at its best K); 4. TB_SECS=560 testbed_wait; 5. TB_SECS=300 testbed_wait; 6. with what is
 #      left: BENCH_SECS=190 BENCH_K=3,7 BENCH_C=64 bench (issue 15's cell at concurrency 64 with Muon heads).
-#   In a session without the testbed: HF_SECS=150 HF_BATCHES=1 BENCH2_DATASETS=none bench2 (after stage_a and
-#      stage_b: issue 15's P-EAGLE / HF cell, beside earlier rows). (Run 17 swept the GEMV's tilings cold at both
-#      shapes, wider tiles included: none beats cuBLAS at the 8B shape; not worth another call.)
+#   In a session without the testbed: the HF cell ran in run 18 (HF_SECS=290; 150 s cuts its compile). (Run 17 swept
+#      the GEMV's tilings cold at both shapes, wider tiles included: none beats cuBLAS at the 8B shape.)
+# Run 18's plan (what was run, BENCHMARKS.md "Run 18"): tb_stage x3 && testbed as in step 3 (lost at its first
+#   wait); stage_a; stage_b; bench2 (HF cell, its compile cut at 150 s); gpu_tests (adaptive) and scale_check.py
+#   --only peagle-k7-adaptive --repeat 3 with and without --propose-verified-only, twice in both orders; stage_a;
+#   stage_b and bench2 with HF_SECS=290.
 # Run 17's plan (what was run, BENCHMARKS.md "Run 17"): tb_stage && gpu_tests (adaptive) && admit (batch 1: fused
 #   merge, G+PDL, gemv-wide); tb_stage; the testbed call got no machine; then gpu_tests (fused merge) and scale;
 #   scale_check.py --repeat 3 --only (adaptive, fixed K=7); scale_check.py --repeat 2; a call with no machine; the

@@ -11,13 +11,15 @@
 # the package wheels `peagle testbed` downloads, for `tb_stage`). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
 # The next session's plan (run 19: run 18's, which lost its testbed), one call each, back to back; fire them one at
-# a time (a failed call must not start the next: run 15's first call got no machine and three calls fired behind it ran out of order), from a tree
-# no one is editing (the device gets a copy of the working tree, uncommitted edits too).
+# a time (a failed call must not start the next: run 15's first call got no machine and three calls fired behind it
+# ran out of order), from a tree no one is editing (the device gets a copy of the working tree, uncommitted edits
+# too).
 # A call that comes more than 30 s after the previous one returned finds a fresh machine: run 9 lost its testbed so.
 # Runs 16 and 17 lost the machine between calls fired back to back (run 16 in the testbed's training, run 17 at the
 # testbed's first call, after two calls of staging), run 18 between the testbed's call and its first wait (issued
 # more than 30 s after the call returned: nothing may come between them), so the testbed goes FIRST, while the
-# whole budget is left and a lost machine can still be replaced: with 30 minutes it fits once (about 21.5 on a warm machine, plus a start).
+# whole budget is left and a lost machine can still be replaced: with 30 minutes it fits once (about 21.5 on a warm
+# machine, plus a start).
 # A fresh machine costs about 1.5-2 device minutes before its first command runs; the testbed about 21.5 (run 15), so
 # a session that trains heads has about 5 minutes for anything else, and the MT-Bench grid (about 7) does not fit.
 # Nothing outlives the session: a session starts from a fresh checkout, so heads are trained in the session that

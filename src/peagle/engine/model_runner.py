@@ -30,9 +30,9 @@ from peagle.engine.spec.verifier import verify_greedy, verify_sampled, verify_sy
 
 # Whether an adaptive engine's drafter proposes only the drafts its step's K verifies (not the engine's K). At the 8B
 # shape (BENCHMARKS.md run 18) 14.7-15.4K tokens/s at 64 requests against 13.1-13.5K without, 9.0-11.0K at 32
-# against 9.9-10.6K (and one first wave of its process at 7.8K). The step at a rise in K is laid out as the new K's step
-# with its missing drafts padded (PAD_DRAFT), so it replays graphs; run 17 ran it eagerly and five of eight waves
-# took 1-5 s longer.
+# against 9.9-10.6K (and one first wave of its process at 7.8K). The step at a rise in K is laid out as the new K's
+# step with its missing drafts padded (PAD_DRAFT), so it replays graphs; run 17 ran it eagerly and five of eight
+# waves took 1-5 s longer.
 PROPOSE_VERIFIED_ONLY = True
 # A draft that is fed but never accepted (the verifiers skip ids < 0): pads a step whose K rose to the new K's layout.
 PAD_DRAFT = -1
@@ -380,8 +380,8 @@ class ModelRunner:
         with k drafts, no logits processing reads the drafts, and the padded positions stay inside the model."""
         if chunks is not None or st.processing is not None:
             return False
-        return all(s.num_tokens - s.num_computed_tokens == 1 and len(d) == k and s.num_tokens + want <= self.max_model_len
-                   for s, d in zip(seqs, drafts))
+        return all(s.num_tokens - s.num_computed_tokens == 1 and len(d) == k
+                   and s.num_tokens + want <= self.max_model_len for s, d in zip(seqs, drafts))
 
     @torch.inference_mode()
     def launch_next(self, prev: StepHandle, rows: list[int], seqs, st: SamplingTensors, k: int,

@@ -207,6 +207,18 @@ def test_adaptive_policy_turns_speculation_off_and_on(target_dir, heads, referen
     assert llm.engine.scheduler.block_manager.num_used_blocks == 0
 
 
+def _spy_on_padding(runner) -> list[bool]:
+    """Records, per step whose K rose, whether the runner padded its drafts to the new K (`_can_pad_drafts`)."""
+    padded, real = [], runner._can_pad_drafts
+
+    def can_pad(*a):
+        padded.append(real(*a))
+        return padded[-1]
+
+    runner._can_pad_drafts = can_pad
+    return padded
+
+
 @pytest.mark.parametrize("verified_only", [False, True])
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("method", ["peagle", "eagle3"])
@@ -242,13 +254,8 @@ def test_adaptive_policy_drafts_only_what_it_verifies(target_dir, heads, referen
             rounds.append((k, handle.num_drafts))
         return handle
 
-    padded, real_can_pad = [], runner._can_pad_drafts
-
-    def can_pad(*a):
-        padded.append(real_can_pad(*a))
-        return padded[-1]
-
-    runner.propose, runner._run, runner._can_pad_drafts = propose, run, can_pad
+    padded = _spy_on_padding(runner)
+    runner.propose, runner._run = propose, run
     lengths = [8, 40, 12, 30, 16, 20]
     outs = llm.generate(PROMPTS, [greedy(n) for n in lengths], use_tqdm=False)
     for prompt, ref, out, n in zip(PROMPTS, reference, outs, lengths):
@@ -272,20 +279,15 @@ def test_adaptive_policy_pads_a_rise_for_sampled_requests(target_dir, heads, met
     llm = LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
               max_num_seqs=6)
     runner = llm.engine.runner
-    padded, real_can_pad, real_run = [], runner._can_pad_drafts, runner._run
-    emitted = []  # (drafts the step's requests had, tokens each emitted) per padded step
-
-    def can_pad(seqs, drafts, k, want, *a):
-        padded.append(real_can_pad(seqs, drafts, k, want, *a))
-        return padded[-1]
+    padded, real_run = _spy_on_padding(runner), runner._run
+    emitted = []  # (real drafts of each request, drafts each accepted) per step
 
     def run(x, st, k, num_real, *a, **kw):
         handle = real_run(x, st, k, num_real, *a, **kw)
-        real = x["drafts"][:num_real] >= 0
-        emitted.append((real.sum(1).tolist(), [n for n in handle.result().num_accepted]))
+        emitted.append(((x["drafts"][:num_real] >= 0).sum(1).tolist(), list(handle.result().num_accepted)))
         return handle
 
-    runner._can_pad_drafts, runner._run = can_pad, run
+    runner._run = run
     lengths = [8, 40, 12, 30, 16, 20]
     params = [SamplingParams(temperature=0.9, seed=i, max_tokens=n, ignore_eos=True, logprobs=1 if i == 0 else None)
               for i, n in enumerate(lengths)]

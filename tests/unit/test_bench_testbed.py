@@ -393,7 +393,7 @@ def test_h200_plan_uses_every_data_source_and_trains_both_heads_side_by_side(off
         assert "--lr" not in c.argv and "--schedule" not in c.argv  # the trainer's default recipe
         assert "--draft-vocab-size" not in c.argv  # the trainer's 32K, which won run 11's A/B
     assert (arg(eagle3.argv, "--method"), arg(eagle3.argv, "--num-layers"), arg(eagle3.argv, "--k-train")) == (
-        "eagle3", "1", "7")
+        "eagle3", "1", "3")
     assert (arg(peagle.argv, "--method"), arg(peagle.argv, "--num-layers"), arg(peagle.argv, "--k-train")) == (
         "peagle", "4", "8")
     assert eagle3.log != peagle.log

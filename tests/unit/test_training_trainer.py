@@ -267,6 +267,20 @@ def test_default_learning_rate_per_method(setup, tmp_path):
     assert args.lr is None and train_config(args).lr == 6e-4  # the config picks the method's default
 
 
+def test_default_training_depth_per_method(setup, tmp_path):
+    # Each method trains as deep as it serves best: P-EAGLE 8 (K=7-11), EAGLE-3 3 (its best K; run 19).
+    checkpoint, data = setup
+    cfg = lambda **kw: TrainConfig(target=checkpoint, data=data, out=tmp_path, steps=10, **kw)  # noqa: E731
+    assert cfg(method="peagle").k_train == 8 and cfg(method="eagle3").k_train == 3
+    assert cfg(method="eagle3", k_train=7).k_train == 7 and cfg(method="peagle", k_train=12).k_train == 12
+    with pytest.raises(ValueError, match="--k-train must be at least 1"):
+        cfg(method="eagle3", k_train=0)
+    for method, depth in (("eagle3", 3), ("peagle", 8)):
+        args = build_parser().parse_args(["train", "--target", str(checkpoint), "--data", str(data), "--out",
+                                          str(tmp_path), "--method", method, "--steps", "1"])
+        assert args.k_train is None and train_config(args).k_train == depth
+
+
 def test_time_limit_fits_the_schedule_to_the_time():
     # 100 s left at 0.5 s per step: 190 more steps fit (5% is kept for evaluation and saving).
     assert fitted_total_steps(30, 100_000, 0.5, 100.0) == 220

@@ -57,7 +57,7 @@ class Scale:
     # recipe (learning rate, optimizer, schedule, frozen 32K head, COD, depth decay, feature noise) is `peagle train`'s
     # default (Muon for both heads: P-EAGLE's since run 14, EAGLE-3's since run 15).
     train_args: tuple[str, ...] = TRAIN_ARGS
-    eagle3_args: tuple[str, ...] = ("--num-layers", "1", "--k-train", "7", "--batch-size", "1")
+    eagle3_args: tuple[str, ...] = ("--num-layers", "1", "--k-train", "3", "--batch-size", "1")
     peagle_args: tuple[str, ...] = ("--num-layers", "4", "--k-train", "8", "--batch-size", "1")
     # Served: the finished heads through the engine on the first N prompts of MT-Bench and of HumanEval (`peagle
     # bench`: greedy, concurrency 1, K of serve_k, answers of max_tokens): the acceptance length the engine serves,
@@ -153,7 +153,7 @@ def h200_scale() -> Scale:
     the installed packages and long ones from the standard library side by side (50 s; run 10's 614 short ones from
     the standard library alone were answered in 18 s, run 11's 20,000 gave 8,960 documents, 3.6M tokens, in the
     50), beside them the evaluation set (256 held-out first turns, 40 s); answers of up to 256 tokens; then EAGLE-3
-    (1 layer, K_train 7) and P-EAGLE (4 layers, K_train 8) trained side by side on 8K packs for 12.25 minutes each,
+    (1 layer, K_train 3: run 19's anchor served more than 7) and P-EAGLE (4 layers, K_train 8) trained side by side on 8K packs for 12.25 minutes each,
     plus what the steps before left of their limits, with `peagle train`'s default recipe (a 32K draft
     vocabulary). Wall limits: 30 + 30 + 60 + 60 s before the data, 160 + 50 s of data, 785 s for the heads: 19.6
     minutes. The commands and the data schedule follow the device script's `data` and `train` stages (run 8's,

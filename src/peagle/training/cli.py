@@ -89,7 +89,9 @@ def register(subparsers) -> None:
     train.add_argument("--method", choices=METHODS, required=True)
     train.add_argument("--out", type=Path, required=True, help="output directory (checkpoints, logs, final/)")
     train.add_argument("--num-layers", type=int, help="drafter layers (default 4 for peagle, 1 for eagle3)")
-    train.add_argument("--k-train", type=int, default=8, help="drafting depth trained (default 8)")
+    train.add_argument("--k-train", type=int,
+                       help="drafting depth trained (default 8 for peagle, 3 for eagle3: each method's best in "
+                            "BENCHMARKS.md)")
     train.add_argument("--cod-r", type=float, default=0.7, help="COD keep ratio per depth (default 0.7)")
     train.add_argument("--cod-r-min", type=float, default=0.2, help="COD floor (default 0.2)")
     train.add_argument("--num-segments", type=int, default=1,

@@ -25,6 +25,12 @@ DEFAULT_LR = {"peagle": 1e-3, "eagle3": 6e-4}
 # 2.65 / 2.95); EAGLE-3 with Muon too served 2.89 / 3.25 against its AdamW 2.66 / 2.99 (run 15 against run 14, P-EAGLE
 # 2.90 / 3.29 beside it), so the baseline gets it as well. A dict per method, so that the two can part again.
 DEFAULT_OPTIMIZER = {"peagle": "muon", "eagle3": "muon"}
+# Depth trained per method when --k-train is not given. P-EAGLE drafts K in one pass and serves best at K=7-11, so it
+# trains 8 deep (12 cost a fifth of the steps and gained nothing at K=11: BENCHMARKS.md run 13). EAGLE-3 serves best
+# at K=3, and trained 3 steps deep it served more at K=3 and at K=7 than trained 7 deep, in the same time with steps
+# of half the cost (run 19 against run 15: AL 2.51 / 2.81 against 2.41 / 2.60 at K=3, 3.01 / 3.52 against 2.89 /
+# 3.25 at K=7, MT-Bench / HumanEval).
+DEFAULT_K_TRAIN = {"peagle": 8, "eagle3": 3}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -41,7 +47,7 @@ class TrainConfig:
     out: Path
     method: str
     num_layers: int | None = None  # None: 4 for peagle, 1 for eagle3
-    k_train: int = 8
+    k_train: int | None = None  # None: DEFAULT_K_TRAIN[method]
     cod_r: float = 0.7
     cod_r_min: float = 0.2
     num_segments: int = 1
@@ -115,6 +121,8 @@ class TrainConfig:
             raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.muon_lr is not None and (self.optimizer != "muon" or not self.muon_lr > 0):
             raise ValueError(f"--muon-lr {self.muon_lr}: a positive learning rate, with --optimizer muon only")
+        if self.k_train is None:
+            object.__setattr__(self, "k_train", DEFAULT_K_TRAIN[self.method])
         if self.k_train < 1:
             raise ValueError(f"--k-train must be at least 1 (tokens drafted per round), got {self.k_train}")
         if not 0.0 < self.cod_r <= 1.0:

@@ -10,30 +10,28 @@
 # against; .cfg: the testbed's config.json and tokenizer files, for runs with random weights; .tb_a, .tb_b, .tb_c:
 # the package wheels `peagle testbed` downloads, for `tb_stage`). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
-# The next session's plan (run 19: run 18's, which lost its testbed), one call each, back to back; fire them one at
-# a time (a failed call must not start the next: run 15's first call got no machine and three calls fired behind it
-# ran out of order), from a tree no one is editing (the device gets a copy of the working tree, uncommitted edits
-# too).
-# A call that comes more than 30 s after the previous one returned finds a fresh machine: run 9 lost its testbed so.
-# Runs 16 and 17 lost the machine between calls fired back to back (run 16 in the testbed's training, run 17 at the
-# testbed's first call, after two calls of staging), run 18 between the testbed's call and its first wait (issued
-# more than 30 s after the call returned: nothing may come between them), so the testbed goes FIRST, while the
-# whole budget is left and a lost machine can still be replaced: with 30 minutes it fits once (about 21.5 on a warm
-# machine, plus a start).
-# A fresh machine costs about 1.5-2 device minutes before its first command runs; the testbed about 21.5 (run 15), so
-# a session that trains heads has about 5 minutes for anything else, and the MT-Bench grid (about 7) does not fit.
+# The next session's plan (run 20), one call each, back to back; fire them one at a time (a failed call must not
+# start the next: run 15's first call got no machine and three calls fired behind it ran out of order), from a tree
+# no one is editing (the device gets a copy of the working tree, uncommitted edits too).
+# A call that comes more than 30 s after the previous one returned finds a fresh machine: runs 9, 16, 17 and 18 lost
+# their testbeds so (run 18 between the testbed's call and its first wait: nothing may come between them), so the
+# testbed goes FIRST, while the whole budget is left and a lost machine can still be replaced: with 30 minutes it
+# fits once (20.5 minutes on a warm machine in run 19, plus a start of about 1.5).
 # Nothing outlives the session: a session starts from a fresh checkout, so heads are trained in the session that
 # serves them (heads_out / heads_in move them between machines of one session, or home for a look, not further), and
 # the carried folders are built first: bash scripts/device/stage_local.sh wheels && ... stage_local.sh cfg.
 # B=async+prefill-graphs+admit-ahead+mixed-tiles+fused-merge (today's defaults: engine_timing's modifiers are off
 # without their name, so run 17's "B" without +mixed-tiles timed mixed tiles off).
-#   1. tb_stage (carry .tb_a .whl); 2. tb_stage (.tb_b); 3. tb_stage && TB_SECS=560 TB_PEAGLE_ARGS="--num-layers 6"
-#      TB_EAGLE3_ARGS="--k-train 3" testbed (.tb_c .whl): issue 14's two untried anchors at once, each against run
-#      15's head of its method (run 14 -> 15 moved P-EAGLE's served AL by 0.04-0.06 with its recipe unchanged: the
-#      noise to read them by): P-EAGLE with 6 layers (its pass is cheap: 0.20 ms at K=7 against EAGLE-3's 0.68) and
-#      EAGLE-3 with 3 training-time-test steps (EAGLE-3's best K is 3; its default becomes the recipe that serves it
-#      the most tokens/s at its best K); 4. TB_SECS=560 testbed_wait; 5. TB_SECS=300 testbed_wait; 6. with what is
-#      left: BENCH_SECS=190 BENCH_K=3,7 BENCH_C=64 bench (issue 15's cell at concurrency 64 with Muon heads).
+#   1. tb_stage (carry .tb_a .whl); 2. tb_stage (.tb_b); 3. tb_stage && TB_SECS=560 TB_PEAGLE_ARGS="--num-layers 2"
+#      testbed (.tb_c .whl): issue 14's last layer-count anchor (run 15: 4 layers, run 19: 6, no better and slower;
+#      EAGLE-3's 3 steps deep lifted it with twice the steps in the same time, and 2 layers make P-EAGLE's steps and
+#      its drafting pass cheaper); EAGLE-3 at its new default (3 steps deep) is the control, a second reading of run
+#      19's; 4. TB_SECS=560 testbed_wait; 5. TB_SECS=330 testbed_wait; 6. with what is left (about 6 minutes):
+#      HF_SECS=350 HF_BATCHES=1 HF_METHODS=none,peagle HF_K=7 BENCH2_DATASETS=none bench2 (issue 15's c=1 cell:
+#      P-EAGLE with heads against HF static cache + compile in one process; 290 s was enough for HF alone in run 18).
+# Run 19's plan (what was run, BENCHMARKS.md "Run 19"): tb_stage (its next call came late and got no machine); ten
+#   minutes later tb_stage x3 && testbed as run 18's step 3; testbed_wait (560 s, 330 s); BENCH_SECS=170 BENCH_K=3,7
+#   BENCH_C=64 bench.
 #   In a session without the testbed: the HF cell ran in run 18 (HF_SECS=290; 150 s cuts its compile). (Run 17 swept
 #      the GEMV's tilings cold at both shapes, wider tiles included: none beats cuBLAS at the 8B shape.)
 # Run 18's plan (what was run, BENCHMARKS.md "Run 18"): tb_stage x3 && testbed as in step 3 (lost at its first
@@ -666,9 +664,11 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
         sweep "$OUT/bench2" ${BENCH2_SECS:-360} --methods none,eagle3,peagle --k ${BENCH_K:-3,5,7,11} \
           --concurrency ${BENCH2_C:-1,64} --datasets ${BENCH2_DATASETS:-humaneval,longcode} \
           --temperature ${BENCH2_TEMPS:-0} --max-model-len 8192 "${adaptive[@]}"
-      # transformers generate (greedy) beside a no-speculation point; the P-EAGLE rows come from the runs above.
-      sweep "$OUT/bench-hf" ${HF_SECS:-140} --methods none --concurrency 1 --datasets mtbench,humaneval \
-        --max-model-len 4096 --hf-baselines --hf-num-prompts ${HF_N:-4} --hf-batch-sizes ${HF_BATCHES:-1,64}
+      # transformers generate (greedy) beside a no-speculation point; the P-EAGLE rows come from the runs above, or
+      # from this call with HF_METHODS=none,peagle HF_K=7 (P-EAGLE against HF side by side in one process).
+      sweep "$OUT/bench-hf" ${HF_SECS:-140} --methods ${HF_METHODS:-none} --k ${HF_K:-7} --concurrency 1 \
+        --datasets mtbench,humaneval --max-model-len 4096 --hf-baselines --hf-num-prompts ${HF_N:-4} \
+        --hf-batch-sizes ${HF_BATCHES:-1,64}
       runs=()
       for r in "$W"/results/bench-t*/results.json "$OUT/bench2/results.json" "$OUT/bench-hf/results.json" \
                "$W/tb/served/${TB_SCALE:-h200}/results.json"; do  # the last: the testbed's served step, if any

@@ -345,7 +345,31 @@ def test_min_seconds_adds_whole_waves_of_the_same_prompts():
     wave = 5 * (STEP_S + 2 * PER_SEQ_S)  # 0.06 s: five steps of two requests
     # 2 waves give 0.12 s, so waves are added while less than 0.25 s has passed: 5 waves, 10 requests.
     assert m.num_prompts == 10 and m.wall_s == pytest.approx(5 * wave)
-    assert engine.params_seen == [2] * 4 + [5] * 10  # warm-up covers the distinct prompts only
+    # warm-up covers the distinct prompts only: all at once, then staggered (2 + i mod 2 tokens)
+    assert engine.params_seen == [2] * 4 + [2, 3, 2, 3] + [5] * 10
+
+
+def test_warm_up_admits_prompts_beside_running_decodes():
+    # The measurement admits a prompt whenever a request finishes, beside the others' decodes: a step whose graph
+    # bucket the engine captures on first use. The warm-up's second pass staggers the lengths so that requests
+    # finish a step apart and its steps admit beside decodes too, before anything is timed.
+    clock = FakeClock()
+    engine = FakeEngine(clock)
+    beside: list[int] = []  # per request added: how many requests were running (decoding) then
+    add = engine.add_request
+    engine.add_request = lambda rid, ids, params: (beside.append(len(engine.running)), add(rid, ids, params))
+    m = runner(engine, clock, max_tokens=16).measure(prompts(16), 4)
+    assert m.num_prompts == 16 and m.output_tokens == 16 * 16
+    first, staggered = beside[:16], beside[16:32]
+    # all at once: each wave of 4 is admitted into an empty engine (3 of them beside the wave's own new prompts)
+    assert first == [0, 1, 2, 3] * 4
+    assert engine.params_seen[16:32] == [2 + i % 4 for i in range(16)]
+    # staggered: after the first wave, prompts join running requests (the first pass's never do)
+    assert staggered[:4] == [0, 1, 2, 3] and min(staggered[4:]) >= 2 and staggered[4:].count(3) >= 8
+    # a concurrency-1 point has no decodes beside an admission: one warm-up pass only
+    engine.params_seen.clear()
+    runner(engine, clock, max_tokens=16).measure(prompts(3), 1)
+    assert engine.params_seen == [2, 2, 2] + [16] * 3
 
 
 def test_request_plan_cycles_prompts_in_whole_waves():

@@ -30,7 +30,12 @@ class EngineRunner:
     `params(temperature, max_tokens)` makes a request's sampling parameters. Before each point its prompts run
     untimed as warm-up requests (same temperature, `warmup_tokens` tokens) so that lazy allocation, compilation and
     CUDA-graph capture for that batch size are not timed. Every prompt of the point is warmed: each new prompt
-    length can need a kernel variant of its own, and compiling one inside the measurement costs seconds.
+    length can need a kernel variant of its own, and compiling one inside the measurement costs seconds. At
+    concurrency above 1 they run twice: first all at once (each prompt's prefill), then with staggered lengths
+    (`warmup_tokens` + i mod concurrency tokens for the i-th, at most the point's), so that requests finish a step apart and each step
+    admits a prompt beside the running decodes, as in the measurement: the engine captures the graph of such a
+    step's (tokens, requests) bucket on its first use, some 30-40 ms each (run 19's points at concurrency 64 took
+    captures inside the measured seconds).
     """
 
     def __init__(self, engine: Any, encode: Callable[[Prompt], list[int]], params: Callable[[float, int], Any],
@@ -50,6 +55,10 @@ class EngineRunner:
         """The point: every prompt once, then more waves of them while less than `min_seconds` has passed."""
         token_ids = [self._encode(p) for p in prompts]
         self._drive(token_ids, concurrency, self.params(temperature, self.warmup_tokens), 0.0)
+        if concurrency > 1:
+            staggered = [self.params(temperature, min(self.max_tokens, self.warmup_tokens + i % concurrency))
+                         for i in range(len(token_ids))]
+            self._drive(token_ids, concurrency, staggered, 0.0)
         start = self.clock()
         traces, spec = self._drive(token_ids, concurrency, self.params(temperature, self.max_tokens), min_seconds)
         return summarize(traces, self.clock() - start, spec)
@@ -64,7 +73,8 @@ class EngineRunner:
 
     def _drive(self, token_ids: list[list[int]], concurrency: int, params: Any,
                min_seconds: float) -> tuple[list[RequestTrace], SpecCounts]:
-        """Runs the point's requests with at most `concurrency` in flight; per-request traces + spec counts."""
+        """Runs the point's requests with at most `concurrency` in flight; per-request traces + spec counts.
+        `params`: every request's sampling parameters, or a list of them, one per prompt (by prompt index)."""
         plan = RequestPlan(len(token_ids), concurrency, min_seconds, self.clock, self.clock())
         traces: list[RequestTrace] = []
         in_flight: dict[str, int] = {}
@@ -78,7 +88,8 @@ class EngineRunner:
                     break
                 request_id = f"bench-{next(self._ids)}"
                 traces.append(RequestTrace(submitted=self.clock()))
-                self.engine.add_request(request_id, token_ids[index], params)
+                self.engine.add_request(request_id, token_ids[index],
+                                        params[index] if isinstance(params, list) else params)
                 in_flight[request_id] = len(traces) - 1
             if not in_flight:
                 break

@@ -119,6 +119,8 @@ def test_http_runner_measures_streams_and_counter_deltas(fake_server):
     assert m.acceptance_length == pytest.approx(1 + ACCEPTED_PER_ROUND)
     assert m.draft_acceptance_rate == pytest.approx(1 / 3)
     assert m.ttft_p50_ms > 0 and m.itl_p50_ms > 0
-    warmup, measured = state["requests"][:2], state["requests"][2:]
+    # Warm-up: the first 2 prompts at once, then all 5 staggered (8 + i mod 2 tokens), then the point.
+    warmup, staggered, measured = state["requests"][:2], state["requests"][2:7], state["requests"][7:]
     assert all(r["max_tokens"] == 8 for r in warmup) and all(r["max_tokens"] == 64 for r in measured)
+    assert sorted(r["max_tokens"] for r in staggered) == [8, 8, 8, 9, 9] and len(measured) == 5
     assert all(r["model"] == "fake-model" and r["stream"] and r["temperature"] == 0.0 for r in measured)

@@ -14,7 +14,7 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from peagle.bench.datasets import Prompt
 from peagle.bench.measurement import WARMUP_MAX_TOKENS, Measurement, RequestPlan, RequestTrace, SpecCounts, summarize
@@ -81,6 +81,9 @@ class HttpRunner:
         async with httpx.AsyncClient(timeout=self.timeout_s, headers=self.headers, limits=limits) as client:
             model = self.model or await self._first_model(client)
             await self._run_all(client, model, prompts[:concurrency], concurrency, WARMUP_MAX_TOKENS, temperature)
+            if concurrency > 1:  # staggered, so steps admit prompts beside running decodes (EngineRunner says why)
+                await self._run_all(client, model, prompts, concurrency,
+                                    lambda i: min(self.max_tokens, WARMUP_MAX_TOKENS + i % concurrency), temperature)
             before = await self._counters(client)
             start = time.perf_counter()
             traces = await self._run_all(client, model, prompts, concurrency, self.max_tokens, temperature,
@@ -102,15 +105,18 @@ class HttpRunner:
         resp.raise_for_status()
         return read_spec_counters(resp.text)
 
-    async def _run_all(self, client, model: str, prompts: list[Prompt], concurrency: int, max_tokens: int,
-                       temperature: float, min_seconds: float = 0.0) -> list[RequestTrace]:
-        """`concurrency` clients, each sending its next request when its last one ends, until the plan runs out."""
+    async def _run_all(self, client, model: str, prompts: list[Prompt], concurrency: int,
+                       max_tokens: int | Callable[[int], int], temperature: float,
+                       min_seconds: float = 0.0) -> list[RequestTrace]:
+        """`concurrency` clients, each sending its next request when its last one ends, until the plan runs out.
+        `max_tokens`: every request's, or a function of the request's number in the plan."""
         plan = RequestPlan(len(prompts), concurrency, min_seconds, time.perf_counter, time.perf_counter())
         traces: list[RequestTrace] = []
 
         async def client_loop() -> None:
             while (index := plan.take()) is not None:
-                traces.append(await self._request(client, model, prompts[index], max_tokens, temperature))
+                n = max_tokens(plan.issued - 1) if callable(max_tokens) else max_tokens
+                traces.append(await self._request(client, model, prompts[index], n, temperature))
 
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
         return traces

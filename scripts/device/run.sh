@@ -52,11 +52,11 @@
 # admit; tb_stage; tb_stage && TB_PEAGLE_ARGS="--optimizer muon" testbed; testbed_wait x2; the trained head's closed
 # loop (engine with ENGINE_HEAD, ENGINE_LOOP=64:256); BENCH_K=7 BENCH_C=1,64 bench on MT-Bench and on HumanEval.
 # Issue 15's full sweep (K 3/5/7/11, concurrency 1-64, three sets, HF baselines: ~18 device minutes at 5 s a point)
-# does not fit beside the testbed's 21 in one session's 30, and heads do not outlive a session. What may fit
-# (estimated from run 12's bench call: about 35 s per method-and-K engine beside 5 s per point; not yet run): the
-# testbed, then one data set's grid at K 3/7/11 and a stated minimum of 2 s a point (BENCH_K=3,7,11 BENCH_MIN_S=2
-# BENCH_SECS=400 bench), about 6-7 minutes; the other sets in later sessions, with heads trained anew by the same
-# recipe (each table then comes from one session's heads).
+# does not fit beside the testbed's 21 in one session's 30, and heads do not outlive a session. What may fit (run
+# 19's bench call: six engines and six points of 5.3-5.5 s in 67 s, so about 5.5 s per engine with its warm-up;
+# run 12's estimate was 35 s): the testbed, then one data set's grid at K 3/7/11 and concurrency 1, 4, 16, 64
+# (BENCH_K=3,7,11 BENCH_C=1,4,16,64 BENCH_SECS=240 bench: 7 rows x 4 points, about 3.5 minutes); the other sets in
+# later sessions, with heads trained anew by the same recipe (each table then comes from one session's heads).
 # With minutes to spare in any session:
 #   ENGINE_VARIANTS=async+prefill-graphs+admit-ahead,async+prefill-graphs+admit-ahead+fused-merge engine (issue 16,
 #   ~4 min: the attention's split merge inside its kernel, batch 1's 0.96 ms step); the trainer alone with and

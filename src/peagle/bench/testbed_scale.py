@@ -153,9 +153,9 @@ def h200_scale() -> Scale:
     the installed packages and long ones from the standard library side by side (50 s; run 10's 614 short ones from
     the standard library alone were answered in 18 s, run 11's 20,000 gave 8,960 documents, 3.6M tokens, in the
     50), beside them the evaluation set (256 held-out first turns, 40 s); answers of up to 256 tokens; then EAGLE-3
-    (1 layer, K_train 3: run 19's anchor served more than 7) and P-EAGLE (4 layers, K_train 8) trained side by side on 8K packs for 12.25 minutes each,
-    plus what the steps before left of their limits, with `peagle train`'s default recipe (a 32K draft
-    vocabulary). Wall limits: 30 + 30 + 60 + 60 s before the data, 160 + 50 s of data, 785 s for the heads: 19.6
+    (1 layer, K_train 3: run 19's anchor served more than 7) and P-EAGLE (4 layers, K_train 8) trained side by
+    side on 8K packs for 12.25 minutes each, plus what the steps before left of their limits, with `peagle
+    train`'s default recipe (a 32K draft vocabulary). Wall limits: 30 + 30 + 60 + 60 s before the data, 160 + 50 s of data, 785 s for the heads: 19.6
     minutes. The commands and the data schedule follow the device script's `data` and `train` stages (run 8's,
     with 85 s of synthesis instead of 45), trained longer. The heads' 50 s beyond their training are the trainers'
     start-up, final evaluation and save: 22.7 s in run 10 (BENCHMARKS.md), whose 120 s reserve left 97 s of the

@@ -91,6 +91,10 @@ def offline(monkeypatch, tmp_path):
                 c.output.mkdir(parents=True)
                 rows = [{"kind": "train", "step": 2}, {"kind": "eval", "step": 2, "walk_al": {"1": 1.2, "8": 1.5}}]
                 (c.output.parent / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+                if c.name == "peagle":  # the head's config.json gives its depth to the log line
+                    last = len(c.argv) - 1 - c.argv[::-1].index("--num-layers")  # the trainer takes the last
+                    layers = {"num_hidden_layers": int(c.argv[last + 1])}
+                    (c.output / "config.json").write_text(json.dumps({"transformer_layer_config": layers}))
             elif c.output.name.endswith(".jsonl.gz"):
                 from peagle.training.data_sources import write_jsonl
 
@@ -260,7 +264,7 @@ def test_progress_line_per_step_says_time_and_output(offline, tmp_path, caplog):
     assert "sharegpt-turns.jsonl.gz: " in lines["prompts"] and " records" in lines["prompts"]
     assert "sharegpt: 3 documents, 300 tokens from 3 prompts" in lines["responses-sharegpt"]
     assert "(no prompts to answer)" in lines["responses-synth"]
-    assert "eagle3: 2 steps, held-out walk AL@8 1.50; peagle: 2 steps" in lines["heads"]
+    assert "eagle3: 2 steps, held-out walk AL@8 1.50; peagle: 4 layers, 2 steps" in lines["heads"]
     assert lines["served"].endswith("results.json: mtbench: EAGLE-3 AL 1.75 / 1.50, P-EAGLE AL 2.25 / 2.00 at K 7 / 3, "
                                     "P-EAGLE / EAGLE-3 tok/s 1.29x at each best K, P-EAGLE / none 2.25x; humaneval: "
                                     "EAGLE-3 AL 1.75 / 1.50, P-EAGLE AL 2.25 / 2.00 at K 7 / 3, P-EAGLE / EAGLE-3 "

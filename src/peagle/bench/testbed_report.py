@@ -51,7 +51,7 @@ def _describe(path: Path) -> str:
         documents, tokens, prompts = data_totals(path)
         return f"{documents:,} documents, {_count(tokens)} tokens from {prompts:,} prompts"
     if path.name == "final" and (path.parent / "train_log.jsonl").is_file():
-        return _training_summary(path.parent / "train_log.jsonl")
+        return _head_layers(path) + _training_summary(path.parent / "train_log.jsonl")
     if path.name == "results.json" and path.parent.parent.name == "served":
         return served_summary(path)
     if path.is_dir() and not any(path.iterdir()):
@@ -81,6 +81,16 @@ def count_records(path: Path) -> int:
 
     with open_text(path) as f:
         return sum(1 for line in f if line.strip())
+
+
+def _head_layers(head: Path) -> str:
+    """'4 layers, ' from a trained head's config.json (the recipe's choice that a build's arguments may change;
+    its trained depth shows in the walk's K), '' without one."""
+    try:
+        layers = json.loads((head / "config.json").read_text())["transformer_layer_config"]["num_hidden_layers"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    return f"{layers} layer{'s' if layers != 1 else ''}, "
 
 
 def _training_summary(log: Path) -> str:

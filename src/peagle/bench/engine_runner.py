@@ -56,9 +56,8 @@ class EngineRunner:
         token_ids = [self._encode(p) for p in prompts]
         self._drive(token_ids, concurrency, self.params(temperature, self.warmup_tokens), 0.0)
         if concurrency > 1:
-            staggered = [self.params(temperature, min(self.max_tokens, self.warmup_tokens + i % concurrency))
-                         for i in range(len(token_ids))]
-            self._drive(token_ids, concurrency, staggered, 0.0)
+            self._drive(token_ids, concurrency, lambda i: self.params(
+                temperature, min(self.max_tokens, self.warmup_tokens + i % concurrency)), 0.0)
         start = self.clock()
         traces, spec = self._drive(token_ids, concurrency, self.params(temperature, self.max_tokens), min_seconds)
         return summarize(traces, self.clock() - start, spec)
@@ -74,7 +73,7 @@ class EngineRunner:
     def _drive(self, token_ids: list[list[int]], concurrency: int, params: Any,
                min_seconds: float) -> tuple[list[RequestTrace], SpecCounts]:
         """Runs the point's requests with at most `concurrency` in flight; per-request traces + spec counts.
-        `params`: every request's sampling parameters, or a list of them, one per prompt (by prompt index)."""
+        `params`: every request's sampling parameters, or a function of the request's number in the plan."""
         plan = RequestPlan(len(token_ids), concurrency, min_seconds, self.clock, self.clock())
         traces: list[RequestTrace] = []
         in_flight: dict[str, int] = {}
@@ -89,7 +88,7 @@ class EngineRunner:
                 request_id = f"bench-{next(self._ids)}"
                 traces.append(RequestTrace(submitted=self.clock()))
                 self.engine.add_request(request_id, token_ids[index],
-                                        params[index] if isinstance(params, list) else params)
+                                        params(plan.issued - 1) if callable(params) else params)
                 in_flight[request_id] = len(traces) - 1
             if not in_flight:
                 break

@@ -155,8 +155,8 @@ def h200_scale() -> Scale:
     50), beside them the evaluation set (256 held-out first turns, 40 s); answers of up to 256 tokens; then EAGLE-3
     (1 layer, K_train 3: run 19's anchor served more than 7) and P-EAGLE (4 layers, K_train 8) trained side by
     side on 8K packs for 12.25 minutes each, plus what the steps before left of their limits, with `peagle
-    train`'s default recipe (a 32K draft vocabulary). Wall limits: 30 + 30 + 60 + 60 s before the data, 160 + 50 s of data, 785 s for the heads: 19.6
-    minutes. The commands and the data schedule follow the device script's `data` and `train` stages (run 8's,
+    train`'s default recipe (a 32K draft vocabulary). Wall limits: 30 + 30 + 60 + 60 s before the data, 160 + 50 s
+    of data, 785 s for the heads: 19.6 minutes. The commands and the data schedule follow the device script's `data` and `train` stages (run 8's,
     with 85 s of synthesis instead of 45), trained longer. The heads' 50 s beyond their training are the trainers'
     start-up, final evaluation and save: 22.7 s in run 10 (BENCHMARKS.md), whose 120 s reserve left 97 s of the
     budget idle; 75 s of it train now. Then, outside the budget, both heads are served at K 3 and 7 on 64 prompts

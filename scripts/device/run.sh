@@ -26,10 +26,11 @@
 #      testbed (.tb_c .whl): issue 14's last layer-count anchor (run 15: 4 layers, run 19: 6, no better and slower;
 #      EAGLE-3's 3 steps deep lifted it with twice the steps in the same time, and 2 layers make P-EAGLE's steps and
 #      its drafting pass cheaper); EAGLE-3 at its new default (3 steps deep) is the control, a second reading of run
-#      19's; 4. TB_SECS=560 testbed_wait; 5. TB_SECS=330 testbed_wait; 6. with what is left (about 7 minutes):
-#      HF_SECS=400 HF_BATCHES=1 HF_METHODS=peagle HF_K=7 BENCH2_DATASETS=none bench2 (issue 15's c=1 cell: P-EAGLE
-#      with heads against HF static cache + compile in one process, the engine's rows first; HF alone needed 290 s
-#      in run 18, its compile cut at 150).
+#      19's; 4. TB_SECS=560 testbed_wait; 5. TB_SECS=330 testbed_wait; 6. with what is left (about 5 minutes):
+#      HF_SECS=280 HF_BASELINES=static_compile HF_METHODS=peagle HF_K=7 BENCH2_DATASETS=none bench2 (issue 15's
+#      c=1 cell: P-EAGLE with heads against HF static cache + compile in one process, the engine's rows first; HF's
+#      three baselines needed 290 s in run 18, its compile cut at 150; static + compile alone skips the ~2 minutes of
+#      eager and prompt lookup).
 # Run 19's plan (what was run, BENCHMARKS.md "Run 19"): tb_stage (its next call came late and got no machine); ten
 #   minutes later tb_stage x3 && testbed as run 18's step 3; testbed_wait (560 s, 330 s); BENCH_SECS=170 BENCH_K=3,7
 #   BENCH_C=64 bench.
@@ -669,7 +670,7 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
       # from this call with HF_METHODS=none,peagle HF_K=7 (P-EAGLE against HF side by side in one process).
       sweep "$OUT/bench-hf" ${HF_SECS:-140} --methods ${HF_METHODS:-none} --k ${HF_K:-7} --concurrency 1 \
         --datasets mtbench,humaneval --max-model-len 4096 --hf-baselines --hf-num-prompts ${HF_N:-4} \
-        --hf-batch-sizes ${HF_BATCHES:-1,64}
+        --hf-batch-sizes ${HF_BATCHES:-1,64} --hf-methods ${HF_BASELINES:-eager,prompt_lookup,static_compile}
       runs=()
       for r in "$W"/results/bench-t*/results.json "$OUT/bench2/results.json" "$OUT/bench-hf/results.json" \
                "$W/tb/served/${TB_SCALE:-h200}/results.json"; do  # the last: the testbed's served step, if any

@@ -36,3 +36,10 @@ def test_output_counts_stop_at_the_first_eos(baseline):
     eos = min(baseline.eos_ids)
     assert baseline._count_output([5, 6, eos, eos, eos]) == 3
     assert baseline._count_output([5, 6, 7]) == 3
+
+
+def test_run_all_measures_only_the_baselines_asked_for(baseline):
+    results = list(baseline.run_all(PROMPTS, num_prompts=2, batch_sizes=(1, 3), methods=("prompt_lookup",)))
+    assert [(method, batch) for method, batch, _ in results] == [("hf_prompt_lookup", 1)]
+    with pytest.raises(ValueError, match="unknown HF baseline"):
+        list(baseline.run_all(PROMPTS, num_prompts=2, batch_sizes=(1,), methods=("eager", "beam")))

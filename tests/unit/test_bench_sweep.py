@@ -236,6 +236,8 @@ def test_sweep_config_refuses_bad_combinations():
         SweepConfig(model="m", methods=("medusa",))
     with pytest.raises(ValueError, match="server fixes method and K"):
         SweepConfig(url="http://x", methods=("peagle",), ks=(3, 7))
+    with pytest.raises(ValueError, match=r"unknown HF baseline\(s\) \['beam'\]"):
+        SweepConfig(model="m", methods=("none",), hf_baselines=True, hf_methods=("eager", "beam"))
     assert SweepConfig(url="http://x", methods=("peagle",), ks=(7,)).groups() == [("peagle", 7, None)]
     config = SweepConfig(model="m", draft_eagle3="e", draft_peagle="p", ks=(3,), api_key="secret")
     assert config.speculative_config("eagle3", 3)["parallel_drafting"] is False
@@ -299,8 +301,10 @@ def test_bench_command_line_builds_the_config():
     args = build_parser().parse_args([
         "bench", "--model", "m", "--draft-peagle", "p", "--methods", "none,peagle", "--k", "5,7",
         "--concurrency", "1,64", "--datasets", "humaneval,mine.jsonl", "--llm-option", "num_kv_blocks=512",
-        "--llm-option", "load_format=dummy", "--note", "testbed v1"])
+        "--llm-option", "load_format=dummy", "--note", "testbed v1", "--hf-baselines",
+        "--hf-methods", "static_compile"])
     config = sweep_config_from_args(args)
+    assert config.hf_baselines and config.hf_methods == ("static_compile",)
     assert config.methods == ("none", "peagle") and config.ks == (5, 7) and config.concurrency == (1, 64)
     assert config.datasets == ("humaneval", "mine.jsonl") and config.note == "testbed v1"
     assert config.llm_options == {"num_kv_blocks": 512, "load_format": "dummy"}

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Sequence
 
+from peagle.bench.hf_baseline import HF_METHODS
+
 BENCH_EPILOG = """\
 examples:
   peagle bench --model M --draft-eagle3 E --draft-peagle P            # the full sweep, in process
@@ -126,6 +128,8 @@ def _register_bench(subparsers) -> None:
     hf.add_argument("--hf-num-prompts", type=int, default=8,
                     help="prompts per HF point (a batch of B uses at least B; default 8)")
     hf.add_argument("--hf-batch-sizes", type=_ints, default=(1, 16, 64), help="HF eager batch sizes (default 1,16,64)")
+    hf.add_argument("--hf-methods", type=_names, default=HF_METHODS,
+                    help=f"which HF baselines to run, a comma list of {', '.join(HF_METHODS)} (default: all)")
     p.add_argument("--out", type=Path, help="output directory (default: runs/bench-<UTC time>)")
     p.add_argument("--note", help="a line shown above the results table and kept in results.json")
     p.set_defaults(func=run_bench)
@@ -169,6 +173,7 @@ def sweep_config_from_args(args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         llm_options=dict(args.llm_option), served_model=args.served_model, api_key=args.api_key,
         hf_baselines=args.hf_baselines, hf_num_prompts=args.hf_num_prompts, hf_batch_sizes=args.hf_batch_sizes,
+        hf_methods=args.hf_methods,
         note=_note(args), tokenizer=args.tokenizer, load_format=args.load_format,
         synthetic_acceptance=args.synthetic_acceptance,
         adaptive=policy[0], adaptive_above=policy[1], adaptive_head=args.adaptive == "head",

@@ -23,6 +23,7 @@ from peagle.bench.measurement import Measurement, RequestTrace, summarize
 logger = logging.getLogger(__name__)
 
 PROMPT_LOOKUP_TOKENS = 10
+HF_METHODS = ("eager", "prompt_lookup", "static_compile")  # what `run_all` measures, in order (`methods`)
 
 
 class HfBaseline:
@@ -46,13 +47,21 @@ class HfBaseline:
     def close(self) -> None:
         self.model = None
 
-    def run_all(self, token_ids: Sequence[list[int]], num_prompts: int,
-                batch_sizes: Sequence[int]) -> Iterator[tuple[str, int, Measurement]]:
-        """(method, batch size, measurement) for every baseline; batch b uses max(num_prompts, b) prompts."""
-        for batch in batch_sizes:
-            yield "hf_eager", batch, self.measure(token_ids[:max(num_prompts, batch)], batch)
-        yield "hf_prompt_lookup", 1, self.measure(token_ids[:num_prompts], 1,
-                                                  prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
+    def run_all(self, token_ids: Sequence[list[int]], num_prompts: int, batch_sizes: Sequence[int],
+                methods: Sequence[str] = HF_METHODS) -> Iterator[tuple[str, int, Measurement]]:
+        """(method, batch size, measurement) for each baseline of `methods` (names of HF_METHODS); batch b uses
+        max(num_prompts, b) prompts."""
+        unknown = sorted(set(methods) - set(HF_METHODS))
+        if unknown:
+            raise ValueError(f"unknown HF baseline(s) {unknown}; choose from {HF_METHODS}")
+        if "eager" in methods:
+            for batch in batch_sizes:
+                yield "hf_eager", batch, self.measure(token_ids[:max(num_prompts, batch)], batch)
+        if "prompt_lookup" in methods:
+            yield "hf_prompt_lookup", 1, self.measure(token_ids[:num_prompts], 1,
+                                                      prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
+        if "static_compile" not in methods:
+            return
         if self.device.type == "cuda":
             longest = max(len(t) for t in token_ids[:num_prompts])
             yield "hf_static_compile", 1, self.measure(token_ids[:num_prompts], 1, cache_implementation="static",

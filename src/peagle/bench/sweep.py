@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from peagle.bench.calibration import POLICY_FILE, derive_policy, policy_text, read_policy, write_policy
 from peagle.bench.datasets import Prompt, load_prompts
+from peagle.bench.hf_baseline import HF_METHODS
 from peagle.bench.hygiene import HygieneRules, settle
 from peagle.bench.measurement import Measurement
 from peagle.bench.report import ENGINE_METHODS, ResultsWriter, make_point, markdown
@@ -62,6 +63,8 @@ class SweepConfig:
     hf_baselines: bool = False
     hf_num_prompts: int = 8
     hf_batch_sizes: tuple[int, ...] = (1, 16, 64)
+    # which of them (peagle.bench.hf_baseline.HF_METHODS): eager (at hf_batch_sizes), prompt_lookup, static_compile
+    hf_methods: tuple[str, ...] = HF_METHODS
     # Shown above the results table and kept in results.json (e.g. "smoke scale: not a benchmark").
     note: str | None = None
     # Real-size runs without weights: random weights from config.json, prompts tokenized with another tokenizer,
@@ -115,6 +118,10 @@ class SweepConfig:
                 raise ValueError("--synthetic-acceptance is for random-weight benchmarks only: add --load-format dummy")
             if len(self.synthetic_acceptance) < max(self.ks):
                 raise ValueError(f"--synthetic-acceptance needs a rate for each of the {max(self.ks)} draft positions")
+        hf_unknown = sorted(set(self.hf_methods) - set(HF_METHODS))
+        if hf_unknown or not self.hf_methods:
+            raise ValueError(f"unknown HF baseline(s) {hf_unknown}; --hf-methods takes a comma list of "
+                             f"{', '.join(HF_METHODS)}")
         if self.load_format == "dummy" and self.hf_baselines:
             raise ValueError("the Hugging Face baselines need real weights: drop --hf-baselines with --load-format dummy")
         if not self.datasets:
@@ -352,7 +359,8 @@ def run_hf_baselines(config: SweepConfig, prompts: dict[str, list[Prompt]], sink
     try:
         for dataset, dataset_prompts in prompts.items():
             token_ids = [tokenizer.encode_chat(list(p.messages)) for p in dataset_prompts]
-            for method, batch, m in baseline.run_all(token_ids, config.hf_num_prompts, config.hf_batch_sizes):
+            for method, batch, m in baseline.run_all(token_ids, config.hf_num_prompts, config.hf_batch_sizes,
+                                                     config.hf_methods):
                 point = make_point(dataset, method, None, batch, m)
                 logger.info("%s batch %d on %s: %.1f tok/s", method, batch, dataset, point["tokens_per_s"])
                 sink.add(point)

@@ -10,27 +10,30 @@
 # against; .cfg: the testbed's config.json and tokenizer files, for runs with random weights; .tb_a, .tb_b, .tb_c:
 # the package wheels `peagle testbed` downloads, for `tb_stage`). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
-# The next session's plan (run 20), one call each, back to back; fire them one at a time (a failed call must not
+# The next session's plan (run 21), one call each, back to back; fire them one at a time (a failed call must not
 # start the next: run 15's first call got no machine and three calls fired behind it ran out of order), from a tree
 # no one is editing (the device gets a copy of the working tree, uncommitted edits too).
 # A call that comes more than 30 s after the previous one returned finds a fresh machine: runs 9, 16, 17 and 18 lost
 # their testbeds so (run 18 between the testbed's call and its first wait: nothing may come between them), so the
 # testbed goes FIRST, while the whole budget is left and a lost machine can still be replaced: with 30 minutes it
-# fits once (20.5 minutes on a warm machine in run 19, plus a start of about 1.5).
+# fits once (21.5 minutes on a warm machine in run 20, plus a start of about 1.5). A call that gets no machine costs
+# 1.5 minutes (run 20 lost 4.8 minutes to four such calls before its first machine).
 # Nothing outlives the session: a session starts from a fresh checkout, so heads are trained in the session that
 # serves them (heads_out / heads_in move them between machines of one session, or home for a look, not further), and
 # the carried folders are built first: bash scripts/device/stage_local.sh wheels && ... stage_local.sh cfg.
 # B=async+prefill-graphs+admit-ahead+mixed-tiles+fused-merge (today's defaults: engine_timing's modifiers are off
 # without their name, so run 17's "B" without +mixed-tiles timed mixed tiles off).
-#   1. tb_stage (carry .tb_a .whl); 2. tb_stage (.tb_b); 3. tb_stage && TB_SECS=560 TB_PEAGLE_ARGS="--num-layers 2"
-#      testbed (.tb_c .whl): issue 14's last layer-count anchor (run 15: 4 layers, run 19: 6, no better and slower;
-#      EAGLE-3's 3 steps deep lifted it with twice the steps in the same time, and 2 layers make P-EAGLE's steps and
-#      its drafting pass cheaper); EAGLE-3 at its new default (3 steps deep) is the control, a second reading of run
-#      19's; 4. TB_SECS=560 testbed_wait; 5. TB_SECS=330 testbed_wait; 6. with what is left (about 5 minutes):
-#      HF_SECS=280 HF_BASELINES=static_compile HF_METHODS=peagle HF_K=7 BENCH2_DATASETS=none bench2 (issue 15's
+#   1. tb_stage (carry .tb_a .whl); 2. tb_stage (.tb_b); 3. tb_stage && TB_SECS=560 testbed (.tb_c .whl): the
+#      default recipe (4-layer P-EAGLE, EAGLE-3 3 steps deep), the heads the README's numbers should come from;
+#      4. TB_SECS=560 testbed_wait; 5. TB_SECS=330 testbed_wait; 6. with what is left (about 4 minutes):
+#      HF_SECS=220 HF_BASELINES=static_compile HF_METHODS=peagle HF_K=7 BENCH2_DATASETS=none bench2 (issue 15's
 #      c=1 cell: P-EAGLE with heads against HF static cache + compile in one process, the engine's rows first; HF's
 #      three baselines needed 290 s in run 18, its compile cut at 150; static + compile alone skips the ~2 minutes of
-#      eager and prompt lookup).
+#      eager and prompt lookup). If more is left: BENCH_K=3,7 BENCH_C=1,4,16,64 BENCH_SECS=... bench (a partial grid,
+#      about 5.5 s per engine and point).
+# Run 20's plan (what was run, BENCHMARKS.md "Run 20"): four calls got no machine; then tb_stage x3 && TB_SECS=560
+#   TB_PEAGLE_ARGS="--num-layers 2" testbed; testbed_wait (560 s, 250 s); BENCH_SECS=115 BENCH_K=3,7 BENCH_C=64 bench.
+#   The HF cell did not fit.
 # Run 19's plan (what was run, BENCHMARKS.md "Run 19"): tb_stage (its next call came late and got no machine); ten
 #   minutes later tb_stage x3 && testbed as run 18's step 3; testbed_wait (560 s, 330 s); BENCH_SECS=170 BENCH_K=3,7
 #   BENCH_C=64 bench.

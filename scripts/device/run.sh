@@ -29,8 +29,13 @@
 #      HF_SECS=220 HF_BASELINES=static_compile HF_METHODS=peagle HF_K=7 BENCH2_DATASETS=none bench2 (issue 15's
 #      c=1 cell: P-EAGLE with heads against HF static cache + compile in one process, the engine's rows first; HF's
 #      three baselines needed 290 s in run 18, its compile cut at 150; static + compile alone skips the ~2 minutes of
-#      eager and prompt lookup). If more is left: BENCH_K=3,7 BENCH_C=1,4,16,64 BENCH_SECS=... bench (a partial grid,
-#      about 5.5 s per engine and point).
+#      eager and prompt lookup). Before it, if the testbed finished with 3 minutes to spare: HEADS_OUT_FROM=0, 4, 8
+#      heads_out (three short calls; then `stage_local.sh heads` files the parts into .hp_a, .hp_b, ...). Ignored
+#      folders of the checkout have outlived sessions since run 19 (.tb_* staged on 12-03 01:01 were there in runs
+#      19 and 20; run 13's parts were not, in an earlier set-up), so a later session may find the heads there and
+#      spend its budget on issue 15's grid instead of the testbed: stage_a (.stage_a .whl); heads_in with .stage_b
+#      and .hp_a; heads_in with .hp_b, .hp_c, .hp_d; then bench (the MT-Bench grid), bench2 (HumanEval, long code,
+#      the HF cell), BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head bench (the sampled table). Without them, the testbed again.
 # Run 20's plan (what was run, BENCHMARKS.md "Run 20"): four calls got no machine; then tb_stage x3 && TB_SECS=560
 #   TB_PEAGLE_ARGS="--num-layers 2" testbed; testbed_wait (560 s, 250 s); BENCH_SECS=115 BENCH_K=3,7 BENCH_C=64 bench.
 #   The HF cell did not fit.

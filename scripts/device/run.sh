@@ -34,7 +34,7 @@
 #      folders of the checkout have outlived sessions since run 19 (.tb_* staged on 12-03 01:01 were there in runs
 #      19 and 20; run 13's parts were not, in an earlier set-up), so a later session may find the heads there and
 #      spend its budget on issue 15's grid instead of the testbed: stage_a (.stage_a .whl); heads_in with .stage_b
-#      and .hp_a; heads_in with .hp_b, .hp_c, .hp_d; then bench (the MT-Bench grid), bench2 (HumanEval, long code,
+#      (the target; 61 MiB with the tree, no room for a part); heads_in with each .hp_* in turn; then bench (the MT-Bench grid), bench2 (HumanEval, long code,
 #      the HF cell), BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head bench (the sampled table). Without them, the testbed again.
 # Run 20's plan (what was run, BENCHMARKS.md "Run 20"): four calls got no machine; then tb_stage x3 && TB_SECS=560
 #   TB_PEAGLE_ARGS="--num-layers 2" testbed; testbed_wait (560 s, 250 s); BENCH_SECS=115 BENCH_K=3,7 BENCH_C=64 bench.

@@ -12,7 +12,7 @@
 #           code prompts from the installed environment's Python source
 #   .old    the source tree of an earlier commit (OLD_COMMIT), for the trainer throughput comparison
 #   .hp_a .hp_b ...   trained heads in parts (run.sh heads_out), three parts and the manifest a folder, for heads_in on a
-#           fresh machine of the same session (ignored folders do not outlive the session's checkout):
+#           fresh machine (ignored folders of the checkout have outlived sessions since run 19, with no promise):
 #           bash scripts/device/stage_local.sh heads DIR [DIR ...]   (the folders heads_out's calls came back in)
 set -euo pipefail
 cd "$(dirname "$0")/../.."

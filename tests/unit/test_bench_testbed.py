@@ -265,10 +265,9 @@ def test_progress_line_per_step_says_time_and_output(offline, tmp_path, caplog):
     assert "sharegpt: 3 documents, 300 tokens from 3 prompts" in lines["responses-sharegpt"]
     assert "(no prompts to answer)" in lines["responses-synth"]
     assert "eagle3: 2 steps, held-out walk AL@8 1.50; peagle: 4 layers, 2 steps" in lines["heads"]
-    assert lines["served"].endswith("results.json: mtbench: EAGLE-3 AL 1.75 / 1.50, P-EAGLE AL 2.25 / 2.00 at K 7 / 3, "
-                                    "P-EAGLE / EAGLE-3 tok/s 1.29x at each best K, P-EAGLE / none 2.25x; humaneval: "
-                                    "EAGLE-3 AL 1.75 / 1.50, P-EAGLE AL 2.25 / 2.00 at K 7 / 3, P-EAGLE / EAGLE-3 "
-                                    "tok/s 1.29x at each best K, P-EAGLE / none 2.25x")
+    served = ("EAGLE-3 AL 1.75 / 1.50, P-EAGLE AL 2.25 / 2.00 at K 7 / 3, P-EAGLE / EAGLE-3 AL 1.29x at K 7, "
+              "P-EAGLE AL K 7 / 3 1.12x, P-EAGLE / EAGLE-3 tok/s 1.29x at each best K, P-EAGLE / none 2.25x")
+    assert lines["served"].endswith(f"results.json: mtbench: {served}; humaneval: {served}")
     # The phase of ShareGPT's answers and the synthesis: its wall time against its longest lane's limits, per lane.
     phase = re.compile(r"testbed \[5-7/11\] chat-data: \d+\.\d s of its 240 s limit \(lanes side by side\): "
                        r"responses-sharegpt [\d.]+ s \| synthesize [\d.]+ s, responses-synth [\d.]+ s")

@@ -109,8 +109,9 @@ def _training_summary(log: Path) -> str:
 
 
 def served_summary(results: Path) -> str:
-    """'mtbench: EAGLE-3 AL 2.44 / 2.14, P-EAGLE 2.46 / 2.21 at K 7 / 3, P-EAGLE / EAGLE-3 tok/s 1.20x at each
-    best K, P-EAGLE / none 1.92x; humaneval: ...' from a `peagle bench` results.json (greedy points)."""
+    """'mtbench: EAGLE-3 AL 2.44 / 2.14, P-EAGLE AL 2.46 / 2.21 at K 7 / 3, P-EAGLE / EAGLE-3 AL 1.01x at K 7,
+    P-EAGLE AL K 7 / 3 1.11x, P-EAGLE / EAGLE-3 tok/s 1.20x at each best K, P-EAGLE / none 1.92x; humaneval: ...'
+    from a `peagle bench` results.json (greedy points)."""
     names = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE"}
     points = [p for p in json.loads(results.read_text())["points"] if not p.get("temperature")]
     parts = []
@@ -118,12 +119,17 @@ def served_summary(results: Path) -> str:
         rows = [p for p in points if p["dataset"] == dataset]
         ks = sorted({p["k"] for p in rows if p.get("k")}, reverse=True)
         best = {m: max((p["tokens_per_s"] for p in rows if p["method"] == m), default=0.0) for m in ("none", *names)}
-        als = []
+        als, al = [], {}
         for method, name in names.items():
-            by_k = {p["k"]: p["acceptance_length"] for p in rows if p["method"] == method and p.get("k")}
+            al[method] = by_k = {p["k"]: p["acceptance_length"] for p in rows if p["method"] == method and p.get("k")}
             if by_k:
                 als.append(f"{name} AL {' / '.join(f'{by_k[k]:.2f}' for k in ks if k in by_k)}")
         text = f"{dataset}: {', '.join(als)} at K {' / '.join(map(str, ks))}"
+        # issue-style acceptance ratios: P-EAGLE over EAGLE-3 at the deepest K, P-EAGLE's deepest K over its shallowest
+        if ks and al["peagle"].get(ks[0]) and al["eagle3"].get(ks[0]):
+            text += f", P-EAGLE / EAGLE-3 AL {al['peagle'][ks[0]] / al['eagle3'][ks[0]]:.2f}x at K {ks[0]}"
+        if len(ks) > 1 and al["peagle"].get(ks[0]) and al["peagle"].get(ks[-1]):
+            text += f", P-EAGLE AL K {ks[0]} / {ks[-1]} {al['peagle'][ks[0]] / al['peagle'][ks[-1]]:.2f}x"
         if best["peagle"] and best["eagle3"]:
             text += f", P-EAGLE / EAGLE-3 tok/s {best['peagle'] / best['eagle3']:.2f}x at each best K"
         if best["peagle"] and best["none"]:

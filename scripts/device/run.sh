@@ -23,8 +23,10 @@
 # the carried folders are built first: bash scripts/device/stage_local.sh wheels && ... stage_local.sh cfg.
 # B=async+prefill-graphs+admit-ahead+mixed-tiles+fused-merge (today's defaults: engine_timing's modifiers are off
 # without their name, so run 17's "B" without +mixed-tiles timed mixed tiles off).
-#   1. tb_stage (carry .tb_a .whl); 2. tb_stage (.tb_b); 3. tb_stage && TB_SECS=560 testbed (.tb_c .whl): the
-#      default recipe (4-layer P-EAGLE, EAGLE-3 3 steps deep), the heads the README's numbers should come from;
+#   1. tb_stage (carry .tb_a .whl); 2. tb_stage (.tb_b); 3. tb_stage && TB_SECS=560 TB_PEAGLE_ARGS="--profile-steps
+#      3" TB_EAGLE3_ARGS="--profile-steps 3" testbed (.tb_c .whl): the default recipe (4-layer P-EAGLE, EAGLE-3 3
+#      steps deep), the heads the README's numbers should come from, with a profile of three steps of each trainer
+#      (run 20: the 2-layer step only 22% cheaper than the 4-layer one, so the layers are not what a step costs);
 #      4. TB_SECS=560 testbed_wait; 5. TB_SECS=330 testbed_wait; 6. with what is left (about 4 minutes):
 #      HF_SECS=220 HF_BASELINES=static_compile HF_METHODS=peagle HF_K=7 BENCH2_DATASETS=none bench2 (issue 15's
 #      c=1 cell: P-EAGLE with heads against HF static cache + compile in one process, the engine's rows first; HF's
@@ -184,6 +186,7 @@ testbed_follow() {  # up to $1 seconds for the testbed started by `testbed`; the
     [ -d "$tb/heads/${TB_SCALE:-h200}/$m" ] || continue
     ln -sfn "$tb/heads/${TB_SCALE:-h200}/$m" "$W/train-$m"
     cp "$tb/heads/${TB_SCALE:-h200}/$m/train_log.jsonl" "$OUT/train-$m.jsonl" 2>/dev/null || true
+    cp "$tb/heads/${TB_SCALE:-h200}/$m/profile.txt" "$OUT/profile-$m.txt" 2>/dev/null || true  # --profile-steps
   done
   HEADS="peagle eagle3" link_heads
 }

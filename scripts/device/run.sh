@@ -314,9 +314,11 @@ case "$stage" in
     fi
     sha256sum "$tb/wheels/"*.whl
     only=(); [ "$stage" = testbed_data ] && only=(--data-only)
-    # TB_PEAGLE_ARGS / TB_EAGLE3_ARGS: further `peagle train` arguments for one head (e.g. "--k-train 12").
+    # TB_PEAGLE_ARGS / TB_EAGLE3_ARGS: further `peagle train` arguments for one head (e.g. "--k-train 12");
+    # TB_TRAIN_MINUTES: both heads' training time instead of the scale's 12.25 minutes (a session with less left).
     setsid bash -c 'echo $$ > "$0"; exec "$@"' "$W/testbed.pid" $py -m peagle testbed --dir "$tb" "${only[@]}" \
       --scale ${TB_SCALE:-h200} --peagle-args="${TB_PEAGLE_ARGS:-}" --eagle3-args="${TB_EAGLE3_ARGS:-}" \
+      ${TB_TRAIN_MINUTES:+--train-minutes $TB_TRAIN_MINUTES} \
       > "$W/testbed.log" 2>&1 < /dev/null &
     testbed_follow ${TB_SECS:-540}
     ;;

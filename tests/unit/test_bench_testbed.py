@@ -637,3 +637,29 @@ def test_quickstart_smoke_runs_the_whole_pipeline(monkeypatch, tmp_path, capsys)
     data = tmp_path / "cache" / "data-smoke"
     assert testbed_report.data_totals(data / "sharegpt")[0] > 0
     assert all((tmp_path / "cache" / "heads" / "smoke" / m / "final").is_dir() for m in testbed.METHODS)
+
+
+def test_train_minutes_sets_both_trainers_time_limit_and_moves_the_budget(offline, tmp_path, capsys, monkeypatch):
+    from peagle.cli import main
+
+    assert main(["testbed", "--dir", str(tmp_path / "c"), "--scale", "smoke", "--train-minutes", "0.5"]) == 0
+    trainers = offline["run"][-2]["commands"]
+    assert [c.name for c in trainers] == ["eagle3", "peagle"]
+    for c in trainers:
+        assert float(c.argv[c.argv.index("--time-limit") + 1]) == 0.5  # smoke has no budget: nothing added
+    capsys.readouterr()
+    assert main(["testbed", "--dir", str(tmp_path / "d"), "--scale", "smoke", "--train-minutes", "0"]) == 1
+    assert "--train-minutes must be positive, got 0" in capsys.readouterr().err and not (tmp_path / "d").exists()
+
+    # At H200 scale the budget moves with the training time, so a longer run is not refused as over budget.
+    import peagle.bench.testbed as bed
+    from peagle.bench.testbed_scale import h200_scale
+
+    seen = []
+    monkeypatch.setattr(bed, "build_testbed", lambda d, scale, data_only=False: seen.append(scale) or {})
+    default = h200_scale()
+    for minutes in (10.5, 20.0):
+        assert main(["testbed", "--dir", str(tmp_path / "e"), "--train-minutes", str(minutes)]) == 0
+        assert seen[-1].train_minutes == minutes
+        assert seen[-1].budget_s == default.budget_s + 60 * (minutes - default.train_minutes)
+        assert sum(seen[-1].budget().values()) - sum(default.budget().values()) == 60 * (minutes - 12.25)

@@ -296,6 +296,10 @@ def _register_testbed(subparsers) -> None:
                    help="stop before the heads (and their serving): the model, the prompt files and the "
                         "regenerated training and evaluation data only (to train other recipes on them with "
                         "`peagle train`; a later build without it skips those steps and trains the heads)")
+    p.add_argument("--train-minutes", type=float, metavar="M",
+                   help="each head's training time (the trainers' --time-limit; default: the scale's, 12.25 minutes "
+                        "at h200, 2 at smoke); at a scale with a budget the budget moves by the same amount, and "
+                        "what the data steps leave unused of their limits is still added")
     for method, name in (("peagle", "P-EAGLE"), ("eagle3", "EAGLE-3")):
         p.add_argument(f"--{method}-args", default="", metavar="ARGS",
                        help=f"further `peagle train` arguments for the {name} head, after the scale's own (a later "
@@ -342,6 +346,12 @@ def run_testbed(args: argparse.Namespace) -> int:
         own = getattr(scale, f"{method}_args")
         extra = trainer_arguments(getattr(args, f"{method}_args"), f"--{method}-args", (*scale.train_args, *own))
         scale = replace(scale, **{f"{method}_args": (*own, *extra)})
+    if args.train_minutes is not None:
+        if not args.train_minutes > 0:
+            raise ValueError(f"--train-minutes must be positive, got {args.train_minutes:g}")
+        moved = 60 * (args.train_minutes - scale.train_minutes)
+        scale = replace(scale, train_minutes=args.train_minutes,
+                        budget_s=None if scale.budget_s is None else scale.budget_s + moved)
     paths = build_testbed(args.dir, scale, data_only=args.data_only)
     print(json.dumps({k: str(v) for k, v in paths.items()}, indent=2))
     return 0

@@ -168,3 +168,12 @@ def test_bench_report_calibrates_from_saved_results(tmp_path):
     saved = json.loads((head / "adaptive.json").read_text())
     assert {k: saved[k] for k in ("thresholds", "above")} == {"thresholds": [[2, 7], [22, 3]], "above": 0}
     assert main(["bench-report", str(writer.path), "--calibrate", "peagle"]) != 0
+
+
+def test_git_commit_comes_from_the_environment_for_a_copied_tree(monkeypatch, tmp_path):
+    from peagle.bench import report
+
+    monkeypatch.setenv(report.GIT_COMMIT_ENV, "0123abc\n")
+    assert report._git_state(tmp_path) == ("0123abc", None)  # tmp_path is no checkout: the variable decided
+    monkeypatch.delenv(report.GIT_COMMIT_ENV)
+    assert report._git_state(tmp_path) == (None, None)

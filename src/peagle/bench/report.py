@@ -112,8 +112,16 @@ def environment() -> dict[str, Any]:
     return env
 
 
+GIT_COMMIT_ENV = "PEAGLE_GIT_COMMIT"  # the commit of a copied tree whose own git history is absent or stale
+
+
 def _git_state(where: Path) -> tuple[str | None, bool | None]:
-    """The checkout's commit and whether it has uncommitted changes; (None, None) for an installed package."""
+    """The checkout's commit and whether it has uncommitted changes; (None, None) for an installed package.
+
+    $PEAGLE_GIT_COMMIT, when set, is the commit instead (whether the copy differs from it is then unknown: None):
+    for a copy of a checkout run on another machine, whose git history is not the one the tree came from."""
+    if os.environ.get(GIT_COMMIT_ENV):
+        return os.environ[GIT_COMMIT_ENV].strip(), None
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10)
         if commit.returncode:

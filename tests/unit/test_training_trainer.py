@@ -348,12 +348,19 @@ def test_time_limited_horizon_follows_a_change_of_rate(setup, tmp_path, monkeypa
     assert last["lr"] < 0.01 * 3e-3  # the cosine reached its end with the time, not at the first horizon
 
 
-def test_profile_steps_write_an_operator_table(setup, tmp_path):
+def test_profile_steps_write_an_operator_table(setup, tmp_path, monkeypatch):
+    from peagle.training import trainer
+
+    monkeypatch.delenv(trainer.CUPTI_TEARDOWN_ENV, raising=False)
     checkpoint, data = setup
     out = tmp_path / "profiled"
     assert main(_args(checkpoint, data, out, "--steps", "8", "--profile-steps", "2")) == 0
     text = (out / "profile.txt").read_text()
     assert text.startswith("torch.profiler over steps 6..7 of a peagle run") and "aten::" in text
+    assert os.environ[trainer.CUPTI_TEARDOWN_ENV] == "1"  # the tracer leaves with the profile, not after the run
+    monkeypatch.setenv(trainer.CUPTI_TEARDOWN_ENV, "0")  # the user's own choice is kept
+    assert main(_args(checkpoint, data, tmp_path / "again", "--steps", "7", "--profile-steps", "1")) == 0
+    assert os.environ[trainer.CUPTI_TEARDOWN_ENV] == "0"
     assert main(_args(checkpoint, data, tmp_path / "bad", "--steps", "1", "--profile-steps", "-1")) == 1
 
 

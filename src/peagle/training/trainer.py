@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import queue
 import random
 import shutil
@@ -71,6 +72,7 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
 FIT_FROM, FIT_TO = 10, TIME_LIMITED_WARMUP
 PROFILE_FROM = 5  # --profile-steps starts after this many steps (first-step compilation is not what to profile)
 PROFILE_FILE = "profile.txt"
+CUPTI_TEARDOWN_ENV = "TEARDOWN_CUPTI"  # read by the profiler when it stops
 FIT_RESERVE = 0.05  # share of the remaining time kept for evaluation and saving
 REFIT_EVERY = 50  # after the first fit, the horizon is fitted again to the rate of each window of this many steps
 
@@ -469,6 +471,11 @@ class Trainer:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.dist.device.type == "cuda" else [])
+        # The profiler's CUDA tracer (CUPTI) stays attached after it stops unless TEARDOWN_CUPTI=1, and then every
+        # later kernel launch pays for it (PyTorch issue 144455: 10-20% slower training; BENCHMARKS.md run 21: heads
+        # profiled for three steps took 14-52% longer per step than unprofiled runs of their recipes). Teardown is
+        # unsafe only beside CUDA graphs, which the trainer does not use. A value the user set is kept.
+        os.environ.setdefault(CUPTI_TEARDOWN_ENV, "1")
         self._profiler = profile(activities=activities)
         self._profiler.start()
         self._profiled_from = self.step + 1

@@ -10,34 +10,40 @@
 # against; .cfg: the testbed's config.json and tokenizer files, for runs with random weights; .tb_a, .tb_b, .tb_c:
 # the package wheels `peagle testbed` downloads, for `tb_stage`). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
-# The next session's plan (run 21), one call each, back to back; fire them one at a time (a failed call must not
+# The next session's plan (run 22), one call each, back to back; fire them one at a time (a failed call must not
 # start the next: run 15's first call got no machine and three calls fired behind it ran out of order), from a tree
-# no one is editing (the device gets a copy of the working tree, uncommitted edits too).
-# A call that comes more than 30 s after the previous one returned finds a fresh machine: runs 9, 16, 17 and 18 lost
-# their testbeds so (run 18 between the testbed's call and its first wait: nothing may come between them), so the
-# testbed goes FIRST, while the whole budget is left and a lost machine can still be replaced: with 30 minutes it
-# fits once (21.5 minutes on a warm machine in run 20, plus a start of about 1.5). A call that gets no machine costs
-# 1.5 minutes (run 20 lost 4.8 minutes to four such calls before its first machine).
-# Nothing outlives the session: a session starts from a fresh checkout, so heads are trained in the session that
-# serves them (heads_out / heads_in move them between machines of one session, or home for a look, not further), and
-# the carried folders are built first: bash scripts/device/stage_local.sh wheels && ... stage_local.sh cfg.
+# no one is editing (the device gets a copy of the working tree, uncommitted edits too). Prefix the testbed's call with
+# `export PEAGLE_GIT_COMMIT=<the commit>;` (the device copy's own git history lags its tree).
+# A call that comes more than 30 s after the previous one returned finds a fresh machine: runs 9, 16, 17, 18 and 21
+# lost their testbeds so (run 21 just before its served step), so the testbed goes FIRST, while the whole budget is
+# left and a lost machine can still be replaced: with 30 minutes it fits once (21.5 minutes on a warm machine in run
+# 20, plus a start of 1.5-3). A call that gets no machine costs 1.5 minutes, and calls in the ten minutes after it 15 s
+# each (run 21 lost 7.4 minutes so, with a machine taken back mid-call); with less than 24 minutes left when a machine
+# starts, shorten the training: TB_TRAIN_MINUTES=M (the scale's 12.25 minus the minutes missing).
 # B=async+prefill-graphs+admit-ahead+mixed-tiles+fused-merge (today's defaults: engine_timing's modifiers are off
 # without their name, so run 17's "B" without +mixed-tiles timed mixed tiles off).
-#   1. tb_stage (carry .tb_a .whl); 2. tb_stage (.tb_b); 3. tb_stage && TB_SECS=560 TB_PEAGLE_ARGS="--profile-steps
-#      3" TB_EAGLE3_ARGS="--profile-steps 3" testbed (.tb_c .whl): the default recipe (4-layer P-EAGLE, EAGLE-3 3
-#      steps deep), the heads the README's numbers should come from, with a profile of three steps of each trainer
-#      (run 20: the 2-layer step only 22% cheaper than the 4-layer one, so the layers are not what a step costs);
-#      4. TB_SECS=560 testbed_wait; 5. TB_SECS=330 testbed_wait; 6. with what is left (about 4 minutes):
-#      HF_SECS=220 HF_BASELINES=static_compile HF_METHODS=peagle HF_K=7 BENCH2_DATASETS=none bench2 (issue 15's
-#      c=1 cell: P-EAGLE with heads against HF static cache + compile in one process, the engine's rows first; HF's
-#      three baselines needed 290 s in run 18, its compile cut at 150; static + compile alone skips the ~2 minutes of
-#      eager and prompt lookup). Before it, if the testbed finished with 3 minutes to spare: HEADS_OUT_FROM=0, 4, 8
-#      heads_out (three short calls; then `stage_local.sh heads` files the parts into .hp_a, .hp_b, ...). Ignored
-#      folders of the checkout have outlived sessions since run 19 (.tb_* staged on 12-03 01:01 were there in runs
-#      19 and 20; run 13's parts were not, in an earlier set-up), so a later session may find the heads there and
-#      spend its budget on issue 15's grid instead of the testbed: stage_a (.stage_a .whl); heads_in with .stage_b
-#      (the target; 61 MiB with the tree, no room for a part); heads_in with each .hp_* in turn; then bench (the MT-Bench grid), bench2 (HumanEval, long code,
-#      the HF cell), BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head bench (the sampled table). Without them, the testbed again.
+#   1. tb_stage (carry .tb_a .whl); 2. tb_stage (.tb_b); 3. tb_stage && TB_SECS=560 testbed (.tb_c .whl): the default
+#      recipe (4-layer P-EAGLE, EAGLE-3 3 steps deep), the heads the README's numbers should come from, NOT profiled
+#      (run 21's profiled trainers stepped 14-52% slower: the profiler's tracer stayed attached; the trainer now tears
+#      it down, not yet re-measured); 4. TB_SECS=560 testbed_wait; 5. TB_SECS=330 testbed_wait; 6. with what is left
+#      (about 4 minutes): HF_SECS=220 HF_BASELINES=static_compile HF_METHODS=peagle HF_K=7 BENCH2_DATASETS=none bench2
+#      (issue 15's c=1 cell: P-EAGLE with heads against HF static cache + compile in one process, the engine's rows
+#      first; HF's three baselines needed 290 s in run 18, its compile cut at 150; static + compile alone skips the ~2
+#      minutes of eager and prompt lookup). Before it, if the testbed finished with 3 minutes to spare:
+#      HEADS_OUT_FROM=0, 4, 8 heads_out (three short calls; then `stage_local.sh heads` files the parts into .hp_a,
+#      .hp_b, ...). With two minutes more: the teardown's check, the P-EAGLE trainer alone without and with a
+#      profile of steps 6-8 (TP_DATA=$W/tb/data-h200/sharegpt.0 TP_STEPS=120 TP_RUNS="plain=$PWD/src:peagle:8:8192:1
+#      prof=$PWD/src:peagle:8:8192:1:--profile-steps,3" throughput): equal medians over steps 11-120. (The default
+#      rows profile new-peagle: before the teardown its median was taken with the tracer attached.) Ignored folders of the checkout have outlived
+#      sessions since run 19 (.tb_* staged on 12-03 01:01 were there in runs 19-21), so a later session may find the
+#      heads there and spend its budget on issue 15's grid instead of the testbed: stage_a (.stage_a .whl); heads_in
+#      with .stage_b (the target; 61 MiB with the tree, no room for a part); heads_in with each .hp_* in turn; then
+#      bench (the MT-Bench grid), bench2 (HumanEval, long code, the HF cell), BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head
+#      bench (the sampled table). Without them, the testbed again.
+# Run 21's plan (what was run, BENCHMARKS.md "Run 21"): one call got no machine; tb_stage x2 and the testbed's call
+#   on a machine taken back during it; one more call with no machine; tb_stage x3 && TB_SECS=560 TB_TRAIN_MINUTES=10.25
+#   TB_PEAGLE_ARGS="--profile-steps 3" TB_EAGLE3_ARGS="--profile-steps 3" testbed; TB_SECS=560 testbed_wait; the
+#   next call came too late: the served step was lost with the machine.
 # Run 20's plan (what was run, BENCHMARKS.md "Run 20"): four calls got no machine; then tb_stage x3 && TB_SECS=560
 #   TB_PEAGLE_ARGS="--num-layers 2" testbed; testbed_wait (560 s, 250 s); BENCH_SECS=115 BENCH_K=3,7 BENCH_C=64 bench.
 #   The HF cell did not fit.

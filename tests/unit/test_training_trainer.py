@@ -673,3 +673,27 @@ def test_checkpoints_from_before_the_optimizer_option_resume(setup, tmp_path):
     assert trainer.step == 2 and trainer.optimizer.schedulers[0].last_epoch == schedule["last_epoch"]
     loaded = trainer.optimizer.optimizers[0].state_dict()["state"]
     assert all(torch.equal(loaded[i]["exp_avg"], adamw["state"][i]["exp_avg"]) for i in adamw["state"])
+
+
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+def test_freeze_embeddings_keeps_the_targets_rows_and_trains_only_the_mask_row(setup, tmp_path, method):
+    from peagle.drafters.target import TargetParts
+
+    checkpoint, data = setup
+    target_rows = TargetParts.from_dir(checkpoint).embedding.float()
+    heads = {}
+    for name, extra in (("frozen", ["--freeze-embeddings"]), ("trained", [])):
+        assert main([*_args(checkpoint, data, tmp_path / name, "--steps", "3", *extra), "--method", method]) == 0
+        heads[name] = load_drafter(tmp_path / name / FINAL, ModelConfig.from_dir(checkpoint), dtype="float32")
+    frozen, trained = (heads[n].embed_tokens.weight.detach() for n in ("frozen", "trained"))
+    moved = (frozen != target_rows.to(frozen.dtype)).any(dim=1).nonzero().flatten().tolist()
+    mask_row = heads["frozen"].config.mask_token_id
+    assert moved == ([mask_row] if method == "peagle" else [])  # P-EAGLE's learned mask-token embedding alone
+    assert (trained != target_rows.to(trained.dtype)).any(dim=1).sum() > 1  # without the option the rows learn
+
+
+def test_freeze_embeddings_refuses_weight_decay(setup, tmp_path, capsys):
+    checkpoint, data = setup
+    assert main(_args(checkpoint, data, tmp_path / "wd", "--steps", "1", "--freeze-embeddings",
+                      "--weight-decay", "0.01")) == 1
+    assert "--freeze-embeddings with --weight-decay 0.01" in capsys.readouterr().err

@@ -154,6 +154,10 @@ def register(subparsers) -> None:
     train.add_argument("--freeze-lm-head", action=argparse.BooleanOptionalAction, default=True,
                        help="keep the draft head's output rows as initialised from the target's (default; "
                             "--no-freeze-lm-head trains them)")
+    train.add_argument("--freeze-embeddings", action=argparse.BooleanOptionalAction, default=False,
+                       help="keep the token embedding at the target's rows, as SpecForge's recipes do (P-EAGLE's MASK "
+                            "row, its learned mask-token embedding, still trains); default: the whole embedding trains. "
+                            "Not with --weight-decay, which would move the frozen rows")
     train.add_argument("--feature-noise", type=float, default=0.05, metavar="STD",
                        help="add Gaussian noise of this standard deviation to the target features the drafter reads "
                             "in training (not in evaluation; default 0.05; 0: none)")
@@ -241,6 +245,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         aux_layer_ids=tuple(args.aux_layer_ids) if args.aux_layer_ids else None, feature_cache=args.feature_cache,
         time_limit_minutes=args.time_limit, profile_steps=args.profile_steps, log_every=args.log_every,
         depth_decay=args.depth_decay, freeze_lm_head=args.freeze_lm_head,
+        freeze_embeddings=args.freeze_embeddings,
         feature_noise=args.feature_noise, compile_elementwise=args.compile_elementwise,
         pad_target_pass=args.pad_target_pass, shape_multiple=args.shape_multiple,
     )

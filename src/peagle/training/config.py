@@ -87,6 +87,7 @@ class TrainConfig:
     log_every: int = 10  # steps whose statistics are read from the device at once (one wait per interval)
     depth_decay: float = 0.8  # loss weight decay ** depth per element (SpecForge's 0.8)
     freeze_lm_head: bool = True  # keep the draft head at its initial rows (the target's), as speculators does
+    freeze_embeddings: bool = False  # keep embed_tokens at the target's rows but P-EAGLE's MASK row (SpecForge's)
     feature_noise: float = 0.05  # std of Gaussian noise on the target features in training (speculators' 0.05)
     compile_elementwise: bool = False  # the drafter's norms, RoPE and SiLU compiled for training (compiled_ops.py)
     pad_target_pass: bool = False  # the target's pass over each micro-batch padded to batch size x --max-length
@@ -109,6 +110,9 @@ class TrainConfig:
             raise ValueError(f"--max-eval-data-documents must be at least 1, got {self.max_eval_data_documents}")
         if not 0.0 <= self.feature_noise < float("inf"):
             raise ValueError(f"--feature-noise must be a non-negative standard deviation, got {self.feature_noise}")
+        if self.freeze_embeddings and self.weight_decay:
+            raise ValueError(f"--freeze-embeddings with --weight-decay {self.weight_decay:g}: weight decay would move "
+                             "the frozen rows; use one of them")
         if self.profile_steps < 0:
             raise ValueError(f"--profile-steps must be non-negative, got {self.profile_steps}")
         if self.time_limit_minutes is not None and self.time_limit_minutes <= 0:

@@ -740,4 +740,25 @@ def _make_drafter(cfg: TrainConfig, target: LlamaModel, tokenizer: Tokenizer, tr
     drafter = drafter.float().requires_grad_(True).train()
     if cfg.freeze_lm_head:
         drafter.lm_head.weight.requires_grad_(False)
+    if cfg.freeze_embeddings:
+        freeze_embeddings(drafter)
     return drafter
+
+
+def freeze_embeddings(drafter: Drafter) -> None:
+    """Keep the token embedding at its rows (the target's, copied in `Drafter.for_target`), as SpecForge's recipes
+    do. P-EAGLE's MASK slots read the row of mask_token_id, the method's learned mask-token embedding: that row alone
+    keeps its gradient (Adam moves a row whose gradient is always zero by nothing, and the config refuses weight
+    decay beside this). EAGLE-3's embedding takes no gradient at all."""
+    weight = drafter.embed_tokens.weight
+    row = drafter.config.mask_token_id if drafter.config.method == "peagle" else None
+    if row is None:
+        weight.requires_grad_(False)
+        return
+
+    def only_the_mask_row(grad: torch.Tensor) -> torch.Tensor:
+        kept = torch.zeros_like(grad)
+        kept[row] = grad[row]
+        return kept
+
+    weight.register_hook(only_the_mask_row)

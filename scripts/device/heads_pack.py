@@ -5,7 +5,9 @@ What for: a look at the heads on the development machine, or the same heads on a
 parts (about 150 MB for the testbed's pair) are gone, and they cannot be part of the repository.
 
 A head's frozen lm_head is the target's own rows of the draft vocabulary: it is left out (checked bit for bit) and
-rebuilt from the target on unpacking. The other tensors are stored in bf16 (what the engine serves in) unless
+rebuilt from the target on unpacking. Its token embedding starts as the target's, and rows that training left as
+they were (tokens never read, or all but P-EAGLE's MASK row with `--freeze-embeddings`) are left out too: only the
+changed rows travel, with their indices. The other tensors are stored in bf16 (what the engine serves in) unless
 --dtype keep; each head's file is cut into parts of at most --part-mib, listed with their checksums in manifest.json.
 
     python scripts/device/heads_pack.py pack --target MODEL --out DIR NAME=HEAD_DIR [NAME=HEAD_DIR ...]
@@ -28,6 +30,8 @@ from safetensors.torch import load, load_file, save, save_file
 
 MANIFEST = "manifest.json"
 FROM_TARGET = "lm_head.weight"  # the tensor rebuilt from the target's rows
+EMBED = "embed_tokens.weight"  # rebuilt from the target's embedding and the rows training changed:
+EMBED_ROWS, EMBED_CHANGED = f"{EMBED}@rows", f"{EMBED}@changed"  # their indices and values in the pack
 
 
 def target_lm_head(target: Path) -> torch.Tensor:
@@ -36,6 +40,13 @@ def target_lm_head(target: Path) -> torch.Tensor:
     from peagle.drafters.target import TargetParts
 
     return TargetParts.from_dir(target).output_weight
+
+
+def target_embedding(target: Path) -> torch.Tensor:
+    """The target's input embedding [vocab, hidden], which a head's embed_tokens starts as."""
+    from peagle.drafters.target import TargetParts
+
+    return TargetParts.from_dir(target).embedding
 
 
 def draft_rows(tensors: dict[str, torch.Tensor], vocab: int) -> torch.Tensor:
@@ -50,8 +61,12 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def stored(t: torch.Tensor, dtype: str) -> torch.Tensor:
+    return t.to(torch.bfloat16) if dtype == "bfloat16" and t.is_floating_point() else t
+
+
 def pack(target: Path, heads: dict[str, Path], out: Path, part_mib: float, dtype: str) -> dict:
-    lm_head = target_lm_head(target)
+    lm_head, embedding = target_lm_head(target), target_embedding(target)
     out.mkdir(parents=True, exist_ok=True)
     manifest = {"heads": {}}
     for name, head in heads.items():
@@ -62,7 +77,12 @@ def pack(target: Path, heads: dict[str, Path], out: Path, part_mib: float, dtype
                 rows = lm_head[draft_rows(tensors, t.shape[0])].to(t.dtype)
                 if t.shape == rows.shape and torch.equal(t, rows):
                     continue  # frozen: the target's rows, rebuilt on unpacking
-            kept[key] = t.to(torch.bfloat16) if dtype == "bfloat16" and t.is_floating_point() else t
+            if key == EMBED and t.shape == embedding.shape:
+                changed = (t != embedding.to(t.dtype)).any(dim=1).nonzero().flatten()
+                if changed.numel() < t.shape[0]:  # the rows left as the target's are rebuilt on unpacking
+                    kept[EMBED_ROWS], kept[EMBED_CHANGED] = changed, stored(t[changed], dtype)
+                    continue
+            kept[key] = stored(t, dtype)
         data = save(kept)
         step = int(part_mib * 2**20)
         parts = []
@@ -74,6 +94,7 @@ def pack(target: Path, heads: dict[str, Path], out: Path, part_mib: float, dtype
             "config": json.loads((head / "config.json").read_text()), "parts": parts, "sha256": sha256(data),
             "dtype": {key: str(t.dtype).removeprefix("torch.") for key, t in tensors.items()},
             "from_target": FROM_TARGET not in kept and FROM_TARGET in tensors,
+            "embedding_rows_changed": int(kept[EMBED_ROWS].numel()) if EMBED_ROWS in kept else None,
         }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
@@ -104,6 +125,14 @@ def unpack(target: Path, parts_dirs: list[Path], out: Path) -> list[str]:
         dest = out / name
         dest.mkdir(parents=True, exist_ok=True)
         tensors = load(data)
+        if EMBED_ROWS in tensors:
+            rows, changed = tensors.pop(EMBED_ROWS), tensors.pop(EMBED_CHANGED)
+            embedding = target_embedding(target).to(getattr(torch, head["dtype"][EMBED]))
+            if embedding.shape[1] != changed.shape[1]:
+                raise ValueError(f"{name}: the target's embedding is {embedding.shape[1]} wide, the head's rows "
+                                 f"{changed.shape[1]}")
+            embedding[rows] = changed.to(embedding.dtype)
+            tensors[EMBED] = embedding
         if head["from_target"]:
             lm_head = target_lm_head(target) if lm_head is None else lm_head
             vocab = head["config"].get("draft_vocab_size") or lm_head.shape[0]
@@ -146,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
             heads[name] = Path(path)
         manifest = pack(args.target, heads, args.out, args.part_mib, args.dtype)
         for name, head in manifest["heads"].items():
-            print(f"{name}: {len(head['parts'])} parts, lm_head {'from the target' if head['from_target'] else 'kept'}")
+            rows = head["embedding_rows_changed"]
+            print(f"{name}: {len(head['parts'])} parts, lm_head {'from the target' if head['from_target'] else 'kept'}, "
+                  f"embedding {'whole' if rows is None else f'{rows} changed rows'}")
         return 0
     return 0 if unpack(args.target, args.parts, args.out) else 1
 

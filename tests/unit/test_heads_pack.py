@@ -20,8 +20,10 @@ def target(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("target"), texts)
 
 
-def trained_head(target, method: str, out, draft_vocab: int | None, seed: int, train_lm_head: bool = False):
-    """A head built for the target as `peagle train` builds it, its other tensors moved as training moves them."""
+def trained_head(target, method: str, out, draft_vocab: int | None, seed: int, train_lm_head: bool = False,
+                 embedding_rows: list[int] | None = None):
+    """A head built for the target as `peagle train` builds it, its other tensors moved as training moves them
+    (of the embedding only `embedding_rows`, when given: the rows of the tokens training read)."""
     parts = TargetParts.from_dir(target)
     corpus = [torch.randint(0, parts.config.vocab_size, (4000,), generator=torch.Generator().manual_seed(seed))]
     head = Drafter.for_target(parts, method, 2 if method == "peagle" else 1, draft_vocab=draft_vocab,
@@ -30,7 +32,11 @@ def trained_head(target, method: str, out, draft_vocab: int | None, seed: int, t
     with torch.no_grad():
         for name, p in head.named_parameters():
             if name != "lm_head.weight" or train_lm_head:
-                p.add_(0.01 * torch.randn(p.shape, generator=gen))
+                step = 0.01 * torch.randn(p.shape, generator=gen)
+                if name == "embed_tokens.weight" and embedding_rows is not None:
+                    p[embedding_rows] += step[embedding_rows]
+                else:
+                    p.add_(step)
     save_drafter(head, out)
     return out
 
@@ -40,11 +46,14 @@ def test_heads_come_back_from_their_parts_with_the_lm_head_from_the_target(targe
     vocab = ModelConfig.from_dir(target).vocab_size
     heads = {"peagle": trained_head(target, "peagle", tmp_path / "p", vocab // 2, 0),
              "eagle3": trained_head(target, "eagle3", tmp_path / "e", None, 1),
-             "trained-lm": trained_head(target, "peagle", tmp_path / "t", vocab // 2, 2, train_lm_head=True)}
+             "trained-lm": trained_head(target, "peagle", tmp_path / "t", vocab // 2, 2, train_lm_head=True),
+             "few-rows": trained_head(target, "peagle", tmp_path / "f", vocab // 2, 4, embedding_rows=[3, 17, 40])}
     assert pack.main(["pack", "--target", str(target), "--out", str(tmp_path / "parts"), "--part-mib", "0.05",
                       *(f"{n}={d}" for n, d in heads.items())]) == 0
     manifest = json.loads((tmp_path / "parts" / "manifest.json").read_text())
-    assert [manifest["heads"][n]["from_target"] for n in heads] == [True, True, False]
+    assert [manifest["heads"][n]["from_target"] for n in heads] == [True, True, False, True]
+    # Only the embedding rows training changed travel (every row moved in the first three heads).
+    assert [manifest["heads"][n]["embedding_rows_changed"] for n in heads] == [None, None, None, 3]
     assert all(len(h["parts"]) > 1 for h in manifest["heads"].values())
     assert all(p.stat().st_size <= 0.05 * 2**20 for p in (tmp_path / "parts").glob("*.part-*"))
     # The parts travel in several folders; the heads are rebuilt once all their parts are found.
@@ -66,6 +75,10 @@ def test_heads_come_back_from_their_parts_with_the_lm_head_from_the_target(targe
             # The frozen lm_head exact (the target's rows), every other float tensor rounded to bf16.
             rounded = sa[key].is_floating_point() and key not in exact
             expected = sa[key].to(torch.bfloat16).to(sa[key].dtype) if rounded else sa[key]
+            if key == "embed_tokens.weight" and name == "few-rows":  # rows left as the target's: exact
+                expected = sa[key].clone()
+                expected[[3, 17, 40]] = sa[key][[3, 17, 40]].to(torch.bfloat16).to(sa[key].dtype)
+                assert not torch.equal(expected, sa[key].to(torch.bfloat16).to(sa[key].dtype))
             assert torch.equal(sb[key], expected), (name, key)
     assert "lm_head.weight" in load_file(str(tmp_path / "heads" / "peagle" / "model.safetensors"))
 

@@ -150,3 +150,17 @@ def test_chat_with_tools_needs_a_template_that_renders_them(llm):
     assert len(out[0].outputs[0].token_ids) == 3
     with pytest.raises(ValueError, match="tools"):
         llm.chat([{"role": "user", "content": "Hi"}], tools=[{"type": "function", "function": {"name": "f"}}])
+
+
+def test_chat_takes_a_template_for_the_call(llm, tmp_path):
+    messages = [{"role": "user", "content": "Hi"}]
+    params = SamplingParams(temperature=0, max_tokens=2)
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    for given in (template, str(tmp_path / "t.jinja")):
+        out = llm.chat(messages, params, use_tqdm=False, chat_template=given)
+        assert out[0].prompt_token_ids == llm.get_tokenizer().encode("<user>Hi")
+    own = llm.chat(messages, params, use_tqdm=False)  # the model's own template is untouched
+    assert own[0].prompt_token_ids != out[0].prompt_token_ids
+    with pytest.raises(ValueError, match="not a valid Jinja template"):
+        llm.chat(messages, params, chat_template="{% if %}")

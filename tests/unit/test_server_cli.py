@@ -44,7 +44,7 @@ def test_help_explains_every_option(capsys):
     text = capsys.readouterr().out
     for option in ("--speculative-config", "--host", "--port", "--api-key", "--served-model-name", "--max-model-len",
                    "--max-num-seqs", "--max-queue", "--gpu-memory-utilization", "--dtype", "--device",
-                   "--enforce-eager", "--num-kv-blocks", "SM_VLLM_SPECULATIVE_CONFIG", "PEAGLE_SPECULATIVE_CONFIG"):
+                   "--enforce-eager", "--num-kv-blocks", "--chat-template", "SM_VLLM_SPECULATIVE_CONFIG", "PEAGLE_SPECULATIVE_CONFIG"):
         assert option in text
 
 
@@ -74,3 +74,16 @@ def test_flag_overrides_environment_and_bad_json_is_a_clean_error(target_dir, he
     assert app.state.serving.model_name == str(target_dir)
     assert main(_argv(target_dir)) == 1
     assert "speculative config is not valid JSON" in capsys.readouterr().err
+
+
+def test_chat_template_replaces_the_models_and_a_bad_one_stops_start_up(target_dir, served, tmp_path, capsys):
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    assert main(_argv(target_dir, "--chat-template", str(tmp_path / "t.jinja"))) == 0
+    (app, _), = served
+    serving = app.state.serving
+    ids = serving.render_chat([{"role": "user", "content": "Hi"}], True, False)
+    assert ids == serving.tokenizer.encode("<user>Hi")
+    assert main(_argv(target_dir, "--chat-template", str(tmp_path / "nope.jinja"))) == 1
+    assert "no such file, and not a template" in capsys.readouterr().err
+    assert len(served) == 1  # refused before a server started

@@ -148,3 +148,17 @@ def test_added_tokens_declared_only_in_tokenizer_config(tokenizer_dir, tmp_path)
     assert ours.encode(text) == ref.encode(text, add_special_tokens=False)
     assert 400 in ours.encode(text) and ours.vocab_size == 401
     assert 400 in ours.reserved_token_ids()
+
+
+def test_load_chat_template_takes_a_file_or_a_one_line_template_and_refuses_bad_ones(tmp_path):
+    from peagle.models.tokenizer import load_chat_template
+
+    text = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    (tmp_path / "t.jinja").write_text(text)
+    assert load_chat_template(str(tmp_path / "t.jinja")) == text
+    one_line = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\\n{% endfor %}"  # as typed in a shell
+    assert load_chat_template(one_line) == text  # escapes decoded, as vLLM does
+    with pytest.raises(ValueError, match="no such file, and not a template"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="not a valid Jinja template"):
+        load_chat_template("{% for m in messages %}{{ m }}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 from typing import Any, Sequence
@@ -12,6 +13,7 @@ from peagle.engine.config import DTYPE_ALIASES, EngineConfig, SpeculativeConfig
 from peagle.engine.llm_engine import LLMEngine
 from peagle.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from peagle.engine.sampling_params import SamplingParams
+from peagle.models.tokenizer import load_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -95,16 +97,22 @@ class LLM:
         return self._run(requests, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True, *,
-             add_generation_prompt: bool = True, tools: list | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, tools: list | None = None,
+             chat_template: str | None = None) -> list[RequestOutput]:
         """`tools` (OpenAI's function definitions) are rendered by the chat template, as vLLM's chat() does; the
-        output is text (parse calls with peagle.server.tool_calls.parse_tool_calls)."""
+        output is text (parse calls with peagle.server.tool_calls.parse_tool_calls). `chat_template`: a template (or
+        a file's path) for this call instead of the model's, as vLLM's chat() takes it."""
         if self.tokenizer is None:
             raise ValueError("this model directory has no tokenizer, so chat() cannot apply a chat template")
-        if tools and "tools" not in (self.tokenizer.chat_template or ""):
+        tokenizer = self.tokenizer
+        if chat_template is not None:
+            tokenizer = copy.copy(tokenizer)
+            tokenizer.chat_template = load_chat_template(chat_template)
+        if tools and "tools" not in (tokenizer.chat_template or ""):
             raise ValueError("tools: this model's chat template does not render tools")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(c, add_generation_prompt=add_generation_prompt,
-                                                                   tools=tools or None)}
+        prompts = [{"prompt_token_ids": tokenizer.encode_chat(c, add_generation_prompt=add_generation_prompt,
+                                                              tools=tools or None)}
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

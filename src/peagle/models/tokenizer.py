@@ -194,6 +194,29 @@ def _add_missing_tokens(backend: BackendTokenizer, added: dict[str, dict]) -> No
         (backend.add_special_tokens if token.special else backend.add_tokens)([token])
 
 
+def load_chat_template(value: str) -> str:
+    """A chat template given as vLLM's `--chat-template` takes it: the path of a file, or the template itself in one
+    line (escapes such as \\n decoded). Checked by compiling it, so a bad template fails at start-up, not on the
+    first request."""
+    import codecs
+
+    import jinja2
+
+    path = Path(value).expanduser()
+    if path.is_file():
+        text = path.read_text(encoding="utf-8")
+    elif any(c in value for c in "{}\n"):
+        text = codecs.decode(value, "unicode_escape")
+    else:
+        raise ValueError(f"chat template {value!r}: no such file, and not a template (a template has {{ }} tags)")
+    try:
+        _compile(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat template {value!r:.80}: not a valid Jinja template (line {e.lineno}: {e.message})"
+                         ) from None
+    return text
+
+
 def _chat_template(path: Path, config: dict[str, Any]) -> str | None:
     # Newer saves put the template in its own file; older ones in tokenizer_config.json, possibly as named variants.
     jinja_file = path / "chat_template.jinja"

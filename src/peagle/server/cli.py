@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from pathlib import Path
 
 from peagle.server import DEFAULT_MAX_QUEUE
 
@@ -64,6 +65,9 @@ def register(subparsers) -> None:
                         "of up to 2048 tokens and 16 requests, not only for decode steps; each shape is captured on "
                         "first use (on by default: TTFT 4.1 against 16.2 ms at concurrency 1 on an H200, the same "
                         "greedy output; --no-prefill-cuda-graphs runs those steps eagerly)")
+    p.add_argument("--chat-template", metavar="TEMPLATE",
+                   help="the chat template for /v1/chat/completions instead of the model's: a file's path, or the "
+                        "Jinja template itself in one line (as vLLM takes it); checked at start-up")
     p.add_argument("--seed", type=int, metavar="N", default=0,
                    help="engine seed (default 0; requests may pass their own)")
     p.set_defaults(func=_serve)
@@ -77,6 +81,11 @@ def _serve(args: argparse.Namespace) -> int:
     from peagle.engine.llm_engine import LLMEngine
     from peagle.server.app import create_app
 
+    from peagle.models.tokenizer import load_chat_template
+
+    template = load_chat_template(args.chat_template) if args.chat_template else None  # before the model loads
+    if template is not None and not (Path(args.model) / "tokenizer.json").is_file():
+        raise ValueError("--chat-template: this model directory has no tokenizer, so chat messages cannot be rendered")
     spec = (SpeculativeConfig.from_dict(args.speculative_config) if args.speculative_config
             else SpeculativeConfig.from_env())
     device = args.device or _default_device()
@@ -90,6 +99,8 @@ def _serve(args: argparse.Namespace) -> int:
     )
     check_max_model_len(config)
     engine = LLMEngine(config)
+    if template is not None:
+        engine.tokenizer.chat_template = template
     name = args.served_model_name or args.model
     api_key = args.api_key or os.environ.get("PEAGLE_API_KEY") or None
     app = create_app(engine, name, api_key=api_key, max_queue=args.max_queue)

@@ -101,7 +101,6 @@ def test_invalid_prompts_raise_like_vllm(llm):
 
 @pytest.mark.parametrize("kwargs, name", [
     ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
-    ({"enable_prefix_caching": True}, "enable_prefix_caching"),
     ({"max_model_len": 4096}, "max_model_len"),
 ])
 def test_unimplemented_llm_options_are_refused(target_dir, kwargs, name):

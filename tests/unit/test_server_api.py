@@ -146,3 +146,23 @@ def test_metrics_count_requests(server, client):
         assert 0 < drafts <= out.usage.completion_tokens - 1 <= drafts + accepted
         assert proposed == engine.k * drafts
         assert sum(per_pos) == accepted
+
+
+def test_prefix_caching_serves_a_repeated_prompt_from_the_cache_and_counts_it(target_dir):
+    engine = make_engine(target_dir, enable_prefix_caching=True, block_size=8)
+    prompt = list(range(5, 45))  # 40 tokens: four blocks of 8 with a token after them
+    with serve(create_app(engine, "tiny")) as url, openai.OpenAI(base_url=url + "/v1", api_key="unused",
+                                                                 max_retries=0) as client:
+        first = client.completions.create(model="tiny", prompt=prompt, **GREEDY)
+        before = metric_samples(httpx.get(url + "/metrics").text)
+        again = client.completions.create(model="tiny", prompt=prompt, **GREEDY)
+        after = metric_samples(httpx.get(url + "/metrics").text)
+    assert again.choices[0].text == first.choices[0].text
+    hits = after[("peagle_prefix_cache_hits_total", ())] - before[("peagle_prefix_cache_hits_total", ())]
+    queries = after[("peagle_prefix_cache_queries_total", ())] - before[("peagle_prefix_cache_queries_total", ())]
+    assert (hits, queries) == (32, 40)
+
+
+def test_without_prefix_caching_no_prefix_cache_metrics(server):
+    url, _ = server
+    assert "prefix_cache" not in httpx.get(url + "/metrics").text

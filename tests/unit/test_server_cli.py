@@ -44,7 +44,7 @@ def test_help_explains_every_option(capsys):
     text = capsys.readouterr().out
     for option in ("--speculative-config", "--host", "--port", "--api-key", "--served-model-name", "--max-model-len",
                    "--max-num-seqs", "--max-queue", "--gpu-memory-utilization", "--dtype", "--device",
-                   "--enforce-eager", "--num-kv-blocks", "--chat-template", "SM_VLLM_SPECULATIVE_CONFIG", "PEAGLE_SPECULATIVE_CONFIG"):
+                   "--enforce-eager", "--num-kv-blocks", "--chat-template", "--enable-prefix-caching", "SM_VLLM_SPECULATIVE_CONFIG", "PEAGLE_SPECULATIVE_CONFIG"):
         assert option in text
 
 
@@ -87,3 +87,11 @@ def test_chat_template_replaces_the_models_and_a_bad_one_stops_start_up(target_d
     assert main(_argv(target_dir, "--chat-template", str(tmp_path / "nope.jinja"))) == 1
     assert "no such file, and not a template" in capsys.readouterr().err
     assert len(served) == 1  # refused before a server started
+
+
+def test_enable_prefix_caching_reaches_the_engine(target_dir, served):
+    assert main(_argv(target_dir, "--enable-prefix-caching")) == 0
+    assert main(_argv(target_dir)) == 0
+    (on, _), (off, _) = served
+    assert on.state.async_engine.engine.scheduler.block_manager.enable_prefix_caching is True
+    assert off.state.async_engine.engine.scheduler.block_manager.enable_prefix_caching is False

@@ -1,64 +1,167 @@
-"""BlockManager: hands out the paged KV cache's blocks (ints 0..num_blocks-1) to sequences' block tables."""
+"""BlockManager: hands out the paged KV cache's blocks (ints 0..num_blocks-1) to sequences' block tables, and with
+prefix caching keeps the blocks of finished prompts for later prompts that start the same way.
+
+Prefix caching (vLLM's automatic prefix caching, by full block): a prompt's block i is named by a key that hashes
+the keys before it, its own tokens and the token after it (`prefix_keys`). The token after belongs in the key
+because the drafter's cache entry at a block's last position reads it (a draft slot pairs token p + 1 with the
+target's feature at p): two prompts that share a block but not the token after it share no drafter entry. So a
+block is only ever named once the token after it is in the prompt, and a prompt always computes at least its last
+token. A block's key is registered (`register`) after the step that computes it has been scheduled, never within
+it, so a prompt never reads a block that its own step is still writing; steps run in order on one stream. Blocks
+with a key whose last owner has finished stay cached (evictable, least recently freed first) until a block is
+needed; then they are the last to be handed out. Nothing writes into a cached block: a prompt that reuses k blocks
+starts computing at position k x block_size, in blocks of its own.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from collections import OrderedDict, deque
+from typing import Sequence as Seq
+
+import numpy as np
 
 from peagle.engine.sequence import Sequence
+
+
+def prefix_keys(token_ids: Seq[int], block_size: int) -> list[bytes]:
+    """The keys of a prompt's full blocks that have a token after them: block i covers tokens
+    [i*block_size, (i+1)*block_size), and its key hashes block i-1's key, those tokens and token (i+1)*block_size."""
+    keys: list[bytes] = []
+    previous = b""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    for i in range((len(ids) - 1) // block_size):
+        digest = hashlib.sha256(previous)
+        digest.update(ids[i * block_size:(i + 1) * block_size + 1].tobytes())
+        previous = digest.digest()
+        keys.append(previous)
+    return keys
 
 
 class BlockManager:
     """A free list of fixed-size KV blocks. Block `b` holds slots `b*block_size .. (b+1)*block_size - 1`.
 
     A sequence owns the blocks in its `block_table`; its KV position p lives in block `block_table[p // block_size]`.
-    No prefix caching: every block has exactly one owner.
+    Without prefix caching every block has exactly one owner; with it, a cached block may be in several tables
+    (counted by reference) and stays cached after its last owner frees it, until it is needed.
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
-        self._used: set[int] = set()
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free: deque[int] = deque(range(num_blocks))  # free and holding nothing worth keeping
+        self._refs: dict[int, int] = {}  # blocks in some block table: how many
+        self._cached: dict[bytes, int] = {}  # key -> the block holding that prefix block
+        self._key_of: dict[int, bytes] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, in no table; oldest first
+        self.num_queried_tokens = 0  # prompt tokens looked up (prefix caching's counters, as vLLM's metrics)
+        self.num_hit_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return len(self._used)
+        return len(self._refs)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
 
     @property
     def usage(self) -> float:
-        return len(self._used) / self.num_blocks
+        return len(self._refs) / self.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    # ---- prefix caching ----------------------------------------------------------------------------------------
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks that a sequence about to be prefilled from its start can take (its longest cached
+        prefix of full blocks); [] without prefix caching or once the sequence holds blocks."""
+        if not self.enable_prefix_caching or seq.block_table or seq.num_computed_tokens:
+            return []
+        blocks = []
+        for key in self._prompt_keys(seq):
+            block = self._cached.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def take_cached_prefix(self, seq: Sequence, blocks: list[int]):
+        """Give `seq` the cached `blocks` (from `cached_prefix`) as the start of its block table; its first
+        len(blocks) x block_size tokens count as computed. Counts the lookup for the hit rate."""
+        assert not seq.block_table and not seq.num_computed_tokens, seq
+        for block in blocks:
+            self._evictable.pop(block, None)
+            self._refs[block] = self._refs.get(block, 0) + 1
+            seq.block_table.append(block)
+        seq.num_computed_tokens = len(blocks) * self.block_size
+        seq.num_cached_tokens = seq.num_computed_tokens
+        self.num_queried_tokens += seq.num_tokens
+        self.num_hit_tokens += seq.num_computed_tokens
+
+    def register(self, seq: Sequence, num_computed_tokens: int):
+        """Name the full prompt blocks of `seq` that a scheduled step computes up to `num_computed_tokens`, for later
+        prompts to find; a key already held by another block keeps that block."""
+        if not self.enable_prefix_caching:
+            return
+        keys = self._prompt_keys(seq)
+        for i in range(min(len(keys), num_computed_tokens // self.block_size, len(seq.block_table))):
+            block, key = seq.block_table[i], keys[i]
+            if key in self._cached or block in self._key_of:
+                continue
+            self._cached[key] = block
+            self._key_of[block] = key
+
+    def _prompt_keys(self, seq: Sequence) -> list[bytes]:
+        if seq.prefix_keys is None:
+            seq.prefix_keys = prefix_keys(seq.token_ids[:seq.num_prompt_tokens], self.block_size)
+        return seq.prefix_keys
+
+    # ---- allocation --------------------------------------------------------------------------------------------
+
     def _missing(self, seq: Sequence, num_tokens: int) -> int:
         return max(0, self.blocks_needed(num_tokens) - len(seq.block_table))
 
-    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether `seq`'s block table can be grown to cover `num_tokens` slots."""
-        return self._missing(seq, num_tokens) <= len(self._free)
+    def can_allocate(self, seq: Sequence, num_tokens: int, cached: Seq[int] = ()) -> bool:
+        """Whether `seq`'s block table can be grown to cover `num_tokens` slots (after taking the `cached` blocks,
+        which then are no longer free)."""
+        missing = max(0, self.blocks_needed(num_tokens) - len(seq.block_table) - len(cached))
+        taken = sum(1 for block in cached if block in self._evictable)
+        return missing <= self.num_free_blocks - taken
 
     def allocate(self, seq: Sequence, num_tokens: int):
         """Grow `seq.block_table` to cover `num_tokens` slots (never shrinks it)."""
         missing = self._missing(seq, num_tokens)
-        assert missing <= len(self._free), f"{seq.seq_id}: needs {missing} blocks, {len(self._free)} free"
+        assert missing <= self.num_free_blocks, f"{seq.seq_id}: needs {missing} blocks, {self.num_free_blocks} free"
         for _ in range(missing):
-            block = self._free.popleft()
-            self._used.add(block)
+            if self._free:
+                block = self._free.popleft()
+            else:  # the least recently freed cached block gives up its key
+                block, _ = self._evictable.popitem(last=False)
+                del self._cached[self._key_of.pop(block)]
+            self._refs[block] = 1
             seq.block_table.append(block)
 
     def free(self, seq: Sequence):
-        """Return all of `seq`'s blocks; a sequence without blocks is a no-op."""
-        for block in seq.block_table:
-            assert block in self._used, f"{seq.seq_id}: block {block} freed twice or never allocated"
-            self._used.remove(block)
-            self._free.append(block)
+        """Return all of `seq`'s blocks (a cached block stays cached); a sequence without blocks is a no-op."""
+        for block in reversed(seq.block_table):  # a prompt's last blocks are evicted before its first ones
+            assert block in self._refs, f"{seq.seq_id}: block {block} freed twice or never allocated"
+            self._refs[block] -= 1
+            if self._refs[block]:
+                continue
+            del self._refs[block]
+            if block in self._key_of:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
         seq.block_table.clear()

@@ -28,9 +28,10 @@ class LLM:
     >>> llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))[0].outputs[0].text
 
     `dtype="auto"` (the default) is bfloat16 on a GPU and float32 on the CPU, where bfloat16 matmuls are slow.
-    `tokenizer` loads the tokenizer from another directory. `tensor_parallel_size` must be 1 and
-    `enable_prefix_caching` must not be True (neither is implemented); `trust_remote_code` is accepted and changes
-    nothing, since peagle runs only its own model code.
+    `tokenizer` loads the tokenizer from another directory. `tensor_parallel_size` must be 1 (one device);
+    `enable_prefix_caching=True` lets prompts start from the cached KV blocks of earlier prompts with the same first
+    tokens (off by default, None as False; `RequestOutput.num_cached_tokens` says how many tokens came from it);
+    `trust_remote_code` is accepted and changes nothing, since peagle runs only its own model code.
     `load_format="dummy"` builds the model from config.json with random weights (no weights or tokenizer needed;
     prompts as token ids); a speculative `model` of "dummy" then makes a random head of the default depth.
     `synthetic_acceptance` (benchmarking only, needs load_format="dummy") accepts draft position i with the given
@@ -49,7 +50,7 @@ class LLM:
                  prefill_cuda_graphs: bool = True):
         import torch
 
-        _check_unimplemented(tensor_parallel_size, enable_prefix_caching, trust_remote_code)
+        _check_unimplemented(tensor_parallel_size, trust_remote_code)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         config = EngineConfig(
@@ -60,7 +61,7 @@ class LLM:
             load_format=load_format,
             synthetic_acceptance=tuple(synthetic_acceptance) if synthetic_acceptance is not None else None,
             async_scheduling=async_scheduling, decode_gemv=decode_gemv, enable_chunked_prefill=enable_chunked_prefill,
-            prefill_cuda_graphs=prefill_cuda_graphs,
+            prefill_cuda_graphs=prefill_cuda_graphs, enable_prefix_caching=bool(enable_prefix_caching),
         )
         check_max_model_len(config)
         self.engine = LLMEngine(config)
@@ -211,8 +212,8 @@ class LLM:
         outputs = [c for c, _ in children]
         steps = [s for _, s in children]
         error = next((s.error for s in steps if s.error), None)
-        return RequestOutput(rid, text, ids, outputs, _combine([s.metrics or RequestMetrics() for s in steps]),
-                             error=error)
+        metrics = _combine([s.metrics or RequestMetrics() for s in steps])
+        return RequestOutput(rid, text, ids, outputs, metrics, error=error, num_cached_tokens=metrics.num_cached_tokens)
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
@@ -237,13 +238,10 @@ def check_max_model_len(config: EngineConfig):
                          f"({limit}); use at most {limit}")
 
 
-def _check_unimplemented(tensor_parallel_size, enable_prefix_caching, trust_remote_code):
+def _check_unimplemented(tensor_parallel_size, trust_remote_code):
     if tensor_parallel_size != 1:
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} is not supported: peagle runs on one "
                          f"device (tensor_parallel_size=1)")
-    if enable_prefix_caching:
-        raise ValueError("enable_prefix_caching=True is not supported by peagle yet (prefix caching is not "
-                         "implemented)")
     if not isinstance(trust_remote_code, bool):
         raise ValueError(f"trust_remote_code must be a bool, got {trust_remote_code!r}")
 
@@ -263,4 +261,4 @@ def _combine(metrics: list[RequestMetrics]) -> RequestMetrics:
     return RequestMetrics(sum(m.num_drafting_rounds for m in metrics), sum(m.num_draft_tokens for m in metrics),
                           sum(m.num_accepted_tokens for m in metrics), per_pos,
                           sum(m.num_output_tokens for m in metrics), first.ttft_s, first.itl_s,
-                          max((m.e2e_s or 0.0) for m in metrics))
+                          max((m.e2e_s or 0.0) for m in metrics), first.num_cached_tokens)

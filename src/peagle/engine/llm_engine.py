@@ -82,7 +82,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=self.max_model_len,
             block_size=block_size, num_blocks=num_blocks, num_lookahead_slots=2 * self.k,
-            enable_chunked_prefill=config.enable_chunked_prefill,
+            enable_chunked_prefill=config.enable_chunked_prefill, enable_prefix_caching=config.enable_prefix_caching,
         ))
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer
                                        else self.model_config.eos_token_ids)

@@ -15,6 +15,7 @@ class RequestMetrics:
     ttft_s: float | None = None
     itl_s: float | None = None  # mean time between output tokens after the first
     e2e_s: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def acceptance_length(self) -> float | None:
@@ -40,7 +41,7 @@ class RequestMetrics:
         if n > 1 and seq.first_token_time is not None:
             itl = (seq.last_token_time - seq.first_token_time) / (n - 1)
         return cls(seq.num_drafting_rounds, seq.num_draft_tokens, seq.num_accepted_tokens,
-                   list(seq.accepted_per_position), n, ttft, itl, now - seq.arrival_time)
+                   list(seq.accepted_per_position), n, ttft, itl, now - seq.arrival_time, seq.num_cached_tokens)
 
 
 # One emitted token's log-probabilities, as the engine reports them: (token id, logprob, rank, [(id, logprob)]
@@ -104,6 +105,7 @@ class RequestOutput:
     finished: bool = True
     prompt_logprobs: None = None  # not implemented: SamplingParams refuses prompt_logprobs
     error: str | None = None  # why the engine ended it with finish_reason "error" (out of KV cache, ...)
+    num_cached_tokens: int = 0  # vLLM's: prompt tokens served from the prefix cache (enable_prefix_caching)
 
     @property
     def text(self) -> str:

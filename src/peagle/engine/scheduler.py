@@ -51,6 +51,7 @@ class SchedulerConfig:
     num_blocks: int
     num_lookahead_slots: int = 0
     enable_chunked_prefill: bool = False
+    enable_prefix_caching: bool = False  # prompts start from the cached blocks of earlier prompts (block_manager.py)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks"):
@@ -93,7 +94,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()  # no blocks; front is next to admit
         self.running: list[Sequence] = []  # hold blocks; in admission order
         self._finished: list[Sequence] = []  # finished, blocks freed, not yet released
@@ -146,6 +147,8 @@ class Scheduler:
         admitted = [] if preempted else self._admit_waiting(num_tokens, chunks)
         seqs = admitted + prefilling + decodes
         counts = [chunks.get(id(seq), seq.num_new_tokens) for seq in seqs]
+        for seq, count in zip(seqs[:len(admitted) + len(prefilling)], counts):  # after the step's own lookups
+            self.block_manager.register(seq, seq.num_computed_tokens + count)
         return SchedulerOutput(seqs, len(admitted) + len(prefilling), preempted, counts)
 
     def schedule_ahead(self, seqs: list[Sequence], num_inflight_tokens: int, num_new_tokens: int) -> bool:
@@ -194,8 +197,9 @@ class Scheduler:
             return []
         budget = cfg.max_num_batched_tokens - len(seqs) * num_new_tokens
         first = self.waiting[0]
-        if first.num_new_tokens > budget or self.block_manager.blocks_needed(
-                first.num_tokens + cfg.num_lookahead_slots) > self.block_manager.num_free_blocks:
+        cached = self.block_manager.cached_prefix(first)
+        if self._uncached(first, cached) > budget or not self.block_manager.can_allocate(
+                first, first.num_tokens + cfg.num_lookahead_slots, cached):
             return []  # the first prompt waits for the answer either way: chunked, or the cache must make room
         if not self._reserve_ahead(seqs, num_inflight_tokens, num_new_tokens):
             return []
@@ -203,15 +207,27 @@ class Scheduler:
         while self.waiting and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
             num_slots = seq.num_tokens + cfg.num_lookahead_slots
-            if seq.num_new_tokens > budget or not self.block_manager.can_allocate(seq, num_slots):
+            cached = self.block_manager.cached_prefix(seq)
+            if self._uncached(seq, cached) > budget or not self.block_manager.can_allocate(seq, num_slots, cached):
                 break
-            self.waiting.popleft()
-            self.block_manager.allocate(seq, num_slots)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._admit(seq, cached, num_slots)
             admitted.append(seq)
             budget -= seq.num_new_tokens
+        for seq in admitted:  # after every lookup of this step
+            self.block_manager.register(seq, seq.num_tokens)
         return admitted
+
+    def _uncached(self, seq: Sequence, cached: list[int]) -> int:
+        """The tokens `seq` feeds once it has taken the `cached` prefix blocks."""
+        return seq.num_new_tokens - len(cached) * self.config.block_size
+
+    def _admit(self, seq: Sequence, cached: list[int], num_slots: int):
+        self.waiting.popleft()
+        if cached:
+            self.block_manager.take_cached_prefix(seq, cached)
+        self.block_manager.allocate(seq, num_slots)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def _schedule_running(self, chunks: dict[int, int]):
         """Running decodes, oldest first; then, with chunked prefill, the running sequences still prefilling."""
@@ -274,19 +290,17 @@ class Scheduler:
                 self.waiting.popleft()
                 self._finish_out_of_kv(seq, num_slots)
                 continue
-            n = seq.num_new_tokens
+            cached = self.block_manager.cached_prefix(seq)
+            whole = n = self._uncached(seq, cached)
             if num_tokens + n > cfg.max_num_batched_tokens:
                 if not cfg.enable_chunked_prefill or num_tokens >= cfg.max_num_batched_tokens:
                     break
                 n = cfg.max_num_batched_tokens - num_tokens
-            if not self.block_manager.can_allocate(seq, num_slots):
+            if not self.block_manager.can_allocate(seq, num_slots, cached):
                 break
-            if n < seq.num_new_tokens:
+            if n < whole:
                 chunks[id(seq)] = n
-            self.waiting.popleft()
-            self.block_manager.allocate(seq, num_slots)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._admit(seq, cached, num_slots)
             admitted.append(seq)
             num_tokens += n
         return admitted

@@ -47,6 +47,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache (at the last admission)
+        self.prefix_keys: list[bytes] | None = None  # the prompt's full-block keys (prefix caching), made once
         self.draft_token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.error: str | None = None

@@ -62,7 +62,7 @@ class AsyncEngine:
 
     def __init__(self, engine, metrics: ServerMetrics | None = None, model_name: str = ""):
         self.engine = engine
-        self.metrics = metrics or ServerMetrics(engine.k, model_name)
+        self.metrics = metrics or ServerMetrics(engine.k, model_name, engine.config.enable_prefix_caching)
         self.stats = engine.stats()  # a snapshot, replaced by the engine thread after each iteration
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # engine thread only: requests inside the engine
@@ -140,6 +140,8 @@ class AsyncEngine:
             return
         self._streams[stream.request_id] = stream
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
+        if self.metrics.prefix_cache_queries is not None:
+            self.metrics.prefix_cache_queries.inc(len(prompt_token_ids))
         self._loop.call_soon_threadsafe(_settle, stream.accepted, None)
 
     def _abort(self, request_id: str):

@@ -53,6 +53,10 @@ def register(subparsers) -> None:
     p.add_argument("--enable-chunked-prefill", action="store_true",
                    help="prefill long prompts in chunks of what the running decodes leave of each step's token budget, "
                         "so they never stall the decodes for more than one step (vLLM's name; off by default)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                   help="start prompts from the cached KV blocks of earlier prompts that began with the same tokens "
+                        "(full blocks; the drafter's cache too); off by default until timed on a GPU. /metrics then "
+                        "counts prefix_cache_queries and prefix_cache_hits (tokens)")
     p.add_argument("--max-num-batched-tokens", type=int, metavar="N",
                    help="tokens per step (default: max-model-len, or 2048 with --enable-chunked-prefill)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
@@ -95,7 +99,7 @@ def _serve(args: argparse.Namespace) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
         enforce_eager=args.enforce_eager, seed=args.seed, speculative=spec, async_scheduling=args.async_scheduling,
         enable_chunked_prefill=args.enable_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens,
-        prefill_cuda_graphs=args.prefill_cuda_graphs,
+        prefill_cuda_graphs=args.prefill_cuda_graphs, enable_prefix_caching=args.enable_prefix_caching,
     )
     check_max_model_len(config)
     engine = LLMEngine(config)

@@ -57,7 +57,7 @@ class ServerMetrics:
     accepted tokens per draft position, so acceptance length = 1 + accepted / drafts.
     """
 
-    def __init__(self, num_speculative_tokens: int = 0, model_name: str = ""):
+    def __init__(self, num_speculative_tokens: int = 0, model_name: str = "", prefix_caching: bool = False):
         self.registry = CollectorRegistry(auto_describe=True)
 
         def twin(kind, name, doc, labels=(), **kw):
@@ -83,6 +83,12 @@ class ServerMetrics:
         self.num_running = twin(Gauge, "num_requests_running", "Requests in the running batch.")
         self.num_waiting = twin(Gauge, "num_requests_waiting", "Requests waiting for admission.")
         self.kv_usage = twin(Gauge, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).")
+        # vLLM's prefix-cache counters (tokens), with --enable-prefix-caching only: hit rate = hits / queries.
+        self.prefix_cache_queries = self.prefix_cache_hits = None
+        if prefix_caching:
+            self.prefix_cache_queries = twin(Counter, "prefix_cache_queries", "Prompt tokens looked up in the "
+                                                                              "prefix cache.")
+            self.prefix_cache_hits = twin(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         # Label values known up front are created now, so that a scrape before any traffic shows zeros.
         for pos in range(num_speculative_tokens):
             self.accepted_per_pos.labels(position=str(pos))
@@ -106,6 +112,8 @@ class ServerMetrics:
             self.num_accepted_tokens.inc(metrics.num_accepted_tokens)
             for pos, n in enumerate(metrics.accepted_per_position):
                 self.accepted_per_pos.labels(position=str(pos)).inc(n)
+        if self.prefix_cache_hits is not None:
+            self.prefix_cache_hits.inc(metrics.num_cached_tokens)
         if metrics.ttft_s is not None:
             self.ttft.observe(metrics.ttft_s)
         if metrics.e2e_s is not None:

@@ -34,7 +34,9 @@
 #      .hp_b, ...). With two minutes more: the teardown's check, the P-EAGLE trainer alone without and with a
 #      profile of steps 6-8 (TP_DATA=$W/tb/data-h200/sharegpt.0 TP_STEPS=120 TP_RUNS="plain=$PWD/src:peagle:8:8192:1
 #      prof=$PWD/src:peagle:8:8192:1:--profile-steps,3" throughput): equal medians over steps 11-120. (The default
-#      rows profile new-peagle: before the teardown its median was taken with the tracer attached.) Ignored folders of the checkout have outlived
+#      rows profile new-peagle: before the teardown its median was taken with the tracer attached.) With a minute:
+#      GPU_TESTS=tests/gpu/test_prefix_cache_gpu.py gpu_tests (prefix caching under CUDA graphs keeps greedy output;
+#      until then it stays off by default). Ignored folders of the checkout have outlived
 #      sessions since run 19 (.tb_* staged on 12-03 01:01 were there in runs 19-21), so a later session may find the
 #      heads there and spend its budget on issue 15's grid instead of the testbed: stage_a (.stage_a .whl); heads_in
 #      with .stage_b (the target; 61 MiB with the tree, no room for a part); heads_in with each .hp_* in turn; then

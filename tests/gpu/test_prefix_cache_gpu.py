@@ -1,0 +1,49 @@
+"""Prefix caching on the GPU: prompts that take cached blocks (target's and drafter's) under CUDA graphs, with and
+without speculation and async scheduling, give the greedy output of the same engine without the cache, token for
+token in fp32."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from peagle import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 4096, "hidden_size": 256,
+          "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "head_dim": 64, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+          "tie_word_embeddings": False, "eos_token_id": 0}
+_rng = random.Random(3)
+SHARED = [_rng.randrange(1, 4096) for _ in range(150)]
+# A shared system-prompt-like prefix with different questions, one prompt repeated, one sharing only a part.
+PROMPTS = [SHARED + [_rng.randrange(1, 4096) for _ in range(n)] for n in (5, 30, 70, 1)] + [SHARED[:60] + [7, 8, 9]]
+SPECS = {"none": None,
+         "eagle3": {"method": "eagle3", "model": "dummy", "num_speculative_tokens": 3},
+         "peagle": {"method": "eagle3", "model": "dummy", "num_speculative_tokens": 7, "parallel_drafting": True}}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-llama")
+    (d / "config.json").write_text(json.dumps(CONFIG))
+    return str(d)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("method", sorted(SPECS))
+def test_cached_prefixes_keep_greedy_output_under_graphs(model_dir, method, async_scheduling):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs, cached = {}, []
+    for caching in (False, True):
+        llm = LLM(model=model_dir, load_format="dummy", dtype="float32", max_model_len=512, max_num_seqs=4,
+                  speculative_config=SPECS[method], async_scheduling=async_scheduling, enable_prefix_caching=caching)
+        rounds = [llm.generate(PROMPTS, params, use_tqdm=False) for _ in range(2)]
+        outs[caching] = [[o.token_ids for o in r] for r in rounds]
+        cached = [o.num_cached_tokens for o in rounds[1]]
+    assert outs[True] == outs[False]
+    assert min(cached[:4]) >= 144 and cached[4] == 48  # the second round took the shared blocks

@@ -95,3 +95,21 @@ def test_enable_prefix_caching_reaches_the_engine(target_dir, served):
     (on, _), (off, _) = served
     assert on.state.async_engine.engine.scheduler.block_manager.enable_prefix_caching is True
     assert off.state.async_engine.engine.scheduler.block_manager.enable_prefix_caching is False
+
+
+def test_chat_template_kwargs_reach_the_template(target_dir, served):
+    template = ("{% if enable_thinking is defined and not enable_thinking %}/no_think {% endif %}"
+                "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert main(_argv(target_dir, "--chat-template", template)) == 0
+    (app, _), = served
+    client = TestClient(app)  # /tokenize renders without the engine loop
+    tok = app.state.serving.tokenizer
+    body = {"messages": [{"role": "user", "content": "Hi"}]}
+    plain = client.post("/tokenize", json=body).json()["tokens"]
+    off = client.post("/tokenize", json={**body, "chat_template_kwargs": {"enable_thinking": False}}).json()["tokens"]
+    assert plain == tok.encode("Hi", add_special_tokens=False) and off == tok.encode("/no_think Hi",
+                                                                                     add_special_tokens=False)
+    bad = client.post("/tokenize", json={**body, "chat_template_kwargs": {"messages": []}})
+    assert bad.status_code == 400 and "chat_template_kwargs" in bad.json()["error"]["message"]
+    chat = client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"tools": []}})
+    assert chat.status_code == 400 and "tools are set by the request's own fields" in chat.json()["error"]["message"]

@@ -267,8 +267,21 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
+# Names the server passes to a chat template itself; chat_template_kwargs may not set them.
+TEMPLATE_OWN_NAMES = ("messages", "add_generation_prompt", "tools", "documents")
+
+
+def _check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    taken = sorted(set(kwargs or ()) & set(TEMPLATE_OWN_NAMES))
+    if taken:
+        raise ValueError(f"chat_template_kwargs: {', '.join(taken)} are set by the request's own fields")
+    return kwargs
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    # vLLM's: further variables for the chat template (e.g. {"enable_thinking": false} for Qwen3's)
+    chat_template_kwargs: dict[str, Any] | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -277,6 +290,11 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _template_kwargs(self):
+        _check_template_kwargs(self.chat_template_kwargs)
+        return self
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):
@@ -359,11 +377,15 @@ class TokenizeRequest(_Request):
     tools: list[ToolDefinition] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("prompt: give exactly one of prompt or messages")
+        if self.chat_template_kwargs is not None and self.messages is None:
+            raise ValueError("chat_template_kwargs: only with messages")
+        _check_template_kwargs(self.chat_template_kwargs)
         return self
 
 

@@ -158,11 +158,14 @@ def test_prefix_caching_serves_a_repeated_prompt_from_the_cache_and_counts_it(ta
         again = client.completions.create(model="tiny", prompt=prompt, **GREEDY)
         after = metric_samples(httpx.get(url + "/metrics").text)
     assert again.choices[0].text == first.choices[0].text
+    assert (first.usage.prompt_tokens_details.cached_tokens, again.usage.prompt_tokens_details.cached_tokens) == (
+        0, 32)  # OpenAI's usage field
     hits = after[("peagle_prefix_cache_hits_total", ())] - before[("peagle_prefix_cache_hits_total", ())]
     queries = after[("peagle_prefix_cache_queries_total", ())] - before[("peagle_prefix_cache_queries_total", ())]
     assert (hits, queries) == (32, 40)
 
 
-def test_without_prefix_caching_no_prefix_cache_metrics(server):
+def test_without_prefix_caching_no_prefix_cache_metrics(server, client):
     url, _ = server
     assert "prefix_cache" not in httpx.get(url + "/metrics").text
+    assert client.completions.create(model="tiny", prompt=PROMPT, **GREEDY).usage.prompt_tokens_details is None

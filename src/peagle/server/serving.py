@@ -46,6 +46,7 @@ class Serving:
         self.tokenizer = async_engine.engine.tokenizer
         self.eos_token_ids = async_engine.engine.eos_token_ids
         self.max_model_len = async_engine.engine.max_model_len
+        self.prefix_caching = async_engine.engine.config.enable_prefix_caching
         self.model_name = served_model_name
         self.max_in_flight = max_in_flight
         self.num_in_flight = 0  # event loop only
@@ -215,6 +216,12 @@ class Serving:
             raise
         return choices
 
+    def _usage(self, choices: list["_Choice"]) -> UsageInfo:
+        """Usage of a finished request; with prefix caching, its prompt tokens served from the cache (the first
+        sequence's: the others of n > 1 share its prompt)."""
+        cached = choices[0].num_cached_tokens if self.prefix_caching else None
+        return UsageInfo.of(choices[0].stream.num_prompt_tokens, sum(c.num_tokens for c in choices), cached)
+
     def _close(self, stream: RequestStream):
         """Ends a request's slot; aborts it in the engine if it has not finished (its client is gone)."""
         if not stream.done:
@@ -224,7 +231,7 @@ class Serving:
     async def _collect(self, choices: list["_Choice"], fmt: Format, echo: str | None) -> JSONResponse:
         async for index, out in _merged([c.stream for c in choices]):
             choices[index].feed(out)
-        usage = UsageInfo.of(choices[0].stream.num_prompt_tokens, sum(c.num_tokens for c in choices))
+        usage = self._usage(choices)
         done = [Choice(index=c.index, text=(echo or "") + c.content, finish_reason=c.finish_reason,
                        stop_reason=c.stop_reason, logprobs=c.logprobs,
                        tool_calls=[t.wire() for t in c.tool_calls] or None) for c in choices]
@@ -265,8 +272,7 @@ class Serving:
             yield "data: [DONE]\n\n"
             return
         if include_usage:
-            usage = UsageInfo.of(choices[0].stream.num_prompt_tokens, sum(c.num_tokens for c in choices))
-            yield _sse(fmt.usage_chunk(usage))
+            yield _sse(fmt.usage_chunk(self._usage(choices)))
         yield "data: [DONE]\n\n"
 
 
@@ -283,6 +289,7 @@ class _Choice:
         self.text = OutputText(tokenizer, prompt_ids, params.stop, include_stop_str=params.include_stop_str_in_output,
                                skip_special_tokens=params.skip_special_tokens)
         self.num_tokens = 0
+        self.num_cached_tokens = 0  # from the finished output's metrics
         self.logprobs: list | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -298,6 +305,8 @@ class _Choice:
         """The text this output completes and its tokens' logprobs (None when not asked for)."""
         _check_finish(out, self.num_tokens)
         self.num_tokens += len(out.new_token_ids)
+        if out.finished and out.metrics is not None:
+            self.num_cached_tokens = out.metrics.num_cached_tokens
         ids = out.new_token_ids
         if out.finished and out.finish_reason == "stop" and ids and self._stop_token(ids[-1]):
             self.stop_reason = ids[-1] if ids[-1] in self.params.stop_token_ids else None

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One script for the GPU machine: builds, checks and times peagle in stages that fit one call each.
 #   bash scripts/device/run.sh STAGE  (STAGE: stage_a | tb_stage | testbed | testbed_wait | testbed_data | kernels |
-#                                      admit | muon | heads_out | heads_in |
+#                                      admit | prefix | muon | heads_out | heads_in |
 #                                      gpu_tests | throughput | mmhost | buckets | engine | data | train | wait |
 #                                      heads | serve | walk | check | ablate |
 #                                      stage_b | bench | bench2 | final | scale | teacher)
@@ -35,8 +35,8 @@
 #      profile of steps 6-8 (TP_DATA=$W/tb/data-h200/sharegpt.0 TP_STEPS=120 TP_RUNS="plain=$PWD/src:peagle:8:8192:1
 #      prof=$PWD/src:peagle:8:8192:1:--profile-steps,3" throughput): equal medians over steps 11-120. (The default
 #      rows profile new-peagle: before the teardown its median was taken with the tracer attached.) With a minute:
-#      GPU_TESTS=tests/gpu/test_prefix_cache_gpu.py gpu_tests (prefix caching under CUDA graphs keeps greedy output;
-#      until then it stays off by default). Ignored folders of the checkout have outlived
+#      GPU_TESTS=tests/gpu/test_prefix_cache_gpu.py gpu_tests && prefix (carry .cfg: prefix caching under CUDA
+#      graphs keeps greedy output, and its TTFT with a 1,024-token shared prefix; until then it stays off by default). Ignored folders of the checkout have outlived
 #      sessions since run 19 (.tb_* staged on 12-03 01:01 were there in runs 19-21), so a later session may find the
 #      heads there and spend its budget on issue 15's grid instead of the testbed: stage_a (.stage_a .whl); heads_in
 #      with .stage_b (the target; 61 MiB with the tree, no room for a part); heads_in with each .hp_* in turn; then
@@ -364,6 +364,14 @@ case "$stage" in
       mkdir -p "$W/heads"
       for m in eagle3 peagle; do ln -sfn "$W/heads-packed/$m" "$W/heads/$m"; done
     fi
+    ;;
+  prefix)
+    # Prefix caching's TTFT at the testbed's shape (.cfg carried: random weights): prompts of PREFIX_SHARED shared and
+    # 64 own tokens, one token each at concurrency 1, the cache off then on, with a random P-EAGLE head (K=7) as the
+    # server would run it; the first tokens must agree. About a minute.
+    timeout ${PREFIX_SECS:-150} $py scripts/device/prefix_cache_timing.py .cfg "$OUT/prefix_cache.json" --dummy \
+      --shared ${PREFIX_SHARED:-1024} --speculative-config \
+      '{"method": "eagle3", "model": "dummy", "num_speculative_tokens": 7, "parallel_drafting": true}' 2>&1 | tail -4
     ;;
   admit)
     # Issues 15/16: a closed loop of 64 requests, answer lengths drawn from 128-384 tokens (requests finish apart, as

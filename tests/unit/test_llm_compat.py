@@ -163,3 +163,13 @@ def test_chat_takes_a_template_for_the_call(llm, tmp_path):
     assert own[0].prompt_token_ids != out[0].prompt_token_ids
     with pytest.raises(ValueError, match="not a valid Jinja template"):
         llm.chat(messages, params, chat_template="{% if %}")
+
+
+def test_chat_continues_the_final_message(llm):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False,
+                   add_generation_prompt=False, continue_final_message=True)
+    tok = llm.get_tokenizer()
+    assert out[0].prompt_token_ids == tok.encode_chat(messages, add_generation_prompt=False,
+                                                      continue_final_message=True)
+    assert tok.decode(out[0].prompt_token_ids).endswith("Hello, I am")

@@ -113,3 +113,16 @@ def test_chat_template_kwargs_reach_the_template(target_dir, served):
     assert bad.status_code == 400 and "chat_template_kwargs" in bad.json()["error"]["message"]
     chat = client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"tools": []}})
     assert chat.status_code == 400 and "tools are set by the request's own fields" in chat.json()["error"]["message"]
+
+
+def test_continue_final_message_leaves_the_last_message_open(target_dir, served):
+    assert main(_argv(target_dir)) == 0
+    (app, _), = served
+    client, tok = TestClient(app), app.state.serving.tokenizer
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    got = client.post("/tokenize", json=body).json()["tokens"]
+    assert got == tok.encode_chat(messages, add_generation_prompt=False, continue_final_message=True)
+    assert tok.decode(got).endswith("Hello, I am")
+    both = client.post("/v1/chat/completions", json={**body, "add_generation_prompt": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"

@@ -162,3 +162,18 @@ def test_load_chat_template_takes_a_file_or_a_one_line_template_and_refuses_bad_
         load_chat_template(str(tmp_path / "missing.jinja"))
     with pytest.raises(ValueError, match="not a valid Jinja template"):
         load_chat_template("{% for m in messages %}{{ m }}")
+
+
+@pytest.mark.parametrize("begun", ["The capital is", "  Paris, of course  "])
+def test_continue_final_message_matches_transformers(both, begun):
+    ours, ref = both
+    conversation = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": begun}]
+    text = ours.apply_chat_template(conversation, add_generation_prompt=False, continue_final_message=True)
+    assert text == ref.apply_chat_template(conversation, tokenize=False, add_generation_prompt=False,
+                                           continue_final_message=True)
+    assert text.rstrip().endswith(begun.strip()) and "<|im_end|>" not in text[text.rindex("assistant"):]
+    with pytest.raises(ValueError, match="cannot both be true"):
+        ours.apply_chat_template(conversation, add_generation_prompt=True, continue_final_message=True)
+    with pytest.raises(ValueError, match="no text to continue"):
+        ours.apply_chat_template(conversation[:1] + [{"role": "assistant", "content": ""}],
+                                 add_generation_prompt=False, continue_final_message=True)

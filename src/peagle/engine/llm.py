@@ -98,11 +98,12 @@ class LLM:
         return self._run(requests, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True, *,
-             add_generation_prompt: bool = True, tools: list | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list | None = None,
              chat_template: str | None = None) -> list[RequestOutput]:
         """`tools` (OpenAI's function definitions) are rendered by the chat template, as vLLM's chat() does; the
         output is text (parse calls with peagle.server.tool_calls.parse_tool_calls). `chat_template`: a template (or
-        a file's path) for this call instead of the model's, as vLLM's chat() takes it."""
+        a file's path) for this call instead of the model's, as vLLM's chat() takes it. `continue_final_message` (with
+        add_generation_prompt=False) leaves the last message open for the model to continue."""
         if self.tokenizer is None:
             raise ValueError("this model directory has no tokenizer, so chat() cannot apply a chat template")
         tokenizer = self.tokenizer
@@ -113,6 +114,7 @@ class LLM:
             raise ValueError("tools: this model's chat template does not render tools")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": tokenizer.encode_chat(c, add_generation_prompt=add_generation_prompt,
+                                                              continue_final_message=continue_final_message,
                                                               tools=tools or None)}
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)

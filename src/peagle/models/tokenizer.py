@@ -83,9 +83,18 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: Sequence[Message], add_generation_prompt: bool = True, **template_kwargs: Any
+        self, messages: Sequence[Message], add_generation_prompt: bool = True, continue_final_message: bool = False,
+        **template_kwargs: Any
     ) -> str:
-        """The prompt string for a conversation, as transformers renders it (extra kwargs reach the template)."""
+        """The prompt string for a conversation, as transformers renders it (extra kwargs reach the template).
+
+        `continue_final_message` (transformers' and vLLM's): the last message is left open, everything the template
+        writes after its content cut off, so that the model continues it (a response begun for it)."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the first "
+                             "continues the last message, the second starts a new one")
+        if continue_final_message and not messages:
+            raise ValueError("continue_final_message needs a message to continue")
         if not self.chat_template:
             raise ValueError(
                 "this tokenizer has no chat template (none in tokenizer_config.json or chat_template.jinja); "
@@ -93,14 +102,18 @@ class Tokenizer:
             )
         # tools and documents may come in template_kwargs (as transformers takes them); None when not given.
         context = {"tools": None, "documents": None, **self.special_tokens, **template_kwargs}
-        return _compile(self.chat_template).render(
+        text = _compile(self.chat_template).render(
             messages=list(messages), add_generation_prompt=add_generation_prompt, **context,
         )
+        if continue_final_message:
+            text = _cut_after_final(text, messages[-1].get("content"))
+        return text
 
-    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True, **template_kwargs: Any
-                    ) -> list[int]:
+    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, **template_kwargs: Any) -> list[int]:
         # The template writes every special token itself, so none is added on top (as transformers does).
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **template_kwargs))
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, continue_final_message,
+                                                    **template_kwargs))
 
     def reserved_token_ids(self) -> list[int]:
         """Special tokens no text produces and the chat template never writes: safe to repurpose (a mask token).
@@ -192,6 +205,21 @@ def _add_missing_tokens(backend: BackendTokenizer, added: dict[str, dict]) -> No
         flags = ("single_word", "lstrip", "rstrip", "normalized", "special")
         token = AddedToken(spec["content"], **{flag: bool(spec.get(flag, False)) for flag in flags})
         (backend.add_special_tokens if token.special else backend.add_tokens)([token])
+
+
+def _cut_after_final(text: str, content: Any) -> str:
+    """`text` up to the end of the last occurrence of the final message's content (as written, else stripped, as
+    templates that trim messages write it), as transformers' continue_final_message cuts it."""
+    if isinstance(content, list):  # parts: the last text part is what the template wrote last
+        content = next((p.get("text", "") for p in reversed(content) if p.get("type") == "text"), "")
+    content = content or ""
+    if not content.strip():
+        raise ValueError("continue_final_message: the final message has no text to continue")
+    for wanted in (content, content.strip()):
+        at = text.rfind(wanted)
+        if at >= 0:
+            return text[:at + len(wanted)]
+    raise ValueError("continue_final_message: the final message does not appear in the rendered chat")
 
 
 def load_chat_template(value: str) -> str:

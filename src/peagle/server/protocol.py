@@ -44,7 +44,7 @@ _NO_OP_VALUES: dict[str, tuple] = {
     "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False), "functions": ([],),
     "echo": (False,), "suffix": ("",), "logprobs": (False,),
     "prompt_logprobs": (), "use_beam_search": (False,), "length_penalty": (1, 1.0), "bad_words": ([],),
-    "spaces_between_special_tokens": (True,), "continue_final_message": (False,), "priority": (0,),
+    "spaces_between_special_tokens": (True,), "priority": (0,),
     "store": (False,), "modalities": (["text"],), "service_tier": ("auto", "default"), "logits_processors": ([],),
     "structural_tag": (), "guided_decoding_backend": (), "guided_whitespace_pattern": (),
 }
@@ -268,7 +268,7 @@ class NamedToolChoice(_Request):
 
 
 # Names the server passes to a chat template itself; chat_template_kwargs may not set them.
-TEMPLATE_OWN_NAMES = ("messages", "add_generation_prompt", "tools", "documents")
+TEMPLATE_OWN_NAMES = ("messages", "add_generation_prompt", "continue_final_message", "tools", "documents")
 
 
 def _check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -278,10 +278,18 @@ def _check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | No
     return kwargs
 
 
+def _check_continue(req) -> None:
+    if req.continue_final_message and req.add_generation_prompt:
+        raise ValueError("continue_final_message: continue_final_message and add_generation_prompt cannot both be "
+                         "true (send add_generation_prompt: false to continue the last message)")
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     # vLLM's: further variables for the chat template (e.g. {"enable_thinking": false} for Qwen3's)
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the last message (an assistant turn begun) is left open for the model to continue
+    continue_final_message: bool = False
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -294,6 +302,7 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _template_kwargs(self):
         _check_template_kwargs(self.chat_template_kwargs)
+        _check_continue(self)
         return self
 
     @model_validator(mode="after")
@@ -377,6 +386,7 @@ class TokenizeRequest(_Request):
     tools: list[ToolDefinition] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
@@ -386,6 +396,7 @@ class TokenizeRequest(_Request):
         if self.chat_template_kwargs is not None and self.messages is None:
             raise ValueError("chat_template_kwargs: only with messages")
         _check_template_kwargs(self.chat_template_kwargs)
+        _check_continue(self)
         return self
 
 

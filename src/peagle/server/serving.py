@@ -94,13 +94,15 @@ class Serving:
             raise ApiError(400, "this model's chat template does not render tool_calls, so the turn's calls would "
                                 "be lost", param=f"messages[{calls}].tool_calls")
         return self.render_chat(req.template_messages(), req.add_generation_prompt, req.add_special_tokens, tools,
-                                req.chat_template_kwargs)
+                                req.chat_template_kwargs, req.continue_final_message)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool,
-                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None,
+                    continue_final_message: bool = False) -> list[int]:
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                      tools=tools, **(template_kwargs or {}))
+                                                      continue_final_message=continue_final_message, tools=tools,
+                                                      **(template_kwargs or {}))
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
         # The template writes the special tokens itself; add_special_tokens (vLLM's, default off) adds more.

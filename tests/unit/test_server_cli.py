@@ -44,7 +44,7 @@ def test_help_explains_every_option(capsys):
     text = capsys.readouterr().out
     for option in ("--speculative-config", "--host", "--port", "--api-key", "--served-model-name", "--max-model-len",
                    "--max-num-seqs", "--max-queue", "--gpu-memory-utilization", "--dtype", "--device",
-                   "--enforce-eager", "--num-kv-blocks", "--chat-template", "--enable-prefix-caching", "SM_VLLM_SPECULATIVE_CONFIG", "PEAGLE_SPECULATIVE_CONFIG"):
+                   "--enforce-eager", "--num-kv-blocks", "--chat-template", "--enable-prefix-caching", "--trust-request-chat-template", "SM_VLLM_SPECULATIVE_CONFIG", "PEAGLE_SPECULATIVE_CONFIG"):
         assert option in text
 
 
@@ -126,3 +126,18 @@ def test_continue_final_message_leaves_the_last_message_open(target_dir, served)
     assert tok.decode(got).endswith("Hello, I am")
     both = client.post("/v1/chat/completions", json={**body, "add_generation_prompt": True})
     assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+
+
+def test_a_requests_chat_template_needs_the_trust_flag(target_dir, served):
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    body = {"messages": [{"role": "user", "content": "Hi"}], "chat_template": template}
+    assert main(_argv(target_dir)) == 0
+    assert main(_argv(target_dir, "--trust-request-chat-template")) == 0
+    (untrusted, _), (trusted, _) = served
+    refused = TestClient(untrusted).post("/tokenize", json=body)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
+    assert "--trust-request-chat-template" in refused.json()["error"]["message"]
+    tok = trusted.state.serving.tokenizer
+    assert TestClient(trusted).post("/tokenize", json=body).json()["tokens"] == tok.encode("<user>Hi",
+                                                                                          add_special_tokens=False)
+    assert tok.chat_template != template  # the server's own template is untouched

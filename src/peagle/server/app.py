@@ -19,19 +19,21 @@ from peagle.server.tool_calls import template_supports_tools
 
 
 def create_app(engine, served_model_name: str, api_key: str | None = None,
-               max_queue: int = DEFAULT_MAX_QUEUE) -> FastAPI:
+               max_queue: int = DEFAULT_MAX_QUEUE, trust_request_chat_template: bool = False) -> FastAPI:
     """An app serving `engine` (an LLMEngine) as `served_model_name`.
 
     The engine loop starts with the app (lifespan) and stops with it. At most `max_num_seqs + max_queue` requests
     are in flight; beyond that requests get 503 with Retry-After. With `api_key`, /v1 routes need
-    `Authorization: Bearer <api_key>`; /health and /metrics stay open for probes and scrapers.
+    `Authorization: Bearer <api_key>`; /health and /metrics stay open for probes and scrapers. A request's own
+    `chat_template` is rendered only with `trust_request_chat_template` (vLLM's --trust-request-chat-template).
     """
     if max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
     if not served_model_name:
         raise ValueError("served_model_name must be a non-empty string")
     async_engine = AsyncEngine(engine, model_name=served_model_name)
-    serving = Serving(async_engine, served_model_name, engine.config.max_num_seqs + max_queue)
+    serving = Serving(async_engine, served_model_name, engine.config.max_num_seqs + max_queue,
+                      trust_request_chat_template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -104,11 +106,13 @@ def _tokenizer_router(serving: Serving) -> APIRouter:
         serving.check_model(req.model)
         tok = tokenizer()
         if req.messages is not None:
-            if req.tools and not template_supports_tools(tok.chat_template):
+            template = tok.chat_template if req.chat_template is None else req.chat_template
+            if req.tools and not template_supports_tools(template):
                 raise ApiError(400, "this model's chat template does not render tools", param="tools")
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             ids = serving.render_chat([m.template_message() for m in req.messages], req.add_generation_prompt,
-                                      False, tools, req.chat_template_kwargs, req.continue_final_message)
+                                      False, tools, req.chat_template_kwargs, req.continue_final_message,
+                                      req.chat_template)
         else:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return JSONResponse({"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids})

@@ -72,6 +72,9 @@ def register(subparsers) -> None:
     p.add_argument("--chat-template", metavar="TEMPLATE",
                    help="the chat template for /v1/chat/completions instead of the model's: a file's path, or the "
                         "Jinja template itself in one line (as vLLM takes it); checked at start-up")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a chat template sent in a request's chat_template field (refused by default, as "
+                        "vLLM refuses it; templates run in a sandbox)")
     p.add_argument("--seed", type=int, metavar="N", default=0,
                    help="engine seed (default 0; requests may pass their own)")
     p.set_defaults(func=_serve)
@@ -107,7 +110,8 @@ def _serve(args: argparse.Namespace) -> int:
         engine.tokenizer.chat_template = template
     name = args.served_model_name or args.model
     api_key = args.api_key or os.environ.get("PEAGLE_API_KEY") or None
-    app = create_app(engine, name, api_key=api_key, max_queue=args.max_queue)
+    app = create_app(engine, name, api_key=api_key, max_queue=args.max_queue,
+                     trust_request_chat_template=args.trust_request_chat_template)
     logger.info("serving %s as %r at http://%s:%d/v1 (speculation: %s)", args.model, name, args.host, args.port,
                 spec or "off")
     uvicorn.run(app, host=args.host, port=args.port, log_level=logging.getLogger().getEffectiveLevel())

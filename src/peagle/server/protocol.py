@@ -290,6 +290,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: the last message (an assistant turn begun) is left open for the model to continue
     continue_final_message: bool = False
+    chat_template: str | None = None  # vLLM's: the request's own template, with --trust-request-chat-template only
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -388,6 +389,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
 
     @model_validator(mode="after")
     def _one_input(self):

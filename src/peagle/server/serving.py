@@ -8,6 +8,7 @@ aborted in the engine at once, streaming or not.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 from typing import AsyncIterator, Awaitable, TypeVar
@@ -41,12 +42,14 @@ class ClientGone(Exception):
 
 
 class Serving:
-    def __init__(self, async_engine: AsyncEngine, served_model_name: str, max_in_flight: int):
+    def __init__(self, async_engine: AsyncEngine, served_model_name: str, max_in_flight: int,
+                 trust_request_chat_template: bool = False):
         self.engine = async_engine
         self.tokenizer = async_engine.engine.tokenizer
         self.eos_token_ids = async_engine.engine.eos_token_ids
         self.max_model_len = async_engine.engine.max_model_len
         self.prefix_caching = async_engine.engine.config.enable_prefix_caching
+        self.trust_request_chat_template = trust_request_chat_template
         self.model_name = served_model_name
         self.max_in_flight = max_in_flight
         self.num_in_flight = 0  # event loop only
@@ -83,7 +86,8 @@ class Serving:
             raise ApiError(400, "this model has no tokenizer, so chat messages cannot be rendered; "
                                 "send token ids to /v1/completions instead", param="messages")
         tools = None
-        supported = template_supports_tools(self.tokenizer.chat_template)
+        supported = template_supports_tools(self.tokenizer.chat_template if req.chat_template is None
+                                            else req.chat_template)
         if req.tools:
             if not supported:
                 raise ApiError(400, "this model's chat template does not render tools in the Hermes <tool_call> "
@@ -94,15 +98,22 @@ class Serving:
             raise ApiError(400, "this model's chat template does not render tool_calls, so the turn's calls would "
                                 "be lost", param=f"messages[{calls}].tool_calls")
         return self.render_chat(req.template_messages(), req.add_generation_prompt, req.add_special_tokens, tools,
-                                req.chat_template_kwargs, req.continue_final_message)
+                                req.chat_template_kwargs, req.continue_final_message, req.chat_template)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool,
                     tools: list[dict] | None = None, template_kwargs: dict | None = None,
-                    continue_final_message: bool = False) -> list[int]:
+                    continue_final_message: bool = False, chat_template: str | None = None) -> list[int]:
+        tokenizer = self.tokenizer
+        if chat_template is not None:  # the request's own template (its text, never a path on this machine)
+            if not self.trust_request_chat_template:
+                raise ApiError(400, "chat_template: this server does not render templates sent with requests "
+                                    "(start it with --trust-request-chat-template)", param="chat_template")
+            tokenizer = copy.copy(tokenizer)
+            tokenizer.chat_template = chat_template
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                      continue_final_message=continue_final_message, tools=tools,
-                                                      **(template_kwargs or {}))
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 continue_final_message=continue_final_message, tools=tools,
+                                                 **(template_kwargs or {}))
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
         # The template writes the special tokens itself; add_special_tokens (vLLM's, default off) adds more.

@@ -173,3 +173,20 @@ def test_chat_continues_the_final_message(llm):
     assert out[0].prompt_token_ids == tok.encode_chat(messages, add_generation_prompt=False,
                                                       continue_final_message=True)
     assert tok.decode(out[0].prompt_token_ids).endswith("Hello, I am")
+
+
+def test_default_sampling_params_come_from_the_generation_config(target_dir, tmp_path):
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(target_dir, model)
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.0, "max_new_tokens": 3}))
+    llm = LLM(model=str(model), max_model_len=64, max_num_seqs=2)
+    assert (llm.get_default_sampling_params().temperature, llm.get_default_sampling_params().max_tokens) == (0.0, 3)
+    out = llm.generate("Hello", use_tqdm=False)[0]  # no sampling_params: the model's defaults
+    assert len(out.token_ids) <= 3
+    assert out.token_ids == llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0].token_ids
+    ignored = LLM(model=str(model), max_model_len=64, max_num_seqs=2, generation_config="vllm")
+    assert ignored.get_default_sampling_params() == SamplingParams()

@@ -141,3 +141,33 @@ def test_a_requests_chat_template_needs_the_trust_flag(target_dir, served):
     assert TestClient(trusted).post("/tokenize", json=body).json()["tokens"] == tok.encode("<user>Hi",
                                                                                           add_special_tokens=False)
     assert tok.chat_template != template  # the server's own template is untouched
+
+
+def test_generation_config_fills_what_a_request_leaves_out(target_dir, served, tmp_path, capsys):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(target_dir, model)
+    config = json.loads((model / "generation_config.json").read_text())
+    config.update({"temperature": 0.6, "top_p": 0.95, "top_k": 50, "max_new_tokens": 7})  # top_k 50: transformers'
+    (model / "generation_config.json").write_text(json.dumps(config))
+    assert main(_argv(model)) == 0
+    assert main(_argv(model, "--generation-config", "vllm")) == 0
+    (auto, _), (plain, _) = served
+    serving = auto.state.serving
+    assert serving.sampling_defaults == {"temperature": 0.6, "top_p": 0.95, "max_tokens": 7}
+    assert plain.state.serving.sampling_defaults == {}
+    from peagle.server.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Hi"}], "top_p": 0.5})
+    filled = serving._with_defaults(req)
+    assert (filled.temperature, filled.top_p) == (0.6, 0.5)  # the request's own value wins
+    params = serving._sampling_params(filled, 7)
+    assert (params.temperature, params.top_p, params.max_tokens) == (0.6, 0.5, 7)
+    config["temperature"] = -1.0
+    (model / "generation_config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert main(_argv(model)) == 1
+    assert "generation_config.json: its sampling defaults are not valid" in capsys.readouterr().err
+    assert main(_argv(model, "--generation-config", str(tmp_path / "nowhere"))) == 1
+    assert "no generation_config.json there" in capsys.readouterr().err

@@ -12,7 +12,7 @@ from tqdm import tqdm
 from peagle.engine.config import DTYPE_ALIASES, EngineConfig, SpeculativeConfig
 from peagle.engine.llm_engine import LLMEngine
 from peagle.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from peagle.engine.sampling_params import SamplingParams
+from peagle.engine.sampling_params import SamplingParams, model_sampling_defaults
 from peagle.models.tokenizer import load_chat_template
 
 logger = logging.getLogger(__name__)
@@ -32,6 +32,8 @@ class LLM:
     `enable_prefix_caching=True` lets prompts start from the cached KV blocks of earlier prompts with the same first
     tokens (off by default, None as False; `RequestOutput.num_cached_tokens` says how many tokens came from it);
     `trust_remote_code` is accepted and changes nothing, since peagle runs only its own model code.
+    `generation_config` ("auto", the default, as vLLM's): calls without sampling_params sample as the model's
+    generation_config.json recommends (`get_default_sampling_params()`); "vllm" ignores it; or a directory's file.
     `load_format="dummy"` builds the model from config.json with random weights (no weights or tokenizer needed;
     prompts as token ids); a speculative `model` of "dummy" then makes a random head of the default depth.
     `synthetic_acceptance` (benchmarking only, needs load_format="dummy") accepts draft position i with the given
@@ -47,7 +49,7 @@ class LLM:
                  enforce_eager: bool = False, seed: int = 0, load_format: str = "auto",
                  synthetic_acceptance: Sequence[float] | None = None, async_scheduling: bool = True,
                  decode_gemv: bool = False, enable_chunked_prefill: bool = False,
-                 prefill_cuda_graphs: bool = True):
+                 prefill_cuda_graphs: bool = True, generation_config: str = "auto"):
         import torch
 
         _check_unimplemented(tensor_parallel_size, trust_remote_code)
@@ -64,6 +66,10 @@ class LLM:
             prefill_cuda_graphs=prefill_cuda_graphs, enable_prefix_caching=bool(enable_prefix_caching),
         )
         check_max_model_len(config)
+        self.sampling_defaults = model_sampling_defaults(generation_config, model)  # before the model loads
+        if self.sampling_defaults:
+            logger.info("default sampling parameters from the model's generation_config.json: %s (generation_config="
+                        "'vllm' ignores them)", self.sampling_defaults)
         self.engine = LLMEngine(config)
         if tokenizer is not None:
             from peagle.models.loader import load_tokenizer
@@ -83,7 +89,7 @@ class LLM:
         """prompts: a string, token ids, {"prompt": str} or {"prompt_token_ids": [...]}, or a list of them."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
@@ -96,6 +102,12 @@ class LLM:
                 self.engine.add_request(f"{rid}-{index}" if p.n > 1 else rid, ids, child)
             requests[rid] = (text, ids, p)
         return self._run(requests, use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() and chat() use without sampling_params: the model's generation_config.json
+        recommendations (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), as vLLM's LLM does
+        with generation_config="auto" (the default; "vllm": none of them)."""
+        return SamplingParams(**self.sampling_defaults)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True, *,
              add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list | None = None,

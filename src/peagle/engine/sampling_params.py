@@ -3,10 +3,41 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+
+# generation_config.json's sampling keys that vLLM takes as defaults (--generation-config auto), by our field name;
+# a value equal to transformers' own default is no recommendation and is skipped, as vLLM skips it.
+GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                          "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+_TRANSFORMERS_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
+
+
+def model_sampling_defaults(generation_config: str, model_dir: str | Path) -> dict[str, Any]:
+    """The sampling defaults that requests which leave a field out get, as vLLM's `--generation-config` sets them:
+    "auto" reads the model directory's generation_config.json (what its creator recommends), "vllm" none, any other
+    value is a directory with a generation_config.json. Checked by building SamplingParams from them."""
+    if generation_config == "vllm":
+        return {}
+    folder = Path(model_dir) if generation_config == "auto" else Path(generation_config)
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if generation_config == "auto":
+            return {}
+        raise ValueError(f"--generation-config {generation_config}: no generation_config.json there")
+    config = json.loads(path.read_text())
+    defaults = {ours: config[theirs] for theirs, ours in GENERATION_CONFIG_KEYS.items()
+                if config.get(theirs) is not None and config[theirs] != _TRANSFORMERS_DEFAULTS.get(theirs)}
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: its sampling defaults are not valid: {e}") from None
+    return defaults
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

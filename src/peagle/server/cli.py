@@ -72,6 +72,10 @@ def register(subparsers) -> None:
     p.add_argument("--chat-template", metavar="TEMPLATE",
                    help="the chat template for /v1/chat/completions instead of the model's: a file's path, or the "
                         "Jinja template itself in one line (as vLLM takes it); checked at start-up")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="sampling defaults for fields a request leaves out (temperature, top_p, top_k, min_p, "
+                        "repetition_penalty, max_tokens from max_new_tokens): auto (default, as vLLM) reads the "
+                        "model's generation_config.json, vllm uses none, DIR reads DIR/generation_config.json")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a chat template sent in a request's chat_template field (refused by default, as "
                         "vLLM refuses it; templates run in a sandbox)")
@@ -90,7 +94,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     from peagle.models.tokenizer import load_chat_template
 
+    from peagle.engine.sampling_params import model_sampling_defaults
+
     template = load_chat_template(args.chat_template) if args.chat_template else None  # before the model loads
+    defaults = model_sampling_defaults(args.generation_config, args.model)
     if template is not None and not (Path(args.model) / "tokenizer.json").is_file():
         raise ValueError("--chat-template: this model directory has no tokenizer, so chat messages cannot be rendered")
     spec = (SpeculativeConfig.from_dict(args.speculative_config) if args.speculative_config
@@ -111,7 +118,10 @@ def _serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model
     api_key = args.api_key or os.environ.get("PEAGLE_API_KEY") or None
     app = create_app(engine, name, api_key=api_key, max_queue=args.max_queue,
-                     trust_request_chat_template=args.trust_request_chat_template)
+                     trust_request_chat_template=args.trust_request_chat_template, sampling_defaults=defaults)
+    if defaults:
+        logger.info("default sampling parameters from the model's generation config: %s (requests that give a field "
+                    "override it; --generation-config vllm ignores them)", defaults)
     logger.info("serving %s as %r at http://%s:%d/v1 (speculation: %s)", args.model, name, args.host, args.port,
                 spec or "off")
     uvicorn.run(app, host=args.host, port=args.port, log_level=logging.getLogger().getEffectiveLevel())

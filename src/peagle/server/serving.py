@@ -25,8 +25,8 @@ from peagle.server.async_engine import AsyncEngine, RequestFailed, RequestStream
 from peagle.server.output_text import OutputText
 from peagle.server.tool_calls import ToolCall, ToolCallParser, forcing_grammar, template_supports_tools
 from peagle.server.protocol import (
-    ApiError, ChatCompletionRequest, ChatFormat, Choice, CompletionFormat, CompletionRequest, SamplingFields,
-    UsageInfo, parse_request,
+    ApiError, ChatCompletionRequest, ChatFormat, Choice, CompletionFormat, CompletionRequest, RequestT,
+    SamplingFields, UsageInfo, parse_request,
 )
 
 logger = logging.getLogger(__name__)
@@ -43,36 +43,43 @@ class ClientGone(Exception):
 
 class Serving:
     def __init__(self, async_engine: AsyncEngine, served_model_name: str, max_in_flight: int,
-                 trust_request_chat_template: bool = False):
+                 trust_request_chat_template: bool = False, sampling_defaults: dict | None = None):
         self.engine = async_engine
         self.tokenizer = async_engine.engine.tokenizer
         self.eos_token_ids = async_engine.engine.eos_token_ids
         self.max_model_len = async_engine.engine.max_model_len
         self.prefix_caching = async_engine.engine.config.enable_prefix_caching
         self.trust_request_chat_template = trust_request_chat_template
+        self.sampling_defaults = dict(sampling_defaults or {})  # for fields a request leaves out
         self.model_name = served_model_name
         self.max_in_flight = max_in_flight
         self.num_in_flight = 0  # event loop only
 
     async def chat(self, request: Request) -> Response:
-        req = parse_request(await request.body(), ChatCompletionRequest)
+        req = self._with_defaults(parse_request(await request.body(), ChatCompletionRequest))
         self.check_model(req.model)
         prompt_ids = self._chat_prompt(req)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = self._max_tokens(prompt_ids, req.max_completion_tokens or req.max_tokens, "messages", param)
+        requested = req.max_completion_tokens or req.max_tokens or self.sampling_defaults.get("max_tokens")
+        max_tokens = self._max_tokens(prompt_ids, requested, "messages", param)
         return await self._generate(request, req, prompt_ids, max_tokens, ChatFormat(self.model_name),
                                     tools=req.calls_tools)
 
     async def completions(self, request: Request) -> Response:
-        req = parse_request(await request.body(), CompletionRequest)
+        req = self._with_defaults(parse_request(await request.body(), CompletionRequest))
         self.check_model(req.model)
         prompt_ids = self._completion_prompt(req)
-        requested = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
+        requested = req.max_tokens or self.sampling_defaults.get("max_tokens", DEFAULT_COMPLETION_TOKENS)
         max_tokens = self._max_tokens(prompt_ids, requested, "prompt", "max_tokens")
         echo = None
         if req.echo:
             echo = req.prompt if isinstance(req.prompt, str) else self._decode(req.prompt)
         return await self._generate(request, req, prompt_ids, max_tokens, CompletionFormat(self.model_name), echo)
+
+    def _with_defaults(self, req: RequestT) -> RequestT:
+        """The request with the model's sampling defaults in the fields it left out (max_tokens: see the callers)."""
+        unset = {k: v for k, v in self.sampling_defaults.items() if k != "max_tokens" and k not in req.model_fields_set}
+        return req.model_copy(update=unset) if unset else req
 
     # ---- request checks --------------------------------------------------------------------------------------
 

@@ -81,8 +81,9 @@
 #   ~4 min: the attention's split merge inside its kernel, batch 1's 0.96 ms step); the trainer alone with and
 #   without --shape-multiple (TP_DATA=$W/tb/data-h200/sharegpt.0 TP_STEPS=40
 #   TP_RUNS="b1=$PWD/src:peagle:8:8192:1 shape=$PWD/src:peagle:8:8192:1:--shape-multiple,1024" throughput).
-# Later (issue 14's recipe, untried anchors; P-EAGLE's default is Muon since run 14): tb_stage x3 && TB_SECS=420
-#   testbed_data; TRAIN_MIN=13 AB_VARIANTS="base layers6 muon-lr2e-3" ablate (6 layers: P-EAGLE's pass is cheap);
+# Later (issue 14's recipe, untried anchors, SpecForge's frozen embedding first; P-EAGLE's default is Muon since run
+#   14): tb_stage x3 && TB_SECS=420
+#   testbed_data; TRAIN_MIN=13 AB_VARIANTS="base frozen-embed layers6" ablate (6 layers: P-EAGLE's pass is cheap);
 #   wait; wait && SERVE_K=3,7 SERVE_N=64 SERVE_HEADS="ab-base ab-layers6 ab-muon-lr2e-3" serve.
 # Run 13's plan (what was run, BENCHMARKS.md "Run 13": tb_stage && gpu_tests; tb_stage; tb_stage && TB_SECS=560
 # TB_PEAGLE_ARGS="--k-train 12" testbed; TB_SECS=560 testbed_wait; TB_SECS=430 testbed_wait; heads_out x3;
@@ -585,6 +586,7 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
         k12) extra=(--k-train 12) ;;
         muon) extra=(--optimizer muon) ;;
         adamw) extra=(--optimizer adamw) ;;
+        frozen-embed) extra=(--freeze-embeddings) ;;
         muon-lr2e-3) extra=(--muon-lr 2e-3) ;;
         *) echo "unknown variant $name"; exit 2 ;;
       esac

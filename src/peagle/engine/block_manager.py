@@ -59,8 +59,7 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}  # key -> the block holding that prefix block
         self._key_of: dict[int, bytes] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, in no table; oldest first
-        self.num_queried_tokens = 0  # prompt tokens looked up (prefix caching's counters, as vLLM's metrics)
-        self.num_hit_tokens = 0
+        self.num_hit_tokens = 0  # prompt tokens taken from the cache, over all admissions
 
     @property
     def num_free_blocks(self) -> int:
@@ -98,7 +97,7 @@ class BlockManager:
 
     def take_cached_prefix(self, seq: Sequence, blocks: list[int]):
         """Give `seq` the cached `blocks` (from `cached_prefix`) as the start of its block table; its first
-        len(blocks) x block_size tokens count as computed. Counts the lookup for the hit rate."""
+        len(blocks) x block_size tokens count as computed."""
         assert not seq.block_table and not seq.num_computed_tokens, seq
         for block in blocks:
             self._evictable.pop(block, None)
@@ -106,7 +105,6 @@ class BlockManager:
             seq.block_table.append(block)
         seq.num_computed_tokens = len(blocks) * self.block_size
         seq.num_cached_tokens = seq.num_computed_tokens
-        self.num_queried_tokens += seq.num_tokens
         self.num_hit_tokens += seq.num_computed_tokens
 
     def register(self, seq: Sequence, num_computed_tokens: int):

@@ -137,6 +137,9 @@ def test_a_requests_chat_template_needs_the_trust_flag(target_dir, served):
     refused = TestClient(untrusted).post("/tokenize", json=body)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
     assert "--trust-request-chat-template" in refused.json()["error"]["message"]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    with_tools = TestClient(untrusted).post("/v1/chat/completions", json={**body, "tools": [tool]})
+    assert with_tools.json()["error"]["param"] == "chat_template"  # the refusal comes before the template is read
     tok = trusted.state.serving.tokenizer
     assert TestClient(trusted).post("/tokenize", json=body).json()["tokens"] == tok.encode("<user>Hi",
                                                                                           add_special_tokens=False)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import itertools
 import logging
 from typing import Any, Sequence
@@ -120,8 +119,7 @@ class LLM:
             raise ValueError("this model directory has no tokenizer, so chat() cannot apply a chat template")
         tokenizer = self.tokenizer
         if chat_template is not None:
-            tokenizer = copy.copy(tokenizer)
-            tokenizer.chat_template = load_chat_template(chat_template)
+            tokenizer = tokenizer.with_chat_template(load_chat_template(chat_template))
         if tools and "tools" not in (tokenizer.chat_template or ""):
             raise ValueError("tools: this model's chat template does not render tools")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages

@@ -7,6 +7,7 @@ lstrip_blocks, loop controls, its `tojson`, `raise_exception` and `strftime_now`
 
 from __future__ import annotations
 
+import copy
 import json
 from datetime import datetime
 from functools import lru_cache
@@ -108,6 +109,12 @@ class Tokenizer:
         if continue_final_message:
             text = _cut_after_final(text, messages[-1].get("content"))
         return text
+
+    def with_chat_template(self, chat_template: str) -> "Tokenizer":
+        """This tokenizer with another chat template (a shallow copy: the vocabulary is shared)."""
+        other = copy.copy(self)
+        other.chat_template = chat_template
+        return other
 
     def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, **template_kwargs: Any) -> list[int]:

@@ -108,13 +108,12 @@ def _tokenizer_router(serving: Serving) -> APIRouter:
         serving.check_model(req.model)
         tok = tokenizer()
         if req.messages is not None:
-            template = tok.chat_template if req.chat_template is None else req.chat_template
-            if req.tools and not template_supports_tools(template):
+            tok = serving.tokenizer_for(req.chat_template)
+            if req.tools and not template_supports_tools(tok.chat_template):
                 raise ApiError(400, "this model's chat template does not render tools", param="tools")
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             ids = serving.render_chat([m.template_message() for m in req.messages], req.add_generation_prompt,
-                                      False, tools, req.chat_template_kwargs, req.continue_final_message,
-                                      req.chat_template)
+                                      False, tools, req.chat_template_kwargs, req.continue_final_message, tok)
         else:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return JSONResponse({"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids})

@@ -8,7 +8,6 @@ aborted in the engine at once, streaming or not.
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import logging
 from typing import AsyncIterator, Awaitable, TypeVar
@@ -93,8 +92,8 @@ class Serving:
             raise ApiError(400, "this model has no tokenizer, so chat messages cannot be rendered; "
                                 "send token ids to /v1/completions instead", param="messages")
         tools = None
-        supported = template_supports_tools(self.tokenizer.chat_template if req.chat_template is None
-                                            else req.chat_template)
+        tokenizer = self.tokenizer_for(req.chat_template)
+        supported = template_supports_tools(tokenizer.chat_template)
         if req.tools:
             if not supported:
                 raise ApiError(400, "this model's chat template does not render tools in the Hermes <tool_call> "
@@ -105,18 +104,22 @@ class Serving:
             raise ApiError(400, "this model's chat template does not render tool_calls, so the turn's calls would "
                                 "be lost", param=f"messages[{calls}].tool_calls")
         return self.render_chat(req.template_messages(), req.add_generation_prompt, req.add_special_tokens, tools,
-                                req.chat_template_kwargs, req.continue_final_message, req.chat_template)
+                                req.chat_template_kwargs, req.continue_final_message, tokenizer)
+
+    def tokenizer_for(self, chat_template: str | None):
+        """The tokenizer that renders a request: with the request's own template (its text, never a path on this
+        machine) only when the server trusts request templates."""
+        if chat_template is None:
+            return self.tokenizer
+        if not self.trust_request_chat_template:
+            raise ApiError(400, "chat_template: this server does not render templates sent with requests "
+                                "(start it with --trust-request-chat-template)", param="chat_template")
+        return self.tokenizer.with_chat_template(chat_template)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool,
                     tools: list[dict] | None = None, template_kwargs: dict | None = None,
-                    continue_final_message: bool = False, chat_template: str | None = None) -> list[int]:
-        tokenizer = self.tokenizer
-        if chat_template is not None:  # the request's own template (its text, never a path on this machine)
-            if not self.trust_request_chat_template:
-                raise ApiError(400, "chat_template: this server does not render templates sent with requests "
-                                    "(start it with --trust-request-chat-template)", param="chat_template")
-            tokenizer = copy.copy(tokenizer)
-            tokenizer.chat_template = chat_template
+                    continue_final_message: bool = False, tokenizer=None) -> list[int]:
+        tokenizer = tokenizer or self.tokenizer  # tokenizer_for's, for a request with its own template
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                  continue_final_message=continue_final_message, tools=tools,

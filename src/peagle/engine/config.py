@@ -172,7 +172,8 @@ class EngineConfig:
     # vLLM's name: prompts longer than a step's max_num_batched_tokens left by the decodes are prefilled in chunks
     enable_chunked_prefill: bool = False
     # vLLM's name: a prompt starts from the KV blocks an earlier prompt with the same first tokens left cached (full
-    # blocks, the target's and the drafter's entries; engine/block_manager.py). Off by default until timed on a GPU
+    # blocks, the target's and the drafter's entries; engine/block_manager.py). Off by default (vLLM's is on): benchmarks repeat their prompts, and the
+    # testbed's prefills are as cheap as a step's fixed costs (BENCHMARKS.md run 22: 1.08x TTFT on a 1,024-token prefix)
     enable_prefix_caching: bool = False
     # general steps (prefills, prefill chunks, prefills beside decodes) of up to 2048 tokens and 16 requests replay
     # CUDA graphs too, captured on first use (CUDA without enforce_eager only): an eager step costs ~13 ms of host

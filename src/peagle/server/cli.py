@@ -55,7 +55,7 @@ def register(subparsers) -> None:
                         "so they never stall the decodes for more than one step (vLLM's name; off by default)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                    help="start prompts from the cached KV blocks of earlier prompts that began with the same tokens "
-                        "(full blocks; the drafter's cache too); off by default until timed on a GPU. /metrics then "
+                        "(full blocks; the drafter's cache too); off by default, since benchmarks repeat prompts. /metrics then "
                         "counts prefix_cache_queries and prefix_cache_hits (tokens)")
     p.add_argument("--max-num-batched-tokens", type=int, metavar="N",
                    help="tokens per step (default: max-model-len, or 2048 with --enable-chunked-prefill)")

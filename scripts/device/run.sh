@@ -10,38 +10,33 @@
 # against; .cfg: the testbed's config.json and tokenizer files, for runs with random weights; .tb_a, .tb_b, .tb_c:
 # the package wheels `peagle testbed` downloads, for `tb_stage`). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
-# The next session's plan (run 22), one call each, back to back; fire them one at a time (a failed call must not
-# start the next: run 15's first call got no machine and three calls fired behind it ran out of order), from a tree
-# no one is editing (the device gets a copy of the working tree, uncommitted edits too). Prefix the testbed's call with
-# `export PEAGLE_GIT_COMMIT=<the commit>;` (the device copy's own git history lags its tree).
-# A call that comes more than 30 s after the previous one returned finds a fresh machine: runs 9, 16, 17, 18 and 21
-# lost their testbeds so (run 21 just before its served step), so the testbed goes FIRST, while the whole budget is
-# left and a lost machine can still be replaced: with 30 minutes it fits once (21.5 minutes on a warm machine in run
-# 20, plus a start of 1.5-3). A call that gets no machine costs 1.5 minutes, and calls in the ten minutes after it 15 s
-# each (run 21 lost 7.4 minutes so, with a machine taken back mid-call); with less than 24 minutes left when a machine
-# starts, shorten the training: TB_TRAIN_MINUTES=M (the scale's 12.25 minus the minutes missing).
-# B=async+prefill-graphs+admit-ahead+mixed-tiles+fused-merge (today's defaults: engine_timing's modifiers are off
-# without their name, so run 17's "B" without +mixed-tiles timed mixed tiles off).
-#   1. tb_stage (carry .tb_a .whl); 2. tb_stage (.tb_b); 3. tb_stage && TB_SECS=560 testbed (.tb_c .whl): the default
-#      recipe (4-layer P-EAGLE, EAGLE-3 3 steps deep), the heads the README's numbers should come from, NOT profiled
-#      (run 21's profiled trainers stepped 14-52% slower: the profiler's tracer stayed attached; the trainer now tears
-#      it down, not yet re-measured); 4. TB_SECS=560 testbed_wait; 5. TB_SECS=330 testbed_wait; 6. with what is left
-#      (about 4 minutes): HF_SECS=220 HF_BASELINES=static_compile HF_METHODS=peagle HF_K=7 BENCH2_DATASETS=none bench2
-#      (issue 15's c=1 cell: P-EAGLE with heads against HF static cache + compile in one process, the engine's rows
-#      first; HF's three baselines needed 290 s in run 18, its compile cut at 150; static + compile alone skips the ~2
-#      minutes of eager and prompt lookup). Before it, if the testbed finished with 3 minutes to spare:
-#      HEADS_OUT_FROM=0, 4, 8 heads_out (three short calls; then `stage_local.sh heads` files the parts into .hp_a,
-#      .hp_b, ...). With two minutes more: the teardown's check, the P-EAGLE trainer alone without and with a
-#      profile of steps 6-8 (TP_DATA=$W/tb/data-h200/sharegpt.0 TP_STEPS=120 TP_RUNS="plain=$PWD/src:peagle:8:8192:1
-#      prof=$PWD/src:peagle:8:8192:1:--profile-steps,3" throughput): equal medians over steps 11-120. (The default
-#      rows profile new-peagle: before the teardown its median was taken with the tracer attached.) With a minute:
-#      GPU_TESTS=tests/gpu/test_prefix_cache_gpu.py gpu_tests && prefix (carry .cfg: prefix caching under CUDA
-#      graphs keeps greedy output, and its TTFT with a 1,024-token shared prefix; until then it stays off by default). Ignored folders of the checkout have outlived
-#      sessions since run 19 (.tb_* staged on 12-03 01:01 were there in runs 19-21), so a later session may find the
-#      heads there and spend its budget on issue 15's grid instead of the testbed: stage_a (.stage_a .whl); heads_in
-#      with .stage_b (the target; 61 MiB with the tree, no room for a part); heads_in with each .hp_* in turn; then
-#      bench (the MT-Bench grid), bench2 (HumanEval, long code, the HF cell), BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head
-#      bench (the sampled table). Without them, the testbed again.
+# The next session's plan (run 23): issue 15's grid with run 22's heads, which came back (heads_out) and were filed
+# into the ignored .hp_a-.hp_d (they have outlived sessions before: check they are there; without them, run 22's plan
+# below, the testbed again). One call each, back to back, fired one at a time (a failed call must not start the next),
+# from a tree no one is editing; prefix the bench calls with `export PEAGLE_GIT_COMMIT=<the commit>;`. A call that
+# comes more than 30 s after the previous one returned finds a fresh machine (and an empty $W: start again at 1).
+#   1. stage_a (carry .stage_a .whl); 2. heads_in (.stage_b: the target, converted); 3. heads_in (.hp_a);
+#   4. heads_in (.hp_b); 5. heads_in (.hp_c .hp_d): the heads rebuilt and checksummed into $W/heads (five calls of
+#      seconds each: a part and the tree fill a call's 64 MiB);
+#   6. BENCH_SECS=560 bench: MT-Bench, none / EAGLE-3 / P-EAGLE at K 3,5,7,11, concurrency 1-64, greedy, then the
+#      policy calibrated from those rows measured as its own row (about 10 engines and 70 points of 5-6 s);
+#   7. BENCH2_SECS=560 BENCH2_C=1,2,4,8,16,32,64 BENCH2_DATASETS=humaneval HF_BASELINES=none bench2 (the same grid on
+#      HumanEval with the calibrated policy);
+#   8. with about 5 minutes left: BENCH2_SECS=280 BENCH_K=3,7,11 BENCH2_C=1,4,16,64 BENCH2_DATASETS=longcode
+#      HF_BASELINES=none bench2; else HF_SECS=290 BENCH2_DATASETS=none bench2 (HF's three baselines at batch 1 and 64
+#      beside a no-speculation point: the grid's c=1 and c=64 HF cells).
+#   Then locally: `peagle bench-report` of the calls' results.json files (one table and the seeds' plots), BENCHMARKS.md.
+#   The session after: the sampled table (BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head bench, and BENCH2_TEMPS=0.7 for
+#   HumanEval) with the same heads, then what of step 8 did not run.
+# Run 22's plan (what was run, BENCHMARKS.md "Run 22"), the testbed from scratch: 1. tb_stage (carry .tb_a .whl);
+#   2. tb_stage (.tb_b); 3. `export PEAGLE_GIT_COMMIT=<hash>; tb_stage && TB_SECS=560 testbed` (.tb_c .whl): the
+#   default recipe, NOT profiled (with less than 24 minutes left when a machine starts, TB_TRAIN_MINUTES=M, the
+#   scale's 12.25 minus the minutes missing); 4. TB_SECS=560 testbed_wait; 5. TB_SECS=330 testbed_wait (the testbed
+#   took 1,254 s with its served step); 6-8. HEADS_OUT_FROM=0, 4, 8 heads_out (then `stage_local.sh heads` files the
+#   parts into .hp_a-.hp_d); 9. HF_SECS=220 HF_BASELINES=static_compile HF_METHODS=peagle HF_K=7 BENCH2_DATASETS=none
+#   bench2; 10. GPU_TESTS=tests/gpu/test_prefix_cache_gpu.py gpu_tests; prefix (carry .cfg); 11. the profiler
+#   teardown's check (TP_DATA=$W/tb/data-h200/sharegpt.0 TP_STEPS=120 TP_RUNS="plain=$PWD/src:peagle:8:8192:1
+#   prof=$PWD/src:peagle:8:8192:1:--profile-steps,3" throughput). 29.3 device minutes.
 # Run 21's plan (what was run, BENCHMARKS.md "Run 21"): one call got no machine; tb_stage x2 and the testbed's call
 #   on a machine taken back during it; one more call with no machine; tb_stage x3 && TB_SECS=560 TB_TRAIN_MINUTES=10.25
 #   TB_PEAGLE_ARGS="--profile-steps 3" TB_EAGLE3_ARGS="--profile-steps 3" testbed; TB_SECS=560 testbed_wait; the
@@ -699,6 +694,8 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
           --temperature ${BENCH2_TEMPS:-0} --max-model-len 8192 "${adaptive[@]}"
       # transformers generate (greedy) beside a no-speculation point; the P-EAGLE rows come from the runs above, or
       # from this call with HF_METHODS=none,peagle HF_K=7 (P-EAGLE against HF side by side in one process).
+      # HF_BASELINES=none: no HF point (a call that sweeps one more data set only).
+      [ "${HF_BASELINES:-}" = none ] || \
       sweep "$OUT/bench-hf" ${HF_SECS:-140} --methods ${HF_METHODS:-none} --k ${HF_K:-7} --concurrency 1 \
         --datasets mtbench,humaneval --max-model-len 4096 --hf-baselines --hf-num-prompts ${HF_N:-4} \
         --hf-batch-sizes ${HF_BATCHES:-1,64} --hf-methods ${HF_BASELINES:-eager,prompt_lookup,static_compile}

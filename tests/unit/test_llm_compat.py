@@ -99,6 +99,23 @@ def test_invalid_prompts_raise_like_vllm(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens are what the model reads (prompt_token_ids), with
+    the output of sending only them; a prompt longer than the context fits once cut; -1 keeps max_model_len."""
+    ids = [(7 * i) % 90 + 5 for i in range(200)]  # longer than max_model_len (128)
+    greedy = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
+    cut = llm.generate({"prompt_token_ids": ids}, SamplingParams(truncate_prompt_tokens=30, **greedy),
+                       use_tqdm=False)[0]
+    tail = llm.generate({"prompt_token_ids": ids[-30:]}, SamplingParams(**greedy), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == ids[-30:] and cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    short = llm.generate({"prompt_token_ids": ids[:10]}, SamplingParams(truncate_prompt_tokens=30, **greedy),
+                         use_tqdm=False)[0]
+    assert short.prompt_token_ids == ids[:10]
+    with pytest.raises(ValueError, match="longer than the maximum model length"):  # 128 tokens leave no room
+        llm.generate({"prompt_token_ids": ids}, SamplingParams(truncate_prompt_tokens=-1, **greedy), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("kwargs, name", [
     ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
     ({"max_model_len": 4096}, "max_model_len"),
@@ -128,6 +145,9 @@ def test_unknown_llm_option_names_itself(target_dir):
     ({"min_p": 1.5}, "min_p"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"n": 0}, "n"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 2.5}, "truncate_prompt_tokens"),
 ])
 def test_sampling_params_refusals_name_the_field(kwargs, name):
     with pytest.raises(ValueError, match=rf"^{name}"):

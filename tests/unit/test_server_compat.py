@@ -97,6 +97,58 @@ def test_n_choices_are_seeded_sequences(client):
     assert [texts[0], texts[1]] == [first, second]
 
 
+def test_a_batch_of_prompts_answers_each_in_order(server, client):
+    """OpenAI's prompt batch: each prompt's n choices numbered prompt by prompt (prompt_index * n + i), each equal to
+    that prompt's own answer, one usage for all; streamed, the same texts under the same indices."""
+    prompts = [PROMPT, "Hello there", "One two three four"]
+    kw = {"model": "tiny", "max_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    alone = [client.completions.create(prompt=p, **kw) for p in prompts]
+    batch = client.completions.create(prompt=prompts, **kw)
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 18
+    ids = [server[1].tokenizer.encode(p) for p in prompts[:2]]
+    by_ids = client.completions.create(prompt=ids, **kw)  # a batch of token-id prompts
+    assert [c.text for c in by_ids.choices] == [a.choices[0].text for a in alone[:2]]
+    seeded = {"model": "tiny", "max_tokens": 5, "temperature": 1.0, "seed": 5, "n": 2,
+              "extra_body": {"ignore_eos": True}}
+    two = client.completions.create(prompt=prompts[:2], **seeded)
+    assert [c.index for c in two.choices] == [0, 1, 2, 3]
+    for p, prompt in enumerate(prompts[:2]):  # prompt p's choices are 2p and 2p + 1, its own n = 2 answer
+        own = client.completions.create(prompt=prompt, **seeded)
+        assert [c.text for c in two.choices[2 * p:2 * p + 2]] == [c.text for c in own.choices]
+    texts, finished = {}, set()
+    for chunk in client.completions.create(prompt=prompts, stream=True, echo=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason is not None:
+                finished.add(c.index)
+    assert finished == {0, 1, 2}
+    assert [texts[i] for i in range(3)] == [p + a.choices[0].text for p, a in zip(prompts, alone)]
+
+
+def test_truncate_prompt_tokens_keeps_the_prompt_tail(server, client):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens, as if only they had been sent; a prompt longer than
+    the context fits once truncated."""
+    engine = server[1]
+    ids = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 40)
+    assert len(ids) > engine.max_model_len
+    kw = {"model": "tiny", "max_tokens": 5, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    tail = client.completions.create(prompt=ids[-20:], **kw)
+    cut = client.completions.create(prompt=ids, **{**kw, "extra_body": {"ignore_eos": True,
+                                                                        "truncate_prompt_tokens": 20}})
+    assert cut.usage.prompt_tokens == 20 and cut.choices[0].text == tail.choices[0].text
+    short = client.completions.create(prompt=ids[:10], **{**kw, "extra_body": {"truncate_prompt_tokens": 20}})
+    assert short.usage.prompt_tokens == 10  # nothing to cut
+    echoed = client.completions.create(prompt=PROMPT, echo=True, **{**kw, "extra_body": {
+        "ignore_eos": True, "truncate_prompt_tokens": 2}})
+    kept = engine.tokenizer.decode(engine.tokenizer.encode(PROMPT)[-2:])
+    assert echoed.choices[0].text.startswith(kept) and not echoed.choices[0].text.startswith(PROMPT)
+    chat = client.chat.completions.create(messages=MESSAGES, **{**kw, "extra_body": {"truncate_prompt_tokens": 3}})
+    assert chat.usage.prompt_tokens == 3
+
+
 def test_penalties_change_the_output(client):
     kw = {"model": "tiny", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "extra_body": {"ignore_eos": True}}
     plain = client.completions.create(**kw).choices[0].text
@@ -135,7 +187,8 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     ("completions", {"best_of": 3}, "best_of"),
     ("completions", {"echo": True, "logprobs": 1}, "echo"),
     ("completions", {"extra_body": {"guided_choice": []}}, "guided_choice"),
-    ("completions", {"extra_body": {"truncate_prompt_tokens": 3}}, "truncate_prompt_tokens"),
+    ("completions", {"extra_body": {"truncate_prompt_tokens": 0}}, "truncate_prompt_tokens"),
+    ("chat", {"extra_body": {"truncate_prompt_tokens": -2}}, "truncate_prompt_tokens"),
 ])
 def test_unimplemented_fields_are_refused(client, endpoint, fields, param):
     with pytest.raises(openai.BadRequestError) as e:

@@ -58,8 +58,11 @@ def _error(response: httpx.Response, status: int) -> dict:
      "messages[0].content"),
     ("/v1/chat/completions", {k: v for k, v in CHAT.items() if k != "messages"}, "messages"),
     ("/v1/completions", {**COMPLETION, "prompt": ""}, "prompt"),
-    ("/v1/completions", {**COMPLETION, "prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": ["a", ""]}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": [[1, 2], [3, "x"]]}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": ["a", [1, 2]]}, "prompt"),
     ("/v1/completions", {**COMPLETION, "prompt": [1, "x"]}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
 ])
 def test_invalid_field_is_named(http, path, body, param):
     error = _error(http.post(path, json=body), 400)
@@ -77,6 +80,22 @@ def test_prompt_longer_than_max_model_len(http, server):
     assert str(engine.max_model_len) in error["message"]
     error = _error(http.post("/v1/completions", json={**COMPLETION, "prompt": long_text, "stream": True}), 400)
     assert error["param"] == "prompt" and error["code"] == "context_length_exceeded"
+
+
+def test_a_batch_names_its_bad_prompt_and_queues_nothing(http, server):
+    engine = server[1]
+    long_text = "The quick brown fox jumps over the lazy dog. " * 40
+    error = _error(http.post("/v1/completions", json={**COMPLETION, "prompt": ["Hi", long_text]}), 400)
+    assert error["param"] == "prompt[1]" and error["code"] == "context_length_exceeded"
+    error = _error(http.post("/v1/completions", json={**COMPLETION, "prompt": ["Hi", ""]}), 400)
+    assert "prompt[1]" in error["message"]
+    # more sequences than the server ever runs at once: refused whole (not 503: waiting would never help)
+    serving = server[2].state.serving
+    error = _error(http.post("/v1/completions", json={**COMPLETION, "prompt": ["Hi"] * (serving.max_in_flight + 1)}),
+                   400)
+    assert error["param"] == "prompt" and str(serving.max_in_flight) in error["message"]
+    assert serving.num_in_flight == 0
+    assert not engine.has_unfinished_requests()
 
 
 def test_max_tokens_beyond_the_context(http, server):

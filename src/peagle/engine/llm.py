@@ -93,7 +93,7 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         # Every prompt is checked before any is queued, so a bad one leaves nothing behind in the engine.
-        encoded = [self._encode(prompt) for prompt in prompts]
+        encoded = [self._encode(prompt, p) for prompt, p in zip(prompts, params)]
         requests = {}
         for (text, ids), p in zip(encoded, params):
             rid = str(next(self._ids))
@@ -131,7 +131,9 @@ class LLM:
 
     # ---- prompts -----------------------------------------------------------------------------------------------
 
-    def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _encode(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """The prompt's text (None for token ids) and the token ids the model reads (after truncate_prompt_tokens:
+        RequestOutput.prompt_token_ids)."""
         if isinstance(prompt, dict):
             unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
             if unknown or len(prompt) != 1:
@@ -146,6 +148,7 @@ class LLM:
             text, ids = None, list(prompt)
         else:
             raise ValueError(f"a prompt must be a string, a list of token ids or a prompt dict, got {prompt!r:.80}")
+        ids = self.engine.truncated_prompt(ids, params)
         self._check_prompt(ids)
         return text, ids
 

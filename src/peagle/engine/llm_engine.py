@@ -177,6 +177,7 @@ class LLMEngine:
                     arrival_time: float | None = None) -> Sequence:
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
+        prompt_token_ids = self.truncated_prompt(prompt_token_ids, sampling_params)
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
@@ -196,6 +197,15 @@ class LLMEngine:
             gen.manual_seed(sampling_params.seed)
             self._generators[request_id] = gen
         return seq
+
+    def truncated_prompt(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> list[int]:
+        """vLLM's truncate_prompt_tokens (left truncation): the prompt's last k tokens, -1 its last max_model_len;
+        the prompt as it is without it."""
+        keep = sampling_params.truncate_prompt_tokens
+        if keep is None:
+            return prompt_token_ids
+        keep = self.max_model_len if keep == -1 else keep
+        return list(prompt_token_ids)[-keep:]
 
     def abort_request(self, request_id: str) -> bool:
         self._generators.pop(request_id, None)

@@ -102,8 +102,9 @@ class SamplingParams:
     tokens, repetition (divide positive logits, multiply negative ones) over prompt and output.
 
     Fields vLLM has and peagle does not implement exist only to refuse a non-default value with a ValueError that
-    names them (prompt_logprobs, bad_words, logits_processors, truncate_prompt_tokens,
-    spaces_between_special_tokens=False, detokenize=False, best_of > n).
+    names them (prompt_logprobs, bad_words, logits_processors, spaces_between_special_tokens=False,
+    detokenize=False, best_of > n). `truncate_prompt_tokens` (vLLM's) keeps a prompt's last k tokens (-1: its last
+    max_model_len), cut when the engine takes the request.
     """
 
     n: int = 1
@@ -129,11 +130,11 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | dict | None = None
     guided_decoding: StructuredOutputsParams | dict | None = None  # vLLM's older name for structured_outputs
     compiled_grammar: object | None = field(default=None, repr=False)  # set by the engine for its tokenizer
+    truncate_prompt_tokens: int | None = None
     # vLLM fields peagle refuses unless left at their defaults:
     prompt_logprobs: int | None = None
     bad_words: list[str] | None = None
     logits_processors: list | None = None
-    truncate_prompt_tokens: int | None = None
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
 
@@ -149,6 +150,10 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must not be empty")
         self.logit_bias = self._normalise_logit_bias(self.logit_bias)
         self._normalise_structured_outputs()
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
+            raise ValueError(f"truncate_prompt_tokens must be an int >= 1 (keep the prompt's last k tokens), -1 (its "
+                             f"last max_model_len) or None, got {k!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
@@ -165,7 +170,7 @@ class SamplingParams:
 
     def _refuse_unimplemented(self):
         unset = {"prompt_logprobs": None, "bad_words": None, "logits_processors": None,
-                 "truncate_prompt_tokens": None, "spaces_between_special_tokens": True, "detokenize": True}
+                 "spaces_between_special_tokens": True, "detokenize": True}
         for name, default in unset.items():
             value = getattr(self, name)
             if value != default and not (name in ("bad_words", "logits_processors") and value == []):

@@ -123,6 +123,8 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    # vLLM's: keep only the prompt's last k tokens (left truncation); -1: the last max_model_len
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     user: str | None = None  # an end-user id for the caller's own records; it changes no output
     # Structured output (OpenAI's response_format, vLLM's guided_* and structured_outputs); at most one.
     response_format: ResponseFormat | None = None
@@ -131,6 +133,14 @@ class SamplingFields(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict | None = None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate_keeps_a_token(cls, k):
+        if k == 0:
+            raise ValueError("truncate_prompt_tokens must be >= 1 (keep the prompt's last k tokens) or -1 (its last "
+                             "max_model_len)")
+        return k
 
     def structured_output(self) -> tuple[str, StructuredOutputsParams] | None:
         """(the field that asked, its constraint), or None; ApiError(400) naming the field if it is malformed."""
@@ -346,7 +356,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int]
+    # OpenAI's prompt: a string, token ids, or a batch of either; kept as the batch (a lone prompt is a batch of one)
+    prompt: list[str | list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     add_special_tokens: bool = True
@@ -363,19 +374,24 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _single_prompt(cls, prompt):
-        # OpenAI takes a string, token ids, or a batch of either; a batch must hold exactly one prompt here.
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ValueError("only one prompt per request is supported")
-            prompt = prompt[0]
-        if isinstance(prompt, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ValueError("a token-id prompt must be a list of integers")
-        if not isinstance(prompt, (str, list)):
-            raise ValueError("prompt must be a string or a list of token ids")
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        return prompt
+    def _prompt_batch(cls, prompt):
+        # Choices of a batch are numbered prompt by prompt: choice prompt_index * n + i (OpenAI's, vLLM's order).
+        if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt) or
+                                                    all(isinstance(p, list) for p in prompt)):
+            batch, name = prompt, "prompt[{}]"
+        elif isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt):
+            raise ValueError("a batch of prompts must hold only strings or only lists of token ids")
+        else:
+            batch, name = [prompt], "prompt"
+        for i, one in enumerate(batch):
+            where = name.format(i)
+            if isinstance(one, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in one):
+                raise ValueError(f"{where}: a token-id prompt must be a list of integers")
+            if not isinstance(one, (str, list)):
+                raise ValueError(f"{where}: a prompt must be a string or a list of token ids")
+            if not one:
+                raise ValueError(f"{where}: the prompt is empty")
+        return batch
 
 
 class TokenizeRequest(_Request):

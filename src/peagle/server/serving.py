@@ -8,6 +8,7 @@ aborted in the engine at once, streaming or not.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from typing import AsyncIterator, Awaitable, TypeVar
@@ -57,23 +58,29 @@ class Serving:
     async def chat(self, request: Request) -> Response:
         req = self._with_defaults(parse_request(await request.body(), ChatCompletionRequest))
         self.check_model(req.model)
-        prompt_ids = self._chat_prompt(req)
+        prompt_ids = self._truncated(self._chat_prompt(req), req.truncate_prompt_tokens)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens or req.max_tokens or self.sampling_defaults.get("max_tokens")
         max_tokens = self._max_tokens(prompt_ids, requested, "messages", param)
-        return await self._generate(request, req, prompt_ids, max_tokens, ChatFormat(self.model_name),
+        return await self._generate(request, req, [_Prompt(prompt_ids, max_tokens)], ChatFormat(self.model_name),
                                     tools=req.calls_tools)
 
     async def completions(self, request: Request) -> Response:
+        """A prompt or a batch of them: each prompt's n choices, numbered prompt by prompt (prompt_index * n + i),
+        one usage for all (prompt tokens summed over the prompts)."""
         req = self._with_defaults(parse_request(await request.body(), CompletionRequest))
         self.check_model(req.model)
-        prompt_ids = self._completion_prompt(req)
         requested = req.max_tokens or self.sampling_defaults.get("max_tokens", DEFAULT_COMPLETION_TOKENS)
-        max_tokens = self._max_tokens(prompt_ids, requested, "prompt", "max_tokens")
-        echo = None
-        if req.echo:
-            echo = req.prompt if isinstance(req.prompt, str) else self._decode(req.prompt)
-        return await self._generate(request, req, prompt_ids, max_tokens, CompletionFormat(self.model_name), echo)
+        prompts = []
+        for i, prompt in enumerate(req.prompt):
+            where = "prompt" if len(req.prompt) == 1 else f"prompt[{i}]"
+            ids = self._completion_prompt(prompt, req.add_special_tokens, where)
+            truncated = self._truncated(ids, req.truncate_prompt_tokens)
+            echo = None
+            if req.echo:  # the prompt as the model read it
+                echo = prompt if isinstance(prompt, str) and truncated is ids else self._decode(truncated)
+            prompts.append(_Prompt(truncated, self._max_tokens(truncated, requested, where, "max_tokens"), echo))
+        return await self._generate(request, req, prompts, CompletionFormat(self.model_name))
 
     def _with_defaults(self, req: RequestT) -> RequestT:
         """The request with the model's sampling defaults in the fields it left out (max_tokens: see the callers)."""
@@ -129,12 +136,20 @@ class Serving:
         # The template writes the special tokens itself; add_special_tokens (vLLM's, default off) adds more.
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def _completion_prompt(self, req: CompletionRequest) -> list[int]:
-        if isinstance(req.prompt, list):
-            return req.prompt
+    def _completion_prompt(self, prompt: str | list[int], add_special_tokens: bool, param: str) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
         if self.tokenizer is None:
-            raise ApiError(400, "this model has no tokenizer: send the prompt as a list of token ids", param="prompt")
-        return self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            raise ApiError(400, "this model has no tokenizer: send the prompt as a list of token ids", param=param)
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+    def _truncated(self, prompt_ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: its last max_model_len); the same
+        list when nothing is cut."""
+        if keep is None:
+            return prompt_ids
+        keep = self.max_model_len if keep == -1 else keep
+        return prompt_ids[-keep:] if len(prompt_ids) > keep else prompt_ids
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
@@ -188,10 +203,11 @@ class Serving:
 
     # ---- generation ------------------------------------------------------------------------------------------
 
-    async def _generate(self, request: Request, req: SamplingFields, prompt_ids: list[int], max_tokens: int,
-                        fmt: Format, echo: str | None = None, tools: bool = False) -> Response:
-        params = self._sampling_params(req, max_tokens)
-        choices = await self._submit(fmt.id, prompt_ids, params, tools)
+    async def _generate(self, request: Request, req: SamplingFields, prompts: list["_Prompt"], fmt: Format,
+                        tools: bool = False) -> Response:
+        first = self._sampling_params(req, prompts[0].max_tokens)  # a grammar compiled once for the batch
+        params = [first] + [dataclasses.replace(first, max_tokens=p.max_tokens) for p in prompts[1:]]
+        choices = await self._submit(fmt.id, prompts, params, tools)
 
         def close():
             for c in choices:
@@ -199,7 +215,7 @@ class Serving:
 
         if not req.stream:
             try:
-                return await _unless_disconnected(request, self._collect(choices, fmt, echo))
+                return await _unless_disconnected(request, self._collect(choices, fmt))
             finally:
                 close()
         outputs = _merged([c.stream for c in choices])
@@ -210,27 +226,36 @@ class Serving:
         except BaseException:
             close()
             raise
-        events = self._events(choices, outputs, first, fmt, req.include_usage, echo)
+        events = self._events(choices, outputs, first, fmt, req.include_usage)
         return _EventStream(events, on_close=close)
 
-    async def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+    async def _submit(self, request_id: str, prompts: list["_Prompt"], params: list[SamplingParams],
                       tools: bool = False) -> list["_Choice"]:
-        children = params.parallel_children()
-        if self.num_in_flight + len(children) > self.max_in_flight:
+        """Every prompt's n sequences into the engine, all or none (a batch that does not fit is refused whole)."""
+        children = [p.parallel_children() for p in params]
+        count = sum(len(c) for c in children)
+        if count > self.max_in_flight:  # could never run, however long the client waits
+            raise ApiError(400, f"the request has {count} sequences (prompts x n) but this server runs at most "
+                                f"{self.max_in_flight} at once (--max-num-seqs plus --max-queue)",
+                           param="prompt" if len(prompts) > 1 else "n")
+        if self.num_in_flight + count > self.max_in_flight:
             raise ApiError(503, f"the server is at capacity ({self.num_in_flight} requests in flight); "
                                 f"retry in {RETRY_AFTER_S}s", code="server_overloaded",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
         choices: list[_Choice] = []
         try:
-            for index, child in enumerate(children):
-                rid = f"{request_id}-{index}" if len(children) > 1 else request_id
-                self.num_in_flight += 1
-                try:
-                    stream = await self.engine.add_request(rid, prompt_ids, child)
-                except BaseException:
-                    self.num_in_flight -= 1
-                    raise
-                choices.append(_Choice(index, stream, child, self.tokenizer, prompt_ids, self.eos_token_ids, tools))
+            for p, (prompt, kids) in enumerate(zip(prompts, children)):
+                for i, child in enumerate(kids):
+                    rid = request_id if count == 1 else (
+                        f"{request_id}-{i}" if len(prompts) == 1 else f"{request_id}-{p}-{i}")
+                    self.num_in_flight += 1
+                    try:
+                        stream = await self.engine.add_request(rid, prompt.ids, child)
+                    except BaseException:
+                        self.num_in_flight -= 1
+                        raise
+                    choices.append(_Choice(len(choices), stream, child, self.tokenizer, prompt, self.eos_token_ids,
+                                           tools, first_of_prompt=i == 0))
         except BaseException as e:
             for c in choices:  # the siblings already queued
                 self._close(c.stream)
@@ -240,10 +265,12 @@ class Serving:
         return choices
 
     def _usage(self, choices: list["_Choice"]) -> UsageInfo:
-        """Usage of a finished request; with prefix caching, its prompt tokens served from the cache (the first
-        sequence's: the others of n > 1 share its prompt)."""
-        cached = choices[0].num_cached_tokens if self.prefix_caching else None
-        return UsageInfo.of(choices[0].stream.num_prompt_tokens, sum(c.num_tokens for c in choices), cached)
+        """Usage of a finished request: prompt tokens summed over its prompts (the n sequences of one prompt count it
+        once), and with prefix caching those of them served from the cache (each prompt's first sequence's)."""
+        firsts = [c for c in choices if c.first_of_prompt]
+        cached = sum(c.num_cached_tokens for c in firsts) if self.prefix_caching else None
+        return UsageInfo.of(sum(c.stream.num_prompt_tokens for c in firsts), sum(c.num_tokens for c in choices),
+                            cached)
 
     def _close(self, stream: RequestStream):
         """Ends a request's slot; aborts it in the engine if it has not finished (its client is gone)."""
@@ -251,26 +278,25 @@ class Serving:
             self.engine.abort(stream.request_id)
         self.num_in_flight -= 1
 
-    async def _collect(self, choices: list["_Choice"], fmt: Format, echo: str | None) -> JSONResponse:
+    async def _collect(self, choices: list["_Choice"], fmt: Format) -> JSONResponse:
         async for index, out in _merged([c.stream for c in choices]):
             choices[index].feed(out)
         usage = self._usage(choices)
-        done = [Choice(index=c.index, text=(echo or "") + c.content, finish_reason=c.finish_reason,
+        done = [Choice(index=c.index, text=(c.echo or "") + c.content, finish_reason=c.finish_reason,
                        stop_reason=c.stop_reason, logprobs=c.logprobs,
                        tool_calls=[t.wire() for t in c.tool_calls] or None) for c in choices]
         return JSONResponse(fmt.response(done, usage).model_dump())
 
     async def _events(self, choices: list["_Choice"], outputs: AsyncIterator[tuple[int, StepOutput]],
-                      first: tuple[int, StepOutput], fmt: Format, include_usage: bool,
-                      echo: str | None) -> AsyncIterator[str]:
+                      first: tuple[int, StepOutput], fmt: Format, include_usage: bool) -> AsyncIterator[str]:
         """Server-sent events: per choice, one chunk per step that completes text, a finish chunk; then usage if
         asked, and [DONE]."""
         for c in choices:
             head = fmt.head_chunk(c.index)
             if head is not None:
                 yield _sse(head)
-            if echo:
-                yield _sse(fmt.chunk(echo, index=c.index))
+            if c.echo:
+                yield _sse(fmt.chunk(c.echo, index=c.index))
         item = first
         try:
             while True:
@@ -299,17 +325,28 @@ class Serving:
         yield "data: [DONE]\n\n"
 
 
-class _Choice:
-    """One of a request's n sequences: its engine stream, text, logprobs and why it ended."""
+class _Prompt:
+    """One prompt of a request: its token ids, its max_tokens, and its text for `echo` (None: not echoed)."""
 
-    def __init__(self, index: int, stream: RequestStream, params: SamplingParams, tokenizer, prompt_ids: list[int],
-                 eos_token_ids: frozenset[int], tools: bool = False):
+    def __init__(self, ids: list[int], max_tokens: int, echo: str | None = None):
+        self.ids = ids
+        self.max_tokens = max_tokens
+        self.echo = echo
+
+
+class _Choice:
+    """One of a request's sequences (n per prompt): its engine stream, text, logprobs and why it ended."""
+
+    def __init__(self, index: int, stream: RequestStream, params: SamplingParams, tokenizer, prompt: _Prompt,
+                 eos_token_ids: frozenset[int], tools: bool = False, first_of_prompt: bool = True):
         self.index = index
         self.stream = stream
         self.params = params
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
-        self.text = OutputText(tokenizer, prompt_ids, params.stop, include_stop_str=params.include_stop_str_in_output,
+        self.echo = prompt.echo
+        self.first_of_prompt = first_of_prompt  # the sequence whose prompt tokens the usage counts
+        self.text = OutputText(tokenizer, prompt.ids, params.stop, include_stop_str=params.include_stop_str_in_output,
                                skip_special_tokens=params.skip_special_tokens)
         self.num_tokens = 0
         self.num_cached_tokens = 0  # from the finished output's metrics

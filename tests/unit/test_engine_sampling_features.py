@@ -12,7 +12,8 @@ import torch
 
 from peagle import LLM, SamplingParams
 from peagle.drafters import Drafter, save_drafter
-from peagle.engine.sampler import LogitsProcessing, process_logits
+from peagle.engine.sampler import LogitsProcessing, bad_word_bans, process_logits
+from peagle.engine.sampling_params import with_bad_words
 from peagle.models.attention import DenseAttention
 from peagle.models.loader import load_model
 
@@ -78,6 +79,9 @@ def reference_processed(model, prompt, p: SamplingParams, eos=frozenset({EOS, 0}
             logits[t] += v
         if len(out) < p.min_tokens:
             logits[list(set(p.stop_token_ids) | (set() if p.ignore_eos else eos))] = float("-inf")
+        for w in p.bad_words_token_ids or []:  # vLLM's bad words: over the output so far
+            if len(w) - 1 <= len(out) and out[len(out) - len(w) + 1:] == w[:-1]:
+                logits[w[-1]] = float("-inf")
         for t in set(ids):
             if logits[t] > 0:
                 logits[t] /= p.repetition_penalty
@@ -149,6 +153,48 @@ def test_row_history_counts_the_drafts_before_it():
     out = process_logits(logits, proc, torch.tensor([[5, 5]]), torch.tensor([2]), 3)
     assert out[:, 3].tolist() == [-1.0, -1.0, -1.0]
     assert out[:, 5].tolist() == [0.0, -1.0, -2.0]
+
+
+def test_bad_word_bans_follow_each_rows_history():
+    words = [[7], [4, 5], [4, 5, 6]]
+    # outputs [1, 4], drafts [5, 4, 5]: row j follows the outputs and drafts 0..j-1
+    assert bad_word_bans(words, [1, 4], [5, 4, 5], 4) == [[7, 5], [7, 6], [7, 5], [7, 6]]
+    assert bad_word_bans(words, [], [], 1) == [[7]]  # a longer word needs its first tokens in the output
+    assert bad_word_bans(None, [1], [2], 2) == [[], []]
+
+
+def _holds(tokens: list[int], word: list[int]) -> bool:
+    return any(tokens[i:i + len(word)] == word for i in range(len(tokens) - len(word) + 1))
+
+
+def test_bad_words_are_never_completed_and_speculation_keeps_them(target_dir, heads, plain):
+    """Words taken from the unconstrained output (so the ban changes it) are never completed; the output equals
+    greedy decoding with the bans written out, and speculative output equals it (EAGLE-3 and P-EAGLE)."""
+    free = plain.generate([PROMPTS[0]], processed_params(), use_tqdm=False)[0].outputs[0].token_ids
+    tokenizer = plain.engine.tokenizer
+    words = [tokenizer.decode(free[2:3]), tokenizer.decode(free[6:8])]
+    params = with_bad_words(processed_params(bad_words=words), tokenizer, plain.engine.model_config.vocab_size)
+    banned = params.bad_words_token_ids
+    assert banned and any(_holds(free, w) for w in banned), (words, banned)
+    want = plain.generate([PROMPTS[0]], processed_params(bad_words=words), use_tqdm=False)[0].outputs[0].token_ids
+    with torch.inference_mode():
+        assert want == reference_processed(load_model(target_dir, dtype="float32"), PROMPTS[0], params)
+    assert want != free and not any(_holds(want, w) for w in banned)
+    for method in ("eagle3", "peagle"):
+        llm = make_llm(target_dir, heads[method], method, k=3)
+        oracle_drafts(llm, {"0": list(PROMPTS[0]) + want}, k=3)
+        got = llm.generate([PROMPTS[0]], processed_params(bad_words=words), use_tqdm=False)[0]
+        assert got.outputs[0].token_ids == want, method
+        assert got.metrics.accepted_per_position[2] > 0  # rows past the first decided tokens
+
+
+def test_bad_words_are_checked():
+    with pytest.raises(ValueError, match="^bad_words"):
+        SamplingParams(bad_words=[" "])
+    with pytest.raises(ValueError, match="^bad_words"):
+        SamplingParams(bad_words="word")
+    with pytest.raises(ValueError, match="tokenizer"):
+        with_bad_words(SamplingParams(bad_words=["x"]), None, 10)
 
 
 @pytest.mark.parametrize("method", ["eagle3", "peagle"])

@@ -133,7 +133,7 @@ def test_unknown_llm_option_names_itself(target_dir):
 @pytest.mark.parametrize("kwargs, name", [
     ({"prompt_logprobs": 1}, "prompt_logprobs"),
     ({"best_of": 3}, "best_of"),
-    ({"bad_words": ["no"]}, "bad_words"),
+    ({"bad_words": [""]}, "bad_words"),
     ({"guided_decoding": {"json": {}, "regex": "a+"}}, "structured_outputs"),
     ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs"),
     ({"logits_processors": [print]}, "logits_processors"),

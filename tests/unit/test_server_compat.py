@@ -149,6 +149,15 @@ def test_truncate_prompt_tokens_keeps_the_prompt_tail(server, client):
     assert chat.usage.prompt_tokens == 3
 
 
+def test_bad_words_change_the_output(server, client):
+    kw = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    plain = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].text
+    tokenizer = server[1].tokenizer
+    word = tokenizer.decode(tokenizer.encode(plain)[3:5])
+    banned = client.completions.create(**kw, extra_body={"ignore_eos": True, "bad_words": [word]}).choices[0].text
+    assert banned != plain and banned[:len(plain.split(word)[0])] == plain.split(word)[0]
+
+
 def test_penalties_change_the_output(client):
     kw = {"model": "tiny", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "extra_body": {"ignore_eos": True}}
     plain = client.completions.create(**kw).choices[0].text
@@ -175,7 +184,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     ("chat", {"extra_body": {"structural_tag": "{}"}}, "structural_tag"),
     ("chat", {"extra_body": {"use_beam_search": True}}, "use_beam_search"),
     ("chat", {"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
-    ("chat", {"extra_body": {"bad_words": ["Paris"]}}, "bad_words"),
+    ("chat", {"extra_body": {"bad_words": ["  "]}}, "bad_words"),
     ("chat", {"extra_body": {"chat_template": "{{ messages }}"}}, "chat_template"),
     ("chat", {"extra_body": {"no_such_option": 1}}, "no_such_option"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),

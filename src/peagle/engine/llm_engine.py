@@ -15,7 +15,7 @@ from peagle.engine.config import EngineConfig
 from peagle.engine.model_runner import ModelRunner, StepHandle, StepResult
 from peagle.engine.outputs import RequestMetrics, StepOutput
 from peagle.engine.sampler import SamplingTensors, build_sampling_tensors
-from peagle.engine.sampling_params import SamplingParams
+from peagle.engine.sampling_params import SamplingParams, with_bad_words
 from peagle.engine.scheduler import Scheduler, SchedulerConfig
 from peagle.engine.sequence import Sequence
 from peagle.engine.spec.proposer import Eagle3Proposer, ParallelDraftingProposer
@@ -185,6 +185,7 @@ class LLMEngine:
             ids = getattr(sampling_params, name) or ()
             if any(t >= vocab for t in ids):
                 raise ValueError(f"{name} holds token ids outside the vocabulary [0, {vocab})")
+        sampling_params = with_bad_words(sampling_params, self.tokenizer, vocab)
         if sampling_params.structured_outputs is not None:  # llguidance is loaded for structured requests only
             from peagle.engine.structured_output import with_grammar
 

@@ -107,12 +107,14 @@ def _processing(seqs, vocab: int, device: torch.device, rows: int) -> LogitsProc
     on = (lambda t: None if t is None else t.to(device, non_blocking=True))  # noqa: E731
     return LogitsProcessing(torch.tensor(chosen, device=device), on(bias), on(left), on(stop_mask), on(counts),
                             on(prompt_mask), on(presence), on(frequency), on(repetition),
-                            on(_grammar_masks(seqs, vocab, rows)))
+                            on(_row_masks(seqs, vocab, rows)))
 
 
-def _grammar_masks(seqs, vocab: int, rows: int) -> torch.Tensor | None:
-    """[P, R, V] bool from each structured request's grammar (all True for the others), or None."""
-    if all(s.sampling_params.structured_outputs is None for s in seqs):
+def _row_masks(seqs, vocab: int, rows: int) -> torch.Tensor | None:
+    """[P, R, V] bool, per verified row: each structured request's grammar, then each request's bad words (all True
+    for requests with neither), or None when no request has either."""
+    if all(s.sampling_params.structured_outputs is None and not s.sampling_params.bad_words_token_ids
+           for s in seqs):
         return None
     allowed = torch.ones(len(seqs), rows, vocab, dtype=torch.bool)
     for i, s in enumerate(seqs):
@@ -120,7 +122,23 @@ def _grammar_masks(seqs, vocab: int, rows: int) -> torch.Tensor | None:
         if s.sampling_params.structured_outputs is not None:
             assert grammar is not None, "the engine compiles a request's grammar when it is added"
             allowed[i] = torch.from_numpy(grammar.row_masks(s, s.draft_token_ids, rows))
+        for j, banned in enumerate(bad_word_bans(s.sampling_params.bad_words_token_ids, s.output_token_ids,
+                                                 s.draft_token_ids, rows)):
+            allowed[i, j, banned] = False
     return allowed
+
+
+def bad_word_bans(words: list[list[int]] | None, outputs: list[int], drafts: list[int], rows: int) -> list[list[int]]:
+    """The token ids each verified row j may not emit (vLLM's bad words): a word's last token wherever the tokens
+    before it end the row's output so far, the outputs then drafts 0..j-1 (the tokens row j follows)."""
+    if not words:
+        return [[] for _ in range(rows)]
+    history = list(outputs) + list(drafts)
+    bans = []
+    for j in range(rows):
+        past = history[:len(outputs) + min(j, len(drafts))]
+        bans.append([w[-1] for w in words if len(w) - 1 <= len(past) and past[len(past) - len(w) + 1:] == w[:-1]])
+    return bans
 
 
 def process_logits(logits: torch.Tensor, proc: LogitsProcessing, drafts: torch.Tensor, num_drafts: torch.Tensor,

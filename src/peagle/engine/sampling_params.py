@@ -102,8 +102,9 @@ class SamplingParams:
     tokens, repetition (divide positive logits, multiply negative ones) over prompt and output.
 
     Fields vLLM has and peagle does not implement exist only to refuse a non-default value with a ValueError that
-    names them (prompt_logprobs, bad_words, logits_processors, spaces_between_special_tokens=False,
-    detokenize=False, best_of > n). `truncate_prompt_tokens` (vLLM's) keeps a prompt's last k tokens (-1: its last
+    names them (prompt_logprobs, logits_processors, spaces_between_special_tokens=False, detokenize=False,
+    best_of > n). `bad_words` (vLLM's): words the output never completes (each word's last token is banned where
+    the tokens before it end the output so far; tokenised with and without a leading space, as vLLM does). `truncate_prompt_tokens` (vLLM's) keeps a prompt's last k tokens (-1: its last
     max_model_len), cut when the engine takes the request.
     """
 
@@ -131,9 +132,10 @@ class SamplingParams:
     guided_decoding: StructuredOutputsParams | dict | None = None  # vLLM's older name for structured_outputs
     compiled_grammar: object | None = field(default=None, repr=False)  # set by the engine for its tokenizer
     truncate_prompt_tokens: int | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)  # set by the engine (tokenizer)
     # vLLM fields peagle refuses unless left at their defaults:
     prompt_logprobs: int | None = None
-    bad_words: list[str] | None = None
     logits_processors: list | None = None
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
@@ -150,6 +152,10 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must not be empty")
         self.logit_bias = self._normalise_logit_bias(self.logit_bias)
         self._normalise_structured_outputs()
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str) or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
+            self.bad_words = list(self.bad_words) or None
         k = self.truncate_prompt_tokens
         if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
             raise ValueError(f"truncate_prompt_tokens must be an int >= 1 (keep the prompt's last k tokens), -1 (its "
@@ -169,11 +175,11 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
 
     def _refuse_unimplemented(self):
-        unset = {"prompt_logprobs": None, "bad_words": None, "logits_processors": None,
+        unset = {"prompt_logprobs": None, "logits_processors": None,
                  "spaces_between_special_tokens": True, "detokenize": True}
         for name, default in unset.items():
             value = getattr(self, name)
-            if value != default and not (name in ("bad_words", "logits_processors") and value == []):
+            if value != default and not (name == "logits_processors" and value == []):
                 raise ValueError(f"{name}={value!r} is not supported by peagle (only {default!r})")
 
     def _check_numbers(self):
@@ -246,7 +252,7 @@ class SamplingParams:
         """Whether the target's logits change before sampling beyond temperature / top-k / top-p."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias or self.allowed_token_ids is not None or self.min_tokens
-                    or self.structured_outputs is not None)
+                    or self.structured_outputs is not None or self.bad_words is not None)
 
     def parallel_children(self) -> list["SamplingParams"]:
         """n > 1 runs n independent sequences; seeded ones get seed + index, as vLLM's parallel sampling does."""
@@ -268,3 +274,26 @@ def _token_ids(name: str, ids) -> list[int]:
         if not _is_int(i) or i < 0:
             raise ValueError(f"{name} must be a list of token ids >= 0, got {i!r}")
     return ids
+
+
+def with_bad_words(params: SamplingParams, tokenizer, vocab_size: int) -> SamplingParams:
+    """`params` with its bad words as token-id sequences for this tokenizer (itself without bad words). As vLLM:
+    each word as written (leading space stripped) and with one leading space, the second kept only when it starts
+    with another token and has as many tokens (a word inside text is usually one token with its space)."""
+    if params.bad_words is None or params.bad_words_token_ids is not None:
+        return params
+    if tokenizer is None:
+        raise ValueError("bad_words needs the model's tokenizer, and this model has none")
+    sequences: list[list[int]] = []
+    for word in params.bad_words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        for ids in (plain, spaced):
+            if ids is spaced and (not spaced or spaced[0] == plain[0] or len(spaced) != len(plain)):
+                continue
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    outside = sorted({t for ids in sequences for t in ids if not 0 <= t < vocab_size})
+    if outside:
+        raise ValueError(f"bad_words: token ids {outside} are outside the vocabulary [0, {vocab_size})")
+    return dataclasses.replace(params, bad_words_token_ids=sequences)

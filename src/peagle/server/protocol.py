@@ -125,6 +125,7 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     # vLLM's: keep only the prompt's last k tokens (left truncation); -1: the last max_model_len
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    bad_words: list[str] | None = None  # vLLM's: words the output never completes
     user: str | None = None  # an end-user id for the caller's own records; it changes no output
     # Structured output (OpenAI's response_format, vLLM's guided_* and structured_outputs); at most one.
     response_format: ResponseFormat | None = None

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from peagle.engine.outputs import StepOutput
-from peagle.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from peagle.engine.sampling_params import SamplingParams, StructuredOutputsParams, with_bad_words
 from peagle.server.async_engine import AsyncEngine, RequestFailed, RequestStream
 from peagle.server.output_text import OutputText
 from peagle.server.tool_calls import ToolCall, ToolCallParser, forcing_grammar, template_supports_tools
@@ -188,9 +188,11 @@ class Serving:
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens, logprobs=req.num_logprobs, logit_bias=req.logit_bias,
                 allowed_token_ids=req.allowed_token_ids, structured_outputs=structured and structured[1],
+                bad_words=req.bad_words or None,
             )
+            params = with_bad_words(params, self.tokenizer, self.engine.engine.model_config.vocab_size)
         except ValueError as e:
-            field = str(e).split(" ", 1)[0]  # SamplingParams' messages start with the field's name
+            field = str(e).split(" ", 1)[0].rstrip(":")  # SamplingParams' messages start with the field's name
             raise ApiError(400, str(e), param=field if field in SamplingFields.model_fields else None) from None
         if structured is None:
             return params

@@ -99,6 +99,34 @@ def test_invalid_prompts_raise_like_vllm(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_prompt_logprobs_are_the_targets(llm, target_dir):
+    """vLLM's prompt_logprobs: None for the first prompt token, then each token's log-probability under the target
+    given the tokens before it (its rank and the top alternatives), as a dense forward computes them."""
+    import torch
+
+    from peagle.models.attention import DenseAttention
+    from peagle.models.loader import load_model
+
+    ids = [(11 * i) % 80 + 5 for i in range(40)]
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2, n=2),
+                       use_tqdm=False)[0]
+    plp = out.prompt_logprobs
+    assert len(plp) == len(ids) and plp[0] is None
+    model = load_model(target_dir, dtype="float32")
+    with torch.inference_mode():
+        h = model(torch.tensor(ids), torch.arange(len(ids)), DenseAttention([len(ids)])).hidden
+        ref = torch.log_softmax(model.compute_logits(h), -1)[:-1]
+    for j, entry in enumerate(plp[1:]):
+        tok = ids[j + 1]
+        assert tok in entry and 2 <= len(entry) <= 3
+        assert math.isclose(entry[tok].logprob, float(ref[j, tok]), abs_tol=1e-4)
+        assert entry[tok].rank == int((ref[j] > ref[j, tok]).sum()) + 1
+        for rank, t in enumerate(ref[j].topk(2).indices.tolist(), 1):
+            assert entry[t].rank == rank and math.isclose(entry[t].logprob, float(ref[j, t]), abs_tol=1e-4)
+    plain = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
+    assert plain.prompt_logprobs is None and plain.outputs[0].token_ids == out.outputs[0].token_ids
+
+
 def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
     """vLLM's truncate_prompt_tokens: the prompt's last k tokens are what the model reads (prompt_token_ids), with
     the output of sending only them; a prompt longer than the context fits once cut; -1 keeps max_model_len."""
@@ -131,7 +159,7 @@ def test_unknown_llm_option_names_itself(target_dir):
 
 
 @pytest.mark.parametrize("kwargs, name", [
-    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ({"best_of": 3}, "best_of"),
     ({"bad_words": [""]}, "bad_words"),
     ({"guided_decoding": {"json": {}, "regex": "a+"}}, "structured_outputs"),

@@ -149,6 +149,73 @@ def test_truncate_prompt_tokens_keeps_the_prompt_tail(server, client):
     assert chat.usage.prompt_tokens == 3
 
 
+def _prompt_reference(target_dir, ids):
+    import torch
+
+    from peagle.models.attention import DenseAttention
+    from peagle.models.loader import load_model
+
+    model = load_model(target_dir, dtype="float32")
+    with torch.inference_mode():
+        h = model(torch.tensor(ids), torch.arange(len(ids)), DenseAttention([len(ids)])).hidden
+        return torch.log_softmax(model.compute_logits(h), -1)[:-1]  # row j: the token at j + 1
+
+
+def test_echo_with_logprobs_scores_the_prompt(server, client, target_dir):
+    """lm-eval-harness's loglikelihood request (echo, logprobs, one new token, a batch of token-id prompts): the
+    echoed prompt's tokens lead the logprobs, the first without a value, the others the target's; then the answer's."""
+    tokenizer = server[1].tokenizer
+    ids = tokenizer.encode(PROMPT + " jumps over the lazy dog")
+    kw = {"model": "tiny", "max_tokens": 1, "temperature": 0, "logprobs": 1}
+    out = client.completions.create(prompt=[ids, ids[:4]], echo=True, **kw)
+    for choice, prompt in zip(out.choices, [ids, ids[:4]]):
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(prompt) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        ref = _prompt_reference(target_dir, prompt)
+        for j, value in enumerate(lp.token_logprobs[1:len(prompt)]):
+            assert math.isclose(value, float(ref[j, prompt[j + 1]]), abs_tol=1e-4)
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+        alone = client.completions.create(prompt=prompt, **kw).choices[0]
+        assert choice.text == tokenizer.decode(prompt) + alone.text
+        assert math.isclose(lp.token_logprobs[-1], alone.logprobs.token_logprobs[0], abs_tol=1e-5)
+    tokens, values, offsets = [], [], []
+    for chunk in client.completions.create(prompt=ids, echo=True, stream=True, **{**kw, "max_tokens": 3}):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                values += c.logprobs.token_logprobs
+                offsets += c.logprobs.text_offset
+    whole = client.completions.create(prompt=ids, echo=True, **{**kw, "max_tokens": 3}).choices[0].logprobs
+    # (streamed answer offsets count the text decoded so far, which a byte-fallback token leaves short until the
+    # next: compared over the echoed prompt's tokens only)
+    assert tokens == whole.tokens and offsets[:len(ids)] == whole.text_offset[:len(ids)]
+    assert values[0] is None and all(math.isclose(a, b, abs_tol=1e-5) for a, b in zip(values[1:],
+                                                                                      whole.token_logprobs[1:]))
+
+
+def test_prompt_logprobs_field(server, target_dir):
+    """vLLM's prompt_logprobs: per completions choice, and once for a chat response; None for the first token, then
+    {token id: {logprob, rank, decoded_token}} holding the prompt token and the top alternatives."""
+    ids = server[1].tokenizer.encode(PROMPT)
+    ref = _prompt_reference(target_dir, ids)
+    with httpx.Client(base_url=server[0], timeout=60) as http:
+        body = http.post("/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 2,
+                                                  "prompt_logprobs": 2, "n": 2, "temperature": 0}).json()
+        chat = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2,
+                                                       "prompt_logprobs": 0}).json()
+    for choice in body["choices"]:
+        plp = choice["prompt_logprobs"]
+        assert len(plp) == len(ids) and plp[0] is None
+        for j, entry in enumerate(plp[1:]):
+            mine = entry[str(ids[j + 1])]
+            assert math.isclose(mine["logprob"], float(ref[j, ids[j + 1]]), abs_tol=1e-4)
+            assert mine["rank"] == int((ref[j] > ref[j, ids[j + 1]]).sum()) + 1
+            assert {int(t) for t in entry} == {ids[j + 1], *ref[j].topk(2).indices.tolist()}
+    plp = chat["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == chat["usage"]["prompt_tokens"]
+    assert all(len(entry) == 1 for entry in plp[1:])  # 0 alternatives: the prompt token alone
+
+
 def test_bad_words_change_the_output(server, client):
     kw = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
     plain = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].text
@@ -183,7 +250,8 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     ("chat", {"extra_body": {"guided_decoding_backend": "xgrammar"}}, "guided_decoding_backend"),
     ("chat", {"extra_body": {"structural_tag": "{}"}}, "structural_tag"),
     ("chat", {"extra_body": {"use_beam_search": True}}, "use_beam_search"),
-    ("chat", {"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
+    ("chat", {"stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
+    ("completions", {"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
     ("chat", {"extra_body": {"bad_words": ["  "]}}, "bad_words"),
     ("chat", {"extra_body": {"chat_template": "{{ messages }}"}}, "chat_template"),
     ("chat", {"extra_body": {"no_such_option": 1}}, "no_such_option"),
@@ -194,7 +262,6 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
      "messages[1].tool_calls"),
     ("completions", {"suffix": "end"}, "suffix"),
     ("completions", {"best_of": 3}, "best_of"),
-    ("completions", {"echo": True, "logprobs": 1}, "echo"),
     ("completions", {"extra_body": {"guided_choice": []}}, "guided_choice"),
     ("completions", {"extra_body": {"truncate_prompt_tokens": 0}}, "truncate_prompt_tokens"),
     ("chat", {"extra_body": {"truncate_prompt_tokens": -2}}, "truncate_prompt_tokens"),

@@ -95,12 +95,19 @@ class LLM:
         # Every prompt is checked before any is queued, so a bad one leaves nothing behind in the engine.
         encoded = [self._encode(prompt, p) for prompt, p in zip(prompts, params)]
         requests = {}
+        prompt_logprobs = {}
         for (text, ids), p in zip(encoded, params):
             rid = str(next(self._ids))
             for index, child in enumerate(p.parallel_children()):
-                self.engine.add_request(f"{rid}-{index}" if p.n > 1 else rid, ids, child)
+                seq = self.engine.add_request(f"{rid}-{index}" if p.n > 1 else rid, ids, child)
+                if index == 0 and seq.prompt_logprobs is not None:
+                    prompt_logprobs[rid] = [None] + [self._logprob_dict(e, p.prompt_logprobs)
+                                                     for e in seq.prompt_logprobs]
             requests[rid] = (text, ids, p)
-        return self._run(requests, use_tqdm)
+        outputs = self._run(requests, use_tqdm)
+        for out in outputs:
+            out.prompt_logprobs = prompt_logprobs.get(out.request_id)
+        return outputs
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() and chat() use without sampling_params: the model's generation_config.json

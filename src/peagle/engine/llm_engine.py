@@ -192,6 +192,10 @@ class LLMEngine:
             sampling_params = with_grammar(sampling_params, self.tokenizer, vocab)
         seq = Sequence(request_id, prompt_token_ids, sampling_params,
                        time.monotonic() if arrival_time is None else arrival_time, self.eos_token_ids)
+        if sampling_params.prompt_logprobs is not None and len(prompt_token_ids) < self.max_model_len:
+            # a forward of its own over the prompt, before the request is queued (the scheduler refuses a prompt
+            # too long for the context without running it)
+            seq.prompt_logprobs = self.runner.prompt_logprobs(prompt_token_ids, sampling_params.prompt_logprobs)
         self.scheduler.add(seq)
         if sampling_params.seed is not None and not sampling_params.greedy:
             gen = torch.Generator(device=self.device)

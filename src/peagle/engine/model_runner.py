@@ -27,6 +27,7 @@ from peagle.engine.sampler import (SamplingTensors, exponential_like, process_lo
                                    uniform_like)
 from peagle.engine.spec.proposer import DraftInputs, Proposer
 from peagle.engine.spec.verifier import verify_greedy, verify_sampled, verify_synthetic
+from peagle.models.attention import DenseAttention
 
 # Whether an adaptive engine's drafter proposes only the drafts its step's K verifies (not the engine's K). At the 8B
 # shape (BENCHMARKS.md run 18) 14.7-15.4K tokens/s at 64 requests against 13.1-13.5K without, 9.0-11.0K at 32
@@ -290,6 +291,27 @@ class ModelRunner:
                           self.aux_layer_ids)
         hidden = out.hidden if all_rows else out.hidden.index_select(0, x["logit_rows"])
         return self.target.compute_logits(hidden), out.aux  # [B*(k+1), V], [T, F]
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, token_ids: list[int], num_top: int, rows: int = 512) -> list:
+        """The target's log-probability of each prompt token after the first given the tokens before it, its rank
+        and the `num_top` most likely tokens there (TokenLogprobs, raw logits as for output logprobs): one forward
+        of its own without the KV cache (causal attention over the prompt), logits taken `rows` positions at a
+        time so a long prompt never holds [n, vocab] at once."""
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        hidden = self.target(ids, torch.arange(len(ids), device=self.device), DenseAttention([len(ids)])).hidden
+        out = []
+        for start in range(0, len(ids) - 1, rows):
+            end = min(start + rows, len(ids) - 1)
+            lp = torch.log_softmax(self.target.compute_logits(hidden[start:end]).float(), dim=-1)
+            nxt = ids[start + 1:end + 1]
+            chosen = lp.gather(1, nxt[:, None])[:, 0]
+            rank = (lp > chosen[:, None]).sum(-1) + 1
+            top_lp, top_ids = lp.topk(num_top, dim=-1)
+            for t, c, r, ti, tl in zip(nxt.tolist(), chosen.tolist(), rank.tolist(), top_ids.tolist(),
+                                       top_lp.tolist()):
+                out.append((t, c, r, list(zip(ti, tl))))
+        return out
 
     def draft_count(self, k: int) -> int:
         """The drafts a step verifying k per request proposes for the next: with PROPOSE_VERIFIED_ONLY (the default)

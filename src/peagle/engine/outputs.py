@@ -103,7 +103,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     metrics: RequestMetrics
     finished: bool = True
-    prompt_logprobs: None = None  # not implemented: SamplingParams refuses prompt_logprobs
+    # with SamplingParams.prompt_logprobs, vLLM's: None for the first prompt token, then each token's dict (the token
+    # and the top alternatives, keyed by id)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None  # why the engine ended it with finish_reason "error" (out of KV cache, ...)
     num_cached_tokens: int = 0  # vLLM's: prompt tokens served from the prefix cache (enable_prefix_caching)
 

@@ -102,8 +102,9 @@ class SamplingParams:
     tokens, repetition (divide positive logits, multiply negative ones) over prompt and output.
 
     Fields vLLM has and peagle does not implement exist only to refuse a non-default value with a ValueError that
-    names them (prompt_logprobs, logits_processors, spaces_between_special_tokens=False, detokenize=False,
-    best_of > n). `bad_words` (vLLM's): words the output never completes (each word's last token is banned where
+    names them (logits_processors, spaces_between_special_tokens=False, detokenize=False, best_of > n).
+    `prompt_logprobs` (0..20, vLLM's): the target's log-probability of every prompt token after the first, with that
+    many top alternatives (RequestOutput.prompt_logprobs). `bad_words` (vLLM's): words the output never completes (each word's last token is banned where
     the tokens before it end the output so far; tokenised with and without a leading space, as vLLM does). `truncate_prompt_tokens` (vLLM's) keeps a prompt's last k tokens (-1: its last
     max_model_len), cut when the engine takes the request.
     """
@@ -134,8 +135,8 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)  # set by the engine (tokenizer)
-    # vLLM fields peagle refuses unless left at their defaults:
     prompt_logprobs: int | None = None
+    # vLLM fields peagle refuses unless left at their defaults:
     logits_processors: list | None = None
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
@@ -175,7 +176,7 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
 
     def _refuse_unimplemented(self):
-        unset = {"prompt_logprobs": None, "logits_processors": None,
+        unset = {"logits_processors": None,
                  "spaces_between_special_tokens": True, "detokenize": True}
         for name, default in unset.items():
             value = getattr(self, name)
@@ -205,8 +206,10 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an int in [0, {MAX_LOGPROBS}] or None, got {value!r}")
 
     def _check_penalties(self):
         for name in ("presence_penalty", "frequency_penalty"):
@@ -258,7 +261,8 @@ class SamplingParams:
         """n > 1 runs n independent sequences; seeded ones get seed + index, as vLLM's parallel sampling does."""
         if self.n == 1:
             return [self]
-        return [dataclasses.replace(self, n=1, best_of=None, seed=None if self.seed is None else self.seed + i)
+        return [dataclasses.replace(self, n=1, best_of=None, seed=None if self.seed is None else self.seed + i,
+                                    prompt_logprobs=self.prompt_logprobs if i == 0 else None)  # a prompt's, once
                 for i in range(self.n)]
 
     @property

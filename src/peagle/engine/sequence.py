@@ -48,6 +48,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache (at the last admission)
+        self.prompt_logprobs: list | None = None  # TokenLogprobs of prompt tokens 1.. (SamplingParams.prompt_logprobs)
         self.prefix_keys: list[bytes] | None = None  # the prompt's full-block keys (prefix caching), made once
         self.draft_token_ids: list[int] = []
         self.finish_reason: str | None = None

@@ -39,6 +39,7 @@ class RequestStream:
         self.accepted: asyncio.Future[None] = loop.create_future()
         self.queue: asyncio.Queue[StepOutput | Exception] = asyncio.Queue()
         self.last_token_time: float | None = None  # engine thread only, for the inter-token latency
+        self.prompt_logprobs: list | None = None  # TokenLogprobs of prompt tokens 1.. (prompt_logprobs requests)
 
     async def next_output(self) -> StepOutput:
         """The next output; raises RequestFailed if the engine failed. Not to be called once `done`."""
@@ -134,10 +135,11 @@ class AsyncEngine:
 
     def _add(self, stream: RequestStream, prompt_token_ids: list[int], params: SamplingParams):
         try:
-            self.engine.add_request(stream.request_id, prompt_token_ids, params)
+            seq = self.engine.add_request(stream.request_id, prompt_token_ids, params)
         except Exception as e:  # ValueError: the request's fault (400); anything else reaches the caller as 500
             self._loop.call_soon_threadsafe(_settle, stream.accepted, e)
             return
+        stream.prompt_logprobs = seq.prompt_logprobs  # set before `accepted` settles: the handler reads it then
         self._streams[stream.request_id] = stream
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         if self.metrics.prefix_cache_queries is not None:

@@ -43,7 +43,7 @@ class ApiError(Exception):
 _NO_OP_VALUES: dict[str, tuple] = {
     "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False), "functions": ([],),
     "echo": (False,), "suffix": ("",), "logprobs": (False,),
-    "prompt_logprobs": (), "use_beam_search": (False,), "length_penalty": (1, 1.0), "bad_words": ([],),
+    "use_beam_search": (False,), "length_penalty": (1, 1.0), "bad_words": ([],),
     "spaces_between_special_tokens": (True,), "priority": (0,),
     "store": (False,), "modalities": (["text"],), "service_tier": ("auto", "default"), "logits_processors": ([],),
     "structural_tag": (), "guided_decoding_backend": (), "guided_whitespace_pattern": (),
@@ -55,7 +55,7 @@ _NOT_SUPPORTED_WHY = {
     "guided_whitespace_pattern": "JSON is written with ', ' and ': ' separators and no other whitespace",
     "structural_tag": "structural tags are not supported",
     "best_of": "best_of > n is not supported", "use_beam_search": "beam search is not supported",
-    "prompt_logprobs": "prompt logprobs are not supported", "suffix": "suffix (insertion) is not supported",
+    "suffix": "suffix (insertion) is not supported",
 }
 
 
@@ -126,6 +126,8 @@ class SamplingFields(_Request):
     # vLLM's: keep only the prompt's last k tokens (left truncation); -1: the last max_model_len
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     bad_words: list[str] | None = None  # vLLM's: words the output never completes
+    # vLLM's: each prompt token's logprob (after the first) with this many alternatives, as `prompt_logprobs`
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     user: str | None = None  # an end-user id for the caller's own records; it changes no output
     # Structured output (OpenAI's response_format, vLLM's guided_* and structured_outputs); at most one.
     response_format: ResponseFormat | None = None
@@ -134,6 +136,17 @@ class SamplingFields(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict | None = None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token the response needs (None: no prompt logprobs)."""
+        return self.prompt_logprobs
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self):
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: not sent in streamed responses; ask without stream")
+        return self
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -363,15 +376,16 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     add_special_tokens: bool = True
 
-    @model_validator(mode="after")
-    def _echo_without_logprobs(self):
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo: echo with logprobs needs prompt logprobs, which are not supported")
-        return self
-
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token the response needs: `prompt_logprobs`'s, or with `echo`, `logprobs`'s (the
+        echoed prompt's tokens get logprobs too, as OpenAI's API gives them)."""
+        wanted = [n for n in (self.prompt_logprobs, self.logprobs if self.echo else None) if n is not None]
+        return max(wanted) if wanted else None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -509,10 +523,18 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob in a response's `prompt_logprobs` (keyed by token id)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: the echoed prompt's first token (nothing before it to predict it)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -528,6 +550,7 @@ class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's, with prompt_logprobs
 
 
 class ChatChunkChoice(BaseModel):
@@ -550,6 +573,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's, with prompt_logprobs
 
 
 class CompletionResponse(_Response):
@@ -626,7 +650,8 @@ class ChatFormat:
                                                                    else None, tool_calls=c.tool_calls or []),
                            finish_reason=c.finish_reason, logprobs=self.logprobs(c.logprobs),
                            stop_reason=c.stop_reason) for c in choices]
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=body, usage=usage)
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=body, usage=usage,
+                                      prompt_logprobs=choices[0].prompt_logprobs if choices else None)
 
 
 class CompletionFormat:
@@ -649,7 +674,8 @@ class CompletionFormat:
             offsets.append(offset)
             offset += len(t)
         return CompletionLogprobs(tokens=[t for t, _, _ in entries], token_logprobs=[lp for _, lp, _ in entries],
-                                  top_logprobs=[dict(top) for _, _, top in entries], text_offset=offsets)
+                                  top_logprobs=[None if top is None else dict(top) for _, _, top in entries],
+                                  text_offset=offsets)
 
     def head_chunk(self, index: int = 0) -> CompletionResponse | None:
         return None
@@ -664,7 +690,8 @@ class CompletionFormat:
 
     def response(self, choices: list["Choice"], usage: UsageInfo) -> CompletionResponse:
         return self._body([CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
-                                            logprobs=self.logprobs(c.logprobs), stop_reason=c.stop_reason)
+                                            logprobs=self.logprobs(c.logprobs), stop_reason=c.stop_reason,
+                                            prompt_logprobs=c.prompt_logprobs)
                            for c in choices], usage)
 
 
@@ -677,3 +704,4 @@ class Choice(BaseModel):
     stop_reason: int | str | None = None
     logprobs: Any = None  # TextLogprobs
     tool_calls: list[dict] | None = None  # wire format, chat only
+    prompt_logprobs: list | None = None  # vLLM's wire format, with prompt_logprobs

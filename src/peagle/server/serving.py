@@ -188,7 +188,7 @@ class Serving:
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens, logprobs=req.num_logprobs, logit_bias=req.logit_bias,
                 allowed_token_ids=req.allowed_token_ids, structured_outputs=structured and structured[1],
-                bad_words=req.bad_words or None,
+                bad_words=req.bad_words or None, prompt_logprobs=req.num_prompt_logprobs,
             )
             params = with_bad_words(params, self.tokenizer, self.engine.engine.model_config.vocab_size)
         except ValueError as e:
@@ -209,7 +209,7 @@ class Serving:
                         tools: bool = False) -> Response:
         first = self._sampling_params(req, prompts[0].max_tokens)  # a grammar compiled once for the batch
         params = [first] + [dataclasses.replace(first, max_tokens=p.max_tokens) for p in prompts[1:]]
-        choices = await self._submit(fmt.id, prompts, params, tools)
+        choices = await self._submit(fmt.id, prompts, params, tools, req.prompt_logprobs)
 
         def close():
             for c in choices:
@@ -232,7 +232,7 @@ class Serving:
         return _EventStream(events, on_close=close)
 
     async def _submit(self, request_id: str, prompts: list["_Prompt"], params: list[SamplingParams],
-                      tools: bool = False) -> list["_Choice"]:
+                      tools: bool = False, num_prompt_logprobs: int | None = None) -> list["_Choice"]:
         """Every prompt's n sequences into the engine, all or none (a batch that does not fit is refused whole)."""
         children = [p.parallel_children() for p in params]
         count = sum(len(c) for c in children)
@@ -256,8 +256,10 @@ class Serving:
                     except BaseException:
                         self.num_in_flight -= 1
                         raise
+                    if i == 0:  # the prompt's first sequence computed its prompt logprobs (if asked) for all
+                        prompt.logprobs = stream.prompt_logprobs
                     choices.append(_Choice(len(choices), stream, child, self.tokenizer, prompt, self.eos_token_ids,
-                                           tools, first_of_prompt=i == 0))
+                                           tools, first_of_prompt=i == 0, num_prompt_logprobs=num_prompt_logprobs))
         except BaseException as e:
             for c in choices:  # the siblings already queued
                 self._close(c.stream)
@@ -285,7 +287,7 @@ class Serving:
             choices[index].feed(out)
         usage = self._usage(choices)
         done = [Choice(index=c.index, text=(c.echo or "") + c.content, finish_reason=c.finish_reason,
-                       stop_reason=c.stop_reason, logprobs=c.logprobs,
+                       stop_reason=c.stop_reason, logprobs=c.logprobs, prompt_logprobs=c.prompt_logprobs,
                        tool_calls=[t.wire() for t in c.tool_calls] or None) for c in choices]
         return JSONResponse(fmt.response(done, usage).model_dump())
 
@@ -298,13 +300,13 @@ class Serving:
             if head is not None:
                 yield _sse(head)
             if c.echo:
-                yield _sse(fmt.chunk(c.echo, index=c.index))
+                yield _sse(fmt.chunk(c.echo, index=c.index, logprobs=c.echo_logprobs))
         item = first
         try:
             while True:
                 index, out = item
                 c = choices[index]
-                offset = len(c.text.text)
+                offset = c.echo_chars + len(c.text.text)  # text_offset counts the echoed prompt's tokens first
                 delta, logprobs = c.feed(out)
                 if delta or logprobs:
                     extra = {"offset": offset} if isinstance(fmt, CompletionFormat) else {}
@@ -328,19 +330,22 @@ class Serving:
 
 
 class _Prompt:
-    """One prompt of a request: its token ids, its max_tokens, and its text for `echo` (None: not echoed)."""
+    """One prompt of a request: its token ids, its max_tokens, its text for `echo` (None: not echoed) and, once
+    submitted with prompt logprobs asked, the engine's TokenLogprobs of its tokens after the first."""
 
     def __init__(self, ids: list[int], max_tokens: int, echo: str | None = None):
         self.ids = ids
         self.max_tokens = max_tokens
         self.echo = echo
+        self.logprobs: list | None = None
 
 
 class _Choice:
     """One of a request's sequences (n per prompt): its engine stream, text, logprobs and why it ended."""
 
     def __init__(self, index: int, stream: RequestStream, params: SamplingParams, tokenizer, prompt: _Prompt,
-                 eos_token_ids: frozenset[int], tools: bool = False, first_of_prompt: bool = True):
+                 eos_token_ids: frozenset[int], tools: bool = False, first_of_prompt: bool = True,
+                 num_prompt_logprobs: int | None = None):
         self.index = index
         self.stream = stream
         self.params = params
@@ -353,6 +358,19 @@ class _Choice:
         self.num_tokens = 0
         self.num_cached_tokens = 0  # from the finished output's metrics
         self.logprobs: list | None = [] if params.logprobs is not None else None
+        # echo with logprobs (OpenAI's completions): the echoed prompt's tokens lead the logprobs, the first
+        # without a value; text_offset counts their text before the answer's
+        self.echo_logprobs: list | None = None
+        self.echo_chars = 0
+        if self.echo is not None and self.logprobs is not None and prompt.logprobs is not None:
+            first = (self._token_text(prompt.ids[0]), None, None)
+            self.echo_logprobs = [first] + [self._text_logprobs(e) for e in prompt.logprobs]
+            self.echo_chars = sum(len(t) for t, _, _ in self.echo_logprobs)
+            self.logprobs = list(self.echo_logprobs)
+        # vLLM's prompt_logprobs field: None for the first token, then {id: {logprob, rank, decoded_token}}
+        self.prompt_logprobs: list | None = None
+        if num_prompt_logprobs is not None and prompt.logprobs is not None:
+            self.prompt_logprobs = [None] + [self._wire_logprobs(e, num_prompt_logprobs) for e in prompt.logprobs]
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.tool_parser = ToolCallParser() if tools else None
@@ -399,6 +417,13 @@ class _Choice:
         if self.tokenizer is None:
             return f"token_id:{token_id}"  # vLLM's spelling for tokens shown as ids
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _wire_logprobs(self, entry, num_top: int) -> dict[str, dict]:
+        token_id, logprob, rank, top = entry
+        out = {str(token_id): {"logprob": logprob, "rank": rank, "decoded_token": self._token_text(token_id)}}
+        for r, (t, lp) in enumerate(top[:num_top], 1):
+            out.setdefault(str(t), {"logprob": lp, "rank": r, "decoded_token": self._token_text(t)})
+        return out
 
     def _text_logprobs(self, entry):
         token_id, logprob, _, top = entry

@@ -26,8 +26,12 @@
 #      HF_BASELINES=none bench2; else HF_SECS=290 BENCH2_DATASETS=none bench2 (HF's three baselines at batch 1 and 64
 #      beside a no-speculation point: the grid's c=1 and c=64 HF cells).
 #   Then locally: `peagle bench-report` of the calls' results.json files (one table and the seeds' plots), BENCHMARKS.md.
-#   The session after: the sampled table (BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head bench, and BENCH2_TEMPS=0.7 for
-#   HumanEval) with the same heads, then what of step 8 did not run.
+#   The session after: issue 16's table in one run first (about 5 minutes, no heads needed: carry .cfg .whl with
+#   stage_a's call, then .stage_b): ENGINE_VARIANTS=async+prefill-graphs+admit-ahead+mixed-tiles+fused-merge
+#   ENGINE_PROFILE=1 engine (batch 1 and 64 rounds with their host share, TTFT at concurrency 1, the stall a new
+#   prompt causes among 8 decodes, ITL as requests arrive, profiles) and SCALE_C=1 scale (the 8B shape's batch-1
+#   step against its weight-bandwidth floor); then the sampled table (BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head bench, and
+#   BENCH2_TEMPS=0.7 for HumanEval) with the same heads, then what of step 8 did not run.
 # Run 22's plan (what was run, BENCHMARKS.md "Run 22"), the testbed from scratch: 1. tb_stage (carry .tb_a .whl);
 #   2. tb_stage (.tb_b); 3. `export PEAGLE_GIT_COMMIT=<hash>; tb_stage && TB_SECS=560 testbed` (.tb_c .whl): the
 #   default recipe, NOT profiled (with less than 24 minutes left when a machine starts, TB_TRAIN_MINUTES=M, the

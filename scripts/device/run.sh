@@ -80,10 +80,12 @@
 #   ~4 min: the attention's split merge inside its kernel, batch 1's 0.96 ms step); the trainer alone with and
 #   without --shape-multiple (TP_DATA=$W/tb/data-h200/sharegpt.0 TP_STEPS=40
 #   TP_RUNS="b1=$PWD/src:peagle:8:8192:1 shape=$PWD/src:peagle:8:8192:1:--shape-multiple,1024" throughput).
-# Later (issue 14's recipe, untried anchors, SpecForge's frozen embedding first; P-EAGLE's default is Muon since run
-#   14): tb_stage x3 && TB_SECS=420
-#   testbed_data; TRAIN_MIN=13 AB_VARIANTS="base frozen-embed layers6" ablate (6 layers: P-EAGLE's pass is cheap);
-#   wait; wait && SERVE_K=3,7 SERVE_N=64 SERVE_HEADS="ab-base ab-layers6 ab-muon-lr2e-3" serve.
+# Later (issue 14's recipe, the anchors not yet separated, in one session of their own: the default recipe is
+#   Muon, 32K vocabulary, frozen lm_head, feature noise 0.05, depth decay 0.8): tb_stage x3 && TB_SECS=420
+#   testbed_data; TRAIN_MIN=13 AB_VARIANTS="base frozen-embed trained-head no-noise vocab16k" ablate (five side by
+#   side: each gets a fifth of the GPU, so fewer steps than the testbed's heads; only rows of the run compare);
+#   wait; wait && SERVE_K=3,7 SERVE_N=64 SERVE_HEADS="ab-base ab-frozen-embed ab-trained-head ab-no-noise
+#   ab-vocab16k" serve.
 # Run 13's plan (what was run, BENCHMARKS.md "Run 13": tb_stage && gpu_tests; tb_stage; tb_stage && TB_SECS=560
 # TB_PEAGLE_ARGS="--k-train 12" testbed; TB_SECS=560 testbed_wait; TB_SECS=430 testbed_wait; heads_out x3;
 # HEADS_N=24 HEADS_K=7,11 heads; ENGINE_LOOP=64:256 engine with the trained head; engine_timing by hand, what

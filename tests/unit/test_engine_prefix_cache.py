@@ -143,3 +143,83 @@ def wrap_execute(llm, k: int, seen: list | None, entries: dict):
         return result
 
     runner.execute = execute
+
+
+def test_a_finished_answer_names_its_computed_blocks():
+    """A sequence that gives its blocks up names every full block before num_computed_tokens, its answer's too, so
+    the next turn's prompt (this prompt, this answer, more) takes them; not after a step without the drafter."""
+    bm = BlockManager(16, BS, enable_prefix_caching=True)
+
+    def seq(seq_id, tokens):
+        return Sequence(seq_id, tokens, SamplingParams(max_tokens=64, ignore_eos=True), 0.0)
+
+    first = seq("a", list(range(3, 23)))  # 20 prompt tokens
+    bm.allocate(first, 40)
+    first.append_tokens(list(range(100, 120)))  # a 20-token answer: 40 tokens, the last not yet fed
+    assert first.num_tokens == 40
+    first.num_computed_tokens = 39
+    table = list(first.block_table)
+    bm.free(first)
+    turn = seq("b", first.token_ids + [7, 8, 9])
+    assert bm.cached_prefix(turn) == table[:4]  # blocks 0-3: positions 0..31, each with the token after it
+    gap = seq("c", list(range(30, 50)))
+    bm.allocate(gap, 40)
+    gap.append_tokens(list(range(200, 220)))
+    gap.num_computed_tokens, gap.drafter_gap = 39, True
+    bm.free(gap)
+    assert bm.cached_prefix(seq("d", gap.token_ids + [7])) == []  # (its prompt's are named at scheduling)
+
+
+@pytest.mark.parametrize("method, async_scheduling", [
+    (None, False), (None, True), ("eagle3", False), ("peagle", False), ("peagle", True)])
+def test_the_next_turn_takes_the_answers_blocks(target_dir, heads, method, async_scheduling):
+    """A second turn whose prompt is the first turn's prompt and answer and more: with the cache it takes the
+    answer's blocks, its output equals the engine's without the cache, its drafter entries there equal a prefill's
+    (to float32 rounding: the answer's were computed a few tokens a step), and its drafts a from-scratch one's."""
+    k, parallel = 3, method == "peagle"
+    kw = dict(k=k, parallel=parallel, block_size=BS, async_scheduling=async_scheduling)
+    head = heads[method] if method else None
+    plain = make_llm(target_dir, head, **kw)
+    cached = make_llm(target_dir, head, enable_prefix_caching=True, **kw)
+    seen: list[tuple[list[int], list[int]]] = []
+    entries: dict[str, dict[tuple[int, ...], torch.Tensor]] = {"plain": {}, "cached": {}}
+    check_drafts = method is not None and not async_scheduling
+    for name, llm in (("plain", plain), ("cached", cached)) if check_drafts else ():
+        wrap_execute(llm, k, seen if name == "cached" else None, entries[name])
+    first = [PREFIX[:20]]
+    answers = [o.token_ids for o in cached.generate(first, greedy(24), use_tqdm=False)]
+    assert answers == [o.token_ids for o in plain.generate(first, greedy(24), use_tqdm=False)]
+    turn = [first[0] + answers[0] + [11, 12, 13]]
+    want = plain.generate(turn, greedy(16), use_tqdm=False)
+    got = cached.generate(turn, greedy(16), use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    # 44 tokens of the first turn, the last never fed: 43 computed, so five full blocks (40 tokens) are named
+    assert got[0].num_cached_tokens == 40 and want[0].num_cached_tokens == 0
+    if check_drafts:
+        key = tuple(turn[0])
+        torch.testing.assert_close(entries["cached"][key], entries["plain"][key], rtol=1e-4, atol=1e-4)
+        assert seen
+        model = load_model(target_dir, dtype="float32")
+        with torch.inference_mode():
+            for ctx, drafts in seen:
+                assert drafts == reference_drafts(model, cached.engine.runner.drafter, ctx, k, parallel), ctx
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_answer_decoded_without_the_drafter_names_no_blocks(target_dir, heads, async_scheduling):
+    """The adaptive policy's K = 0 (here at every load) feeds the answer without the drafter, whose entries there
+    stay unwritten: the next turn takes only the prompt's blocks, and its output is still the uncached engine's."""
+    from peagle import LLM
+
+    spec = {"method": "eagle3", "model": heads["peagle"], "num_speculative_tokens": 3, "parallel_drafting": True,
+            "adaptive": {"thresholds": [], "above": 0}}
+    outs = {}
+    for caching in (False, True):
+        llm = LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
+                  max_num_seqs=3, block_size=BS, async_scheduling=async_scheduling, enable_prefix_caching=caching)
+        first = [PREFIX[:20]]
+        answer = llm.generate(first, greedy(24), use_tqdm=False)[0].token_ids
+        turn = llm.generate([first[0] + answer + [11, 12, 13]], greedy(8), use_tqdm=False)[0]
+        outs[caching] = (answer, turn.token_ids, turn.num_cached_tokens)
+    assert outs[True][:2] == outs[False][:2]
+    assert outs[True][2] == 16  # the 20-token prompt's two full blocks, none of the answer's

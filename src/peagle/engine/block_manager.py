@@ -9,7 +9,9 @@ block is only ever named once the token after it is in the prompt, and a prompt 
 token. A block's key is registered (`register`) after the step that computes it has been scheduled, never within
 it, so a prompt never reads a block that its own step is still writing; steps run in order on one stream. Blocks
 with a key whose last owner has finished stay cached (evictable, least recently freed first) until a block is
-needed; then they are the last to be handed out. Nothing writes into a cached block: a prompt that reuses k blocks
+needed; then they are the last to be handed out. A sequence that gives its blocks up (finished, aborted, preempted)
+names its answer's full blocks as well, those before num_computed_tokens (`_name_computed`), so the next turn of
+a chat, whose prompt is this prompt and this answer and more, takes them. Nothing writes into a cached block: a prompt that reuses k blocks
 starts computing at position k x block_size, in blocks of its own.
 """
 
@@ -112,13 +114,26 @@ class BlockManager:
         prompts to find; a key already held by another block keeps that block."""
         if not self.enable_prefix_caching:
             return
-        keys = self._prompt_keys(seq)
-        for i in range(min(len(keys), num_computed_tokens // self.block_size, len(seq.block_table))):
+        self._name(seq, self._prompt_keys(seq), num_computed_tokens // self.block_size)
+
+    def _name(self, seq: Sequence, keys: list[bytes], num_blocks: int):
+        for i in range(min(len(keys), num_blocks, len(seq.block_table))):
             block, key = seq.block_table[i], keys[i]
             if key in self._cached or block in self._key_of:
                 continue
             self._cached[key] = block
             self._key_of[block] = key
+
+    def _name_computed(self, seq: Sequence):
+        """As a sequence gives its blocks up, name every full block whose entries are final, its answer's too: the
+        target's KV and the drafter's entry at each position before num_computed_tokens (the step that fed a token
+        ran the drafter over it, with the token after it), so a later prompt that starts with this prompt and its
+        answer (the next turn of a chat) takes them. Not after a step that fed it without the drafter (the adaptive
+        policy's K = 0): its drafter entries there were never written."""
+        if seq.drafter_gap or seq.num_computed_tokens <= seq.num_prompt_tokens:
+            return  # the prompt's blocks were named when they were scheduled
+        n = seq.num_computed_tokens
+        self._name(seq, prefix_keys(seq.token_ids[:n + 1], self.block_size), n // self.block_size)
 
     def _prompt_keys(self, seq: Sequence) -> list[bytes]:
         if seq.prefix_keys is None:
@@ -151,7 +166,10 @@ class BlockManager:
             seq.block_table.append(block)
 
     def free(self, seq: Sequence):
-        """Return all of `seq`'s blocks (a cached block stays cached); a sequence without blocks is a no-op."""
+        """Return all of `seq`'s blocks (a cached block stays cached; with prefix caching its computed blocks are
+        named first); a sequence without blocks is a no-op."""
+        if self.enable_prefix_caching and seq.block_table:
+            self._name_computed(seq)
         for block in reversed(seq.block_table):  # a prompt's last blocks are evicted before its first ones
             assert block in self._refs, f"{seq.seq_id}: block {block} freed twice or never allocated"
             self._refs[block] -= 1

@@ -235,6 +235,7 @@ class LLMEngine:
             more = {} if chunks is None else {"chunks": chunks}
             if self._proposes_other_count(drafts, k):
                 more["num_new_drafts"] = k
+            self._note_drafting(sched.seqs, draft)
             result = self.runner.execute(sched.seqs, drafts, self._sampling_tensors(sched.seqs), draft=draft, **more)
             outputs = self._commit(_Launched(sched.seqs, None, chunks), result)
         return self._release(outputs)
@@ -259,6 +260,7 @@ class LLMEngine:
             if sched.seqs:
                 st = self._sampling_tensors(sched.seqs)
                 more = k if self._proposes_other_count(drafts, k) else None
+                self._note_drafting(sched.seqs, draft)
                 ahead = _Launched(sched.seqs, self.runner.launch(sched.seqs, drafts, st, draft, chunks, more), chunks)
         self._inflight = ahead
         return self._release(outputs)
@@ -285,8 +287,16 @@ class LLMEngine:
                                                                   self._sampling_tensors(batch), k))
         if not self.scheduler.schedule_ahead(seqs, handle.k + 1, k + 1):
             return None
+        self._note_drafting(seqs, k_policy > 0)
         return _Launched(seqs, self.runner.launch_next(handle, rows, seqs, self._sampling_tensors(seqs), k,
                                                        draft=k_policy > 0))
+
+    def _note_drafting(self, seqs: list[Sequence], draft: bool):
+        """A step that feeds sequences without running the drafter leaves their drafter entries unwritten there:
+        prefix caching then names none of their answer's blocks (block_manager)."""
+        if not draft and self.spec is not None:
+            for seq in seqs:
+                seq.drafter_gap = True
 
     def _proposes_other_count(self, drafts: list[list[int]], k: int) -> bool:
         """Whether a step verifying `drafts` should propose the policy's K for the next, not what the runner would

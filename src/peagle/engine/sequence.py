@@ -49,6 +49,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache (at the last admission)
         self.prompt_logprobs: list | None = None  # TokenLogprobs of prompt tokens 1.. (SamplingParams.prompt_logprobs)
+        self.drafter_gap = False  # a step fed it without running the drafter (speculation off): entries missing
         self.prefix_keys: list[bytes] | None = None  # the prompt's full-block keys (prefix caching), made once
         self.draft_token_ids: list[int] = []
         self.finish_reason: str | None = None

@@ -47,3 +47,22 @@ def test_cached_prefixes_keep_greedy_output_under_graphs(model_dir, method, asyn
         cached = [o.num_cached_tokens for o in rounds[1]]
     assert outs[True] == outs[False]
     assert min(cached[:4]) >= 144 and cached[4] == 48  # the second round took the shared blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("method", sorted(SPECS))
+def test_next_turn_takes_the_answers_blocks_under_graphs(model_dir, method, async_scheduling):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs, cached = {}, None
+    for caching in (False, True):
+        llm = LLM(model=model_dir, load_format="dummy", dtype="float32", max_model_len=512, max_num_seqs=4,
+                  speculative_config=SPECS[method], async_scheduling=async_scheduling, enable_prefix_caching=caching)
+        first = llm.generate(PROMPTS, params, use_tqdm=False)
+        turns = [p + o.token_ids + [5, 6, 7] for p, o in zip(PROMPTS, first)]
+        second = llm.generate(turns, params, use_tqdm=False)
+        outs[caching] = ([o.token_ids for o in first], [o.token_ids for o in second])
+        cached = [o.num_cached_tokens for o in second]
+        bs = llm.engine.scheduler.block_manager.block_size
+    assert outs[True] == outs[False]
+    # every full block before the first turn's last token (never fed): the answers' blocks too
+    assert cached == [(len(p) + params.max_tokens - 1) // bs * bs for p in PROMPTS]

@@ -30,8 +30,9 @@
 #   stage_a's call, then .stage_b): ENGINE_VARIANTS=async+prefill-graphs+admit-ahead+mixed-tiles+fused-merge
 #   ENGINE_PROFILE=1 engine (batch 1 and 64 rounds with their host share, TTFT at concurrency 1, the stall a new
 #   prompt causes among 8 decodes, ITL as requests arrive, profiles) and SCALE_C=1 scale (the 8B shape's batch-1
-#   step against its weight-bandwidth floor) and GPU_TESTS=tests/gpu/test_request_options_gpu.py gpu_tests (prompt
-#   logprobs against the paged engine's, truncated prompts, under graphs); then the sampled table (BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head bench, and
+#   step against its weight-bandwidth floor) and GPU_TESTS="tests/gpu/test_request_options_gpu.py
+#   tests/gpu/test_prefix_cache_gpu.py" gpu_tests (prompt logprobs against the paged engine's, truncated prompts, a
+#   chat's next turn taking the answer's cached blocks, under graphs); then the sampled table (BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head bench, and
 #   BENCH2_TEMPS=0.7 for HumanEval) with the same heads, then what of step 8 did not run.
 # Run 22's plan (what was run, BENCHMARKS.md "Run 22"), the testbed from scratch: 1. tb_stage (carry .tb_a .whl);
 #   2. tb_stage (.tb_b); 3. `export PEAGLE_GIT_COMMIT=<hash>; tb_stage && TB_SECS=560 testbed` (.tb_c .whl): the

@@ -223,3 +223,26 @@ def test_an_answer_decoded_without_the_drafter_names_no_blocks(target_dir, heads
         outs[caching] = (answer, turn.token_ids, turn.num_cached_tokens)
     assert outs[True][:2] == outs[False][:2]
     assert outs[True][2] == 16  # the 20-token prompt's two full blocks, none of the answer's
+
+
+def test_a_preempted_sequence_takes_its_own_blocks_back(target_dir, heads):
+    """Preemption by recompute under a tiny KV budget: with the cache a preempted sequence takes back the blocks it
+    named as it gave them up (its answer's included) instead of prefilling them again; the output is unchanged."""
+    prompts = [PREFIX[:20], PREFIX[20:36], PREFIX[5:30], PREFIX[10:22]]
+    outs, admitted = {}, []
+    for caching in (False, True):
+        llm = make_llm(target_dir, heads["peagle"], k=3, parallel=True, max_num_seqs=4, num_kv_blocks=14,
+                       block_size=BS, enable_prefix_caching=caching)
+        bm = llm.engine.scheduler.block_manager
+        take = bm.take_cached_prefix
+
+        def recording(seq, blocks, take=take):
+            if seq.num_tokens > seq.num_prompt_tokens:  # a re-admission after preemption
+                admitted.append(len(blocks) * BS - seq.num_prompt_tokens)
+            return take(seq, blocks)
+
+        bm.take_cached_prefix = recording
+        outs[caching] = [o.token_ids for o in llm.generate(prompts, greedy(40), use_tqdm=False)]
+        assert bm.num_used_blocks == 0
+    assert outs[True] == outs[False]
+    assert admitted and max(admitted) > 0  # blocks past the prompt: answer tokens not computed again

@@ -89,8 +89,11 @@ class BlockManager:
         prefix of full blocks); [] without prefix caching or once the sequence holds blocks."""
         if not self.enable_prefix_caching or seq.block_table or seq.num_computed_tokens:
             return []
+        # a sequence preempted by recompute has an answer too: its blocks, named when it gave them up, count
+        keys = self._prompt_keys(seq) if seq.num_tokens == seq.num_prompt_tokens else prefix_keys(
+            seq.token_ids, self.block_size)
         blocks = []
-        for key in self._prompt_keys(seq):
+        for key in keys:
             block = self._cached.get(key)
             if block is None:
                 break
@@ -106,8 +109,9 @@ class BlockManager:
             self._refs[block] = self._refs.get(block, 0) + 1
             seq.block_table.append(block)
         seq.num_computed_tokens = len(blocks) * self.block_size
-        seq.num_cached_tokens = seq.num_computed_tokens
-        self.num_hit_tokens += seq.num_computed_tokens
+        # prompt tokens served from the cache (a preempted sequence may take its answer's blocks too)
+        seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+        self.num_hit_tokens += seq.num_cached_tokens
 
     def register(self, seq: Sequence, num_computed_tokens: int):
         """Name the full prompt blocks of `seq` that a scheduled step computes up to `num_computed_tokens`, for later

@@ -163,3 +163,4 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.draft_token_ids = []
+        self.drafter_gap = False  # the prefill that recomputes it runs the drafter over every position

@@ -8,7 +8,6 @@ launch (peagle.kernels.pdl) keep the same output."""
 from __future__ import annotations
 
 import importlib
-import json
 
 import pytest
 import torch
@@ -17,10 +16,6 @@ from peagle import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 4096, "hidden_size": 256,
-          "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-          "head_dim": 64, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-          "tie_word_embeddings": False, "eos_token_id": 0}
 # Prompt lengths across token buckets, more prompts than max_num_seqs: new prompts prefill beside running decodes.
 PROMPTS = [[5 + i % 50 for i in range(n)] for n in (3, 17, 40, 9, 130, 300, 1, 64)]
 SPECS = {"none": None,
@@ -29,12 +24,6 @@ SPECS = {"none": None,
 VARIANTS = {"plain": {}, "chunked": {"enable_chunked_prefill": True, "max_num_batched_tokens": 64},
             "async": {"async_scheduling": True}}
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-llama")
-    (d / "config.json").write_text(json.dumps(CONFIG))
-    return str(d)
 
 
 def make_llm(model_dir, method, graphs, **kw):

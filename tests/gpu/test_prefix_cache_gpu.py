@@ -4,7 +4,6 @@ token in fp32."""
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
@@ -14,10 +13,6 @@ from peagle import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 4096, "hidden_size": 256,
-          "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-          "head_dim": 64, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-          "tie_word_embeddings": False, "eos_token_id": 0}
 _rng = random.Random(3)
 SHARED = [_rng.randrange(1, 4096) for _ in range(150)]
 # A shared system-prompt-like prefix with different questions, one prompt repeated, one sharing only a part.
@@ -26,12 +21,6 @@ SPECS = {"none": None,
          "eagle3": {"method": "eagle3", "model": "dummy", "num_speculative_tokens": 3},
          "peagle": {"method": "eagle3", "model": "dummy", "num_speculative_tokens": 7, "parallel_drafting": True}}
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-llama")
-    (d / "config.json").write_text(json.dumps(CONFIG))
-    return str(d)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

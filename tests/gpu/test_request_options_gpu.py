@@ -4,7 +4,6 @@ by truncate_prompt_tokens decodes as its tail sent alone (fp32, random weights).
 
 from __future__ import annotations
 
-import json
 import math
 import random
 
@@ -15,21 +14,11 @@ from peagle import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 4096, "hidden_size": 256,
-          "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-          "head_dim": 64, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-          "tie_word_embeddings": False, "eos_token_id": 0}
 _rng = random.Random(5)
 PROMPT = [_rng.randrange(1, 4096) for _ in range(300)]
 SPECS = {"none": None,
          "peagle": {"method": "eagle3", "model": "dummy", "num_speculative_tokens": 7, "parallel_drafting": True}}
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-llama")
-    (d / "config.json").write_text(json.dumps(CONFIG))
-    return str(d)
 
 
 @pytest.fixture(scope="module", params=sorted(SPECS))

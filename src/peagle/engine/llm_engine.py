@@ -15,7 +15,7 @@ from peagle.engine.config import EngineConfig
 from peagle.engine.model_runner import ModelRunner, StepHandle, StepResult
 from peagle.engine.outputs import RequestMetrics, StepOutput
 from peagle.engine.sampler import SamplingTensors, build_sampling_tensors
-from peagle.engine.sampling_params import SamplingParams, with_bad_words
+from peagle.engine.sampling_params import SamplingParams, truncate_prompt, with_bad_words
 from peagle.engine.scheduler import Scheduler, SchedulerConfig
 from peagle.engine.sequence import Sequence
 from peagle.engine.spec.proposer import Eagle3Proposer, ParallelDraftingProposer
@@ -204,13 +204,8 @@ class LLMEngine:
         return seq
 
     def truncated_prompt(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> list[int]:
-        """vLLM's truncate_prompt_tokens (left truncation): the prompt's last k tokens, -1 its last max_model_len;
-        the prompt as it is without it."""
-        keep = sampling_params.truncate_prompt_tokens
-        if keep is None:
-            return prompt_token_ids
-        keep = self.max_model_len if keep == -1 else keep
-        return list(prompt_token_ids)[-keep:]
+        """The prompt after the request's truncate_prompt_tokens (sampling_params.truncate_prompt)."""
+        return truncate_prompt(prompt_token_ids, sampling_params.truncate_prompt_tokens, self.max_model_len)
 
     def abort_request(self, request_id: str) -> bool:
         self._generators.pop(request_id, None)

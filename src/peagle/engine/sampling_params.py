@@ -301,3 +301,12 @@ def with_bad_words(params: SamplingParams, tokenizer, vocab_size: int) -> Sampli
     if outside:
         raise ValueError(f"bad_words: token ids {outside} are outside the vocabulary [0, {vocab_size})")
     return dataclasses.replace(params, bad_words_token_ids=sequences)
+
+
+def truncate_prompt(prompt_token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens (left truncation): the prompt's last `keep` tokens, -1 its last max_model_len;
+    the same list when nothing is cut (None, or a prompt no longer than that)."""
+    if keep is None:
+        return prompt_token_ids
+    keep = max_model_len if keep == -1 else keep
+    return list(prompt_token_ids)[-keep:] if len(prompt_token_ids) > keep else prompt_token_ids

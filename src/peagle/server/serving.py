@@ -20,7 +20,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from peagle.engine.outputs import StepOutput
-from peagle.engine.sampling_params import SamplingParams, StructuredOutputsParams, with_bad_words
+from peagle.engine.sampling_params import (SamplingParams, StructuredOutputsParams, truncate_prompt,
+                                           with_bad_words)
 from peagle.server.async_engine import AsyncEngine, RequestFailed, RequestStream
 from peagle.server.output_text import OutputText
 from peagle.server.tool_calls import ToolCall, ToolCallParser, forcing_grammar, template_supports_tools
@@ -58,7 +59,7 @@ class Serving:
     async def chat(self, request: Request) -> Response:
         req = self._with_defaults(parse_request(await request.body(), ChatCompletionRequest))
         self.check_model(req.model)
-        prompt_ids = self._truncated(self._chat_prompt(req), req.truncate_prompt_tokens)
+        prompt_ids = truncate_prompt(self._chat_prompt(req), req.truncate_prompt_tokens, self.max_model_len)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens or req.max_tokens or self.sampling_defaults.get("max_tokens")
         max_tokens = self._max_tokens(prompt_ids, requested, "messages", param)
@@ -75,7 +76,7 @@ class Serving:
         for i, prompt in enumerate(req.prompt):
             where = "prompt" if len(req.prompt) == 1 else f"prompt[{i}]"
             ids = self._completion_prompt(prompt, req.add_special_tokens, where)
-            truncated = self._truncated(ids, req.truncate_prompt_tokens)
+            truncated = truncate_prompt(ids, req.truncate_prompt_tokens, self.max_model_len)
             echo = None
             if req.echo:  # the prompt as the model read it
                 echo = prompt if isinstance(prompt, str) and truncated is ids else self._decode(truncated)
@@ -142,14 +143,6 @@ class Serving:
         if self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: send the prompt as a list of token ids", param=param)
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-
-    def _truncated(self, prompt_ids: list[int], keep: int | None) -> list[int]:
-        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: its last max_model_len); the same
-        list when nothing is cut."""
-        if keep is None:
-            return prompt_ids
-        keep = self.max_model_len if keep == -1 else keep
-        return prompt_ids[-keep:] if len(prompt_ids) > keep else prompt_ids
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""

@@ -300,16 +300,15 @@ class ModelRunner:
         time so a long prompt never holds [n, vocab] at once."""
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         hidden = self.target(ids, torch.arange(len(ids), device=self.device), DenseAttention([len(ids)])).hidden
+        one = torch.zeros(1, dtype=torch.long, device=self.device)  # the chunk as one request of end - start rows
         out = []
         for start in range(0, len(ids) - 1, rows):
             end = min(start + rows, len(ids) - 1)
-            lp = torch.log_softmax(self.target.compute_logits(hidden[start:end]).float(), dim=-1)
             nxt = ids[start + 1:end + 1]
-            chosen = lp.gather(1, nxt[:, None])[:, 0]
-            rank = (lp > chosen[:, None]).sum(-1) + 1
-            top_lp, top_ids = lp.topk(num_top, dim=-1)
-            for t, c, r, ti, tl in zip(nxt.tolist(), chosen.tolist(), rank.tolist(), top_ids.tolist(),
-                                       top_lp.tolist()):
+            chosen, rank, top_ids, top_lp = token_logprobs(self.target.compute_logits(hidden[start:end]).float(), one,
+                                                           nxt[None], num_top, end - start)
+            for t, c, r, ti, tl in zip(nxt.tolist(), chosen[0].tolist(), rank[0].tolist(), top_ids[0].tolist(),
+                                       top_lp[0].tolist()):
                 out.append((t, c, r, list(zip(ti, tl))))
         return out
 

@@ -316,7 +316,8 @@ class ModelRunner:
         """The drafts a step verifying k per request proposes for the next: with PROPOSE_VERIFIED_ONLY (the default)
         as many as it verifies (the adaptive policy's K for the load, which the next step most likely verifies again;
         the engine's K after a step without drafts), else the engine's K. A step that should propose more (the
-        policy's K rose) is padded to that count when it can be, else runs eagerly (`launch`)."""
+        policy's K rose) is padded to that count when it can be, else proposes this count and the rise comes a step
+        later (`launch`)."""
         return k if k > 0 and PROPOSE_VERIFIED_ONLY else self.k
 
     def propose(self, x: dict[str, torch.Tensor], aux, num_rejected, next_tokens, max_query_len: int,
@@ -374,16 +375,23 @@ class ModelRunner:
         drafts come back. `chunks`: tokens fed per request when a prefill is chunked; a chunk's answer is
         meaningless (nothing is sampled), but the drafter reads the prompt token after it, so its cache fills.
         `num_new_drafts`: the drafts to propose per request (default `draft_count` of the drafts given); a larger
-        count pads the drafts to it (`_can_pad_drafts`), so the step runs as that K's steps do; a count that cannot
-        be padded runs eagerly (the graphs propose the default)."""
+        count pads the drafts to it (`_can_pad_drafts`), so the step runs as that K's steps do; a larger count that
+        cannot be padded is not honoured (the default is proposed, on the graphs); a smaller one runs eagerly."""
         k = max((len(d) for d in drafts), default=0)
         draft = draft and self.proposer is not None
         want = self.draft_count(k) if num_new_drafts is None else num_new_drafts
-        if draft and want > self.draft_count(k) and self._can_pad_drafts(seqs, drafts, k, want, st, chunks):
-            # The adaptive policy's K rose: the step is laid out as one verifying `want` drafts, the missing ones
-            # PAD_DRAFT (fed, never accepted), so it runs as that K's steps do (graphs) and proposes `want`.
-            drafts, k = [d + [PAD_DRAFT] * (want - k) for d in drafts], want
-        eager = draft and want != self.draft_count(k)  # a rise that could not be padded: one eager step
+        if draft and want > self.draft_count(k):
+            if self._can_pad_drafts(seqs, drafts, k, want, st, chunks):
+                # The adaptive policy's K rose: the step is laid out as one verifying `want` drafts, the missing
+                # ones PAD_DRAFT (fed, never accepted), so it runs as that K's steps do (graphs) and proposes `want`.
+                drafts, k = [d + [PAD_DRAFT] * (want - k) for d in drafts], want
+            else:
+                # A rise beside a prompt (or a chunk) cannot be padded: the step proposes what its K's graphs
+                # propose, and the rise comes at the next decode-only step. Proposing `want` here would run the
+                # whole step eagerly: ~6 rounds' time on the GPU, at every admission of a load that crosses a band
+                # edge (BENCHMARKS.md run 23: the calibrated policy at concurrency 2, 21-45% below fixed K).
+                want = self.draft_count(k)
+        eager = draft and want != self.draft_count(k)  # a count no graph proposes (fewer than the default)
         if not eager and chunks is None and self.graphs is not None and self.graphs.can_run(seqs, drafts, k, draft):
             inp = self.build_inputs(seqs, drafts, k, pad_to=self.graphs.bucket_for(len(seqs)))
             return self._run(self.graphs.load_inputs(inp), st, k, inp.num_real, inp.max_query_len, self.graphs,

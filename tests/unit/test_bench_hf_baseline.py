@@ -43,3 +43,25 @@ def test_run_all_measures_only_the_baselines_asked_for(baseline):
     assert [(method, batch) for method, batch, _ in results] == [("hf_prompt_lookup", 1)]
     with pytest.raises(ValueError, match="unknown HF baseline"):
         list(baseline.run_all(PROMPTS, num_prompts=2, batch_sizes=(1,), methods=("eager", "beam")))
+
+
+def test_a_fast_baseline_repeats_whole_passes_until_min_seconds(tiny_hf_checkpoint, monkeypatch):
+    # A clock that advances 0.5 s per reading (a batch reads it twice, the check after a pass once): a pass over 2
+    # prompts at batch 1 moves it 2.5 s, so a 6 s minimum needs three whole passes; without a minimum, one pass.
+    from peagle.bench import hf_baseline
+
+    now = [0.0]
+
+    def clock():
+        now[0] += 0.5
+        return now[0]
+
+    monkeypatch.setattr(hf_baseline.time, "perf_counter", clock)
+    counts = {}
+    for min_seconds in (0.0, 6.0):
+        b = HfBaseline(str(tiny_hf_checkpoint("llama", num_layers=2)), dtype="float32", device="cpu",
+                       max_tokens=MAX_TOKENS, ignore_eos=True, min_seconds=min_seconds)
+        (_, _, m), = b.run_all(PROMPTS, num_prompts=2, batch_sizes=(1,), methods=("eager",))
+        counts[min_seconds] = m.num_prompts
+        assert m.output_tokens == m.num_prompts * MAX_TOKENS and m.wall_s >= min_seconds
+    assert counts == {0.0: 2, 6.0: 6}

@@ -126,7 +126,8 @@ def _register_bench(subparsers) -> None:
                     help="also run transformers generate: eager (batch 1 and batched), static cache + compile, "
                          "prompt lookup")
     hf.add_argument("--hf-num-prompts", type=int, default=8,
-                    help="prompts per HF point (a batch of B uses at least B; default 8)")
+                    help="prompts per HF point (a batch of B uses at least B; passes over them repeat until the "
+                         "point has run --min-seconds; default 8)")
     hf.add_argument("--hf-batch-sizes", type=_ints, default=(1, 16, 64), help="HF eager batch sizes (default 1,16,64)")
     hf.add_argument("--hf-methods", type=_names, default=HF_METHODS,
                     help=f"which HF baselines to run, a comma list of {', '.join(HF_METHODS)} (default: all)")

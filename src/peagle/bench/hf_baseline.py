@@ -6,7 +6,8 @@ Methods (reported in the bench schema with `concurrency` = batch size, `k` null,
   the cache is sized once for the longest prompt so that no call recompiles), batch 1;
 - hf_prompt_lookup: prompt-lookup decoding (`prompt_lookup_num_tokens=10`), batch 1.
 Greedy. Before each method and batch size a warm-up call on the longest prompt runs untimed (for the compiled
-variant this is the compilation, about a minute on a GPU).
+variant this is the compilation, about a minute on a GPU). A measurement repeats whole passes over its prompts until
+it has run `min_seconds` (one pass at least), so a fast baseline on a few prompts still measures a rate.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ HF_METHODS = ("eager", "prompt_lookup", "static_compile")  # what `run_all` meas
 
 class HfBaseline:
     def __init__(self, model_dir: str, *, dtype: str = "bfloat16", device: str | None = None, max_tokens: int = 256,
-                 ignore_eos: bool = False):
+                 ignore_eos: bool = False, min_seconds: float = 0.0):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -38,6 +39,7 @@ class HfBaseline:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=parse_dtype(dtype)).to(self.device).eval()
         self.max_tokens = max_tokens
+        self.min_seconds = min_seconds
         self.ignore_eos = ignore_eos
         gen = self.model.generation_config
         eos = gen.eos_token_id if gen.eos_token_id is not None else self.model.config.eos_token_id
@@ -76,8 +78,11 @@ class HfBaseline:
         traces = []
         self._sync()
         start = time.perf_counter()
-        for rows in tqdm(batches, desc=f"HF generate, batch {batch}", leave=False):
-            traces += self._timed_batch(rows, **generate_kwargs)
+        with tqdm(desc=f"HF generate, batch {batch}", unit="batch", leave=False) as bar:
+            while not traces or time.perf_counter() - start < self.min_seconds:  # whole passes, one at least
+                for rows in batches:
+                    traces += self._timed_batch(rows, **generate_kwargs)
+                    bar.update()
         m = summarize(traces, time.perf_counter() - start, None)
         # generate() reports no per-token times: its single chunk per request would pass for a TTFT, so drop it.
         return dataclasses.replace(m, ttft_p50_ms=None, ttft_p99_ms=None)

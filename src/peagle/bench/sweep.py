@@ -355,7 +355,7 @@ def run_hf_baselines(config: SweepConfig, prompts: dict[str, list[Prompt]], sink
 
     tokenizer = load_tokenizer(config.model)
     baseline = HfBaseline(config.model, dtype=config.dtype, device=config.device, max_tokens=config.max_tokens,
-                          ignore_eos=config.ignore_eos)
+                          ignore_eos=config.ignore_eos, min_seconds=config.min_seconds)
     try:
         for dataset, dataset_prompts in prompts.items():
             token_ids = [tokenizer.encode_chat(list(p.messages)) for p in dataset_prompts]

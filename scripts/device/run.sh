@@ -10,30 +10,32 @@
 # against; .cfg: the testbed's config.json and tokenizer files, for runs with random weights; .tb_a, .tb_b, .tb_c:
 # the package wheels `peagle testbed` downloads, for `tb_stage`). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
-# The next session's plan (run 23): issue 15's grid with run 22's heads, which came back (heads_out) and were filed
-# into the ignored .hp_a-.hp_d (they have outlived sessions before: check they are there; without them, run 22's plan
-# below, the testbed again). One call each, back to back, fired one at a time (a failed call must not start the next),
-# from a tree no one is editing; prefix the bench calls with `export PEAGLE_GIT_COMMIT=<the commit>;`. A call that
-# comes more than 30 s after the previous one returned finds a fresh machine (and an empty $W: start again at 1).
-#   1. stage_a (carry .stage_a .whl); 2. heads_in (.stage_b: the target, converted); 3. heads_in (.hp_a);
-#   4. heads_in (.hp_b); 5. heads_in (.hp_c .hp_d): the heads rebuilt and checksummed into $W/heads (five calls of
-#      seconds each: a part and the tree fill a call's 64 MiB);
-#   6. BENCH_SECS=560 bench: MT-Bench, none / EAGLE-3 / P-EAGLE at K 3,5,7,11, concurrency 1-64, greedy, then the
-#      policy calibrated from those rows measured as its own row (about 10 engines and 70 points of 5-6 s);
-#   7. BENCH2_SECS=560 BENCH2_C=1,2,4,8,16,32,64 BENCH2_DATASETS=humaneval HF_BASELINES=none bench2 (the same grid on
-#      HumanEval with the calibrated policy);
-#   8. with about 5 minutes left: BENCH2_SECS=280 BENCH_K=3,7,11 BENCH2_C=1,4,16,64 BENCH2_DATASETS=longcode
-#      HF_BASELINES=none bench2; else HF_SECS=290 BENCH2_DATASETS=none bench2 (HF's three baselines at batch 1 and 64
-#      beside a no-speculation point: the grid's c=1 and c=64 HF cells).
-#   Then locally: `peagle bench-report` of the calls' results.json files (one table and the seeds' plots), BENCHMARKS.md.
-#   The session after: issue 16's table in one run first (about 5 minutes, no heads needed: carry .cfg .whl with
-#   stage_a's call, then .stage_b): ENGINE_VARIANTS=async+prefill-graphs+admit-ahead+mixed-tiles+fused-merge
-#   ENGINE_PROFILE=1 engine (batch 1 and 64 rounds with their host share, TTFT at concurrency 1, the stall a new
-#   prompt causes among 8 decodes, ITL as requests arrive, profiles) and SCALE_C=1 scale (the 8B shape's batch-1
-#   step against its weight-bandwidth floor) and GPU_TESTS="tests/gpu/test_request_options_gpu.py
-#   tests/gpu/test_prefix_cache_gpu.py" gpu_tests (prompt logprobs against the paged engine's, truncated prompts, a
-#   chat's next turn taking the answer's cached blocks, under graphs); then the sampled table (BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head bench, and
-#   BENCH2_TEMPS=0.7 for HumanEval) with the same heads, then what of step 8 did not run.
+# The next session's plan (run 24): run 22's heads again (.hp_a-.hp_d: check they are there; without them, run 22's
+# plan below, the testbed again), one call each, back to back, fired one at a time (a failed call must not start the
+# next), from a tree no one is editing; prefix the bench calls with `export PEAGLE_GIT_COMMIT=<the commit>;`. A call
+# that comes more than 30 s after the previous one returned finds a fresh machine (and an empty $W: start again at 1).
+#   1. stage_a (carry .stage_a .whl); 2. heads_in (.stage_b); 3. heads_in (.hp_a); 4. heads_in (.hp_b);
+#   5. heads_in (.hp_c .hp_d);
+#   6. the adaptive policy at concurrency 2 after its fix (run 23: 21-45% below fixed K there), run 23's policy as the
+#      head's default: BENCH_SECS=330 BENCH_K=5,7 BENCH_C=1,2,4 BENCH_DATASETS=mtbench,humaneval BENCH_ADAPTIVE=head
+#      BENCH_POLICY=benchmarks/results/2026-12-03-run23-adaptive-peagle.json bench (about 5 minutes);
+#   7. issue 16's table in one call (no heads needed; .cfg carried): ENGINE_VARIANTS=async+prefill-graphs+admit-ahead+
+#      mixed-tiles+fused-merge ENGINE_PROFILE=1 engine && SCALE_C=1 scale (batch 1 and 64 rounds with their host
+#      share, TTFT at concurrency 1, the stall a new prompt causes among 8 decodes, ITL as requests arrive, profiles;
+#      the 8B shape's batch-1 step against its weight-bandwidth floor);
+#   8. GPU_TESTS="tests/gpu/test_request_options_gpu.py tests/gpu/test_prefix_cache_gpu.py
+#      tests/gpu/test_prefill_graphs_gpu.py" gpu_tests (prompt logprobs against the paged engine's, truncated prompts,
+#      a chat's next turn taking the answer's cached blocks, the adaptive policy's rise beside an admitted prompt
+#      replaying graphs, under graphs);
+#   9. the sampled table: BENCH_SECS=530 BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head BENCH_POLICY=(as in 6) bench (MT-Bench),
+#      then with what is left BENCH2_TEMPS=0.7 BENCH2_C=1,4,16,64 BENCH2_DATASETS=humaneval HF_BASELINES=none bench2;
+#   later: the rest of the long-code grid (run 23 was cut before P-EAGLE K=7 at 16 and 64 and K=11).
+#   Then locally: `peagle bench-report` of the calls' results.json files, BENCHMARKS.md, README.
+# Run 23's plan (what was run, BENCHMARKS.md "Run 23"): stage_a; heads_in x4 (.stage_b; .hp_a; .hp_b; .hp_c .hp_d);
+#   BENCH_SECS=560 bench (MT-Bench grid K 3,5,7,11 x c 1-64, calibrated); BENCH2_SECS=560 BENCH2_C=1,2,4,8,16,32,64
+#   BENCH2_DATASETS=humaneval HF_BASELINES=none bench2; BENCH2_SECS=270 BENCH_K=3,7,11 BENCH2_C=1,4,16,64
+#   BENCH2_DATASETS=longcode HF_BASELINES=none bench2 (cut after 22 of 32 points); HF_SECS=310 BENCH2_DATASETS=none
+#   bench2. 27.8 device minutes.
 # Run 22's plan (what was run, BENCHMARKS.md "Run 22"), the testbed from scratch: 1. tb_stage (carry .tb_a .whl);
 #   2. tb_stage (.tb_b); 3. `export PEAGLE_GIT_COMMIT=<hash>; tb_stage && TB_SECS=560 testbed` (.tb_c .whl): the
 #   default recipe, NOT profiled (with less than 24 minutes left when a machine starts, TB_TRAIN_MINUTES=M, the
@@ -675,6 +677,9 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
     for f in "$W/heads/peagle"/*; do
       [ -e "$f" ] && [ "$(basename "$f")" != adaptive.json ] && ln -sfn "$(readlink -f "$f")" "$cal/"
     done
+    # BENCH_POLICY=FILE: an adaptive policy calibrated before (e.g. benchmarks/results/*-adaptive-peagle.json) as the
+    # head's default, for BENCH_ADAPTIVE=head (bench) and bench2, instead of calibrating again.
+    [ -n "${BENCH_POLICY:-}" ] && cp "$BENCH_POLICY" "$cal/adaptive.json"
     sweep() {  # out_dir time_limit_s peagle-bench-arguments...
       local out=$1 secs=$2; shift 2
       timeout -s INT "$secs" $py -m peagle bench --model "$W/smollm2" --draft-eagle3 "$W/heads/eagle3" \

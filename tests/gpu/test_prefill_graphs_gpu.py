@@ -182,3 +182,30 @@ def test_adaptive_policy_drafts_what_it_verifies_under_graphs(model_dir, method,
     # a rise in K is laid out as the new K's step (the missing drafts padded), so it proposes what it verifies
     assert all(d == v for v, d in steps if d and v), steps
     assert sorted({key[2] for key in llm.engine.runner.graphs.graphs if key[0] == "draft"}) == [1, 2, k]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("method", ["eagle3", "peagle"])
+def test_adaptive_rise_beside_an_admitted_prompt_replays_graphs(model_dir, method, async_scheduling):
+    """Two requests at a time and the engine's K for one, 2 for two (the calibrated policy's shape at concurrency 2,
+    BENCHMARKS.md run 23): when a request finishes, the survivor's K rises in the step that admits the next prompt.
+    That step proposes what its K's graphs propose (it ran eagerly before), and greedy output equals plain greedy."""
+    ref = [o.token_ids for o in make_llm(model_dir, "none", True).generate(PROMPTS, params(), use_tqdm=False)]
+    k = SPECS[method]["num_speculative_tokens"]
+    spec = {**SPECS[method], "adaptive": {"thresholds": [[1, k]], "above": 2}}
+    llm = LLM(model=model_dir, load_format="dummy", dtype="float32", max_model_len=512, max_num_seqs=2,
+              speculative_config=spec, async_scheduling=async_scheduling)
+    runner = llm.engine.runner
+    steps, real = [], runner._run  # (drafts verified, drafts proposed, graphed) per step that drafts
+
+    def run(x, st, verified, num_real, max_query_len, graphs, draft, *a, **kw):
+        handle = real(x, st, verified, num_real, max_query_len, graphs, draft, *a, **kw)
+        if handle.num_drafts:
+            steps.append((verified, handle.num_drafts, graphs is not None))
+        return handle
+
+    runner._run = run
+    assert [o.token_ids for o in llm.generate(PROMPTS, params(), use_tqdm=False)] == ref
+    assert all(d == runner.draft_count(v) for v, d, _ in steps), steps
+    assert {2, k} <= {v for v, _, _ in steps}
+    assert all(g for v, _, g in steps if v), steps  # every step that verifies drafts replayed a graph

@@ -62,6 +62,19 @@ def test_a_ttft_tail_far_above_its_neighbours_is_a_stall():
     assert list(flag_points(row(RUN3_NONE, ttfts=ttfts), HygieneRules(stall_min_ms=100.0))) == [0]
 
 
+def test_a_prefill_bound_tail_that_grows_with_concurrency_is_not_a_stall():
+    # Run 23's long-code row (prompts of thousands of tokens), no speculation at 1, 4, 16, 64: TTFT p99 29, 52, 169
+    # and 1,563 ms, the last a burst of 64 prefills queued (re-measured: 863 then 1,563 ms, the same rate). Against
+    # c=16's tail scaled to 64 (676 ms) it is no stall; the same tail at c=4, beside c=1's and c=16's, is one.
+    conc = (1, 4, 16, 64)
+    points = [make_point("longcode", "none", None, c, measured(r, t))
+              for c, r, t in zip(conc, (810, 2776, 6336, 8538), (29.0, 52.0, 169.0, 1563.0))]
+    assert flag_points(points) == {}
+    points[1]["ttft_p99_ms"] = 1563.0
+    flags = flag_points(points)
+    assert list(flags) == [1] and "against 169 ms" in flags[1][0]  # c=16's (c=1's 29 ms scaled to 4 is 116)
+
+
 def test_tolerance_is_an_option():
     rates = list(RUN3_NONE)
     rates[6] = rates[5] * 0.9  # a 10% fall from c=32 to c=64

@@ -119,7 +119,7 @@ def _register_bench(subparsers) -> None:
                              "fraction from the neighbouring concurrency (default 0.15)")
     checks.add_argument("--stall-factor", type=float, default=4.0,
                         help="flag a point whose TTFT p99 is this many times (and 250 ms above) its neighbours' "
-                             "(default 4)")
+                             "(a lower concurrency's scaled by the ratio of concurrencies; default 4)")
     checks.add_argument("--no-remeasure", action="store_true", help="flag only, do not re-measure")
     hf = p.add_argument_group("Hugging Face transformers baselines")
     hf.add_argument("--hf-baselines", action="store_true",

@@ -4,7 +4,9 @@ A series is one (dataset, temperature, method, adaptive policy, K) measured at s
 total output tokens/s should not fall as concurrency rises, and the rate per request should not rise; a point that
 breaks either by more than `drop_tolerance` is flagged (the later point of a fall, the earlier point of a rise).
 A point whose TTFT p99 is `stall_factor` times, and `stall_min_ms` above, the larger TTFT p99 of its neighbouring
-concurrencies stalled (a compilation, an allocator hiccup) somewhere inside it. `settle` re-measures each flagged
+concurrencies stalled (a compilation, an allocator hiccup) somewhere inside it. A lower neighbour's TTFT is scaled by
+the ratio of concurrencies first: a burst of c prompts queues c prefills, so prefill-bound points (long prompts) grow
+their TTFT tail with concurrency without stalling (BENCHMARKS.md run 23: long code at 64 against 16). `settle` re-measures each flagged
 point once and leaves in its `flags` what still stands. All functions are pure over point dicts
 (docs/BENCH_SCHEMA.md) except for the `measure_again` callable given to `settle`.
 """
@@ -56,16 +58,15 @@ def flag_points(points: list[dict], rules: HygieneRules = HygieneRules()) -> dic
             if ra / ca < (1 - tol) * rb / cb:
                 flags.setdefault(a, []).append(f"tokens/s per request {1 - (ra / ca) / (rb / cb):.0%} below c={cb}'s")
         for i, j in enumerate(idx):
-            p99 = points[j]["ttft_p99_ms"]
-            refs = [points[n]["ttft_p99_ms"] for n in (idx[i - 1] if i else None, idx[i + 1] if i + 1 < len(idx)
-                                                        else None) if n is not None]
-            refs = [r for r in refs if r is not None]
-            if p99 is None or not refs:
+            p99, c = points[j]["ttft_p99_ms"], points[j]["concurrency"]
+            neighbours = [points[n] for n in (idx[i - 1] if i else None, idx[i + 1] if i + 1 < len(idx) else None)
+                          if n is not None and points[n]["ttft_p99_ms"] is not None]
+            if p99 is None or not neighbours:
                 continue
-            ref = max(refs)
+            ref = max(n["ttft_p99_ms"] * max(1.0, c / n["concurrency"]) for n in neighbours)
             if p99 > rules.stall_factor * ref and p99 - ref > rules.stall_min_ms:
                 flags.setdefault(j, []).append(f"TTFT p99 {p99:.0f} ms against {ref:.0f} ms at the neighbouring "
-                                               "concurrency (a stall)")
+                                               "concurrency, scaled to this one (a stall)")
     return flags
 
 

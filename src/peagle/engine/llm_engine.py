@@ -270,10 +270,13 @@ class LLMEngine:
         if any(seq.sampling_params.needs_logits_processing for seq in seqs):
             return None  # penalties, min_tokens and grammars read the history and drafts the answer in flight holds
         k_policy = self.spec.adaptive.k_for(len(seqs), self.k) if self.spec else 0
-        if 0 < handle.num_drafts < k_policy:
-            return None  # the policy's K rose: a step scheduled from the answer proposes the new count
+        admitting = ADMIT_AHEAD and self._can_admit_ahead()
+        if 0 < handle.num_drafts < k_policy and not admitting:
+            return None  # the policy's K rose: a step scheduled from the answer proposes the new count (padded)
+        # A rise beside prompts to admit cannot be padded (a prompt does not decode): the step is admitted ahead at
+        # the K its drafts hold, as the runner lays out such a step anyway (`ModelRunner.launch`).
         k = min(k_policy, handle.num_drafts)
-        if ADMIT_AHEAD and self._can_admit_ahead():
+        if admitting:
             new = self.scheduler.admit_ahead(seqs, handle.k + 1, k + 1)
             if not new:
                 return None

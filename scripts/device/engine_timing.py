@@ -105,6 +105,7 @@ def split_variant(variant: str) -> tuple[str, set[str]]:
     return variant, mods
 
 CONFIGS = {"none": ("none", None, 0, False), "peagle": ("peagle", "peagle", 7, True),
+           "peagle-k3": ("peagle", "peagle", 3, True),
            "eagle3-k3": ("eagle3", "eagle3", 3, False), "eagle3-k7": ("eagle3", "eagle3", 7, False)}
 # Each variant names every engine option it times (the engine's defaults move: async scheduling and prefill graphs
 # are on by default since runs 6 and 7), so a row means the same in every run.
@@ -490,7 +491,8 @@ def main(argv=None) -> int:
     ap.add_argument("target")
     ap.add_argument("out")
     ap.add_argument("--head", action="append", default=[], help="METHOD=DIR (eagle3 or peagle)")
-    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--batches", default="1,64",
+                    help="batch sizes of the steady-state round timing (default 1,64; '' for none: loops only)")
     ap.add_argument("--methods", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS)} (those with a --head)")
     ap.add_argument("--variants", default="sync", help=f"engine variants timed side by side: {', '.join(VARIANTS)}; "
                     "each may end in +fused-merge (the attention's KV splits merged inside its kernel) and "
@@ -515,10 +517,16 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-loop", metavar="DIR",
                     help="closed loops: a third pass with 40 steps after its first wave under torch.profiler; per "
                          "method and variant a table of the kernels each admitting step and each other step launches "
-                         "(DIR/loop-METHOD-VARIANT-cC-tT.txt, + written _) and the Chrome trace beside it "
+                         "(DIR/loop-METHOD-kK-VARIANT-cC-tT.txt, + written _) and the Chrome trace beside it "
                          "(.trace.json.gz)")
     ap.add_argument("--loop-jitter", type=float, default=0.0, metavar="F",
                     help="closed loops: each answer's length drawn from T x [1 - F, 1 + F] (0 <= F < 1; default 0)")
+    ap.add_argument("--loop-dataset", default="mtbench", metavar="NAME",
+                    help="closed loops: the prompts' data set (a name `peagle bench --datasets` takes, e.g. longcode "
+                         "for prompts of thousands of tokens; those that do not fit --max-model-len beside twice T "
+                         "tokens are left out; default mtbench)")
+    ap.add_argument("--max-model-len", type=int, default=4096, metavar="N",
+                    help="the engines' max_model_len (default 4096; 8192 for --loop-dataset longcode)")
     args = ap.parse_args(argv)
     if not 0 <= args.loop_jitter < 1:
         ap.error(f"--loop-jitter {args.loop_jitter}: expected 0 <= F < 1")
@@ -536,9 +544,22 @@ def main(argv=None) -> int:
         if not (sep and c.isdigit() and t.isdigit() and int(c) > 0 and int(t) > 0):
             ap.error(f"--closed-loop {item!r}: expected CONCURRENCY:TOKENS, two positive integers")
         loops.append((int(c), int(t)))
+    loop_data = None
+    if loops and args.loop_dataset != "mtbench":
+        try:
+            loop_data = load_prompts(args.loop_dataset)
+        except ValueError as e:
+            ap.error(f"--loop-dataset {args.loop_dataset!r}: {e}")
     heads = dict(h.split("=", 1) for h in args.head)
     tok = load_tokenizer(args.target)
     prompts = [tok.encode_chat(p.messages) for p in load_prompts("mtbench")]
+    loop_prompts = prompts
+    if loop_data is not None:  # those that fit beside twice the longest answer
+        room = args.max_model_len - 2 * max(t for _, t in loops)
+        loop_prompts = [ids for ids in (tok.encode_chat(p.messages) for p in loop_data) if len(ids) <= room]
+        if not loop_prompts:
+            ap.error(f"--loop-dataset {args.loop_dataset!r}: no prompt fits --max-model-len {args.max_model_len} "
+                     "beside its answer")
     unknown = [v for v in args.variants.split(",") if split_variant(v)[0] not in VARIANTS]
     unknown += [m for m in args.methods.split(",") if m not in CONFIGS]
     if unknown:
@@ -576,11 +597,11 @@ def main(argv=None) -> int:
             elif "gemv-wide" in mods:
                 raise SystemExit(f"{variant}: this tree's GEMV has no tiling choice (peagle.kernels.gemv.choose_tiling)")
             synthetic = None if head is None or not args.synthetic_acceptance else rates
-            llm = LLM(model=args.target, speculative_config=spec, dtype="bfloat16", max_model_len=4096,
+            llm = LLM(model=args.target, speculative_config=spec, dtype="bfloat16", max_model_len=args.max_model_len,
                       max_num_seqs=64, load_format=args.load_format, synthetic_acceptance=synthetic, **VARIANTS[base])
             if args.ttft_prompts:
                 keep({"method": name, "variant": variant, "k": k, **measure_ttft(llm, prompts, args.ttft_prompts)})
-            for b in map(int, args.batches.split(",")):
+            for b in map(int, filter(None, args.batches.split(","))):
                 tag = "" if variant == "sync" else f"-{variant}"
                 path = f"{args.profile}/profile-{name}-k{k}-b{b}{tag}.txt" if args.profile else None
                 row = {"method": name, "variant": variant, **measure(llm, prompts, b, k, profile_path=path)}
@@ -590,9 +611,10 @@ def main(argv=None) -> int:
             if args.arrivals:
                 keep({"method": name, "variant": variant, "k": k, **measure_arrivals(llm, prompts)})
             for c, t in loops:
-                path = (f"{args.profile_loop}/loop-{name}-{variant.replace('+', '_')}-c{c}-t{t}.txt" if args.profile_loop else None)
-                keep({"method": name, "variant": variant, "k": k,
-                      **measure_closed_loop(llm, prompts, c, t, args.loop_jitter, profile_path=path)})
+                path = (f"{args.profile_loop}/loop-{name}-k{k}-{variant.replace('+', '_')}-c{c}-t{t}.txt"
+                        if args.profile_loop else None)
+                keep({"method": name, "variant": variant, "k": k, "loop_dataset": args.loop_dataset,
+                      **measure_closed_loop(llm, loop_prompts, c, t, args.loop_jitter, profile_path=path)})
             del llm
             gc.collect()
             torch.cuda.empty_cache()

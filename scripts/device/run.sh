@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One script for the GPU machine: builds, checks and times peagle in stages that fit one call each.
 #   bash scripts/device/run.sh STAGE  (STAGE: stage_a | tb_stage | testbed | testbed_wait | testbed_data | kernels |
-#                                      admit | prefix | muon | heads_out | heads_in |
+#                                      admit | prefix | muon | heads_out | heads_in | longloop |
 #                                      gpu_tests | throughput | mmhost | buckets | engine | data | train | wait |
 #                                      heads | serve | walk | check | ablate |
 #                                      stage_b | bench | bench2 | final | scale | teacher)
@@ -29,7 +29,8 @@
 #      replaying graphs, under graphs);
 #   9. the sampled table: BENCH_SECS=530 BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head BENCH_POLICY=(as in 6) bench (MT-Bench),
 #      then with what is left BENCH2_TEMPS=0.7 BENCH2_C=1,4,16,64 BENCH2_DATASETS=humaneval HF_BASELINES=none bench2;
-#   later: the rest of the long-code grid (run 23 was cut before P-EAGLE K=7 at 16 and 64 and K=11).
+#   later: the rest of the long-code grid (run 23 was cut before P-EAGLE K=7 at 16 and 64 and K=11), and
+#   `longloop` (after heads_in): where P-EAGLE's time goes on long prompts at concurrency 64, profiled.
 #   Then locally: `peagle bench-report` of the calls' results.json files, BENCHMARKS.md, README.
 # Run 23's plan (what was run, BENCHMARKS.md "Run 23"): stage_a; heads_in x4 (.stage_b; .hp_a; .hp_b; .hp_c .hp_d);
 #   BENCH_SECS=560 bench (MT-Bench grid K 3,5,7,11 x c 1-64, calibrated); BENCH2_SECS=560 BENCH2_C=1,2,4,8,16,32,64
@@ -370,6 +371,20 @@ case "$stage" in
       mkdir -p "$W/heads"
       for m in eagle3 peagle; do ln -sfn "$W/heads-packed/$m" "$W/heads/$m"; done
     fi
+    ;;
+  longloop)
+    # Issue 15: long code at concurrency 16-64 is prefill-bound (prompts of thousands of tokens); at 64 P-EAGLE at
+    # K=3 served 0.66x and 0.86x (two measurements) EAGLE-3 at K=3 in run 23, where its 4 drafter layers against 1
+    # add about 10% to a prefill. Closed loops of LONGLOOP_C requests answering 256 tokens on long-code prompts with the heads (after
+    # heads_in): none, EAGLE-3 K=3, P-EAGLE K=3; the admitting steps against the rest, and a profiled pass per method
+    # (kernel tables and traces, packed). About 4 minutes.
+    link_heads
+    mkdir -p "$OUT/longloop-profiles"
+    timeout ${LONGLOOP_SECS:-300} $py scripts/device/engine_timing.py "$W/smollm2" "$OUT/longloop.json" \
+      --head eagle3="$W/heads/eagle3" --head peagle="$W/heads/peagle" --methods ${LONGLOOP_METHODS:-none,eagle3-k3,peagle-k3} \
+      --variants async+prefill-graphs+admit-ahead+mixed-tiles+fused-merge --batches "" --ttft-prompts 0 \
+      --closed-loop ${LONGLOOP_C:-64}:256 --loop-dataset longcode --max-model-len 8192 \
+      --profile-loop "$OUT/longloop-profiles" 2>&1 | grep -E "^\{|Error|error" | tail -20 || true
     ;;
   prefix)
     # Prefix caching's TTFT at the testbed's shape (.cfg carried: random weights): prompts of PREFIX_SHARED shared and

@@ -105,8 +105,18 @@ def test_profiled_closed_loop_splits_admitting_steps(timing, target_dir, tmp_pat
     (["--synthetic-acceptance", "0.5,0.2"], "add --load-format dummy"),
     (["--load-format", "dummy", "--synthetic-acceptance", "0.5,x"], "comma-separated rates"),
     (["--closed-loop", "64"], "CONCURRENCY:TOKENS"),
+    (["--closed-loop", "2:8", "--loop-dataset", "nope"], "--loop-dataset 'nope': unknown dataset"),
 ])
 def test_bad_arguments_are_refused_by_name(timing, argv, message, capsys):
     with pytest.raises(SystemExit):
         timing.main(["target", "out.json", *argv])
     assert message in capsys.readouterr().err
+
+
+def test_loop_dataset_keeps_only_prompts_that_fit(timing, target_dir, capsys):
+    # Long-code prompts run to thousands of tokens: none fits a 256-token model beside its answer, which is refused
+    # by name (a run that measured nothing would otherwise write an empty table).
+    with pytest.raises(SystemExit):
+        timing.main([str(target_dir), "out.json", "--closed-loop", "2:8", "--loop-dataset", "longcode",
+                     "--max-model-len", "256"])
+    assert "--loop-dataset 'longcode': no prompt fits --max-model-len 256" in capsys.readouterr().err

@@ -44,7 +44,10 @@ def test_help_explains_every_option(capsys):
     text = capsys.readouterr().out
     for option in ("--speculative-config", "--host", "--port", "--api-key", "--served-model-name", "--max-model-len",
                    "--max-num-seqs", "--max-queue", "--gpu-memory-utilization", "--dtype", "--device",
-                   "--enforce-eager", "--num-kv-blocks", "--chat-template", "--enable-prefix-caching", "--trust-request-chat-template", "SM_VLLM_SPECULATIVE_CONFIG", "PEAGLE_SPECULATIVE_CONFIG"):
+                   "--enforce-eager", "--num-kv-blocks", "--chat-template", "--enable-prefix-caching", "--trust-request-chat-template", "SM_VLLM_SPECULATIVE_CONFIG", "PEAGLE_SPECULATIVE_CONFIG",
+                   "--load-format", "--allowed-origins", "--allowed-methods", "--allowed-headers", "--allow-credentials",
+                   "--root-path", "--ssl-keyfile", "--ssl-certfile", "--uvicorn-log-level",
+                   "--disable-uvicorn-access-log"):
         assert option in text
 
 
@@ -174,3 +177,47 @@ def test_generation_config_fills_what_a_request_leaves_out(target_dir, served, t
     assert "generation_config.json: its sampling defaults are not valid" in capsys.readouterr().err
     assert main(_argv(model, "--generation-config", str(tmp_path / "nowhere"))) == 1
     assert "no generation_config.json there" in capsys.readouterr().err
+
+
+def test_cors_as_vllm_sets_it_up(target_dir, served):
+    # vLLM's defaults: any origin, method and header; --allowed-origins narrows it.
+    preflight = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "content-type"}
+    assert main(_argv(target_dir)) == 0
+    assert main(_argv(target_dir, "--allowed-origins", '["http://other.example"]', "--allow-credentials")) == 0
+    (default, _), (narrow, _) = served
+    ok = TestClient(default).options("/v1/chat/completions", headers=preflight)
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "*"
+    refused = TestClient(narrow).options("/v1/chat/completions", headers=preflight)
+    assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
+    allowed = TestClient(narrow).options("/v1/chat/completions",
+                                         headers={**preflight, "Origin": "http://other.example"})
+    assert allowed.headers["access-control-allow-origin"] == "http://other.example"
+    assert allowed.headers["access-control-allow-credentials"] == "true"
+
+
+def test_http_options_reach_uvicorn_and_bad_ones_stop_start_up(target_dir, served, tmp_path, capsys):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    key.write_text("k")
+    cert.write_text("c")
+    assert main(_argv(target_dir, "--root-path", "/llm", "--uvicorn-log-level", "warning",
+                      "--disable-uvicorn-access-log", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert))) == 0
+    (_, kw), = served
+    assert (kw["root_path"], kw["log_level"], kw["access_log"]) == ("/llm", "warning", False)
+    assert (kw["ssl_keyfile"], kw["ssl_certfile"]) == (str(key), str(cert))
+    assert main(_argv(target_dir, "--ssl-keyfile", str(key))) == 1
+    assert "--ssl-keyfile and --ssl-certfile go together" in capsys.readouterr().err
+    assert main(_argv(target_dir, "--ssl-keyfile", str(key), "--ssl-certfile", str(tmp_path / "nope.pem"))) == 1
+    assert "--ssl-certfile: no such file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(_argv(target_dir, "--allowed-origins", "*"))
+    assert "expected a JSON list of strings" in capsys.readouterr().err
+    assert len(served) == 1  # none of the refused ones started a server
+
+
+def test_load_format_dummy_serves_random_weights(target_dir, served):
+    spec = {"method": "eagle3", "model": "dummy", "num_speculative_tokens": 2, "parallel_drafting": True}
+    assert main(_argv(target_dir, "--load-format", "dummy", "--speculative-config", json.dumps(spec))) == 0
+    (app, _), = served
+    engine = app.state.async_engine.engine
+    assert engine.config.load_format == "dummy" and engine.k == 2

@@ -81,11 +81,30 @@ def register(subparsers) -> None:
                         "vLLM refuses it; templates run in a sandbox)")
     p.add_argument("--seed", type=int, metavar="N", default=0,
                    help="engine seed (default 0; requests may pass their own)")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="auto: the checkpoint's weights; dummy: random weights from its config.json (for trying the "
+                        "server without weights; a speculative config's model may then be 'dummy')")
+    http = p.add_argument_group("HTTP (vLLM's names)")
+    http.add_argument("--allowed-origins", type=_json_list, default=["*"], metavar="JSON",
+                      help='CORS: origins browsers may call from, a JSON list (default ["*"])')
+    http.add_argument("--allowed-methods", type=_json_list, default=["*"], metavar="JSON",
+                      help='CORS: allowed methods, a JSON list (default ["*"])')
+    http.add_argument("--allowed-headers", type=_json_list, default=["*"], metavar="JSON",
+                      help='CORS: allowed headers, a JSON list (default ["*"])')
+    http.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (default off)")
+    http.add_argument("--root-path", default="", metavar="PATH",
+                      help="the path prefix a proxy serves the app under (FastAPI's root_path; default none)")
+    http.add_argument("--ssl-keyfile", metavar="FILE", help="serve HTTPS with this private key (with --ssl-certfile)")
+    http.add_argument("--ssl-certfile", metavar="FILE", help="serve HTTPS with this certificate (with --ssl-keyfile)")
+    http.add_argument("--uvicorn-log-level", choices=("critical", "error", "warning", "info", "debug", "trace"),
+                      help="uvicorn's log level (default: peagle's own, --log-level)")
+    http.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
     p.set_defaults(func=_serve)
 
 
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
+    from fastapi.middleware.cors import CORSMiddleware
 
     from peagle.engine.config import EngineConfig, SpeculativeConfig
     from peagle.engine.llm import check_max_model_len, resolve_dtype
@@ -96,6 +115,11 @@ def _serve(args: argparse.Namespace) -> int:
 
     from peagle.engine.sampling_params import model_sampling_defaults
 
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both for HTTPS, or neither")
+    for option, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):
+        if path and not Path(path).is_file():
+            raise ValueError(f"{option}: no such file {path!r}")
     template = load_chat_template(args.chat_template) if args.chat_template else None  # before the model loads
     defaults = model_sampling_defaults(args.generation_config, args.model)
     if template is not None and not (Path(args.model) / "tokenizer.json").is_file():
@@ -110,6 +134,7 @@ def _serve(args: argparse.Namespace) -> int:
         enforce_eager=args.enforce_eager, seed=args.seed, speculative=spec, async_scheduling=args.async_scheduling,
         enable_chunked_prefill=args.enable_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_cuda_graphs=args.prefill_cuda_graphs, enable_prefix_caching=args.enable_prefix_caching,
+        load_format=args.load_format,
     )
     check_max_model_len(config)
     engine = LLMEngine(config)
@@ -119,13 +144,31 @@ def _serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("PEAGLE_API_KEY") or None
     app = create_app(engine, name, api_key=api_key, max_queue=args.max_queue,
                      trust_request_chat_template=args.trust_request_chat_template, sampling_defaults=defaults)
+    app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_credentials=args.allow_credentials,
+                       allow_methods=args.allowed_methods, allow_headers=args.allowed_headers)
     if defaults:
         logger.info("default sampling parameters from the model's generation config: %s (requests that give a field "
                     "override it; --generation-config vllm ignores them)", defaults)
-    logger.info("serving %s as %r at http://%s:%d/v1 (speculation: %s)", args.model, name, args.host, args.port,
-                spec or "off")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=logging.getLogger().getEffectiveLevel())
+    scheme = "https" if args.ssl_certfile else "http"
+    logger.info("serving %s as %r at %s://%s:%d%s/v1 (speculation: %s)", args.model, name, scheme, args.host,
+                args.port, args.root_path, spec or "off")
+    uvicorn.run(app, host=args.host, port=args.port,
+                log_level=args.uvicorn_log_level or logging.getLogger().getEffectiveLevel(),
+                access_log=not args.disable_uvicorn_access_log, root_path=args.root_path,
+                ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
     return 0
+
+
+def _json_list(text: str) -> list[str]:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f'expected a JSON list of strings such as \'["*"]\', got {text!r}') from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f'expected a JSON list of strings such as \'["*"]\', got {text!r}')
+    return value
 
 
 def _port(text: str) -> int:

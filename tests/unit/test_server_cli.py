@@ -45,7 +45,7 @@ def test_help_explains_every_option(capsys):
     for option in ("--speculative-config", "--host", "--port", "--api-key", "--served-model-name", "--max-model-len",
                    "--max-num-seqs", "--max-queue", "--gpu-memory-utilization", "--dtype", "--device",
                    "--enforce-eager", "--num-kv-blocks", "--chat-template", "--enable-prefix-caching", "--trust-request-chat-template", "SM_VLLM_SPECULATIVE_CONFIG", "PEAGLE_SPECULATIVE_CONFIG",
-                   "--load-format", "--allowed-origins", "--allowed-methods", "--allowed-headers", "--allow-credentials",
+                   "--tokenizer", "--load-format", "--allowed-origins", "--allowed-methods", "--allowed-headers", "--allow-credentials",
                    "--root-path", "--ssl-keyfile", "--ssl-certfile", "--uvicorn-log-level",
                    "--disable-uvicorn-access-log"):
         assert option in text
@@ -221,3 +221,24 @@ def test_load_format_dummy_serves_random_weights(target_dir, served):
     (app, _), = served
     engine = app.state.async_engine.engine
     assert engine.config.load_format == "dummy" and engine.k == 2
+
+
+def test_tokenizer_from_another_directory_renders_and_stops(target_dir, served, tmp_path):
+    # A model directory with only its config (random weights) and EOS id 5; the tokenizer from another directory:
+    # chat renders with that tokenizer, and requests stop at its EOS tokens and at the model config's.
+    from peagle import LLM
+
+    config = json.loads((target_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": 5}))
+    argv = ["serve", str(tmp_path), "--device", "cpu", "--dtype", "fp32", "--max-model-len", "64", "--num-kv-blocks",
+            "16", "--load-format", "dummy", "--tokenizer", str(target_dir)]
+    assert main(argv) == 0
+    (app, _), = served
+    engine, tok = app.state.async_engine.engine, app.state.serving.tokenizer
+    own_eos = set(tok.eos_token_ids)
+    assert own_eos and engine.eos_token_ids == own_eos | {5}
+    body = {"messages": [{"role": "user", "content": "Hi"}]}
+    assert TestClient(app).post("/tokenize", json=body).json()["tokens"] == tok.encode_chat(body["messages"])
+    llm = LLM(model=str(tmp_path), tokenizer=str(target_dir), load_format="dummy", device="cpu", dtype="float32",
+              max_model_len=64, num_kv_blocks=16)
+    assert llm.engine.eos_token_ids == own_eos | {5}

@@ -73,7 +73,7 @@ class LLM:
         if tokenizer is not None:
             from peagle.models.loader import load_tokenizer
 
-            self.engine.tokenizer = load_tokenizer(tokenizer)
+            self.engine.use_tokenizer(load_tokenizer(tokenizer))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

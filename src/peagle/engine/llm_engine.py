@@ -102,6 +102,13 @@ class LLMEngine:
             self.runner.enable_async_copies(config.max_num_seqs)
         logger.info("engine ready: %s, %d KV blocks of %d, K=%d", config.model, num_blocks, block_size, self.k)
 
+    def use_tokenizer(self, tokenizer) -> None:
+        """Tokenize, detokenize and stop with `tokenizer` (another directory's, as vLLM's --tokenizer): requests end
+        at its EOS tokens and at the model config's (vLLM stops at the tokenizer's EOS and the model's
+        generation config's)."""
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
+
     # ---- construction ------------------------------------------------------------------------------------------
 
     def _graph_ks(self) -> list[int]:

@@ -81,6 +81,9 @@ def register(subparsers) -> None:
                         "vLLM refuses it; templates run in a sandbox)")
     p.add_argument("--seed", type=int, metavar="N", default=0,
                    help="engine seed (default 0; requests may pass their own)")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="tokenize, detokenize and stop with this directory's tokenizer (default: MODEL_DIR's; "
+                        "requests end at its EOS tokens and the model config's)")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="auto: the checkpoint's weights; dummy: random weights from its config.json (for trying the "
                         "server without weights; a speculative config's model may then be 'dummy')")
@@ -111,6 +114,7 @@ def _serve(args: argparse.Namespace) -> int:
     from peagle.engine.llm_engine import LLMEngine
     from peagle.server.app import create_app
 
+    from peagle.models.loader import load_tokenizer
     from peagle.models.tokenizer import load_chat_template
 
     from peagle.engine.sampling_params import model_sampling_defaults
@@ -122,7 +126,7 @@ def _serve(args: argparse.Namespace) -> int:
             raise ValueError(f"{option}: no such file {path!r}")
     template = load_chat_template(args.chat_template) if args.chat_template else None  # before the model loads
     defaults = model_sampling_defaults(args.generation_config, args.model)
-    if template is not None and not (Path(args.model) / "tokenizer.json").is_file():
+    if template is not None and not args.tokenizer and not (Path(args.model) / "tokenizer.json").is_file():
         raise ValueError("--chat-template: this model directory has no tokenizer, so chat messages cannot be rendered")
     spec = (SpeculativeConfig.from_dict(args.speculative_config) if args.speculative_config
             else SpeculativeConfig.from_env())
@@ -137,7 +141,10 @@ def _serve(args: argparse.Namespace) -> int:
         load_format=args.load_format,
     )
     check_max_model_len(config)
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None  # before the model loads
     engine = LLMEngine(config)
+    if tokenizer is not None:
+        engine.use_tokenizer(tokenizer)
     if template is not None:
         engine.tokenizer.chat_template = template
     name = args.served_model_name or args.model

@@ -169,3 +169,24 @@ def test_without_prefix_caching_no_prefix_cache_metrics(server, client):
     url, _ = server
     assert "prefix_cache" not in httpx.get(url + "/metrics").text
     assert client.completions.create(model="tiny", prompt=PROMPT, **GREEDY).usage.prompt_tokens_details is None
+
+
+def test_sagemaker_routes_answer_as_v1(server, client):
+    # /ping is the health check; /invocations takes a chat or a completion request and answers as /v1 does.
+    url = server[0]
+    assert httpx.get(url + "/ping").status_code == 200 and httpx.post(url + "/ping").status_code == 200
+    chat = {"model": "tiny", "messages": MESSAGES, "temperature": 0, "max_tokens": 12, "ignore_eos": True}
+    got = httpx.post(url + "/invocations", json=chat).json()
+    want = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=12,
+                                          extra_body={"ignore_eos": True})
+    assert got["object"] == "chat.completion" and got["choices"][0]["message"]["content"] == \
+        want.choices[0].message.content
+    completion = {"model": "tiny", "prompt": PROMPT, "temperature": 0, "max_tokens": 12, "ignore_eos": True}
+    got = httpx.post(url + "/invocations", json=completion).json()
+    assert got["object"] == "text_completion" and got["choices"][0]["text"] == client.completions.create(
+        model="tiny", prompt=PROMPT, temperature=0, max_tokens=12, extra_body={"ignore_eos": True}).choices[0].text
+    for bad in (b"{not json", b'{"model": "tiny"}', b"[1, 2]"):
+        r = httpx.post(url + "/invocations", content=bad, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["message"]
+    bad_field = httpx.post(url + "/invocations", json={**completion, "temperature": -1})
+    assert bad_field.status_code == 400 and bad_field.json()["error"]["param"] == "temperature"

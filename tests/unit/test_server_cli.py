@@ -65,6 +65,8 @@ def test_sagemaker_style_environment_config(target_dir, head, served, monkeypatc
     assert app.state.serving.model_name == "tiny" and app.state.serving.max_in_flight == 3 + 5
     client = TestClient(app)  # no lifespan: the engine loop is not needed to check the key
     assert client.get("/v1/models").status_code == 401
+    assert client.post("/invocations", json={"prompt": "x"}).status_code == 401  # the key covers it as /v1
+    assert client.get("/ping").status_code == 503  # a probe, open without the key (no engine loop without lifespan)
     assert client.get("/v1/models", headers={"Authorization": "Bearer secret"}).json()["data"][0]["id"] == "tiny"
 
 

@@ -4,6 +4,7 @@ OpenAI-style error bodies."""
 from __future__ import annotations
 
 import hmac
+import json
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -51,8 +52,10 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     _add_error_handlers(app)
     app.include_router(_v1_router(serving, engine, api_key))
     app.include_router(_tokenizer_router(serving))
+    app.include_router(_sagemaker_router(serving, api_key))
 
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])  # SageMaker's health check (as vLLM's)
     async def health() -> Response:
         if not async_engine.is_alive:
             return JSONResponse(ApiError(503, "the engine loop is not running").body(), status_code=503)
@@ -89,6 +92,27 @@ def _v1_router(serving: Serving, engine, api_key: str | None) -> APIRouter:
     @router.post("/completions")
     async def completions(request: Request) -> Response:
         return await serving.completions(request)
+
+    return router
+
+
+def _sagemaker_router(serving: Serving, api_key: str | None) -> APIRouter:
+    """SageMaker's inference route, as vLLM serves it: POST /invocations with a chat completion request (a body with
+    "messages") or a completion request ("prompt"), answered as /v1 answers it. It takes the API key as /v1 does."""
+    router = APIRouter(dependencies=[Depends(_key_check(api_key))])
+
+    @router.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())  # the body stays cached for the handler
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ApiError(400, "the request body is not valid JSON") from None
+        if isinstance(body, dict) and "messages" in body:
+            return await serving.chat(request)
+        if isinstance(body, dict) and "prompt" in body:
+            return await serving.completions(request)
+        raise ApiError(400, "/invocations takes a chat completion request (a JSON object with 'messages') or a "
+                            "completion request (with 'prompt')")
 
     return router
 

@@ -36,7 +36,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from peagle.server.cli import expand_config
+
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        argv = expand_config(argv)  # serve --config FILE.yaml
+    except ValueError as e:
+        print(f"peagle serve: error: {e}", file=sys.stderr)
+        return 1
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not getattr(args, "func", None):

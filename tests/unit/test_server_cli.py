@@ -45,7 +45,7 @@ def test_help_explains_every_option(capsys):
     for option in ("--speculative-config", "--host", "--port", "--api-key", "--served-model-name", "--max-model-len",
                    "--max-num-seqs", "--max-queue", "--gpu-memory-utilization", "--dtype", "--device",
                    "--enforce-eager", "--num-kv-blocks", "--chat-template", "--enable-prefix-caching", "--trust-request-chat-template", "SM_VLLM_SPECULATIVE_CONFIG", "PEAGLE_SPECULATIVE_CONFIG",
-                   "--tokenizer", "--load-format", "--allowed-origins", "--allowed-methods", "--allowed-headers", "--allow-credentials",
+                   "--config", "--tokenizer", "--load-format", "--allowed-origins", "--allowed-methods", "--allowed-headers", "--allow-credentials",
                    "--root-path", "--ssl-keyfile", "--ssl-certfile", "--uvicorn-log-level",
                    "--disable-uvicorn-access-log"):
         assert option in text
@@ -244,3 +244,49 @@ def test_tokenizer_from_another_directory_renders_and_stops(target_dir, served, 
     llm = LLM(model=str(tmp_path), tokenizer=str(target_dir), load_format="dummy", device="cpu", dtype="float32",
               max_model_len=64, num_kv_blocks=16)
     assert llm.engine.eos_token_ids == own_eos | {5}
+
+
+def test_config_file_as_vllm_reads_it(target_dir, head, served, tmp_path, capsys):
+    # Keys with dashes or underscores, switches, a JSON option given as a YAML object, the model itself; the command
+    # line wins over the file.
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 2, "parallel_drafting": True}
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"""
+model: {target_dir}
+device: cpu
+dtype: fp32
+max_model_len: 128
+num-kv-blocks: 32
+served-model-name: from-file
+port: 8111
+enable_prefix_caching: true
+async-scheduling: false
+speculative_config: {json.dumps(spec)}
+allowed-origins: ["http://ui.example"]
+""")
+    assert main(["serve", "--config", str(config)]) == 0
+    assert main(["--log-level", "warning", "serve", "--config", str(config), "--port", "8222",
+                 "--served-model-name", "from-cli", "--enable-prefix-caching", "--no-enable-prefix-caching"]) == 0
+    (a, kw_a), (b, kw_b) = served
+    engine = a.state.async_engine.engine
+    assert a.state.serving.model_name == "from-file" and kw_a["port"] == 8111
+    assert engine.k == 2 and engine.spec.parallel_drafting and engine.max_model_len == 128
+    assert engine.config.async_scheduling is False and engine.scheduler.block_manager.enable_prefix_caching
+    assert b.state.serving.model_name == "from-cli" and kw_b["port"] == 8222
+    assert not b.state.async_engine.engine.scheduler.block_manager.enable_prefix_caching
+    # a bad file is refused naming the key, before anything starts
+    for text, message in (("no-such-option: 1", "unknown option 'no-such-option'"),
+                          ("enable-prefix-caching: 3", "enable-prefix-caching is a switch"),
+                          ("- a\n- b", "expected a mapping"), ("port: [1", "is not valid YAML")):
+        config.write_text(text)
+        assert main(["serve", str(target_dir), "--config", str(config)]) == 1
+        assert message in capsys.readouterr().err
+    assert main(["serve", "--config", str(tmp_path / "missing.yaml")]) == 1
+    assert "cannot read" in capsys.readouterr().err
+    config.write_text("port: 8000")
+    assert main(["serve", "--config", str(config), "--device", "cpu"]) == 1
+    assert "MODEL_DIR is missing" in capsys.readouterr().err
+    assert len(served) == 2
+    config.write_text(f"model: {tmp_path / 'not-a-model'}\nport: 8333")  # the command line's MODEL_DIR wins
+    assert main(_argv(target_dir, "--config", str(config))) == 0
+    assert served[-1][1]["port"] == 8333 and served[-1][0].state.serving.model_name == str(target_dir)

@@ -22,7 +22,12 @@ def register(subparsers) -> None:
                     "--speculative-config, else the PEAGLE_SPECULATIVE_CONFIG or SM_VLLM_SPECULATIVE_CONFIG "
                     "environment variable.",
     )
-    p.add_argument("model", metavar="MODEL_DIR", help="target checkpoint directory (Hugging Face layout)")
+    p.add_argument("model", metavar="MODEL_DIR", nargs="?",
+                   help="target checkpoint directory (Hugging Face layout); or `model` in --config")
+    p.add_argument("--config", metavar="YAML",
+                   help="options from a YAML file, as vLLM's --config: keys are option names without the dashes "
+                        "(max-model-len or max_model_len: 4096; true / false for switches; lists and objects for the "
+                        "JSON options); the command line wins over the file")
     p.add_argument("--speculative-config", metavar="JSON",
                    help='speculative decoding as JSON, e.g. \'{"method": "eagle3", "model": "DRAFTER_DIR", '
                         '"num_speculative_tokens": 7, "parallel_drafting": true}\' (P-EAGLE); without it, the '
@@ -105,6 +110,86 @@ def register(subparsers) -> None:
     p.set_defaults(func=_serve)
 
 
+def expand_config(argv: list[str]) -> list[str]:
+    """`peagle ... serve ... --config FILE` with FILE's options written out in front of the command line's (which
+    then win: argparse keeps an option's last value), as vLLM's `serve --config` reads a YAML file. Unknown keys
+    and values of the wrong shape are refused naming the key. Any other command line comes back as it is."""
+    import json
+
+    import yaml
+
+    at = 0
+    while at < len(argv) and argv[at].startswith("-"):  # the global options before the command
+        at += 2 if argv[at] == "--log-level" else 1
+    if at >= len(argv) or argv[at] != "serve":
+        return argv
+    at += 1
+    rest, path, i = [], None, at
+    while i < len(argv):
+        if argv[i] == "--config" and i + 1 < len(argv):
+            path, i = argv[i + 1], i + 2
+        elif argv[i].startswith("--config="):
+            path, i = argv[i].split("=", 1)[1], i + 1
+        else:
+            rest.append(argv[i])
+            i += 1
+    if path is None:
+        return argv
+    try:
+        loaded = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"--config: cannot read {path!r} ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config {path!r} is not valid YAML: {e}") from None
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, dict):
+        raise ValueError(f"--config {path!r}: expected a mapping of option names to values")
+    top = argparse.ArgumentParser()
+    register(top.add_subparsers())
+    actions = {opt: a for a in top._subparsers._group_actions[0].choices["serve"]._actions for opt in a.option_strings}
+    model = loaded.pop("model", None)
+    options = []
+    for key, value in loaded.items():
+        opt = "--" + str(key).replace("_", "-")
+        action = actions.get(opt)
+        if action is None or opt in ("--config", "--help"):
+            raise ValueError(f"--config {path!r}: unknown option {key!r} (see peagle serve --help)")
+        if action.nargs == 0:  # a switch: store_true, or BooleanOptionalAction (--x / --no-x)
+            if not isinstance(value, bool):
+                raise ValueError(f"--config {path!r}: {key} is a switch: give true or false, not {value!r}")
+            if value:
+                options.append(opt)
+            elif isinstance(action, argparse.BooleanOptionalAction):
+                options.append("--no-" + opt[2:])
+        elif isinstance(value, (list, dict)):
+            options += [opt, json.dumps(value)]
+        elif value is None or isinstance(value, bool):
+            raise ValueError(f"--config {path!r}: {key} takes a value, not {value!r}")
+        else:
+            options += [opt, str(value)]
+    # The command line's MODEL_DIR, if it has one, wins over the file's.
+    has_model = _positional_given(actions, rest)
+    head = [str(model)] if model is not None and not has_model else []
+    return argv[:at] + head + options + rest
+
+
+def _positional_given(actions: dict, args: list[str]) -> bool:
+    """Whether `args` (serve's options) hold a positional argument: a word that is neither an option nor the value
+    an option takes."""
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "--":
+            return i + 1 < len(args)
+        if a.startswith("-") and a != "-":
+            action = actions.get(a.split("=", 1)[0])
+            i += 2 if action is not None and action.nargs != 0 and "=" not in a else 1
+            continue
+        return True
+    return False
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
     from fastapi.middleware.cors import CORSMiddleware
@@ -119,6 +204,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     from peagle.engine.sampling_params import model_sampling_defaults
 
+    if args.model is None:
+        raise ValueError("MODEL_DIR is missing: give it on the command line or as `model` in --config")
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both for HTTPS, or neither")
     for option, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):

@@ -47,7 +47,7 @@ def test_help_explains_every_option(capsys):
                    "--enforce-eager", "--num-kv-blocks", "--chat-template", "--enable-prefix-caching", "--trust-request-chat-template", "SM_VLLM_SPECULATIVE_CONFIG", "PEAGLE_SPECULATIVE_CONFIG",
                    "--config", "--tokenizer", "--load-format", "--allowed-origins", "--allowed-methods", "--allowed-headers", "--allow-credentials",
                    "--root-path", "--ssl-keyfile", "--ssl-certfile", "--uvicorn-log-level",
-                   "--disable-uvicorn-access-log"):
+                   "--disable-uvicorn-access-log", "--disable-log-stats"):
         assert option in text
 
 
@@ -290,3 +290,11 @@ allowed-origins: ["http://ui.example"]
     config.write_text(f"model: {tmp_path / 'not-a-model'}\nport: 8333")  # the command line's MODEL_DIR wins
     assert main(_argv(target_dir, "--config", str(config))) == 0
     assert served[-1][1]["port"] == 8333 and served[-1][0].state.serving.model_name == str(target_dir)
+
+
+def test_stats_lines_by_default_as_vllm(target_dir, served):
+    assert main(_argv(target_dir)) == 0
+    assert main(_argv(target_dir, "--disable-log-stats")) == 0
+    (on, _), (off, _) = served
+    assert on.state.async_engine.stat_logger.interval_s == 10.0
+    assert off.state.async_engine.stat_logger is None

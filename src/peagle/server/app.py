@@ -21,20 +21,21 @@ from peagle.server.tool_calls import template_supports_tools
 
 def create_app(engine, served_model_name: str, api_key: str | None = None,
                max_queue: int = DEFAULT_MAX_QUEUE, trust_request_chat_template: bool = False,
-               sampling_defaults: dict | None = None) -> FastAPI:
+               sampling_defaults: dict | None = None, log_stats_interval_s: float | None = None) -> FastAPI:
     """An app serving `engine` (an LLMEngine) as `served_model_name`.
 
     The engine loop starts with the app (lifespan) and stops with it. At most `max_num_seqs + max_queue` requests
     are in flight; beyond that requests get 503 with Retry-After. With `api_key`, /v1 routes need
     `Authorization: Bearer <api_key>`; /health and /metrics stay open for probes and scrapers. A request's own
     `chat_template` is rendered only with `trust_request_chat_template` (vLLM's --trust-request-chat-template).
-    `sampling_defaults` (`model_sampling_defaults`) fill the sampling fields a request leaves out.
+    `sampling_defaults` (`model_sampling_defaults`) fill the sampling fields a request leaves out. With
+    `log_stats_interval_s`, vLLM's periodic stats lines are logged (`metrics.StatLogger`).
     """
     if max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
     if not served_model_name:
         raise ValueError("served_model_name must be a non-empty string")
-    async_engine = AsyncEngine(engine, model_name=served_model_name)
+    async_engine = AsyncEngine(engine, model_name=served_model_name, log_stats_interval_s=log_stats_interval_s)
     serving = Serving(async_engine, served_model_name, engine.config.max_num_seqs + max_queue,
                       trust_request_chat_template, sampling_defaults)
 

@@ -20,7 +20,7 @@ from typing import AsyncIterator, Callable
 
 from peagle.engine.outputs import StepOutput
 from peagle.engine.sampling_params import SamplingParams
-from peagle.server.metrics import ServerMetrics
+from peagle.server.metrics import ServerMetrics, StatLogger
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +61,12 @@ class RequestStream:
 class AsyncEngine:
     """Drives an `LLMEngine` from its own thread. `start()` and every coroutine run on one event loop."""
 
-    def __init__(self, engine, metrics: ServerMetrics | None = None, model_name: str = ""):
+    def __init__(self, engine, metrics: ServerMetrics | None = None, model_name: str = "",
+                 log_stats_interval_s: float | None = None):
         self.engine = engine
         self.metrics = metrics or ServerMetrics(engine.k, model_name, engine.config.enable_prefix_caching)
+        # vLLM's periodic stats lines (None: off)
+        self.stat_logger = None if log_stats_interval_s is None else StatLogger(self.metrics, log_stats_interval_s)
         self.stats = engine.stats()  # a snapshot, replaced by the engine thread after each iteration
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # engine thread only: requests inside the engine
@@ -126,7 +129,11 @@ class AsyncEngine:
 
     def _take_commands(self) -> list[Callable[[], None] | None]:
         # Idle: sleep until a command comes. Busy: take what has arrived and step again.
-        commands = [] if self.engine.has_unfinished_requests() else [self._commands.get()]
+        commands = []
+        if not self.engine.has_unfinished_requests():
+            commands.append(self._commands.get())
+            if self.stat_logger is not None:
+                self.stat_logger.restart_window()
         while True:
             try:
                 commands.append(self._commands.get_nowait())
@@ -141,9 +148,7 @@ class AsyncEngine:
             return
         stream.prompt_logprobs = seq.prompt_logprobs  # set before `accepted` settles: the handler reads it then
         self._streams[stream.request_id] = stream
-        self.metrics.prompt_tokens.inc(len(prompt_token_ids))
-        if self.metrics.prefix_cache_queries is not None:
-            self.metrics.prefix_cache_queries.inc(len(prompt_token_ids))
+        self.metrics.on_prompt(len(prompt_token_ids))
         self._loop.call_soon_threadsafe(_settle, stream.accepted, None)
 
     def _abort(self, request_id: str):
@@ -197,6 +202,9 @@ class AsyncEngine:
             logger.exception("engine stats failed")
             return
         self.metrics.set_engine_stats(stats.num_running, stats.num_waiting, stats.kv_usage)
+        if self.stat_logger is not None:
+            self.stat_logger.maybe_log(stats.num_running, stats.num_waiting, stats.kv_usage,
+                                       idle=not self.engine.has_unfinished_requests())
 
 
 def _settle(future: asyncio.Future, error: Exception | None):

@@ -12,6 +12,7 @@ from peagle.server import DEFAULT_MAX_QUEUE
 logger = logging.getLogger(__name__)
 
 SPEC_ENV_VARS = ("PEAGLE_SPECULATIVE_CONFIG", "SM_VLLM_SPECULATIVE_CONFIG")
+STATS_INTERVAL_S = 10.0  # vLLM's default interval between stats lines
 
 
 def register(subparsers) -> None:
@@ -107,6 +108,10 @@ def register(subparsers) -> None:
     http.add_argument("--uvicorn-log-level", choices=("critical", "error", "warning", "info", "debug", "trace"),
                       help="uvicorn's log level (default: peagle's own, --log-level)")
     http.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic stats lines (by default every 10 s while requests run, as vLLM: prompt and "
+                        "generation throughput, running and waiting requests, KV-cache usage, and the acceptance of "
+                        "the requests that finished: mean acceptance length, per-position acceptance rate)")
     p.set_defaults(func=_serve)
 
 
@@ -237,7 +242,8 @@ def _serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model
     api_key = args.api_key or os.environ.get("PEAGLE_API_KEY") or None
     app = create_app(engine, name, api_key=api_key, max_queue=args.max_queue,
-                     trust_request_chat_template=args.trust_request_chat_template, sampling_defaults=defaults)
+                     trust_request_chat_template=args.trust_request_chat_template, sampling_defaults=defaults,
+                     log_stats_interval_s=None if args.disable_log_stats else STATS_INTERVAL_S)
     app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_credentials=args.allow_credentials,
                        allow_methods=args.allowed_methods, allow_headers=args.allowed_headers)
     if defaults:

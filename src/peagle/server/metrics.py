@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import time
+from dataclasses import dataclass, field
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from peagle.engine.outputs import RequestMetrics
@@ -11,6 +15,8 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 40.0, 80.0, 160.0, 640.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+logger = logging.getLogger("peagle.server.stats")
+
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
 
@@ -89,15 +95,25 @@ class ServerMetrics:
             self.prefix_cache_queries = twin(Counter, "prefix_cache_queries", "Prompt tokens looked up in the "
                                                                               "prefix cache.")
             self.prefix_cache_hits = twin(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.totals = Totals(accepted_per_pos=[0] * num_speculative_tokens)  # the same counts, for the stats log
         # Label values known up front are created now, so that a scrape before any traffic shows zeros.
         for pos in range(num_speculative_tokens):
             self.accepted_per_pos.labels(position=str(pos))
         for reason in ("stop", "length"):
             self.request_success.labels(finished_reason=reason)
 
+    def on_prompt(self, num_tokens: int):
+        """A request admitted with a prompt of `num_tokens`."""
+        self.prompt_tokens.inc(num_tokens)
+        self.totals.prompt_tokens += num_tokens
+        if self.prefix_cache_queries is not None:
+            self.prefix_cache_queries.inc(num_tokens)
+            self.totals.prefix_cache_queries += num_tokens
+
     def on_tokens(self, num_tokens: int, interval_s: float | None):
         """One step's tokens for one request; `interval_s` is the time since its previous tokens (None: first)."""
         self.generation_tokens.inc(num_tokens)
+        self.totals.generation_tokens += num_tokens
         if interval_s is not None:
             for _ in range(num_tokens):
                 self.itl.observe(interval_s / num_tokens)
@@ -106,14 +122,22 @@ class ServerMetrics:
         self.request_success.labels(finished_reason=finish_reason).inc()
         if metrics is None:
             return
+        t = self.totals
         if metrics.num_drafting_rounds:
             self.num_drafts.inc(metrics.num_drafting_rounds)
             self.num_draft_tokens.inc(metrics.num_draft_tokens)
             self.num_accepted_tokens.inc(metrics.num_accepted_tokens)
+            t.num_drafts += metrics.num_drafting_rounds
+            t.num_draft_tokens += metrics.num_draft_tokens
+            t.num_accepted_tokens += metrics.num_accepted_tokens
             for pos, n in enumerate(metrics.accepted_per_position):
                 self.accepted_per_pos.labels(position=str(pos)).inc(n)
+                if pos >= len(t.accepted_per_pos):
+                    t.accepted_per_pos.append(0)
+                t.accepted_per_pos[pos] += n
         if self.prefix_cache_hits is not None:
             self.prefix_cache_hits.inc(metrics.num_cached_tokens)
+            t.prefix_cache_hits += metrics.num_cached_tokens
         if metrics.ttft_s is not None:
             self.ttft.observe(metrics.ttft_s)
         if metrics.e2e_s is not None:
@@ -126,3 +150,72 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+@dataclass
+class Totals:
+    """Running totals of what the stats log reports (the Prometheus counters count the same)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    def copy(self) -> "Totals":
+        return Totals(**{**self.__dict__, "accepted_per_pos": list(self.accepted_per_pos)})
+
+
+class StatLogger:
+    """vLLM's periodic log lines: every `interval_s` while requests run or arrive, the interval's prompt and
+    generation throughput, running and waiting requests, KV-cache usage and prefix-cache hit rate, and with
+    speculation the acceptance of the requests that finished in it (mean acceptance length, per-position acceptance
+    rate, draft acceptance rate). `maybe_log` is called by the engine thread after each iteration."""
+
+    def __init__(self, metrics: ServerMetrics, interval_s: float = 10.0, clock=time.monotonic):
+        if interval_s <= 0:
+            raise ValueError(f"the stats interval must be > 0 s, got {interval_s}")
+        self.metrics, self.interval_s, self.clock = metrics, interval_s, clock
+        self._last_time, self._last = clock(), metrics.totals.copy()
+
+    def restart_window(self) -> None:
+        """The engine woke from idle: the next line's interval starts now (its throughput is not spread over the
+        idle time; what ran before was logged when the engine went idle)."""
+        self._last_time = self.clock()
+
+    def maybe_log(self, num_running: int, num_waiting: int, kv_usage: float, idle: bool = False) -> list[str]:
+        """The lines logged now: none before the interval is over (unless the engine just went `idle`: the rest of
+        a burst is logged when it drains), or when nothing ran in it."""
+        now = self.clock()
+        dt = now - self._last_time
+        if dt < self.interval_s and not idle:
+            return []
+        cur, last = self.metrics.totals.copy(), self._last
+        prompt, generated = cur.prompt_tokens - last.prompt_tokens, cur.generation_tokens - last.generation_tokens
+        if not (prompt or generated or num_running or num_waiting):
+            return []
+        self._last_time, self._last = now, cur
+        dt = max(dt, 1e-9)
+        line = (f"Avg prompt throughput: {prompt / dt:.1f} tokens/s, Avg generation throughput: {generated / dt:.1f} "
+                f"tokens/s, Running: {num_running} reqs, Waiting: {num_waiting} reqs, KV cache usage: "
+                f"{100 * kv_usage:.1f}%")
+        queries = cur.prefix_cache_queries - last.prefix_cache_queries
+        if self.metrics.prefix_cache_hits is not None and queries:
+            line += f", Prefix cache hit rate: {100 * (cur.prefix_cache_hits - last.prefix_cache_hits) / queries:.1f}%"
+        lines = [line]
+        drafts = cur.num_drafts - last.num_drafts
+        if drafts:
+            accepted = cur.num_accepted_tokens - last.num_accepted_tokens
+            drafted = cur.num_draft_tokens - last.num_draft_tokens
+            per_pos = [(c - (last.accepted_per_pos[i] if i < len(last.accepted_per_pos) else 0)) / drafts
+                       for i, c in enumerate(cur.accepted_per_pos)]
+            lines.append(f"SpecDecoding metrics (requests finished in the last {dt:.0f} s): Mean acceptance length: "
+                         f"{1 + accepted / drafts:.2f}, Accepted: {accepted} tokens, Drafted: {drafted} tokens, "
+                         f"Per-position acceptance rate: {', '.join(f'{r:.3f}' for r in per_pos)}, "
+                         f"Avg Draft acceptance rate: {100 * accepted / max(drafted, 1):.1f}%")
+        for text in lines:
+            logger.info("%s", text)
+        return lines

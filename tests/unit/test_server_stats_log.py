@@ -1,0 +1,85 @@
+"""vLLM's periodic stats lines: the interval's throughput, load and speculative acceptance, from the same counts the
+Prometheus metrics take; and the server logging them while it serves."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import pytest
+from server_fixtures import make_engine, make_head, serve
+
+from peagle.engine.outputs import RequestMetrics
+from peagle.server import create_app
+from peagle.server.metrics import ServerMetrics, StatLogger
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def finished(rounds=10, drafted=30, accepted=15, per_pos=(8, 5, 2), cached=40):
+    return RequestMetrics(num_drafting_rounds=rounds, num_draft_tokens=drafted, num_accepted_tokens=accepted,
+                          accepted_per_position=list(per_pos), num_cached_tokens=cached)
+
+
+def test_a_line_reports_the_interval_only():
+    metrics, clock = ServerMetrics(3, "m", prefix_caching=True), Clock()
+    log = StatLogger(metrics, interval_s=10.0, clock=clock)
+    metrics.on_prompt(100)
+    metrics.on_tokens(50, None)
+    metrics.on_finished("stop", finished())
+    clock.now += 9.0
+    assert log.maybe_log(2, 1, 0.25) == []  # before the interval is over
+    clock.now += 1.0
+    general, spec = log.maybe_log(2, 1, 0.25)
+    assert general == ("Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 5.0 tokens/s, Running: 2 "
+                       "reqs, Waiting: 1 reqs, KV cache usage: 25.0%, Prefix cache hit rate: 40.0%")
+    assert "Mean acceptance length: 2.50" in spec and "Accepted: 15 tokens, Drafted: 30 tokens" in spec
+    assert "Per-position acceptance rate: 0.800, 0.500, 0.200" in spec and "Avg Draft acceptance rate: 50.0%" in spec
+    # the next interval counts only what came after: 20 tokens in 10 s, no request finished (no acceptance line)
+    metrics.on_tokens(20, 0.1)
+    clock.now += 10.0
+    lines = log.maybe_log(1, 0, 0.1)
+    assert len(lines) == 1 and "Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 2.0" in lines[0]
+    clock.now += 10.0
+    assert log.maybe_log(0, 0, 0.0) == []  # nothing ran: no line
+
+
+def test_a_drained_burst_is_logged_at_once_and_idle_time_is_not_counted():
+    metrics, clock = ServerMetrics(0, "m"), Clock()
+    log = StatLogger(metrics, interval_s=10.0, clock=clock)
+    metrics.on_prompt(10)
+    metrics.on_tokens(40, None)
+    clock.now += 2.0
+    lines = log.maybe_log(0, 0, 0.0, idle=True)  # the engine went idle 2 s into the interval
+    assert len(lines) == 1 and "Avg generation throughput: 20.0 tokens/s" in lines[0]
+    assert "Prefix cache" not in lines[0]  # not counted without prefix caching
+    clock.now += 300.0  # idle, then a request wakes the engine
+    log.restart_window()
+    metrics.on_tokens(30, None)
+    clock.now += 10.0
+    assert "Avg generation throughput: 3.0 tokens/s" in log.maybe_log(1, 0, 0.0)[0]
+    with pytest.raises(ValueError, match="interval"):
+        StatLogger(metrics, interval_s=0)
+
+
+def test_the_server_logs_stats_while_it_serves(tiny_hf_checkpoint, tmp_path, caplog):
+    target = tiny_hf_checkpoint("llama", num_layers=4)
+    engine = make_engine(target, make_head(target, "peagle", tmp_path / "head"), "peagle")
+    caplog.set_level(logging.INFO, logger="peagle.server.stats")
+    with serve(create_app(engine, "tiny", log_stats_interval_s=0.01)) as url:
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "The quick brown fox",
+                                                      "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200
+    text = "\n".join(m for name, _, m in caplog.record_tuples if name == "peagle.server.stats")
+    assert "Avg generation throughput" in text and "Mean acceptance length" in text
+
+
+def test_stats_lines_are_off_unless_asked(tiny_hf_checkpoint):
+    engine = make_engine(tiny_hf_checkpoint("llama", num_layers=4))
+    assert create_app(engine, "tiny").state.async_engine.stat_logger is None

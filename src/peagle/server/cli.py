@@ -15,7 +15,7 @@ SPEC_ENV_VARS = ("PEAGLE_SPECULATIVE_CONFIG", "SM_VLLM_SPECULATIVE_CONFIG")
 STATS_INTERVAL_S = 10.0  # vLLM's default interval between stats lines
 
 
-def register(subparsers) -> None:
+def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL_DIR at /v1/chat/completions, /v1/completions and /v1/models (streaming or not), "
@@ -113,6 +113,7 @@ def register(subparsers) -> None:
                         "generation throughput, running and waiting requests, KV-cache usage, and the acceptance of "
                         "the requests that finished: mean acceptance length, per-position acceptance rate)")
     p.set_defaults(func=_serve)
+    return p
 
 
 def expand_config(argv: list[str]) -> list[str]:
@@ -150,9 +151,8 @@ def expand_config(argv: list[str]) -> list[str]:
         loaded = {}
     if not isinstance(loaded, dict):
         raise ValueError(f"--config {path!r}: expected a mapping of option names to values")
-    top = argparse.ArgumentParser()
-    register(top.add_subparsers())
-    actions = {opt: a for a in top._subparsers._group_actions[0].choices["serve"]._actions for opt in a.option_strings}
+    serve = register(argparse.ArgumentParser().add_subparsers())
+    actions = {opt: a for a in serve._actions for opt in a.option_strings}
     model = loaded.pop("model", None)
     options = []
     for key, value in loaded.items():
@@ -202,12 +202,10 @@ def _serve(args: argparse.Namespace) -> int:
     from peagle.engine.config import EngineConfig, SpeculativeConfig
     from peagle.engine.llm import check_max_model_len, resolve_dtype
     from peagle.engine.llm_engine import LLMEngine
-    from peagle.server.app import create_app
-
+    from peagle.engine.sampling_params import model_sampling_defaults
     from peagle.models.loader import load_tokenizer
     from peagle.models.tokenizer import load_chat_template
-
-    from peagle.engine.sampling_params import model_sampling_defaults
+    from peagle.server.app import create_app
 
     if args.model is None:
         raise ValueError("MODEL_DIR is missing: give it on the command line or as `model` in --config")

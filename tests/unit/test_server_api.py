@@ -190,3 +190,11 @@ def test_sagemaker_routes_answer_as_v1(server, client):
         assert r.status_code == 400 and r.json()["error"]["message"]
     bad_field = httpx.post(url + "/invocations", json={**completion, "temperature": -1})
     assert bad_field.status_code == 400 and bad_field.json()["error"]["param"] == "temperature"
+
+
+def test_a_request_may_name_any_served_name_and_the_response_names_the_first(target_dir):
+    with serve(create_app(make_engine(target_dir), ["tiny", "alias"])) as url:
+        with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as c:
+            out = c.completions.create(model="alias", prompt=PROMPT, max_tokens=4, temperature=0)
+            assert out.model == "tiny" and out.choices[0].text
+            assert [m.id for m in c.models.list().data] == ["tiny", "alias"]

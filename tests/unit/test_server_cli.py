@@ -298,3 +298,21 @@ def test_stats_lines_by_default_as_vllm(target_dir, served):
     (on, _), (off, _) = served
     assert on.state.async_engine.stat_logger.interval_s == 10.0
     assert off.state.async_engine.stat_logger is None
+
+
+def test_several_served_model_names(target_dir, served, tmp_path, capsys):
+    # As vLLM: requests may name any of them, responses and the stats carry the first; /v1/models lists all.
+    assert main(_argv(target_dir, "--served-model-name", "main", "alias")) == 0
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"model: {target_dir}\nserved-model-name: [from-file, second]\ndevice: cpu\ndtype: fp32\n"
+                      "max-model-len: 128\nnum-kv-blocks: 32\n")
+    assert main(["serve", "--config", str(config)]) == 0
+    (app, _), (from_file, _) = served
+    assert from_file.state.serving.model_names == ("from-file", "second")
+    client = TestClient(app)
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["main", "alias"]
+    assert client.get("/v1/models/alias").json()["id"] == "alias"
+    body = {"model": "alias", "prompt": [5, 6, 7], "max_tokens": 1}
+    assert client.post("/tokenize", json={"model": "alias", "prompt": "Hi"}).status_code == 200
+    missing = client.post("/v1/completions", json={**body, "model": "other"})
+    assert missing.status_code == 404 and "serves 'main' or 'alias'" in missing.json()["error"]["message"]

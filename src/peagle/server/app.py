@@ -19,10 +19,11 @@ from peagle.server.serving import ClientGone, Serving
 from peagle.server.tool_calls import template_supports_tools
 
 
-def create_app(engine, served_model_name: str, api_key: str | None = None,
+def create_app(engine, served_model_name: str | list[str], api_key: str | None = None,
                max_queue: int = DEFAULT_MAX_QUEUE, trust_request_chat_template: bool = False,
                sampling_defaults: dict | None = None, log_stats_interval_s: float | None = None) -> FastAPI:
-    """An app serving `engine` (an LLMEngine) as `served_model_name`.
+    """An app serving `engine` (an LLMEngine) as `served_model_name` (several names: requests may name any, responses
+    name the first, as vLLM's --served-model-name).
 
     The engine loop starts with the app (lifespan) and stops with it. At most `max_num_seqs + max_queue` requests
     are in flight; beyond that requests get 503 with Retry-After. With `api_key`, /v1 routes need
@@ -33,10 +34,11 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     """
     if max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
-    if not served_model_name:
-        raise ValueError("served_model_name must be a non-empty string")
-    async_engine = AsyncEngine(engine, model_name=served_model_name, log_stats_interval_s=log_stats_interval_s)
-    serving = Serving(async_engine, served_model_name, engine.config.max_num_seqs + max_queue,
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError("served_model_name must be a non-empty string or a list of them")
+    async_engine = AsyncEngine(engine, model_name=names[0], log_stats_interval_s=log_stats_interval_s)
+    serving = Serving(async_engine, names, engine.config.max_num_seqs + max_queue,
                       trust_request_chat_template, sampling_defaults)
 
     @asynccontextmanager
@@ -75,16 +77,17 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
 
 def _v1_router(serving: Serving, engine, api_key: str | None) -> APIRouter:
     router = APIRouter(prefix="/v1", dependencies=[Depends(_key_check(api_key))])
-    card = ModelCard(id=serving.model_name, root=str(engine.config.model), max_model_len=engine.max_model_len)
+    cards = {name: ModelCard(id=name, root=str(engine.config.model), max_model_len=engine.max_model_len)
+             for name in serving.model_names}
 
     @router.get("/models")
     async def models() -> dict:
-        return ModelList(data=[card]).model_dump()
+        return ModelList(data=list(cards.values())).model_dump()
 
     @router.get("/models/{model_id:path}")
     async def model(model_id: str) -> dict:
         serving.check_model(model_id)
-        return card.model_dump()
+        return cards[model_id].model_dump()
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:

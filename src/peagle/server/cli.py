@@ -38,8 +38,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--port", type=_port, metavar="PORT", default=8000, help="port to listen on (default 8000)")
     p.add_argument("--api-key", metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PEAGLE_API_KEY, else open)")
-    p.add_argument("--served-model-name", metavar="NAME",
-                   help="model name clients send and /v1/models lists (default: MODEL_DIR)")
+    p.add_argument("--served-model-name", metavar="NAME", nargs="+",
+                   help="model name clients send and /v1/models lists (default: MODEL_DIR); several names: requests "
+                        "may send any, responses carry the first (as vLLM)")
     p.add_argument("--max-model-len", type=int, metavar="N",
                    help="longest prompt + output in tokens (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, metavar="N", default=64,
@@ -167,6 +168,8 @@ def expand_config(argv: list[str]) -> list[str]:
                 options.append(opt)
             elif isinstance(action, argparse.BooleanOptionalAction):
                 options.append("--no-" + opt[2:])
+        elif action.nargs in ("+", "*"):  # several values (--served-model-name a b)
+            options += [opt, *map(str, value if isinstance(value, list) else [value])]
         elif isinstance(value, (list, dict)):
             options += [opt, json.dumps(value)]
         elif value is None or isinstance(value, bool):
@@ -189,7 +192,14 @@ def _positional_given(actions: dict, args: list[str]) -> bool:
             return i + 1 < len(args)
         if a.startswith("-") and a != "-":
             action = actions.get(a.split("=", 1)[0])
-            i += 2 if action is not None and action.nargs != 0 and "=" not in a else 1
+            i += 1
+            if action is None or action.nargs == 0 or "=" in a:
+                continue
+            if action.nargs in ("+", "*"):  # argparse gives it every word up to the next option
+                while i < len(args) and not args[i].startswith("-"):
+                    i += 1
+            else:
+                i += 1
             continue
         return True
     return False
@@ -237,9 +247,9 @@ def _serve(args: argparse.Namespace) -> int:
         engine.use_tokenizer(tokenizer)
     if template is not None:
         engine.tokenizer.chat_template = template
-    name = args.served_model_name or args.model
+    names = args.served_model_name or [args.model]
     api_key = args.api_key or os.environ.get("PEAGLE_API_KEY") or None
-    app = create_app(engine, name, api_key=api_key, max_queue=args.max_queue,
+    app = create_app(engine, names, api_key=api_key, max_queue=args.max_queue,
                      trust_request_chat_template=args.trust_request_chat_template, sampling_defaults=defaults,
                      log_stats_interval_s=None if args.disable_log_stats else STATS_INTERVAL_S)
     app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_credentials=args.allow_credentials,
@@ -248,8 +258,8 @@ def _serve(args: argparse.Namespace) -> int:
         logger.info("default sampling parameters from the model's generation config: %s (requests that give a field "
                     "override it; --generation-config vllm ignores them)", defaults)
     scheme = "https" if args.ssl_certfile else "http"
-    logger.info("serving %s as %r at %s://%s:%d%s/v1 (speculation: %s)", args.model, name, scheme, args.host,
-                args.port, args.root_path, spec or "off")
+    logger.info("serving %s as %s at %s://%s:%d%s/v1 (speculation: %s)", args.model, " / ".join(map(repr, names)),
+                scheme, args.host, args.port, args.root_path, spec or "off")
     uvicorn.run(app, host=args.host, port=args.port,
                 log_level=args.uvicorn_log_level or logging.getLogger().getEffectiveLevel(),
                 access_log=not args.disable_uvicorn_access_log, root_path=args.root_path,

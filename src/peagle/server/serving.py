@@ -43,7 +43,7 @@ class ClientGone(Exception):
 
 
 class Serving:
-    def __init__(self, async_engine: AsyncEngine, served_model_name: str, max_in_flight: int,
+    def __init__(self, async_engine: AsyncEngine, served_model_name: str | list[str], max_in_flight: int,
                  trust_request_chat_template: bool = False, sampling_defaults: dict | None = None):
         self.engine = async_engine
         self.tokenizer = async_engine.engine.tokenizer
@@ -52,7 +52,9 @@ class Serving:
         self.prefix_caching = async_engine.engine.config.enable_prefix_caching
         self.trust_request_chat_template = trust_request_chat_template
         self.sampling_defaults = dict(sampling_defaults or {})  # for fields a request leaves out
-        self.model_name = served_model_name
+        self.model_names = ((served_model_name,) if isinstance(served_model_name, str)
+                            else tuple(served_model_name))  # requests may name any; responses name the first
+        self.model_name = self.model_names[0]
         self.max_in_flight = max_in_flight
         self.num_in_flight = 0  # event loop only
 
@@ -91,8 +93,9 @@ class Serving:
     # ---- request checks --------------------------------------------------------------------------------------
 
     def check_model(self, name: str | None):
-        if name is not None and name != self.model_name:
-            raise ApiError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+        if name is not None and name not in self.model_names:
+            served = " or ".join(f"'{n}'" for n in self.model_names)
+            raise ApiError(404, f"the model '{name}' does not exist; this server serves {served}",
                            param="model", code="model_not_found")
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:

@@ -198,3 +198,33 @@ def test_a_request_may_name_any_served_name_and_the_response_names_the_first(tar
             out = c.completions.create(model="alias", prompt=PROMPT, max_tokens=4, temperature=0)
             assert out.model == "tiny" and out.choices[0].text
             assert [m.id for m in c.models.list().data] == ["tiny", "alias"]
+
+
+def test_caller_request_ids_name_the_response_and_may_repeat(target_dir):
+    # vLLM's: the body's request_id, else the X-Request-Id header, is the response id's tail; two requests in flight
+    # with the same id both run (the engine's own ids stay unique). With request id headers on, every response
+    # carries X-Request-Id.
+    import asyncio
+
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with serve(create_app(make_engine(target_dir), "tiny", request_id_headers=True)) as url:
+        r = httpx.post(url + "/v1/completions", json={**body, "request_id": "abc"})
+        assert r.json()["id"] == "cmpl-abc" and r.headers["x-request-id"]
+        chat = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4}
+        r = httpx.post(url + "/v1/chat/completions", json=chat, headers={"X-Request-Id": "trace-7"})
+        assert r.json()["id"] == "chatcmpl-trace-7" and r.headers["x-request-id"] == "trace-7"
+        streamed = httpx.post(url + "/v1/completions", json={**body, "stream": True, "request_id": "s1"})
+        ids = {line for line in streamed.text.splitlines() if line.startswith("data: {")}
+        assert ids and all('"id":"cmpl-s1"' in line.replace(" ", "") for line in ids)
+
+        async def both():
+            async with httpx.AsyncClient(timeout=60) as c:
+                return await asyncio.gather(*[c.post(url + "/v1/completions", json={**body, "request_id": "same"})
+                                              for _ in range(2)])
+
+        a, b = asyncio.run(both())
+        assert a.status_code == b.status_code == 200 and a.json()["id"] == b.json()["id"] == "cmpl-same"
+        assert a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"]
+        assert httpx.get(url + "/health").headers["x-request-id"]  # generated when the request sent none
+    with serve(create_app(make_engine(target_dir), "tiny")) as url:
+        assert "x-request-id" not in httpx.post(url + "/v1/completions", json=body).headers

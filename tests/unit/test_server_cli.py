@@ -47,7 +47,7 @@ def test_help_explains_every_option(capsys):
                    "--enforce-eager", "--num-kv-blocks", "--chat-template", "--enable-prefix-caching", "--trust-request-chat-template", "SM_VLLM_SPECULATIVE_CONFIG", "PEAGLE_SPECULATIVE_CONFIG",
                    "--config", "--tokenizer", "--load-format", "--allowed-origins", "--allowed-methods", "--allowed-headers", "--allow-credentials",
                    "--root-path", "--ssl-keyfile", "--ssl-certfile", "--uvicorn-log-level",
-                   "--disable-uvicorn-access-log", "--disable-log-stats"):
+                   "--disable-uvicorn-access-log", "--disable-log-stats", "--enable-request-id-headers"):
         assert option in text
 
 

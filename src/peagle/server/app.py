@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -21,7 +22,8 @@ from peagle.server.tool_calls import template_supports_tools
 
 def create_app(engine, served_model_name: str | list[str], api_key: str | None = None,
                max_queue: int = DEFAULT_MAX_QUEUE, trust_request_chat_template: bool = False,
-               sampling_defaults: dict | None = None, log_stats_interval_s: float | None = None) -> FastAPI:
+               sampling_defaults: dict | None = None, log_stats_interval_s: float | None = None,
+               request_id_headers: bool = False) -> FastAPI:
     """An app serving `engine` (an LLMEngine) as `served_model_name` (several names: requests may name any, responses
     name the first, as vLLM's --served-model-name).
 
@@ -30,7 +32,9 @@ def create_app(engine, served_model_name: str | list[str], api_key: str | None =
     `Authorization: Bearer <api_key>`; /health and /metrics stay open for probes and scrapers. A request's own
     `chat_template` is rendered only with `trust_request_chat_template` (vLLM's --trust-request-chat-template).
     `sampling_defaults` (`model_sampling_defaults`) fill the sampling fields a request leaves out. With
-    `log_stats_interval_s`, vLLM's periodic stats lines are logged (`metrics.StatLogger`).
+    `log_stats_interval_s`, vLLM's periodic stats lines are logged (`metrics.StatLogger`). With
+    `request_id_headers` (vLLM's --enable-request-id-headers) every response carries X-Request-Id: the request's own
+    header, else a new id.
     """
     if max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
@@ -53,6 +57,13 @@ def create_app(engine, served_model_name: str | list[str], api_key: str | None =
     app.state.async_engine = async_engine
     app.state.serving = serving
     _add_error_handlers(app)
+    if request_id_headers:
+        @app.middleware("http")
+        async def add_request_id(request: Request, call_next):
+            request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+            response = await call_next(request)
+            response.headers["X-Request-Id"] = request_id
+            return response
     app.include_router(_v1_router(serving, engine, api_key))
     app.include_router(_tokenizer_router(serving))
     app.include_router(_sagemaker_router(serving, api_key))

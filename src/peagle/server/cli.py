@@ -109,6 +109,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     http.add_argument("--uvicorn-log-level", choices=("critical", "error", "warning", "info", "debug", "trace"),
                       help="uvicorn's log level (default: peagle's own, --log-level)")
     http.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
+    http.add_argument("--enable-request-id-headers", action="store_true",
+                      help="answer every request with an X-Request-Id header (the request's own, else a new id); "
+                           "a request's X-Request-Id or body request_id names its response id either way")
     p.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic stats lines (by default every 10 s while requests run, as vLLM: prompt and "
                         "generation throughput, running and waiting requests, KV-cache usage, and the acceptance of "
@@ -251,7 +254,8 @@ def _serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("PEAGLE_API_KEY") or None
     app = create_app(engine, names, api_key=api_key, max_queue=args.max_queue,
                      trust_request_chat_template=args.trust_request_chat_template, sampling_defaults=defaults,
-                     log_stats_interval_s=None if args.disable_log_stats else STATS_INTERVAL_S)
+                     log_stats_interval_s=None if args.disable_log_stats else STATS_INTERVAL_S,
+                     request_id_headers=args.enable_request_id_headers)
     app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_credentials=args.allow_credentials,
                        allow_methods=args.allowed_methods, allow_headers=args.allowed_headers)
     if defaults:

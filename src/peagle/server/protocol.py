@@ -129,6 +129,8 @@ class SamplingFields(_Request):
     # vLLM's: each prompt token's logprob (after the first) with this many alternatives, as `prompt_logprobs`
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     user: str | None = None  # an end-user id for the caller's own records; it changes no output
+    # vLLM's: the response's id is "chatcmpl-<request_id>" / "cmpl-<request_id>" (else the X-Request-Id header's)
+    request_id: str | None = Field(None, min_length=1, max_length=256)
     # Structured output (OpenAI's response_format, vLLM's guided_* and structured_outputs); at most one.
     response_format: ResponseFormat | None = None
     guided_json: dict | str | None = None
@@ -611,10 +613,11 @@ def _bytes(text: str) -> list[int]:
 
 
 class ChatFormat:
-    """Builds /v1/chat/completions bodies and stream chunks for one request."""
+    """Builds /v1/chat/completions bodies and stream chunks for one request (`request_id`: the caller's, as the id's
+    tail; else a random one)."""
 
-    def __init__(self, model: str):
-        self.id = new_id("chatcmpl")
+    def __init__(self, model: str, request_id: str | None = None):
+        self.id = f"chatcmpl-{request_id}" if request_id else new_id("chatcmpl")
         self.model = model
         self.created = int(time.time())
 
@@ -655,10 +658,10 @@ class ChatFormat:
 
 
 class CompletionFormat:
-    """Builds /v1/completions bodies and stream chunks for one request."""
+    """Builds /v1/completions bodies and stream chunks for one request (`request_id` as ChatFormat's)."""
 
-    def __init__(self, model: str):
-        self.id = new_id("cmpl")
+    def __init__(self, model: str, request_id: str | None = None):
+        self.id = f"cmpl-{request_id}" if request_id else new_id("cmpl")
         self.model = model
         self.created = int(time.time())
 

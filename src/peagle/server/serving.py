@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import uuid
 from typing import AsyncIterator, Awaitable, TypeVar
 
 import jinja2
@@ -65,8 +66,8 @@ class Serving:
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens or req.max_tokens or self.sampling_defaults.get("max_tokens")
         max_tokens = self._max_tokens(prompt_ids, requested, "messages", param)
-        return await self._generate(request, req, [_Prompt(prompt_ids, max_tokens)], ChatFormat(self.model_name),
-                                    tools=req.calls_tools)
+        return await self._generate(request, req, [_Prompt(prompt_ids, max_tokens)],
+                                    ChatFormat(self.model_name, _caller_id(request, req)), tools=req.calls_tools)
 
     async def completions(self, request: Request) -> Response:
         """A prompt or a batch of them: each prompt's n choices, numbered prompt by prompt (prompt_index * n + i),
@@ -83,7 +84,7 @@ class Serving:
             if req.echo:  # the prompt as the model read it
                 echo = prompt if isinstance(prompt, str) and truncated is ids else self._decode(truncated)
             prompts.append(_Prompt(truncated, self._max_tokens(truncated, requested, where, "max_tokens"), echo))
-        return await self._generate(request, req, prompts, CompletionFormat(self.model_name))
+        return await self._generate(request, req, prompts, CompletionFormat(self.model_name, _caller_id(request, req)))
 
     def _with_defaults(self, req: RequestT) -> RequestT:
         """The request with the model's sampling defaults in the fields it left out (max_tokens: see the callers)."""
@@ -205,7 +206,9 @@ class Serving:
                         tools: bool = False) -> Response:
         first = self._sampling_params(req, prompts[0].max_tokens)  # a grammar compiled once for the batch
         params = [first] + [dataclasses.replace(first, max_tokens=p.max_tokens) for p in prompts[1:]]
-        choices = await self._submit(fmt.id, prompts, params, tools, req.prompt_logprobs)
+        # The engine's ids stay unique when callers reuse theirs: a random tail after a caller's id.
+        engine_id = fmt.id if _caller_id(request, req) is None else f"{fmt.id}-{uuid.uuid4().hex[:8]}"
+        choices = await self._submit(engine_id, prompts, params, tools, req.prompt_logprobs)
 
         def close():
             for c in choices:
@@ -490,3 +493,8 @@ class _EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
+
+
+def _caller_id(request: Request, req) -> str | None:
+    """The caller's request id, as vLLM takes it: the body's `request_id`, else the X-Request-Id header."""
+    return req.request_id or request.headers.get("x-request-id") or None

@@ -294,10 +294,12 @@ allowed-origins: ["http://ui.example"]
 
 def test_stats_lines_by_default_as_vllm(target_dir, served):
     assert main(_argv(target_dir)) == 0
-    assert main(_argv(target_dir, "--disable-log-stats")) == 0
+    assert main(_argv(target_dir, "--disable-log-stats", "--enable-request-id-headers")) == 0
     (on, _), (off, _) = served
     assert on.state.async_engine.stat_logger.interval_s == 10.0
     assert off.state.async_engine.stat_logger is None
+    assert "x-request-id" not in TestClient(on).get("/version").headers
+    assert TestClient(off).get("/version", headers={"X-Request-Id": "r1"}).headers["x-request-id"] == "r1"
 
 
 def test_several_served_model_names(target_dir, served, tmp_path, capsys):

@@ -318,3 +318,6 @@ def test_several_served_model_names(target_dir, served, tmp_path, capsys):
     assert client.post("/tokenize", json={"model": "alias", "prompt": "Hi"}).status_code == 200
     missing = client.post("/v1/completions", json={**body, "model": "other"})
     assert missing.status_code == 404 and "serves 'main' or 'alias'" in missing.json()["error"]["message"]
+    # names before MODEL_DIR: argparse gives it to the names; the error says so
+    assert main(["serve", "--device", "cpu", "--served-model-name", "a", str(target_dir)]) == 1
+    assert f"--served-model-name took '{target_dir}' as a name" in capsys.readouterr().err

@@ -221,7 +221,11 @@ def _serve(args: argparse.Namespace) -> int:
     from peagle.server.app import create_app
 
     if args.model is None:
-        raise ValueError("MODEL_DIR is missing: give it on the command line or as `model` in --config")
+        hint = ""
+        if args.served_model_name and len(args.served_model_name) > 1:
+            hint = (f" (--served-model-name took {args.served_model_name[-1]!r} as a name: give MODEL_DIR first, "
+                    "or end the names with another option)")
+        raise ValueError(f"MODEL_DIR is missing: give it on the command line or as `model` in --config{hint}")
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both for HTTPS, or neither")
     for option, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):

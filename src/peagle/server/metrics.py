@@ -10,13 +10,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from peagle.engine.outputs import RequestMetrics
 
+logger = logging.getLogger("peagle.server.stats")  # the periodic stats lines (StatLogger)
+
 # Latency buckets in seconds, as vLLM spaces them: fine below a second, coarse up to minutes.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
-logger = logging.getLogger("peagle.server.stats")
-
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
 

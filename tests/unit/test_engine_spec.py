@@ -303,8 +303,8 @@ def test_adaptive_rise_beside_an_admitted_prompt_stays_on_the_graphs_path(target
     # Two requests at a time, K = 4 alone and 2 for two (the calibrated policy's shape at concurrency 2): when one
     # finishes, the survivor's K rises while the next prompt is admitted in the same step, which cannot be padded
     # (a prompt does not decode). That step proposes what the graphs propose for its K (an eager step with the
-    # risen count cost ~6 rounds on the GPU: BENCHMARKS.md run 23); the rise comes at the next decode-only step.
-    # Synchronous scheduling; with async scheduling such a step is admitted ahead (the next test).
+    # risen count cost several rounds each on the GPU: BENCHMARKS.md run 23); the rise comes at the next
+    # decode-only step. Synchronous scheduling; with async scheduling such a step is admitted ahead (the next test).
     spec = {"method": "eagle3", "model": heads[method], "num_speculative_tokens": 4,
             "parallel_drafting": method == "peagle", "adaptive": {"thresholds": [[1, 4]], "above": 2}}
     llm = LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,

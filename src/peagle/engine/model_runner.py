@@ -388,7 +388,7 @@ class ModelRunner:
             else:
                 # A rise beside a prompt (or a chunk) cannot be padded: the step proposes what its K's graphs
                 # propose, and the rise comes at the next decode-only step. Proposing `want` here would run the
-                # whole step eagerly: ~6 rounds' time on the GPU, at every admission of a load that crosses a band
+                # whole step eagerly (several rounds' time on the GPU) at every admission of a load that crosses a band
                 # edge (BENCHMARKS.md run 23: the calibrated policy at concurrency 2, 21-45% below fixed K).
                 want = self.draft_count(k)
         eager = draft and want != self.draft_count(k)  # a count no graph proposes (fewer than the default)

@@ -177,3 +177,27 @@ def test_git_commit_comes_from_the_environment_for_a_copied_tree(monkeypatch, tm
     assert report._git_state(tmp_path) == ("0123abc", None)  # tmp_path is no checkout: the variable decided
     monkeypatch.delenv(report.GIT_COMMIT_ENV)
     assert report._git_state(tmp_path) == (None, None)
+
+
+def test_against_the_seeds_summarises_the_headline_cells():
+    points = sample_points() + [
+        make_point("mtbench", "none", None, 64, measurement(4000.0)),
+        make_point("mtbench", "eagle3", 3, 64, measurement(6000.0, 2.4)),
+        make_point("mtbench", "peagle", 5, 64, measurement(6600.0, 2.6)),
+        make_point("mtbench", "peagle", 7, 64, measurement(6300.0, 2.8)),
+    ]
+    for c, rate in ((1, 320.0), (64, 6500.0)):
+        p = make_point("mtbench", "peagle", 7, c, measurement(rate, 3.6))
+        p["adaptive"] = {"thresholds": [[1, 7]], "above": 5}
+        points.append(p)
+    text = markdown({"config": {}, "points": points})
+    section = text[text.index("### Against the seeds (greedy)"):]
+    assert "| cell | mtbench | seeds |" in section
+    assert "| c=1: P-EAGLE / EAGLE-3 | 1.65x | 1.55-1.69x |" in section  # 330 / 200, each at its best K
+    assert "| c=1: P-EAGLE / no speculation | 3.30x | 2.97-3.97x |" in section
+    assert "| c=1: P-EAGLE / HF static cache + compile | 11.00x | - |" in section
+    assert "| c=64: P-EAGLE / EAGLE-3 | 1.10x | 1.05-1.25x (c=64) |" in section  # K=5's 6,600 / 6,000
+    assert "/ no speculation, c=64 | 1.62x | - |" in section and "/ no speculation, lowest | 1.62x (c=64) |" in section
+    assert "| P-EAGLE's best K at c=1 | 7 | 7-11 |" in section
+    # without P-EAGLE rows there is nothing to hold against the seeds
+    assert "Against the seeds" not in markdown({"config": {}, "points": [p for p in points if p["method"] != "peagle"]})

@@ -267,7 +267,57 @@ def markdown(results: dict[str, Any]) -> str:
         for dataset in datasets_of(mine):
             lines += (_engine_table(mine, dataset, t) + _full_table(mine, dataset) + _hf_table(mine, dataset, t)
                       + _acceptance_table(mine, dataset))
+        lines += _seeds_section(mine, t)
     return "\n".join(lines + _hygiene_section(points))
+
+
+# What the seeds report for the same cells (PEAGLE.md section 7: GPT-OSS-20B and Qwen3-Coder-30B-A3B on one B200,
+# MT-Bench, HumanEval and SPEED-Bench, each method at its best K).
+SEEDS = {"c1_pe": "1.55-1.69x", "c1_pn": "2.97-3.97x", "cmax_pe": "1.05-1.25x (c=64)", "best_k": "7-11"}
+
+
+def _seeds_section(points: list[dict], temperature: float) -> list[str]:
+    """The seeds' headline cells from this run, per data set: P-EAGLE over EAGLE-3 and over no speculation at
+    concurrency 1 and at the highest concurrency measured (each at its best K), over HF static cache + compile at 1,
+    the adaptive rows over no speculation (at the highest concurrency, and their lowest over every concurrency),
+    and P-EAGLE's best K at concurrency 1."""
+    datasets = [d for d in datasets_of(points) if any(p["dataset"] == d and p["method"] == "peagle" for p in points)]
+    if not datasets:
+        return []
+    cells: dict[str, dict[str, str]] = {}
+
+    def put(row: str, dataset: str, text: str) -> None:
+        cells.setdefault(row, {})[dataset] = text
+
+    for d in datasets:
+        best = best_points(points, d, temperature)
+        top = max(c for v, c in best if v == "peagle")
+        ratios = {other: speedups(points, d, "peagle", other, temperature) for other in ("eagle3", "none")}
+        for c in (1, top) if top > 1 else (1,):
+            for other, label in (("eagle3", "EAGLE-3"), ("none", "no speculation")):
+                if c in ratios[other]:
+                    put(f"c={c}: P-EAGLE / {label}", d, f"{ratios[other][c]:.2f}x")
+            hf = best.get(("hf_static_compile", 1))
+            if c == 1 and hf and ("peagle", 1) in best and hf["tokens_per_s"] > 0:
+                put("c=1: P-EAGLE / HF static cache + compile", d,
+                    f"{best[('peagle', 1)]['tokens_per_s'] / hf['tokens_per_s']:.2f}x")
+        for v in (v for v in variants_of(points) if v.startswith("peagle@")):
+            adaptive = speedups(points, d, v, "none", temperature)
+            if adaptive:
+                c_top, low = max(adaptive), min(adaptive, key=adaptive.get)
+                put(f"{variant_label(v)} / no speculation, c={c_top}", d, f"{adaptive[c_top]:.2f}x")
+                put(f"{variant_label(v)} / no speculation, lowest", d, f"{adaptive[low]:.2f}x (c={low})")
+        if ("peagle", 1) in best:
+            put("P-EAGLE's best K at c=1", d, str(best[("peagle", 1)]["k"]))
+    seeds_of = {"c=1: P-EAGLE / EAGLE-3": SEEDS["c1_pe"], "c=1: P-EAGLE / no speculation": SEEDS["c1_pn"],
+                "P-EAGLE's best K at c=1": SEEDS["best_k"]}
+    rows = [f"### Against the seeds ({temperature_title(temperature)})", "",
+            _row(["cell", *datasets, "seeds"]), _row(["---"] * (len(datasets) + 2))]
+    for name, by_dataset in cells.items():
+        seed = seeds_of.get(name, SEEDS["cmax_pe"] if name.endswith("P-EAGLE / EAGLE-3") and "c=1" not in name
+                            else "-")
+        rows.append(_row([name, *(by_dataset.get(d, "-") for d in datasets), seed]))
+    return rows + [""]
 
 
 def _length_line(cfg: dict) -> str:

@@ -617,6 +617,7 @@ class ChatFormat:
     tail; else a random one)."""
 
     def __init__(self, model: str, request_id: str | None = None):
+        self.caller_id = request_id or None
         self.id = f"chatcmpl-{request_id}" if request_id else new_id("chatcmpl")
         self.model = model
         self.created = int(time.time())
@@ -661,6 +662,7 @@ class CompletionFormat:
     """Builds /v1/completions bodies and stream chunks for one request (`request_id` as ChatFormat's)."""
 
     def __init__(self, model: str, request_id: str | None = None):
+        self.caller_id = request_id or None
         self.id = f"cmpl-{request_id}" if request_id else new_id("cmpl")
         self.model = model
         self.created = int(time.time())

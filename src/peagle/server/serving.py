@@ -207,7 +207,7 @@ class Serving:
         first = self._sampling_params(req, prompts[0].max_tokens)  # a grammar compiled once for the batch
         params = [first] + [dataclasses.replace(first, max_tokens=p.max_tokens) for p in prompts[1:]]
         # The engine's ids stay unique when callers reuse theirs: a random tail after a caller's id.
-        engine_id = fmt.id if _caller_id(request, req) is None else f"{fmt.id}-{uuid.uuid4().hex[:8]}"
+        engine_id = fmt.id if fmt.caller_id is None else f"{fmt.id}-{uuid.uuid4().hex[:8]}"
         choices = await self._submit(engine_id, prompts, params, tools, req.prompt_logprobs)
 
         def close():

@@ -10,10 +10,14 @@
 # against; .cfg: the testbed's config.json and tokenizer files, for runs with random weights; .tb_a, .tb_b, .tb_c:
 # the package wheels `peagle testbed` downloads, for `tb_stage`). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
-# The next session's plan (run 24): run 22's heads again (.hp_a-.hp_d: check they are there; without them, run 22's
-# plan below, the testbed again), one call each, back to back, fired one at a time (a failed call must not start the
-# next), from a tree no one is editing; prefix the bench calls with `export PEAGLE_GIT_COMMIT=<the commit>;`. A call
-# that comes more than 30 s after the previous one returned finds a fresh machine (and an empty $W: start again at 1).
+# The next session's plan (run 24). Run 22's heads (.hp_a-.hp_d) did not outlive the checkout they came home to (the
+# session after run 23 found a new checkout without them): when they are missing, as now, the session starts with run
+# 22's plan (below: the testbed again, about 21 device minutes, then heads_out x3 so that a later session may skip it)
+# and spends what is left on step 6 (about 5 minutes: the testbed's heads replace run 22's, and its own served table
+# says whether they match). With the heads there, the calls below, one each, back to back, fired one at a time (a
+# failed call must not start the next), from a tree no one is editing; prefix the bench calls with
+# `export PEAGLE_GIT_COMMIT=<the commit>;`. A call that comes more than 30 s after the previous one returned finds a
+# fresh machine (and an empty $W: start again at 1).
 #   1. stage_a (carry .stage_a .whl); 2. heads_in (.stage_b); 3. heads_in (.hp_a); 4. heads_in (.hp_b);
 #   5. heads_in (.hp_c .hp_d);
 #   6. the adaptive policy at concurrency 2 after its fix (run 23: 21-45% below fixed K there), run 23's policy as the

@@ -14,6 +14,7 @@ from peagle import LLM, SamplingParams
 from peagle.drafters import Drafter, save_drafter
 from peagle.engine.sampler import LogitsProcessing, bad_word_bans, process_logits
 from peagle.engine.sampling_params import with_bad_words
+from peagle.engine.structured_output import with_grammar
 from peagle.models.attention import DenseAttention
 from peagle.models.loader import load_model
 
@@ -239,6 +240,28 @@ def test_json_schema_output_validates_and_speculation_keeps_it(target_dir, heads
         assert out.finish_reason == "stop"  # the grammar, once complete, leaves only EOS
     llm = make_llm(target_dir, heads[method], method, k=3)
     # The oracle's corrupted drafts are mostly outside the grammar: each is rejected at its own row.
+    oracle_drafts(llm, {str(i): p + w.token_ids for i, (p, w) in enumerate(zip(PROMPTS, want))}, k=3)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert sum(g.metrics.num_accepted_tokens for g in got) > 0
+
+
+@pytest.mark.parametrize("method", ["eagle3", "peagle"])
+def test_grammar_after_a_token_leaves_the_output_free_until_it(target_dir, heads, plain, method):
+    # A reasoning parser's structured output: free text (the thinking) up to its end token, the schema after it.
+    # The logit bias makes the end token come early on every prompt; the grammar masks it out afterwards.
+    end, bias = 3, {3: 3.0}
+    free = plain.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=60, logit_bias=bias), use_tqdm=False)
+    params = with_grammar(SamplingParams(temperature=0, max_tokens=60, logit_bias=bias, structured_outputs={
+        "json": SCHEMA}), plain.engine.tokenizer, plain.engine.model_config.vocab_size, starts_after=end)
+    want = plain.generate(PROMPTS, params, use_tqdm=False)
+    for w, f in zip(want, free):
+        i = w.token_ids.index(end)
+        assert w.token_ids[:i + 1] == f.token_ids[:i + 1]  # unconstrained until the end token
+        check_schema(plain.engine.tokenizer.decode(w.token_ids[i + 1:]))
+        assert w.token_ids != f.token_ids and w.finish_reason == "stop"
+    llm = make_llm(target_dir, heads[method], method, k=3)
+    # The oracle's drafts hold the end token at every row of some step: the grammar starts mid-step there.
     oracle_drafts(llm, {str(i): p + w.token_ids for i, (p, w) in enumerate(zip(PROMPTS, want))}, k=3)
     got = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]

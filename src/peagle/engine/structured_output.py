@@ -9,6 +9,10 @@ constrained decoding without speculation.
 
     grammar = compile_grammar(StructuredOutputsParams(json={"type": "object"}), tokenizer, vocab_size)
     masks = grammar.row_masks(seq, drafts=[17, 4], rows=3)  # [3, vocab] bool, True = allowed
+
+A grammar may start after a token (`starts_after`, a reasoning model's end-of-thinking token, as vLLM's structured
+output with a reasoning parser): rows before that token is emitted allow everything, and the matcher reads only the
+tokens after it. A step whose drafts hold that token starts the grammar at the row after it.
 """
 
 from __future__ import annotations
@@ -53,10 +57,14 @@ def grammar_source(params: StructuredOutputsParams) -> str:
 class Grammar:
     """A constraint compiled for one tokenizer, with one matcher per sequence (dropped with the sequence)."""
 
-    def __init__(self, params: StructuredOutputsParams, tokenizer, vocab_size: int):
+    def __init__(self, params: StructuredOutputsParams, tokenizer, vocab_size: int, starts_after: int | None = None):
         from llguidance import LLMatcher
 
+        if starts_after is not None and not 0 <= starts_after < vocab_size:
+            raise ValueError(f"structured_outputs: the grammar's start token {starts_after} is outside the "
+                             f"vocabulary [0, {vocab_size})")
         self.params = params
+        self.starts_after = starts_after
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = [t for t in tokenizer.eos_token_ids if t < vocab_size]
@@ -68,24 +76,37 @@ class Grammar:
         error = LLMatcher.validate_grammar(self._source, self._ll)
         if error:
             raise ValueError(f"structured_outputs: the grammar is invalid: {error}")
-        self._matchers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> [matcher, consumed]
+        # Sequence -> [matcher, outputs read, started]
+        self._matchers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def _matcher(self, seq):
+        """The sequence's matcher, advanced over its outputs, and whether the grammar has started."""
         from llguidance import LLMatcher
 
         state = self._matchers.get(seq)
         if state is None:
-            state = self._matchers[seq] = [LLMatcher(self._ll, self._source), 0]
-        matcher, consumed = state
+            state = self._matchers[seq] = [LLMatcher(self._ll, self._source), 0, self.starts_after is None]
+        matcher, consumed, started = state
         new = seq.output_token_ids[consumed:]
-        if new:
+        state[1] += len(new)
+        if not started and self.starts_after in new:
+            new, state[2] = new[new.index(self.starts_after) + 1:], True
+        if new and state[2]:
             matcher.consume_tokens(new)  # emitted under this grammar's masks, so every one is accepted
-            state[1] += len(new)
-        return matcher
+        return matcher, state[2]
 
     def row_masks(self, seq, drafts: list[int], rows: int) -> np.ndarray:
         """[rows, vocab] bool: the tokens allowed at each verified row (row j after drafts 0..j-1)."""
-        matcher = self._matcher(seq)
+        matcher, started = self._matcher(seq)
+        if started:
+            return self._grammar_rows(matcher, drafts, rows)
+        masks = np.ones((rows, self.vocab_size), dtype=bool)  # free until the start token
+        if self.starts_after in drafts[:rows - 1]:  # row i + 1 follows the start token: the grammar's first row
+            i = drafts.index(self.starts_after)
+            masks[i + 1:] = self._grammar_rows(matcher, drafts[i + 1:], rows - i - 1)
+        return masks
+
+    def _grammar_rows(self, matcher, drafts: list[int], rows: int) -> np.ndarray:
         masks = np.ones((rows, self.vocab_size), dtype=bool)
         valid = matcher.validate_tokens(drafts[:rows - 1]) if drafts and rows > 1 else 0
         masks[0] = self._mask(matcher)
@@ -107,19 +128,24 @@ class Grammar:
         return allowed
 
 
-def compile_grammar(params: StructuredOutputsParams, tokenizer, vocab_size: int) -> Grammar:
+def compile_grammar(params: StructuredOutputsParams, tokenizer, vocab_size: int,
+                    starts_after: int | None = None) -> Grammar:
     if tokenizer is None:
         raise ValueError("structured_outputs needs the model's tokenizer, and this model directory has none")
-    return Grammar(params, tokenizer, vocab_size)
+    return Grammar(params, tokenizer, vocab_size, starts_after)
 
 
-def with_grammar(params, tokenizer, vocab_size: int):
-    """`params` with its structured output compiled for this tokenizer (itself if compiled already or unset)."""
+def with_grammar(params, tokenizer, vocab_size: int, starts_after: int | None = None):
+    """`params` with its structured output compiled for this tokenizer (itself if unset or compiled already). With
+    `starts_after` None, a grammar compiled to start after a token keeps that start."""
     import dataclasses
 
     grammar = params.compiled_grammar
-    if params.structured_outputs is None or (grammar is not None and grammar.tokenizer is tokenizer
-                                             and grammar.params == params.structured_outputs):
+    if starts_after is None and grammar is not None:
+        starts_after = grammar.starts_after
+    if params.structured_outputs is None or (
+            grammar is not None and grammar.tokenizer is tokenizer and grammar.params == params.structured_outputs
+            and grammar.starts_after == starts_after):
         return params
     return dataclasses.replace(params, compiled_grammar=compile_grammar(params.structured_outputs, tokenizer,
-                                                                        vocab_size))
+                                                                        vocab_size, starts_after))

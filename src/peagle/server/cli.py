@@ -86,6 +86,13 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a chat template sent in a request's chat_template field (refused by default, as "
                         "vLLM refuses it; templates run in a sandbox)")
+    p.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"),
+                   help="split a reasoning model's thinking (<think> ... </think>) from its answer in chat "
+                        "responses: message.reasoning (and reasoning_content) beside content, streamed as reasoning "
+                        "deltas; tool calls are parsed and structured output enforced after the thinking only; "
+                        "requests may send include_reasoning: false. qwen3: no thinking when a request sends "
+                        "chat_template_kwargs {\"enable_thinking\": false}; deepseek_r1: always thinking (vLLM's "
+                        "names; default none: the thinking stays in content)")
     p.add_argument("--seed", type=int, metavar="N", default=0,
                    help="engine seed (default 0; requests may pass their own)")
     p.add_argument("--tokenizer", metavar="DIR",
@@ -217,6 +224,7 @@ def _serve(args: argparse.Namespace) -> int:
     from peagle.engine.llm_engine import LLMEngine
     from peagle.engine.sampling_params import model_sampling_defaults
     from peagle.models.loader import load_tokenizer
+    from peagle.server.reasoning import REASONING_PARSERS
     from peagle.models.tokenizer import load_chat_template
     from peagle.server.app import create_app
 
@@ -249,6 +257,8 @@ def _serve(args: argparse.Namespace) -> int:
     )
     check_max_model_len(config)
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None  # before the model loads
+    if args.reasoning_parser and (tokenizer or (Path(args.model) / "tokenizer.json").is_file()):
+        REASONING_PARSERS[args.reasoning_parser].end_token_id(tokenizer or load_tokenizer(args.model))
     engine = LLMEngine(config)
     if tokenizer is not None:
         engine.use_tokenizer(tokenizer)
@@ -259,7 +269,7 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(engine, names, api_key=api_key, max_queue=args.max_queue,
                      trust_request_chat_template=args.trust_request_chat_template, sampling_defaults=defaults,
                      log_stats_interval_s=None if args.disable_log_stats else STATS_INTERVAL_S,
-                     request_id_headers=args.enable_request_id_headers)
+                     request_id_headers=args.enable_request_id_headers, reasoning_parser=args.reasoning_parser)
     app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_credentials=args.allow_credentials,
                        allow_methods=args.allowed_methods, allow_headers=args.allowed_headers)
     if defaults:

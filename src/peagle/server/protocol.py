@@ -236,6 +236,9 @@ class ChatMessage(_Request):
     name: str | None = None  # passed to the chat template, which decides what it means
     tool_calls: list[MessageToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
+    # an assistant turn's thinking, as responses with a reasoning parser carry it (either name); to the template
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -257,6 +260,11 @@ class ChatMessage(_Request):
             raise ValueError("tool_calls: only assistant turns carry tool_calls")
         if self.tool_call_id is not None and self.role != "tool":
             raise ValueError("tool_call_id: only tool turns carry tool_call_id")
+        for name in ("reasoning", "reasoning_content"):
+            if getattr(self, name) is not None and self.role != "assistant":
+                raise ValueError(f"{name}: only assistant turns carry {name}")
+        if None not in (self.reasoning, self.reasoning_content) and self.reasoning != self.reasoning_content:
+            raise ValueError("reasoning_content: reasoning and reasoning_content are one field: give one of them")
         return self
 
     def template_message(self) -> dict[str, Any]:
@@ -269,6 +277,9 @@ class ChatMessage(_Request):
                 "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:  # Qwen3's templates read reasoning_content
+            out["reasoning_content"] = out["reasoning"] = reasoning
         return out
 
 
@@ -325,6 +336,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    include_reasoning: bool = True  # vLLM's: false drops the thinking a reasoning parser splits off
 
     @model_validator(mode="after")
     def _template_kwargs(self):
@@ -509,6 +521,8 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[dict] = []
+    reasoning: str | None = None  # vLLM's, with a reasoning parser: the thinking before the answer
+    reasoning_content: str | None = None  # the same, by the name vLLM used before and many clients read
 
 
 class TopLogprob(BaseModel):
@@ -557,7 +571,7 @@ class ChatCompletionResponse(_Response):
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
-    delta: dict[str, Any]  # only the keys this chunk carries: role on the first, then content or tool_calls
+    delta: dict[str, Any]  # only the keys this chunk carries: role on the first, then reasoning, content, tool_calls
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -614,9 +628,10 @@ def _bytes(text: str) -> list[int]:
 
 class ChatFormat:
     """Builds /v1/chat/completions bodies and stream chunks for one request (`request_id`: the caller's, as the id's
-    tail; else a random one)."""
+    tail; else a random one). With `reasoning` (a reasoning parser split the output) an empty answer is null."""
 
-    def __init__(self, model: str, request_id: str | None = None):
+    def __init__(self, model: str, request_id: str | None = None, reasoning: bool = False):
+        self.reasoning = reasoning
         self.caller_id = request_id or None
         self.id = f"chatcmpl-{request_id}" if request_id else new_id("chatcmpl")
         self.model = model
@@ -639,8 +654,10 @@ class ChatFormat:
 
     def chunk(self, text: str, finish_reason: str | None = None, *, index: int = 0,
               logprobs: TextLogprobs | None = None, stop_reason=None,
-              tool_calls: list[dict] | None = None) -> ChatCompletionChunk:
-        delta: dict[str, Any] = {"content": text} if text else {}
+              tool_calls: list[dict] | None = None, reasoning: str = "") -> ChatCompletionChunk:
+        delta: dict[str, Any] = {"reasoning": reasoning, "reasoning_content": reasoning} if reasoning else {}
+        if text:
+            delta["content"] = text
         if tool_calls:
             delta["tool_calls"] = tool_calls
         return self._chunk([ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason,
@@ -649,11 +666,14 @@ class ChatFormat:
     def usage_chunk(self, usage: UsageInfo) -> ChatCompletionChunk:
         return self._chunk([], usage)
 
+    def _message(self, c: "Choice") -> AssistantMessage:
+        content = c.text if c.text or not (c.tool_calls or self.reasoning) else None
+        return AssistantMessage(content=content, tool_calls=c.tool_calls or [], reasoning=c.reasoning,
+                                reasoning_content=c.reasoning)
+
     def response(self, choices: list["Choice"], usage: UsageInfo) -> ChatCompletionResponse:
-        body = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text if c.text or not c.tool_calls
-                                                                   else None, tool_calls=c.tool_calls or []),
-                           finish_reason=c.finish_reason, logprobs=self.logprobs(c.logprobs),
-                           stop_reason=c.stop_reason) for c in choices]
+        body = [ChatChoice(index=c.index, message=self._message(c), finish_reason=c.finish_reason,
+                           logprobs=self.logprobs(c.logprobs), stop_reason=c.stop_reason) for c in choices]
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=body, usage=usage,
                                       prompt_logprobs=choices[0].prompt_logprobs if choices else None)
 
@@ -709,4 +729,5 @@ class Choice(BaseModel):
     stop_reason: int | str | None = None
     logprobs: Any = None  # TextLogprobs
     tool_calls: list[dict] | None = None  # wire format, chat only
+    reasoning: str | None = None  # chat only, with a reasoning parser (None: none, or the request dropped it)
     prompt_logprobs: list | None = None  # vLLM's wire format, with prompt_logprobs

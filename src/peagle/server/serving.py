@@ -25,6 +25,7 @@ from peagle.engine.sampling_params import (SamplingParams, StructuredOutputsPara
                                            with_bad_words)
 from peagle.server.async_engine import AsyncEngine, RequestFailed, RequestStream
 from peagle.server.output_text import OutputText
+from peagle.server.reasoning import REASONING_PARSERS, ReasoningSplitter
 from peagle.server.tool_calls import ToolCall, ToolCallParser, forcing_grammar, template_supports_tools
 from peagle.server.protocol import (
     ApiError, ChatCompletionRequest, ChatFormat, Choice, CompletionFormat, CompletionRequest, RequestT,
@@ -45,7 +46,8 @@ class ClientGone(Exception):
 
 class Serving:
     def __init__(self, async_engine: AsyncEngine, served_model_name: str | list[str], max_in_flight: int,
-                 trust_request_chat_template: bool = False, sampling_defaults: dict | None = None):
+                 trust_request_chat_template: bool = False, sampling_defaults: dict | None = None,
+                 reasoning_parser: str | None = None):
         self.engine = async_engine
         self.tokenizer = async_engine.engine.tokenizer
         self.eos_token_ids = async_engine.engine.eos_token_ids
@@ -58,6 +60,16 @@ class Serving:
         self.model_name = self.model_names[0]
         self.max_in_flight = max_in_flight
         self.num_in_flight = 0  # event loop only
+        self.reasoning = None  # (the ReasoningParser, its end-of-thinking token id)
+        if reasoning_parser is not None:
+            if reasoning_parser not in REASONING_PARSERS:
+                raise ValueError(f"--reasoning-parser {reasoning_parser!r}: expected one of "
+                                 f"{', '.join(REASONING_PARSERS)}")
+            if self.tokenizer is None:
+                raise ValueError(f"--reasoning-parser {reasoning_parser}: this model has no tokenizer, so there is "
+                                 f"no text to split")
+            parser = REASONING_PARSERS[reasoning_parser]
+            self.reasoning = parser, parser.end_token_id(self.tokenizer)
 
     async def chat(self, request: Request) -> Response:
         req = self._with_defaults(parse_request(await request.body(), ChatCompletionRequest))
@@ -66,8 +78,15 @@ class Serving:
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens or req.max_tokens or self.sampling_defaults.get("max_tokens")
         max_tokens = self._max_tokens(prompt_ids, requested, "messages", param)
-        return await self._generate(request, req, [_Prompt(prompt_ids, max_tokens)],
-                                    ChatFormat(self.model_name, _caller_id(request, req)), tools=req.calls_tools)
+        thinking = None  # without a reasoning parser: no split
+        if self.reasoning is not None:
+            thinking = self.reasoning[0].thinking(req.chat_template_kwargs)
+        elif not req.include_reasoning:
+            raise ApiError(400, "include_reasoning: false needs a server started with --reasoning-parser (without "
+                                "one, the thinking is not split from the answer)", param="include_reasoning")
+        fmt = ChatFormat(self.model_name, _caller_id(request, req), reasoning=self.reasoning is not None)
+        return await self._generate(request, req, [_Prompt(prompt_ids, max_tokens)], fmt, tools=req.calls_tools,
+                                    thinking=thinking)
 
     async def completions(self, request: Request) -> Response:
         """A prompt or a batch of them: each prompt's n choices, numbered prompt by prompt (prompt_index * n + i),
@@ -174,7 +193,8 @@ class Serving:
         tools = [t.function.model_dump() for t in req.tools]
         return "tool_choice", StructuredOutputsParams(grammar=forcing_grammar(tools, name, req.parallel_tool_calls))
 
-    def _sampling_params(self, req: SamplingFields, max_tokens: int) -> SamplingParams:
+    def _sampling_params(self, req: SamplingFields, max_tokens: int, thinking: bool | None = None) -> SamplingParams:
+        """With `thinking`, structured output constrains what follows the end-of-thinking token (as vLLM's)."""
         structured = self._constraint(req)
         try:
             params = SamplingParams(
@@ -195,20 +215,25 @@ class Serving:
             return params
         from peagle.engine.structured_output import with_grammar
 
+        starts_after = self.reasoning[1] if thinking else None
         try:  # compiled here, so that a bad schema answers 400 naming the field that sent it
-            return with_grammar(params, self.tokenizer, self.engine.engine.model_config.vocab_size)
+            return with_grammar(params, self.tokenizer, self.engine.engine.model_config.vocab_size, starts_after)
         except ValueError as e:
             raise ApiError(400, f"invalid value for '{structured[0]}': {e}", param=structured[0]) from None
 
     # ---- generation ------------------------------------------------------------------------------------------
 
     async def _generate(self, request: Request, req: SamplingFields, prompts: list["_Prompt"], fmt: Format,
-                        tools: bool = False) -> Response:
-        first = self._sampling_params(req, prompts[0].max_tokens)  # a grammar compiled once for the batch
+                        tools: bool = False, thinking: bool | None = None) -> Response:
+        """`thinking`: None without a reasoning parser, else whether the output begins with thinking."""
+        first = self._sampling_params(req, prompts[0].max_tokens, thinking)  # a grammar compiled once for the batch
         params = [first] + [dataclasses.replace(first, max_tokens=p.max_tokens) for p in prompts[1:]]
         # The engine's ids stay unique when callers reuse theirs: a random tail after a caller's id.
         engine_id = fmt.id if fmt.caller_id is None else f"{fmt.id}-{uuid.uuid4().hex[:8]}"
-        choices = await self._submit(engine_id, prompts, params, tools, req.prompt_logprobs)
+        reasoning = None
+        if thinking is not None:
+            reasoning = _Reasoning(self.reasoning[0], thinking, getattr(req, "include_reasoning", True))
+        choices = await self._submit(engine_id, prompts, params, tools, req.prompt_logprobs, reasoning)
 
         def close():
             for c in choices:
@@ -231,7 +256,8 @@ class Serving:
         return _EventStream(events, on_close=close)
 
     async def _submit(self, request_id: str, prompts: list["_Prompt"], params: list[SamplingParams],
-                      tools: bool = False, num_prompt_logprobs: int | None = None) -> list["_Choice"]:
+                      tools: bool = False, num_prompt_logprobs: int | None = None,
+                      reasoning: "_Reasoning | None" = None) -> list["_Choice"]:
         """Every prompt's n sequences into the engine, all or none (a batch that does not fit is refused whole)."""
         children = [p.parallel_children() for p in params]
         count = sum(len(c) for c in children)
@@ -258,7 +284,8 @@ class Serving:
                     if i == 0:  # the prompt's first sequence computed its prompt logprobs (if asked) for all
                         prompt.logprobs = stream.prompt_logprobs
                     choices.append(_Choice(len(choices), stream, child, self.tokenizer, prompt, self.eos_token_ids,
-                                           tools, first_of_prompt=i == 0, num_prompt_logprobs=num_prompt_logprobs))
+                                           tools, first_of_prompt=i == 0, num_prompt_logprobs=num_prompt_logprobs,
+                                           reasoning=reasoning))
         except BaseException as e:
             for c in choices:  # the siblings already queued
                 self._close(c.stream)
@@ -287,7 +314,8 @@ class Serving:
         usage = self._usage(choices)
         done = [Choice(index=c.index, text=(c.echo or "") + c.content, finish_reason=c.finish_reason,
                        stop_reason=c.stop_reason, logprobs=c.logprobs, prompt_logprobs=c.prompt_logprobs,
-                       tool_calls=[t.wire() for t in c.tool_calls] or None) for c in choices]
+                       tool_calls=[t.wire() for t in c.tool_calls] or None, reasoning=c.reasoning)
+                for c in choices]
         return JSONResponse(fmt.response(done, usage).model_dump())
 
     async def _events(self, choices: list["_Choice"], outputs: AsyncIterator[tuple[int, StepOutput]],
@@ -307,8 +335,9 @@ class Serving:
                 c = choices[index]
                 offset = c.echo_chars + len(c.text.text)  # text_offset counts the echoed prompt's tokens first
                 delta, logprobs = c.feed(out)
-                if delta or logprobs:
-                    extra = {"offset": offset} if isinstance(fmt, CompletionFormat) else {}
+                thought = c.take_reasoning()
+                if delta or logprobs or thought:
+                    extra = {"offset": offset} if isinstance(fmt, CompletionFormat) else {"reasoning": thought}
                     yield _sse(fmt.chunk(delta, index=index, logprobs=logprobs, **extra))
                 if out.finished and c.tool_calls:
                     yield _sse(fmt.chunk("", index=index, tool_calls=[t.wire(i) for i, t in enumerate(c.tool_calls)]))
@@ -339,12 +368,21 @@ class _Prompt:
         self.logprobs: list | None = None
 
 
+class _Reasoning:
+    """A chat request's reasoning split: the server's parser, whether the output begins with thinking, and whether
+    the response carries the thinking (include_reasoning)."""
+
+    def __init__(self, parser, thinking: bool, include: bool):
+        self.parser, self.thinking, self.include = parser, thinking, include
+
+
 class _Choice:
-    """One of a request's sequences (n per prompt): its engine stream, text, logprobs and why it ended."""
+    """One of a request's sequences (n per prompt): its engine stream, text, logprobs and why it ended; with a
+    reasoning parser, the thinking apart from the answer."""
 
     def __init__(self, index: int, stream: RequestStream, params: SamplingParams, tokenizer, prompt: _Prompt,
                  eos_token_ids: frozenset[int], tools: bool = False, first_of_prompt: bool = True,
-                 num_prompt_logprobs: int | None = None):
+                 num_prompt_logprobs: int | None = None, reasoning: _Reasoning | None = None):
         self.index = index
         self.stream = stream
         self.params = params
@@ -374,11 +412,29 @@ class _Choice:
         self.stop_reason: int | str | None = None
         self.tool_parser = ToolCallParser() if tools else None
         self.tool_calls: list[ToolCall] = []
-        self._content = ""  # the text sent as content (all of it without tools)
+        self._content = ""  # the text sent as content (all of it without tools or a reasoning split)
+        self.splitter: ReasoningSplitter | None = None
+        self._show_reasoning = False
+        if reasoning is not None:
+            self.splitter = reasoning.parser.splitter(reasoning.thinking)
+            self._show_reasoning = reasoning.include
+        self._unsent_reasoning = ""
 
     @property
     def content(self) -> str:
         return self._content
+
+    @property
+    def reasoning(self) -> str | None:
+        """The thinking (None without a reasoning split, when the request dropped it, or when there was none)."""
+        if not self._show_reasoning or not self.splitter.reasoning:
+            return None
+        return self.splitter.reasoning
+
+    def take_reasoning(self) -> str:
+        """The thinking the last `feed` completed, once (empty when the request drops it)."""
+        out, self._unsent_reasoning = self._unsent_reasoning, ""
+        return out if self._show_reasoning else ""
 
     def feed(self, out: StepOutput) -> tuple[str, list | None]:
         """The text this output completes and its tokens' logprobs (None when not asked for)."""
@@ -392,6 +448,12 @@ class _Choice:
             if not self.params.include_stop_str_in_output:  # vLLM leaves the stopping token's text out
                 ids = ids[:-1]
         delta = self.text.feed(ids) + (self.text.finish() if out.finished else "")
+        if self.splitter is not None:  # the answer goes on; the thinking waits for take_reasoning
+            thought, delta = self.splitter.feed(delta)
+            if out.finished:
+                rest, _ = self.splitter.finish()
+                thought += rest
+            self._unsent_reasoning += thought
         if self.tool_parser is not None:
             delta = self.tool_parser.feed(delta)
             if out.finished:

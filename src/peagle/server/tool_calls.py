@@ -59,7 +59,7 @@ class ToolCallParser:
         """The content now safe to send: text before the first call, holding back a tail that may start one."""
         self.text += delta
         start = self.text.find(START)
-        end = start if start >= 0 else len(self.text) - _partial_prefix(self.text, START)
+        end = start if start >= 0 else len(self.text) - partial_prefix(self.text, START)
         out = self.text[self._sent:max(end, self._sent)]
         self._sent += len(out)
         return out
@@ -97,7 +97,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
     return text[:start], calls
 
 
-def _partial_prefix(text: str, marker: str) -> int:
+def partial_prefix(text: str, marker: str) -> int:
     """Length of the longest tail of `text` that is a proper prefix of `marker`."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import uvicorn
@@ -47,7 +48,8 @@ def test_help_explains_every_option(capsys):
                    "--enforce-eager", "--num-kv-blocks", "--chat-template", "--enable-prefix-caching", "--trust-request-chat-template", "SM_VLLM_SPECULATIVE_CONFIG", "PEAGLE_SPECULATIVE_CONFIG",
                    "--config", "--tokenizer", "--load-format", "--allowed-origins", "--allowed-methods", "--allowed-headers", "--allow-credentials",
                    "--root-path", "--ssl-keyfile", "--ssl-certfile", "--uvicorn-log-level",
-                   "--disable-uvicorn-access-log", "--disable-log-stats", "--enable-request-id-headers"):
+                   "--disable-uvicorn-access-log", "--disable-log-stats", "--enable-request-id-headers",
+                   "--reasoning-parser"):
         assert option in text
 
 
@@ -321,3 +323,20 @@ def test_several_served_model_names(target_dir, served, tmp_path, capsys):
     # names before MODEL_DIR: argparse gives it to the names; the error says so
     assert main(["serve", "--device", "cpu", "--served-model-name", "a", str(target_dir)]) == 1
     assert f"--served-model-name took '{target_dir}' as a name" in capsys.readouterr().err
+
+
+def test_reasoning_parser_reaches_the_app_and_a_tokenizer_without_tags_stops_start_up(target_dir, served, tmp_path,
+                                                                                     capsys):
+    from test_server_reasoning import rename_think_tokens
+
+    assert main(_argv(target_dir, "--reasoning-parser", "qwen3")) == 1  # this tokenizer has no <think>
+    assert "--reasoning-parser qwen3: this model's tokenizer has no '<think>' token" in capsys.readouterr().err
+    assert not served  # refused before the model loaded
+    think = tmp_path / "think"
+    shutil.copytree(target_dir, think)
+    rename_think_tokens(think)
+    assert main(_argv(think, "--reasoning-parser", "deepseek_r1")) == 0
+    (app, _), = served
+    assert app.state.serving.reasoning[0].name == "deepseek_r1" and app.state.serving.reasoning[1] == 5
+    with pytest.raises(SystemExit):
+        main(_argv(think, "--reasoning-parser", "granite"))

@@ -256,6 +256,9 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     ("chat", {"extra_body": {"chat_template": "{{ messages }}"}}, "chat_template"),
     ("chat", {"extra_body": {"no_such_option": 1}}, "no_such_option"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"reasoning_effort": "low"}, "reasoning_effort"),
+    ("chat", {"extra_body": {"thinking_token_budget": 10}}, "thinking_token_budget"),
+    ("chat", {"extra_body": {"include_reasoning": False}}, "include_reasoning"),  # no --reasoning-parser here
     ("chat", {"messages": [{"role": "user", "content": "Hi"},
                            {"role": "assistant", "content": None, "tool_calls": [
                                {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -49,7 +50,9 @@ def test_help_explains_every_option(capsys):
                    "--config", "--tokenizer", "--load-format", "--allowed-origins", "--allowed-methods", "--allowed-headers", "--allow-credentials",
                    "--root-path", "--ssl-keyfile", "--ssl-certfile", "--uvicorn-log-level",
                    "--disable-uvicorn-access-log", "--disable-log-stats", "--enable-request-id-headers",
-                   "--reasoning-parser"):
+                   "--reasoning-parser", "--tensor-parallel-size", "--pipeline-parallel-size", "--trust-remote-code",
+                   "--tool-call-parser", "--enable-auto-tool-choice", "--enable-log-requests", "--disable-log-requests",
+                   "--max-log-len", "--kv-cache-dtype", "--block-size"):
         assert option in text
 
 
@@ -340,3 +343,37 @@ def test_reasoning_parser_reaches_the_app_and_a_tokenizer_without_tags_stops_sta
     assert app.state.serving.reasoning[0].name == "deepseek_r1" and app.state.serving.reasoning[1] == 5
     with pytest.raises(SystemExit):
         main(_argv(think, "--reasoning-parser", "granite"))
+
+
+def test_a_vllm_command_line_runs_unchanged_and_what_peagle_lacks_stops_it(target_dir, served, tmp_path, capsys,
+                                                                          caplog):
+    from test_server_tools import HERMES_TEMPLATE
+
+    hermes = tmp_path / "hermes.jinja"
+    hermes.write_text(HERMES_TEMPLATE)
+    vllm_style = ["--tensor-parallel-size", "1", "-pp", "1", "--trust-remote-code", "--block-size", "32",
+                  "--kv-cache-dtype", "auto", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                  "--chat-template", str(hermes), "--no-enable-chunked-prefill", "--enable-log-requests",
+                  "--max-log-len", "4"]
+    assert main(_argv(target_dir, *vllm_style)) == 0
+    (app, _), = served
+    assert app.state.async_engine.engine.config.block_size == 32
+    with caplog.at_level(logging.INFO, logger="peagle.server.serving"), TestClient(app) as client:
+        r = client.post("/v1/completions", json={"prompt": [7, 20, 31, 40, 50, 60], "max_tokens": 2})
+        assert r.status_code == 200
+    logged = [m for m in caplog.messages if m.startswith("Received request cmpl-")]
+    assert len(logged) == 1 and "prompt_token_ids: [7, 20, 31, 40] (6 tokens)" in logged[0]
+    assert "max_tokens=2" in logged[0]
+
+    refused = [(["-tp", "2"], "--tensor-parallel-size 2: peagle runs on one device"),
+               (["--pipeline-parallel-size", "4"], "--pipeline-parallel-size 4"),
+               (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+               (["--tool-call-parser", "hermes"], "does not render tools in the Hermes"),  # the model's ChatML
+               (["--enable-log-requests", "--disable-log-requests"], "contradict")]
+    for extra, message in refused:
+        assert main(_argv(target_dir, *extra)) == 1
+        assert message in capsys.readouterr().err
+    for extra in (["--kv-cache-dtype", "fp8"], ["--tool-call-parser", "mistral"], ["--block-size", "12"]):
+        with pytest.raises(SystemExit):
+            main(_argv(target_dir, *extra))
+    assert len(served) == 1

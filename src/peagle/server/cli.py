@@ -57,9 +57,11 @@ def register(subparsers) -> argparse.ArgumentParser:
                         "(aliases bf16, fp16, fp32)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
-    p.add_argument("--enable-chunked-prefill", action="store_true",
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=False,
                    help="prefill long prompts in chunks of what the running decodes leave of each step's token budget, "
                         "so they never stall the decodes for more than one step (vLLM's name; off by default)")
+    p.add_argument("--block-size", type=int, choices=(8, 16, 32, 64), default=16,
+                   help="tokens per KV-cache block (default 16)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                    help="start prompts from the cached KV blocks of earlier prompts that began with the same tokens "
                         "(full blocks; the drafter's cache too); off by default, since benchmarks repeat prompts. /metrics then "
@@ -119,6 +121,30 @@ def register(subparsers) -> argparse.ArgumentParser:
     http.add_argument("--enable-request-id-headers", action="store_true",
                       help="answer every request with an X-Request-Id header (the request's own, else a new id); "
                            "a request's X-Request-Id or body request_id names its response id either way")
+    vllm = p.add_argument_group("vLLM command lines (so that they run unchanged)")
+    vllm.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                      help="1: peagle runs on one device (another value stops start-up)")
+    vllm.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N",
+                      help="1: peagle runs on one device (another value stops start-up)")
+    vllm.add_argument("--trust-remote-code", action="store_true",
+                      help="accepted and needless: peagle runs no code from checkpoints (it implements the families "
+                           "it serves itself), and a checkpoint of another architecture is refused either way")
+    vllm.add_argument("--tool-call-parser", choices=("hermes",),
+                      help="hermes, the one format peagle parses; start-up then checks that the chat template "
+                           "renders tools in it (without this option, tool calling works for any template that does)")
+    vllm.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help="tool_choice 'auto' (on for any Hermes-format template either way; with this option "
+                           "--tool-call-parser is required, as vLLM requires it)")
+    vllm.add_argument("--enable-log-requests", action="store_true",
+                      help="log each request at INFO as it arrives: its id, prompt, prompt tokens and sampling "
+                           "parameters (vLLM's; off by default)")
+    vllm.add_argument("--disable-log-requests", action="store_true",
+                      help="requests are not logged: the default (vLLM's older switch)")
+    vllm.add_argument("--max-log-len", type=int, metavar="N",
+                      help="with --enable-log-requests, the characters of each prompt and the prompt token ids "
+                           "logged (default: all)")
+    vllm.add_argument("--kv-cache-dtype", choices=("auto",), default="auto",
+                      help="auto: the KV cache holds the model's dtype (fp8 caches are not implemented)")
     p.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic stats lines (by default every 10 s while requests run, as vLLM: prompt and "
                         "generation throughput, running and waiting requests, KV-cache usage, and the acceptance of "
@@ -225,6 +251,7 @@ def _serve(args: argparse.Namespace) -> int:
     from peagle.engine.sampling_params import model_sampling_defaults
     from peagle.models.loader import load_tokenizer
     from peagle.server.reasoning import REASONING_PARSERS
+    from peagle.server.tool_calls import template_supports_tools
     from peagle.models.tokenizer import load_chat_template
     from peagle.server.app import create_app
 
@@ -234,6 +261,16 @@ def _serve(args: argparse.Namespace) -> int:
             hint = (f" (--served-model-name took {args.served_model_name[-1]!r} as a name: give MODEL_DIR first, "
                     "or end the names with another option)")
         raise ValueError(f"MODEL_DIR is missing: give it on the command line or as `model` in --config{hint}")
+    for option, value in (("--tensor-parallel-size", args.tensor_parallel_size),
+                          ("--pipeline-parallel-size", args.pipeline_parallel_size)):
+        if value != 1:
+            raise ValueError(f"{option} {value}: peagle runs on one device (1)")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, the format peagle parses)")
+    if args.enable_log_requests and args.disable_log_requests:
+        raise ValueError("--enable-log-requests and --disable-log-requests contradict each other: give one")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both for HTTPS, or neither")
     for option, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):
@@ -253,7 +290,7 @@ def _serve(args: argparse.Namespace) -> int:
         enforce_eager=args.enforce_eager, seed=args.seed, speculative=spec, async_scheduling=args.async_scheduling,
         enable_chunked_prefill=args.enable_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_cuda_graphs=args.prefill_cuda_graphs, enable_prefix_caching=args.enable_prefix_caching,
-        load_format=args.load_format,
+        load_format=args.load_format, block_size=args.block_size,
     )
     check_max_model_len(config)
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None  # before the model loads
@@ -264,12 +301,16 @@ def _serve(args: argparse.Namespace) -> int:
         engine.use_tokenizer(tokenizer)
     if template is not None:
         engine.tokenizer.chat_template = template
+    if args.tool_call_parser and not template_supports_tools(engine.tokenizer and engine.tokenizer.chat_template):
+        raise ValueError("--tool-call-parser hermes: this model's chat template does not render tools in the Hermes "
+                         "<tool_call> format (give one that does with --chat-template)")
     names = args.served_model_name or [args.model]
     api_key = args.api_key or os.environ.get("PEAGLE_API_KEY") or None
     app = create_app(engine, names, api_key=api_key, max_queue=args.max_queue,
                      trust_request_chat_template=args.trust_request_chat_template, sampling_defaults=defaults,
                      log_stats_interval_s=None if args.disable_log_stats else STATS_INTERVAL_S,
-                     request_id_headers=args.enable_request_id_headers, reasoning_parser=args.reasoning_parser)
+                     request_id_headers=args.enable_request_id_headers, reasoning_parser=args.reasoning_parser,
+                     log_requests=args.enable_log_requests, max_log_len=args.max_log_len)
     app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_credentials=args.allow_credentials,
                        allow_methods=args.allowed_methods, allow_headers=args.allowed_headers)
     if defaults:

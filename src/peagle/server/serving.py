@@ -47,8 +47,10 @@ class ClientGone(Exception):
 class Serving:
     def __init__(self, async_engine: AsyncEngine, served_model_name: str | list[str], max_in_flight: int,
                  trust_request_chat_template: bool = False, sampling_defaults: dict | None = None,
-                 reasoning_parser: str | None = None):
+                 reasoning_parser: str | None = None, log_requests: bool = False, max_log_len: int | None = None):
         self.engine = async_engine
+        self.log_requests = log_requests
+        self.max_log_len = max_log_len
         self.tokenizer = async_engine.engine.tokenizer
         self.eos_token_ids = async_engine.engine.eos_token_ids
         self.max_model_len = async_engine.engine.max_model_len
@@ -233,6 +235,9 @@ class Serving:
         reasoning = None
         if thinking is not None:
             reasoning = _Reasoning(self.reasoning[0], thinking, getattr(req, "include_reasoning", True))
+        if self.log_requests:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                self._log_request(engine_id if len(prompts) == 1 else f"{engine_id}-{i}", prompt.ids, p)
         choices = await self._submit(engine_id, prompts, params, tools, req.prompt_logprobs, reasoning)
 
         def close():
@@ -254,6 +259,13 @@ class Serving:
             raise
         events = self._events(choices, outputs, first, fmt, req.include_usage)
         return _EventStream(events, on_close=close)
+
+    def _log_request(self, request_id: str, ids: list[int], params: SamplingParams):
+        """vLLM's request log line: the id, the prompt (its text and token ids cut to max_log_len), the parameters."""
+        cut = self.max_log_len
+        text = self._decode(ids if cut is None else ids[:cut])  # bounded work: tokens rarely decode to < 1 char
+        logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s (%d tokens)", request_id,
+                    text[:cut], params, ids[:cut], len(ids))
 
     async def _submit(self, request_id: str, prompts: list["_Prompt"], params: list[SamplingParams],
                       tools: bool = False, num_prompt_logprobs: int | None = None,

@@ -52,7 +52,7 @@ def test_help_explains_every_option(capsys):
                    "--disable-uvicorn-access-log", "--disable-log-stats", "--enable-request-id-headers",
                    "--reasoning-parser", "--tensor-parallel-size", "--pipeline-parallel-size", "--trust-remote-code",
                    "--tool-call-parser", "--enable-auto-tool-choice", "--enable-log-requests", "--disable-log-requests",
-                   "--max-log-len", "--kv-cache-dtype", "--block-size"):
+                   "--max-log-len", "--kv-cache-dtype", "--block-size", "--stream-interval"):
         assert option in text
 
 
@@ -354,10 +354,10 @@ def test_a_vllm_command_line_runs_unchanged_and_what_peagle_lacks_stops_it(targe
     vllm_style = ["--tensor-parallel-size", "1", "-pp", "1", "--trust-remote-code", "--block-size", "32",
                   "--kv-cache-dtype", "auto", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                   "--chat-template", str(hermes), "--no-enable-chunked-prefill", "--enable-log-requests",
-                  "--max-log-len", "4"]
+                  "--max-log-len", "4", "--stream-interval", "4"]
     assert main(_argv(target_dir, *vllm_style)) == 0
     (app, _), = served
-    assert app.state.async_engine.engine.config.block_size == 32
+    assert app.state.async_engine.engine.config.block_size == 32 and app.state.async_engine.stream_interval == 4
     with caplog.at_level(logging.INFO, logger="peagle.server.serving"), TestClient(app) as client:
         r = client.post("/v1/completions", json={"prompt": [7, 20, 31, 40, 50, 60], "max_tokens": 2})
         assert r.status_code == 200
@@ -369,7 +369,8 @@ def test_a_vllm_command_line_runs_unchanged_and_what_peagle_lacks_stops_it(targe
                (["--pipeline-parallel-size", "4"], "--pipeline-parallel-size 4"),
                (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
                (["--tool-call-parser", "hermes"], "does not render tools in the Hermes"),  # the model's ChatML
-               (["--enable-log-requests", "--disable-log-requests"], "contradict")]
+               (["--enable-log-requests", "--disable-log-requests"], "contradict"),
+               (["--stream-interval", "0"], "--stream-interval must be >= 1")]
     for extra, message in refused:
         assert main(_argv(target_dir, *extra)) == 1
         assert message in capsys.readouterr().err

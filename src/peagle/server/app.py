@@ -24,7 +24,7 @@ def create_app(engine, served_model_name: str | list[str], api_key: str | None =
                max_queue: int = DEFAULT_MAX_QUEUE, trust_request_chat_template: bool = False,
                sampling_defaults: dict | None = None, log_stats_interval_s: float | None = None,
                request_id_headers: bool = False, reasoning_parser: str | None = None, log_requests: bool = False,
-               max_log_len: int | None = None) -> FastAPI:
+               max_log_len: int | None = None, stream_interval: int = 1) -> FastAPI:
     """An app serving `engine` (an LLMEngine) as `served_model_name` (several names: requests may name any, responses
     name the first, as vLLM's --served-model-name).
 
@@ -38,13 +38,16 @@ def create_app(engine, served_model_name: str | list[str], api_key: str | None =
     header, else a new id. With `reasoning_parser` (vLLM's --reasoning-parser: qwen3, deepseek_r1) chat responses
     carry the model's thinking apart from its answer (`peagle.server.reasoning`). With `log_requests` (vLLM's
     --enable-log-requests) each request is logged at INFO as it arrives, its prompt cut to `max_log_len` characters.
+    `stream_interval` (vLLM's --stream-interval): after a request's first output, its tokens go to the client once
+    that many have gathered, and when it finishes.
     """
     if max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names or not all(isinstance(n, str) and n for n in names):
         raise ValueError("served_model_name must be a non-empty string or a list of them")
-    async_engine = AsyncEngine(engine, model_name=names[0], log_stats_interval_s=log_stats_interval_s)
+    async_engine = AsyncEngine(engine, model_name=names[0], log_stats_interval_s=log_stats_interval_s,
+                               stream_interval=stream_interval)
     serving = Serving(async_engine, names, engine.config.max_num_seqs + max_queue,
                       trust_request_chat_template, sampling_defaults, reasoning_parser,
                       log_requests=log_requests, max_log_len=max_log_len)

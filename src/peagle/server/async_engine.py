@@ -11,6 +11,8 @@ and is aborted so its blocks are freed; the loop keeps serving new requests.
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import logging
 import queue
 import threading
@@ -37,18 +39,38 @@ class RequestStream:
         self.num_prompt_tokens = num_prompt_tokens
         self.done = False  # the finished output (or a failure) has been taken from the stream
         self.accepted: asyncio.Future[None] = loop.create_future()
-        self.queue: asyncio.Queue[StepOutput | Exception] = asyncio.Queue()
+        self._loop = loop
+        self._items: collections.deque[StepOutput | Exception] = collections.deque()  # delivered, not yet taken
+        self._waiter: asyncio.Future[None] | None = None
         self.last_token_time: float | None = None  # engine thread only, for the inter-token latency
+        self.held: StepOutput | None = None  # engine thread only: tokens kept back for the stream interval
+        self.sent_any = False  # engine thread only: an output went out (the first is never kept back)
         self.prompt_logprobs: list | None = None  # TokenLogprobs of prompt tokens 1.. (prompt_logprobs requests)
 
     async def next_output(self) -> StepOutput:
-        """The next output; raises RequestFailed if the engine failed. Not to be called once `done`."""
-        item = await self.queue.get()
+        """The next output, joined with every output queued behind it (the steps a busy event loop has not caught up
+        with yet: one response chunk and one socket write for all of them); raises RequestFailed if the engine
+        failed. Not to be called once `done`."""
+        while not self._items:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self._items.popleft()
         if isinstance(item, Exception):
             self.done = True
             raise item
+        while not item.finished and self._items and not isinstance(self._items[0], Exception):
+            item = _joined(item, self._items.popleft())
         self.done = item.finished
         return item
+
+    def put(self, item: StepOutput | Exception):
+        """Delivers an output (or the engine's failure); event loop only."""
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def __aiter__(self) -> AsyncIterator[StepOutput]:
         return self._outputs()
@@ -62,8 +84,13 @@ class AsyncEngine:
     """Drives an `LLMEngine` from its own thread. `start()` and every coroutine run on one event loop."""
 
     def __init__(self, engine, metrics: ServerMetrics | None = None, model_name: str = "",
-                 log_stats_interval_s: float | None = None):
+                 log_stats_interval_s: float | None = None, stream_interval: int = 1):
+        if not isinstance(stream_interval, int) or stream_interval < 1:
+            raise ValueError(f"stream_interval must be an int >= 1, got {stream_interval!r}")
         self.engine = engine
+        # vLLM's --stream-interval: after a request's first output, its tokens go out once this many have gathered
+        # (and when it finishes), so that a busy server writes fewer, larger chunks
+        self.stream_interval = stream_interval
         self.metrics = metrics or ServerMetrics(engine.k, model_name, engine.config.enable_prefix_caching)
         # vLLM's periodic stats lines (None: off)
         self.stat_logger = None if log_stats_interval_s is None else StatLogger(self.metrics, log_stats_interval_s)
@@ -173,6 +200,12 @@ class AsyncEngine:
             self._record(stream, out, now)
             if out.finished:
                 del self._streams[out.request_id]
+            if stream.held is not None:
+                out, stream.held = _joined(stream.held, out), None
+            if stream.sent_any and not out.finished and len(out.new_token_ids) < self.stream_interval:
+                stream.held = out
+                continue
+            stream.sent_any = True
             deliveries.append((stream, out))
         if deliveries:
             self._loop.call_soon_threadsafe(_deliver, deliveries)
@@ -207,6 +240,14 @@ class AsyncEngine:
                                        idle=not self.engine.has_unfinished_requests())
 
 
+def _joined(first: StepOutput, then: StepOutput) -> StepOutput:
+    """Two consecutive outputs of one request as one: the tokens (and logprobs) of both, the second's finish."""
+    logprobs = None
+    if first.logprobs is not None or then.logprobs is not None:
+        logprobs = (first.logprobs or []) + (then.logprobs or [])
+    return dataclasses.replace(then, new_token_ids=first.new_token_ids + then.new_token_ids, logprobs=logprobs)
+
+
 def _settle(future: asyncio.Future, error: Exception | None):
     if future.done():  # the waiting handler was cancelled
         return
@@ -218,4 +259,4 @@ def _settle(future: asyncio.Future, error: Exception | None):
 
 def _deliver(deliveries: list[tuple[RequestStream, StepOutput | Exception]]):
     for stream, item in deliveries:
-        stream.queue.put_nowait(item)
+        stream.put(item)

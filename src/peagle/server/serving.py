@@ -517,6 +517,11 @@ def _sse(chunk: BaseModel) -> str:
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, StepOutput]]:
     """(index, output) from several request streams as their outputs arrive, each stream's in order."""
+    if len(streams) == 1:  # the common case, without a task per output
+        stream = streams[0]
+        while not stream.done:
+            yield 0, await stream.next_output()
+        return
     pending = {asyncio.ensure_future(s.next_output()): i for i, s in enumerate(streams)}
     try:
         while pending:

@@ -4,10 +4,10 @@ whose steps take --step-ms (the GIL released, as while a GPU runs) and give ever
 measured). Reports output tokens/s through HTTP, chunks/s, and the server process's CPU time per token.
 
     python scripts/server_overhead.py --tokenizer TOKENIZER_DIR --concurrency 64 --seconds 15
-    python scripts/server_overhead.py --tokenizer DIR --src OLD_TREE/src --src src   # two trees, side by side
+    python scripts/server_overhead.py --tokenizer DIR --src old=OLD_TREE/src --src new=src   # side by side
 
-Each --src (a source tree's `src` folder, default this checkout's) runs the server in a subprocess of its own, one
-after the other, --repeat times in alternation; each --stream-interval value is a row. A table is printed, then
+Each --src ([LABEL=]a source tree's `src` folder, default this checkout's) runs the server in a subprocess of its
+own, one after the other, --repeat times in alternation; each --stream-interval value is a row. A table is printed, then
 one JSON line. Linux only (the server's CPU time is read from /proc).
 """
 
@@ -127,8 +127,9 @@ async def _clients(port: int, concurrency: int, seconds: float, max_tokens: int)
 
 
 def measure(src: str, tokenizer: str, interval: int, args) -> dict:
+    label, _, path = src.rpartition("=")
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": os.path.abspath(src)}
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(path)}
     server = subprocess.Popen([sys.executable, "-c", _SERVER, tokenizer, str(port), str(args.step_ms / 1000),
                                str(args.tokens_per_step), str(interval)], env=env)
     try:
@@ -148,7 +149,7 @@ def measure(src: str, tokenizer: str, interval: int, args) -> dict:
     finally:
         server.terminate()
         server.wait(30)
-    return {"src": src, "stream_interval": interval, "tokens_per_s": tokens / wall, "chunks_per_s": chunks / wall,
+    return {"src": label or path, "stream_interval": interval, "tokens_per_s": tokens / wall, "chunks_per_s": chunks / wall,
             "server_cpu_per_s": cpu / wall, "server_cpu_us_per_token": 1e6 * cpu / max(tokens, 1), "seconds": wall}
 
 
@@ -166,7 +167,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="passes over the sources, alternating (default 1)")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
-    srcs = args.src or [str(Path(__file__).resolve().parents[1] / "src")]
+    srcs = args.src or [f"this tree={Path(__file__).resolve().parents[1] / 'src'}"]
     intervals = [int(v) for v in args.stream_interval.split(",")]
     rows = []
     for _ in range(args.repeat):
@@ -178,10 +179,10 @@ def main(argv=None) -> int:
                       f"{r['chunks_per_s']:>8,.0f} chunks/s  server CPU {r['server_cpu_per_s']:.2f} s/s, "
                       f"{r['server_cpu_us_per_token']:.1f} us/token", flush=True)
     summary = {}
-    for src in srcs:
+    for label in dict.fromkeys(r["src"] for r in rows):
         for interval in intervals:
-            mine = [r for r in rows if r["src"] == src and r["stream_interval"] == interval]
-            summary[f"{src}|{interval}"] = {k: statistics.median(r[k] for r in mine) for k in
+            mine = [r for r in rows if r["src"] == label and r["stream_interval"] == interval]
+            summary[f"{label}|{interval}"] = {k: statistics.median(r[k] for r in mine) for k in
                                             ("tokens_per_s", "chunks_per_s", "server_cpu_us_per_token")}
     result = {"config": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows, "median": summary}
     if args.out:

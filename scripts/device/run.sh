@@ -748,7 +748,7 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
     need_model
     link_heads
     for c in ${HTTP_C:-1 64}; do
-      [ -d .old/src ] && timeout 150 $py scripts/server_overhead.py --tokenizer "$W/smollm2" --src .old/src --src src \
+      [ -d .old/src ] && timeout 150 $py scripts/server_overhead.py --tokenizer "$W/smollm2" --src old=.old/src --src new=src \
         --concurrency $c --seconds 10 --repeat 2 --out "$OUT/server-overhead-c$c.json" 2>&1 | grep -v '^{' || true
     done
     cs=$(echo ${HTTP_C:-1 64} | tr ' ' ,)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import re
@@ -34,6 +35,7 @@ from peagle.models.loader import load_tokenizer
 from peagle.server import create_app
 
 tokenizer_dir, port, step_s, per, interval = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+loop, http = sys.argv[6].split("+")
 
 
 class StandInEngine:
@@ -82,7 +84,7 @@ class StandInEngine:
 
 app = create_app(StandInEngine(), "m", log_stats_interval_s=None,  # an older tree's app may lack stream_interval
                  **({"stream_interval": interval} if interval != 1 else {}))
-uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, loop=loop, http=http)
 '''
 
 _USAGE = re.compile(rb'"completion_tokens":(\d+)')
@@ -126,12 +128,12 @@ async def _clients(port: int, concurrency: int, seconds: float, max_tokens: int)
     return totals[0], totals[1], time.monotonic() - start
 
 
-def measure(src: str, tokenizer: str, interval: int, args) -> dict:
+def measure(src: str, tokenizer: str, interval: int, impl: str, args) -> dict:
     label, _, path = src.rpartition("=")
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": os.path.abspath(path)}
     server = subprocess.Popen([sys.executable, "-c", _SERVER, tokenizer, str(port), str(args.step_ms / 1000),
-                               str(args.tokens_per_step), str(interval)], env=env)
+                               str(args.tokens_per_step), str(interval), impl], env=env)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -149,7 +151,7 @@ def measure(src: str, tokenizer: str, interval: int, args) -> dict:
     finally:
         server.terminate()
         server.wait(30)
-    return {"src": label or path, "stream_interval": interval, "tokens_per_s": tokens / wall, "chunks_per_s": chunks / wall,
+    return {"src": label or path, "stream_interval": interval, "server": impl, "tokens_per_s": tokens / wall, "chunks_per_s": chunks / wall,
             "server_cpu_per_s": cpu / wall, "server_cpu_us_per_token": 1e6 * cpu / max(tokens, 1), "seconds": wall}
 
 
@@ -164,26 +166,28 @@ def main(argv=None) -> int:
     p.add_argument("--tokens-per-step", type=int, default=3,
                    help="tokens per request per step (default 3: a speculative round)")
     p.add_argument("--stream-interval", default="1", help="comma-separated values, each a row (default 1)")
+    p.add_argument("--server", default="auto+auto",
+                   help="uvicorn's event loop and HTTP implementation, LOOP+HTTP, comma-separated rows (e.g. "
+                        "asyncio+h11,uvloop+httptools; default auto+auto: uvloop and httptools when installed)")
     p.add_argument("--repeat", type=int, default=1, help="passes over the sources, alternating (default 1)")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
     srcs = args.src or [f"this tree={Path(__file__).resolve().parents[1] / 'src'}"]
     intervals = [int(v) for v in args.stream_interval.split(",")]
+    impls = args.server.split(",")
     rows = []
     for _ in range(args.repeat):
-        for interval in intervals:
-            for src in srcs:
-                rows.append(measure(src, args.tokenizer, interval, args))
-                r = rows[-1]
-                print(f"{r['src']:<40} interval {interval:>3}: {r['tokens_per_s']:>9,.0f} tok/s "
-                      f"{r['chunks_per_s']:>8,.0f} chunks/s  server CPU {r['server_cpu_per_s']:.2f} s/s, "
-                      f"{r['server_cpu_us_per_token']:.1f} us/token", flush=True)
+        for interval, impl, src in itertools.product(intervals, impls, srcs):
+            rows.append(measure(src, args.tokenizer, interval, impl, args))
+            r = rows[-1]
+            print(f"{r['src']:<16} {impl:<18} interval {interval:>3}: {r['tokens_per_s']:>9,.0f} tok/s "
+                  f"{r['chunks_per_s']:>8,.0f} chunks/s  server CPU {r['server_cpu_per_s']:.2f} s/s, "
+                  f"{r['server_cpu_us_per_token']:.1f} us/token", flush=True)
     summary = {}
-    for label in dict.fromkeys(r["src"] for r in rows):
-        for interval in intervals:
-            mine = [r for r in rows if r["src"] == label and r["stream_interval"] == interval]
-            summary[f"{label}|{interval}"] = {k: statistics.median(r[k] for r in mine) for k in
-                                            ("tokens_per_s", "chunks_per_s", "server_cpu_us_per_token")}
+    for label, interval, impl in itertools.product(dict.fromkeys(r["src"] for r in rows), intervals, impls):
+        mine = [r for r in rows if (r["src"], r["stream_interval"], r["server"]) == (label, interval, impl)]
+        summary[f"{label}|{interval}|{impl}"] = {k: statistics.median(r[k] for r in mine) for k in
+                                                 ("tokens_per_s", "chunks_per_s", "server_cpu_us_per_token")}
     result = {"config": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows, "median": summary}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

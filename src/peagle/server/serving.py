@@ -333,13 +333,15 @@ class Serving:
     async def _events(self, choices: list["_Choice"], outputs: AsyncIterator[tuple[int, StepOutput]],
                       first: tuple[int, StepOutput], fmt: Format, include_usage: bool) -> AsyncIterator[str]:
         """Server-sent events: per choice, one chunk per step that completes text, a finish chunk; then usage if
-        asked, and [DONE]."""
+        asked, and [DONE]. The events ready together go out as one write (the head with the first text; the last
+        text with the finish, usage and [DONE])."""
+        events: list[str] = []
         for c in choices:
             head = fmt.head_chunk(c.index)
             if head is not None:
-                yield _sse(head)
+                events.append(_sse(head))
             if c.echo:
-                yield _sse(fmt.chunk(c.echo, index=c.index, logprobs=c.echo_logprobs))
+                events.append(_sse(fmt.chunk(c.echo, index=c.index, logprobs=c.echo_logprobs)))
         item = first
         try:
             while True:
@@ -350,23 +352,29 @@ class Serving:
                 thought = c.take_reasoning()
                 if delta or logprobs or thought:
                     extra = {"offset": offset} if isinstance(fmt, CompletionFormat) else {"reasoning": thought}
-                    yield _sse(fmt.chunk(delta, index=index, logprobs=logprobs, **extra))
+                    events.append(_sse(fmt.chunk(delta, index=index, logprobs=logprobs, **extra)))
                 if out.finished and c.tool_calls:
-                    yield _sse(fmt.chunk("", index=index, tool_calls=[t.wire(i) for i, t in enumerate(c.tool_calls)]))
+                    tool_calls = [t.wire(i) for i, t in enumerate(c.tool_calls)]
+                    events.append(_sse(fmt.chunk("", index=index, tool_calls=tool_calls)))
                 if out.finished:
-                    yield _sse(fmt.chunk("", finish_reason=c.finish_reason, index=index, stop_reason=c.stop_reason))
+                    events.append(_sse(fmt.chunk("", finish_reason=c.finish_reason, index=index,
+                                                 stop_reason=c.stop_reason)))
+                    if all(other.stream.done for other in choices):
+                        break
+                if events:
+                    yield "".join(events)
+                    events.clear()
                 try:
                     item = await outputs.__anext__()
                 except StopAsyncIteration:
                     break
         except (ApiError, RequestFailed) as e:
             error = e if isinstance(e, ApiError) else ApiError(500, str(e))
-            yield f"data: {json.dumps(error.body())}\n\n"
-            yield "data: [DONE]\n\n"
+            yield "".join(events) + f"data: {json.dumps(error.body())}\n\n" + "data: [DONE]\n\n"
             return
         if include_usage:
-            yield _sse(fmt.usage_chunk(self._usage(choices)))
-        yield "data: [DONE]\n\n"
+            events.append(_sse(fmt.usage_chunk(self._usage(choices))))
+        yield "".join(events) + "data: [DONE]\n\n"
 
 
 class _Prompt:

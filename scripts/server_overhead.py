@@ -158,7 +158,8 @@ def measure(src: str, tokenizer: str, interval: int, impl: str, args) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokenizer", required=True, help="a directory with tokenizer.json (the text's tokens)")
-    p.add_argument("--src", action="append", help="a source tree's src folder (repeatable; default: this checkout's)")
+    p.add_argument("--src", action="append", metavar="[LABEL=]DIR",
+                   help="a source tree's src folder, labelled (repeatable; default: this checkout's)")
     p.add_argument("--concurrency", type=int, default=64, help="streaming clients at once (default 64)")
     p.add_argument("--seconds", type=float, default=15.0, help="measured seconds per point (default 15)")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per request (default 256)")

@@ -115,6 +115,10 @@ def _v1_router(serving: Serving, engine, api_key: str | None) -> APIRouter:
     async def completions(request: Request) -> Response:
         return await serving.completions(request)
 
+    @router.post("/responses")
+    async def responses(request: Request) -> Response:
+        return await serving.responses(request)
+
     return router
 
 

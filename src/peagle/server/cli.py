@@ -18,8 +18,9 @@ STATS_INTERVAL_S = 10.0  # vLLM's default interval between stats lines
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
-        description="Serve MODEL_DIR at /v1/chat/completions, /v1/completions and /v1/models (streaming or not), "
-                    "with /health and Prometheus /metrics. Speculative decoding is configured as vLLM takes it: "
+        description="Serve MODEL_DIR at /v1/chat/completions, /v1/completions, /v1/responses and /v1/models "
+                    "(streaming or not), with /health and Prometheus /metrics. Speculative decoding is configured as "
+                    "vLLM takes it: "
                     "--speculative-config, else the PEAGLE_SPECULATIVE_CONFIG or SM_VLLM_SPECULATIVE_CONFIG "
                     "environment variable.",
     )

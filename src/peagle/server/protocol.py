@@ -466,10 +466,10 @@ def parse_request(raw: bytes, model: type[RequestT]) -> RequestT:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise _field_error(e.errors()[0]) from None
+        raise field_error(e.errors()[0]) from None
 
 
-def _field_error(err: dict) -> ApiError:
+def field_error(err: dict) -> ApiError:
     param = _param_name(err["loc"])
     message = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
@@ -730,4 +730,5 @@ class Choice(BaseModel):
     logprobs: Any = None  # TextLogprobs
     tool_calls: list[dict] | None = None  # wire format, chat only
     reasoning: str | None = None  # chat only, with a reasoning parser (None: none, or the request dropped it)
+    num_reasoning_tokens: int = 0  # output tokens of the thinking (the Responses API's usage)
     prompt_logprobs: list | None = None  # vLLM's wire format, with prompt_logprobs

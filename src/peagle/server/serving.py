@@ -26,6 +26,7 @@ from peagle.engine.sampling_params import (SamplingParams, StructuredOutputsPara
 from peagle.server.async_engine import AsyncEngine, RequestFailed, RequestStream
 from peagle.server.output_text import OutputText
 from peagle.server.reasoning import REASONING_PARSERS, ReasoningSplitter
+from peagle.server.responses import ResponsesFormat, ResponsesRequest
 from peagle.server.tool_calls import ToolCall, ToolCallParser, forcing_grammar, template_supports_tools
 from peagle.server.protocol import (
     ApiError, ChatCompletionRequest, ChatFormat, Choice, CompletionFormat, CompletionRequest, RequestT,
@@ -37,7 +38,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 RETRY_AFTER_S = 1
 T = TypeVar("T")
-Format = ChatFormat | CompletionFormat
+Format = ChatFormat | CompletionFormat | ResponsesFormat
 
 
 class ClientGone(Exception):
@@ -75,20 +76,34 @@ class Serving:
 
     async def chat(self, request: Request) -> Response:
         req = self._with_defaults(parse_request(await request.body(), ChatCompletionRequest))
+        prompt, thinking = self._chat_inputs(req)
+        fmt = ChatFormat(self.model_name, _caller_id(request, req), reasoning=self.reasoning is not None)
+        return await self._generate(request, req, [prompt], fmt, tools=req.calls_tools, thinking=thinking)
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API: the request as a chat completion, answered as a response."""
+        responses_req = parse_request(await request.body(), ResponsesRequest)
+        req = self._with_defaults(responses_req.chat_request())
+        prompt, thinking = self._chat_inputs(req, prompt_param="input", tokens_param="max_output_tokens")
+        fmt = ResponsesFormat(self.model_name, responses_req, request.headers.get("x-request-id"))
+        return await self._generate(request, req, [prompt], fmt, tools=req.calls_tools, thinking=thinking)
+
+    def _chat_inputs(self, req: ChatCompletionRequest, prompt_param: str = "messages",
+                     tokens_param: str | None = None) -> tuple["_Prompt", bool | None]:
+        """The rendered prompt with its max_tokens, and whether its output begins with thinking (None without a
+        reasoning parser)."""
         self.check_model(req.model)
         prompt_ids = truncate_prompt(self._chat_prompt(req), req.truncate_prompt_tokens, self.max_model_len)
-        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        param = tokens_param or ("max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         requested = req.max_completion_tokens or req.max_tokens or self.sampling_defaults.get("max_tokens")
-        max_tokens = self._max_tokens(prompt_ids, requested, "messages", param)
+        max_tokens = self._max_tokens(prompt_ids, requested, prompt_param, param)
         thinking = None  # without a reasoning parser: no split
         if self.reasoning is not None:
             thinking = self.reasoning[0].thinking(req.chat_template_kwargs)
         elif not req.include_reasoning:
             raise ApiError(400, "include_reasoning: false needs a server started with --reasoning-parser (without "
                                 "one, the thinking is not split from the answer)", param="include_reasoning")
-        fmt = ChatFormat(self.model_name, _caller_id(request, req), reasoning=self.reasoning is not None)
-        return await self._generate(request, req, [_Prompt(prompt_ids, max_tokens)], fmt, tools=req.calls_tools,
-                                    thinking=thinking)
+        return _Prompt(prompt_ids, max_tokens), thinking
 
     async def completions(self, request: Request) -> Response:
         """A prompt or a batch of them: each prompt's n choices, numbered prompt by prompt (prompt_index * n + i),
@@ -234,7 +249,7 @@ class Serving:
         engine_id = fmt.id if fmt.caller_id is None else f"{fmt.id}-{uuid.uuid4().hex[:8]}"
         reasoning = None
         if thinking is not None:
-            reasoning = _Reasoning(self.reasoning[0], thinking, getattr(req, "include_reasoning", True))
+            reasoning = _Reasoning(*self.reasoning, thinking, getattr(req, "include_reasoning", True))
         if self.log_requests:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 self._log_request(engine_id if len(prompts) == 1 else f"{engine_id}-{i}", prompt.ids, p)
@@ -257,7 +272,10 @@ class Serving:
         except BaseException:
             close()
             raise
-        events = self._events(choices, outputs, first, fmt, req.include_usage)
+        if isinstance(fmt, ResponsesFormat):
+            events = fmt.events(choices[0], outputs, first, lambda: self._usage(choices))
+        else:
+            events = self._events(choices, outputs, first, fmt, req.include_usage)
         return _EventStream(events, on_close=close)
 
     def _log_request(self, request_id: str, ids: list[int], params: SamplingParams):
@@ -326,9 +344,11 @@ class Serving:
         usage = self._usage(choices)
         done = [Choice(index=c.index, text=(c.echo or "") + c.content, finish_reason=c.finish_reason,
                        stop_reason=c.stop_reason, logprobs=c.logprobs, prompt_logprobs=c.prompt_logprobs,
-                       tool_calls=[t.wire() for t in c.tool_calls] or None, reasoning=c.reasoning)
+                       tool_calls=[t.wire() for t in c.tool_calls] or None, reasoning=c.reasoning,
+                       num_reasoning_tokens=c.num_reasoning_tokens)
                 for c in choices]
-        return JSONResponse(fmt.response(done, usage).model_dump())
+        body = fmt.response(done, usage)
+        return JSONResponse(body if isinstance(body, dict) else body.model_dump())
 
     async def _events(self, choices: list["_Choice"], outputs: AsyncIterator[tuple[int, StepOutput]],
                       first: tuple[int, StepOutput], fmt: Format, include_usage: bool) -> AsyncIterator[str]:
@@ -389,11 +409,11 @@ class _Prompt:
 
 
 class _Reasoning:
-    """A chat request's reasoning split: the server's parser, whether the output begins with thinking, and whether
-    the response carries the thinking (include_reasoning)."""
+    """A chat request's reasoning split: the server's parser, its end-of-thinking token id, whether the output begins
+    with thinking, and whether the response carries the thinking (include_reasoning)."""
 
-    def __init__(self, parser, thinking: bool, include: bool):
-        self.parser, self.thinking, self.include = parser, thinking, include
+    def __init__(self, parser, end_token_id: int, thinking: bool, include: bool):
+        self.parser, self.end_token_id, self.thinking, self.include = parser, end_token_id, thinking, include
 
 
 class _Choice:
@@ -435,9 +455,12 @@ class _Choice:
         self._content = ""  # the text sent as content (all of it without tools or a reasoning split)
         self.splitter: ReasoningSplitter | None = None
         self._show_reasoning = False
+        self._thinking_until: int | None = None  # the end-of-thinking token id while the thinking goes on
+        self.num_reasoning_tokens = 0  # output tokens up to and with the end of the thinking
         if reasoning is not None:
             self.splitter = reasoning.parser.splitter(reasoning.thinking)
             self._show_reasoning = reasoning.include
+            self._thinking_until = reasoning.end_token_id if reasoning.thinking else None
         self._unsent_reasoning = ""
 
     @property
@@ -463,6 +486,10 @@ class _Choice:
         if out.finished and out.metrics is not None:
             self.num_cached_tokens = out.metrics.num_cached_tokens
         ids = out.new_token_ids
+        if self._thinking_until is not None:
+            end = self._thinking_until
+            self.num_reasoning_tokens += ids.index(end) + 1 if end in ids else len(ids)
+            self._thinking_until = None if end in ids else end
         if out.finished and out.finish_reason == "stop" and ids and self._stop_token(ids[-1]):
             self.stop_reason = ids[-1] if ids[-1] in self.params.stop_token_ids else None
             if not self.params.include_stop_str_in_output:  # vLLM leaves the stopping token's text out

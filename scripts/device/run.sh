@@ -34,7 +34,11 @@
 #   9. the sampled table: BENCH_SECS=530 BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head BENCH_POLICY=(as in 6) bench (MT-Bench),
 #      then with what is left BENCH2_TEMPS=0.7 BENCH2_C=1,4,16,64 BENCH2_DATASETS=humaneval HF_BASELINES=none bench2;
 #   later: the rest of the long-code grid (run 23 was cut before P-EAGLE K=7 at 16 and 64 and K=11), and
-#   `longloop` (after heads_in): where P-EAGLE's time goes on long prompts at concurrency 64, profiled.
+#   `longloop` (after heads_in): where P-EAGLE's time goes on long prompts at concurrency 64, profiled; `httpserve`
+#   (after heads_in or the testbed; .old built by `OLD_COMMIT=11e0b40 bash scripts/device/stage_local.sh gpu` and
+#   carried with .cfg, about 4 minutes): the HTTP server's cost on the GPU host, old tree against new with the
+#   stand-in engine, and P-EAGLE K=7 in process against `peagle serve` at stream intervals 1 and 8 (the CPU-only
+#   section of BENCHMARKS.md measured 1.79x at 64 streams on a 2-core machine).
 #   Then locally: `peagle bench-report` of the calls' results.json files, BENCHMARKS.md, README.
 # Run 23's plan (what was run, BENCHMARKS.md "Run 23"): stage_a; heads_in x4 (.stage_b; .hp_a; .hp_b; .hp_c .hp_d);
 #   BENCH_SECS=560 bench (MT-Bench grid K 3,5,7,11 x c 1-64, calibrated); BENCH2_SECS=560 BENCH2_C=1,2,4,8,16,32,64

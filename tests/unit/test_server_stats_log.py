@@ -31,7 +31,7 @@ def test_a_line_reports_the_interval_only():
     metrics, clock = ServerMetrics(3, "m", prefix_caching=True), Clock()
     log = StatLogger(metrics, interval_s=10.0, clock=clock)
     metrics.on_prompt(100)
-    metrics.on_tokens(50, None)
+    metrics.on_step_tokens(50, [])
     metrics.on_finished("stop", finished())
     clock.now += 9.0
     assert log.maybe_log(2, 1, 0.25) == []  # before the interval is over
@@ -42,7 +42,7 @@ def test_a_line_reports_the_interval_only():
     assert "Mean acceptance length: 2.50" in spec and "Accepted: 15 tokens, Drafted: 30 tokens" in spec
     assert "Per-position acceptance rate: 0.800, 0.500, 0.200" in spec and "Avg Draft acceptance rate: 50.0%" in spec
     # the next interval counts only what came after: 20 tokens in 10 s, no request finished (no acceptance line)
-    metrics.on_tokens(20, 0.1)
+    metrics.on_step_tokens(20, [(0.1, 20)])
     clock.now += 10.0
     lines = log.maybe_log(1, 0, 0.1)
     assert len(lines) == 1 and "Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 2.0" in lines[0]
@@ -54,14 +54,14 @@ def test_a_drained_burst_is_logged_at_once_and_idle_time_is_not_counted():
     metrics, clock = ServerMetrics(0, "m"), Clock()
     log = StatLogger(metrics, interval_s=10.0, clock=clock)
     metrics.on_prompt(10)
-    metrics.on_tokens(40, None)
+    metrics.on_step_tokens(40, [])
     clock.now += 2.0
     lines = log.maybe_log(0, 0, 0.0, idle=True)  # the engine went idle 2 s into the interval
     assert len(lines) == 1 and "Avg generation throughput: 20.0 tokens/s" in lines[0]
     assert "Prefix cache" not in lines[0]  # not counted without prefix caching
     clock.now += 300.0  # idle, then a request wakes the engine
     log.restart_window()
-    metrics.on_tokens(30, None)
+    metrics.on_step_tokens(30, [])
     clock.now += 10.0
     assert "Avg generation throughput: 3.0 tokens/s" in log.maybe_log(1, 0, 0.0)[0]
     with pytest.raises(ValueError, match="interval"):
@@ -83,3 +83,27 @@ def test_the_server_logs_stats_while_it_serves(tiny_hf_checkpoint, tmp_path, cap
 def test_stats_lines_are_off_unless_asked(tiny_hf_checkpoint):
     engine = make_engine(tiny_hf_checkpoint("llama", num_layers=4))
     assert create_app(engine, "tiny").state.async_engine.stat_logger is None
+
+
+def test_a_steps_inter_token_latencies_export_as_prometheus_own_histogram_would():
+    # A step's tokens share their request's interval: observed once with a count, exported under both names with the
+    # same samples as prometheus-client's Histogram observing each token.
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from peagle.server.metrics import ITL_BUCKETS
+
+    registry = CollectorRegistry()
+    reference = Histogram("peagle_inter_token_latency_seconds", "x", buckets=ITL_BUCKETS, registry=registry)
+    for value in (0.002, 0.002, 0.01, 0.01, 0.01, 7.0, 0.0, 0.0025):
+        reference.observe(value)
+    metrics = ServerMetrics(0, "tiny")
+    metrics.on_step_tokens(8, [(0.004, 2), (0.03, 3), (7.0, 1), (0.0, 1), (0.0025, 1)])
+
+    def samples(text: bytes, name: str) -> list[str]:
+        return [line for line in text.decode().splitlines() if line.startswith(name) and "_created" not in line]
+
+    want = samples(generate_latest(registry), "peagle_inter_token_latency_seconds_")
+    assert samples(metrics.render(), "peagle_inter_token_latency_seconds_") == want
+    theirs = samples(metrics.render(), "vllm:inter_token_latency_seconds_")
+    assert len(theirs) == len(want) and all('model_name="tiny"' in line for line in theirs)
+    assert 'vllm:inter_token_latency_seconds_count{model_name="tiny"} 8.0' in theirs

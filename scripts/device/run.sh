@@ -746,27 +746,36 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
   httpserve)
     # What the HTTP server costs (the server's Python shares one GIL with the engine's host work): (1) the stand-in
     # engine of scripts/server_overhead.py, this tree against .old's (OLD_COMMIT=11e0b40 in stage_local.sh: before
-    # outputs queued behind the event loop were joined), at concurrency HTTP_C; (2) P-EAGLE K=7 with the trained
-    # head on MT-Bench at the same concurrencies, in process, then through `peagle serve` with stream interval 1 and
-    # 8, side by side in one call. Needs heads (testbed or heads_in) and .old carried.
+    # outputs queued behind the event loop were joined), at concurrency HTTP_C; (2) the testbed target on MT-Bench at
+    # the same concurrencies, in process, then through `peagle serve` with stream interval 1 and 8, side by side in
+    # one call: P-EAGLE K=7 with the trained head (HTTP_METHOD=peagle, the default: heads from the testbed or
+    # heads_in), or plain decoding (HTTP_METHOD=none: no head needed; one token per chunk, the server's worst case).
+    # Carry .old, .cfg and .whl (the server's packages).
     need_model
-    link_heads
     for c in ${HTTP_C:-1 64}; do
       [ -d .old/src ] && timeout 150 $py scripts/server_overhead.py --tokenizer "$W/smollm2" --src old=.old/src --src new=src \
         --concurrency $c --seconds 10 --repeat 2 --out "$OUT/server-overhead-c$c.json" 2>&1 | grep -v '^{' || true
     done
     cs=$(echo ${HTTP_C:-1 64} | tr ' ' ,)
     common=(--max-tokens 256 --num-prompts 24 --min-waves 3 --min-seconds 5 --datasets mtbench --concurrency "$cs")
-    timeout 120 $py -m peagle bench --model "$W/smollm2" --draft-peagle "$W/heads/peagle" --methods peagle --k 7 \
-      "${common[@]}" --out "$OUT/http-inproc" 2>&1 | tail -6 || true
-    spec="{\"method\": \"eagle3\", \"model\": \"$W/heads/peagle\", \"num_speculative_tokens\": 7, \"parallel_drafting\": true}"
+    method=${HTTP_METHOD:-peagle}
+    if [ "$method" = none ]; then
+      inproc=(--methods none) spec=()
+    else
+      link_heads
+      inproc=(--draft-peagle "$W/heads/peagle" --methods peagle --k 7)
+      spec=(--speculative-config "{\"method\": \"eagle3\", \"model\": \"$W/heads/peagle\", \"num_speculative_tokens\": 7, \"parallel_drafting\": true}")
+    fi
+    timeout 120 $py -m peagle bench --model "$W/smollm2" "${inproc[@]}" "${common[@]}" --out "$OUT/http-inproc" 2>&1 \
+      | tail -6 || true
     for si in 1 8; do
-      $py -m peagle serve "$W/smollm2" --speculative-config "$spec" --port 8011 --max-num-seqs 64 --stream-interval $si \
+      $py -m peagle serve "$W/smollm2" "${spec[@]}" --port 8011 --max-num-seqs 64 --stream-interval $si \
         --disable-log-stats --disable-uvicorn-access-log > "$W/serve-si$si.log" 2>&1 & srv=$!
       for i in $(seq 120); do curl -sf localhost:8011/health > /dev/null && break; sleep 1; done
-      timeout 120 $py -m peagle bench --url http://127.0.0.1:8011 --methods peagle --k 7 "${common[@]}" \
+      timeout 120 $py -m peagle bench --url http://127.0.0.1:8011 --methods $method ${spec:+--k 7} "${common[@]}" \
         --out "$OUT/http-si$si" 2>&1 | tail -6 || true
       kill $srv; wait $srv 2> /dev/null || true
+      tail -3 "$W/serve-si$si.log"
     done
     ;;
   final)

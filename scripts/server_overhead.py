@@ -131,7 +131,8 @@ async def _clients(port: int, concurrency: int, seconds: float, max_tokens: int)
 def measure(src: str, tokenizer: str, interval: int, impl: str, args) -> dict:
     label, _, path = src.rpartition("=")
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": os.path.abspath(path)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.abspath(path),
+                                                                     os.environ.get("PYTHONPATH")]))}
     server = subprocess.Popen([sys.executable, "-c", _SERVER, tokenizer, str(port), str(args.step_ms / 1000),
                                str(args.tokens_per_step), str(interval), impl], env=env)
     try:

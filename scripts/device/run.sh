@@ -10,7 +10,7 @@
 # against; .cfg: the testbed's config.json and tokenizer files, for runs with random weights; .tb_a, .tb_b, .tb_c:
 # the package wheels `peagle testbed` downloads, for `tb_stage`). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
-# The next session's plan (run 24). Run 22's heads (.hp_a-.hp_d) did not outlive the checkout they came home to (the
+# The next session's plan (run 25). Run 22's heads (.hp_a-.hp_d) did not outlive the checkout they came home to (the
 # session after run 23 found a new checkout without them): when they are missing, as now, the session starts with run
 # 22's plan (below: the testbed again, about 21 device minutes, then heads_out x3 so that a later session may skip it)
 # and spends what is left on step 6 (about 5 minutes: the testbed's heads replace run 22's, and its own served table
@@ -23,15 +23,7 @@
 #   6. the adaptive policy at concurrency 2 after its fix (run 23: 21-45% below fixed K there), run 23's policy as the
 #      head's default: BENCH_SECS=330 BENCH_K=5,7 BENCH_C=1,2,4 BENCH_DATASETS=mtbench,humaneval BENCH_ADAPTIVE=head
 #      BENCH_POLICY=benchmarks/results/2026-12-03-run23-adaptive-peagle.json bench (about 5 minutes);
-#   7. issue 16's table in one call (no heads needed; .cfg carried): ENGINE_VARIANTS=async+prefill-graphs+admit-ahead+
-#      mixed-tiles+fused-merge ENGINE_PROFILE=1 engine && SCALE_C=1 scale (batch 1 and 64 rounds with their host
-#      share, TTFT at concurrency 1, the stall a new prompt causes among 8 decodes, ITL as requests arrive, profiles;
-#      the 8B shape's batch-1 step against its weight-bandwidth floor);
-#   8. GPU_TESTS="tests/gpu/test_request_options_gpu.py tests/gpu/test_prefix_cache_gpu.py
-#      tests/gpu/test_prefill_graphs_gpu.py" gpu_tests (prompt logprobs against the paged engine's, truncated prompts,
-#      a chat's next turn taking the answer's cached blocks, the adaptive policy's rise beside an admitted prompt
-#      replaying graphs, under graphs);
-#   9. the sampled table: BENCH_SECS=530 BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head BENCH_POLICY=(as in 6) bench (MT-Bench),
+#   7. the sampled table: BENCH_SECS=530 BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head BENCH_POLICY=(as in 6) bench (MT-Bench),
 #      then with what is left BENCH2_TEMPS=0.7 BENCH2_C=1,4,16,64 BENCH2_DATASETS=humaneval HF_BASELINES=none bench2;
 #   later: the rest of the long-code grid (run 23 was cut before P-EAGLE K=7 at 16 and 64 and K=11), and
 #   `longloop` (after heads_in): where P-EAGLE's time goes on long prompts at concurrency 64, profiled; `httpserve`
@@ -40,6 +32,14 @@
 #   stand-in engine, and P-EAGLE K=7 in process against `peagle serve` at stream intervals 1 and 8 (the CPU-only
 #   section of BENCHMARKS.md measured 1.79x at 64 streams on a 2-core machine).
 #   Then locally: `peagle bench-report` of the calls' results.json files, BENCHMARKS.md, README.
+#   With minutes to spare, no heads needed (carry .old .whl .cfg; the full .whl and .stage_a/.stage_b together pass
+#   the 64 MiB limit, so stage_a carries .stage_a alone and the gguf wheel travels as .whl/gguf-*.whl with .stage_b):
+#   `python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site python3
+#   scripts/device/http_capacity.py .cfg $OUT/http-capacity.json --src old=.old/src --src new=src --dummy
+#   --concurrency 64,1 --stream-interval 1,8` (peagle serve with the real engine, old tree against new).
+# Run 24's plan (what was run, BENCHMARKS.md "Run 24"): stage_a (.stage_a); engine (issue 16's variants, profiled)
+#   and scale at concurrency 1 (.stage_b, the gguf wheel); HTTP_METHOD=none httpserve (.old .whl); server_overhead.py
+#   at 1 and 64 streams and gpu_tests (request options, prefix cache, prefill graphs) (.old .whl .cfg). 15 minutes.
 # Run 23's plan (what was run, BENCHMARKS.md "Run 23"): stage_a; heads_in x4 (.stage_b; .hp_a; .hp_b; .hp_c .hp_d);
 #   BENCH_SECS=560 bench (MT-Bench grid K 3,5,7,11 x c 1-64, calibrated); BENCH2_SECS=560 BENCH2_C=1,2,4,8,16,32,64
 #   BENCH2_DATASETS=humaneval HF_BASELINES=none bench2; BENCH2_SECS=270 BENCH_K=3,7,11 BENCH2_C=1,4,16,64

@@ -97,6 +97,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_server(argv: list[str], src_path: str, timeout_s: float) -> tuple[subprocess.Popen, int]:
+    """A server process run from a source tree (in front of PYTHONPATH) on a free port (argv's "{port}"), once it
+    accepts connections."""
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.abspath(src_path),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    server = subprocess.Popen([a.replace("{port}", str(port)) for a in argv], env=env)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return server, port
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise RuntimeError(f"the server from {src_path} did not start")
+            time.sleep(0.2)
+
+
 def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
@@ -130,21 +149,9 @@ async def _clients(port: int, concurrency: int, seconds: float, max_tokens: int)
 
 def measure(src: str, tokenizer: str, interval: int, impl: str, args) -> dict:
     label, _, path = src.rpartition("=")
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.abspath(path),
-                                                                     os.environ.get("PYTHONPATH")]))}
-    server = subprocess.Popen([sys.executable, "-c", _SERVER, tokenizer, str(port), str(args.step_ms / 1000),
-                               str(args.tokens_per_step), str(interval), impl], env=env)
+    server, port = start_server([sys.executable, "-c", _SERVER, tokenizer, "{port}", str(args.step_ms / 1000),
+                                 str(args.tokens_per_step), str(interval), impl], path, 60)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the server did not start")
-                time.sleep(0.2)
         asyncio.run(_clients(port, args.concurrency, 1.0, args.max_tokens))  # warm-up
         cpu0 = _cpu_seconds(server.pid)
         tokens, chunks, wall = asyncio.run(_clients(port, args.concurrency, args.seconds, args.max_tokens))

@@ -13,39 +13,23 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from server_overhead import _clients, _cpu_seconds, _free_port  # noqa: E402
+from server_overhead import _clients, _cpu_seconds, start_server  # noqa: E402
 
 
 def measure(model: str, src: str, interval: int, concurrency: int, seconds: float, dummy: bool,
             max_tokens: int) -> dict:
     label, _, path = src.rpartition("=")
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.abspath(path),
-                                                                     os.environ.get("PYTHONPATH")]))}
-    argv = [sys.executable, "-m", "peagle", "--log-level", "warning", "serve", model, "--port", str(port),
+    argv = [sys.executable, "-m", "peagle", "--log-level", "warning", "serve", model, "--port", "{port}",
             "--served-model-name", "m", "--max-num-seqs", str(max(concurrency, 1)), "--disable-log-stats",
             "--disable-uvicorn-access-log"]
     argv += ["--load-format", "dummy"] if dummy else []
     argv += ["--stream-interval", str(interval)] if interval != 1 else []
-    server = subprocess.Popen(argv, env=env)
+    server, port = start_server(argv, path, 300)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the {label} server did not start")
-                time.sleep(0.5)
         asyncio.run(_clients(port, concurrency, 3.0, max_tokens))  # warm-up: CUDA graphs for this batch
         cpu0 = _cpu_seconds(server.pid)
         tokens, chunks, wall = asyncio.run(_clients(port, concurrency, seconds, max_tokens))

@@ -59,13 +59,18 @@ def rename_think_tokens(target, special: bool = False):
     (target / "tokenizer_config.json").write_text(json.dumps(cfg))
 
 
-@pytest.fixture(scope="module")
-def target(tiny_hf_checkpoint, tmp_path_factory):
+def think_model(tiny_hf_checkpoint, tmp_path_factory):
+    """The tiny checkpoint with <think> tokens and THINK_TEMPLATE (a copy)."""
     out = tmp_path_factory.mktemp("think") / "model"
     shutil.copytree(tiny_hf_checkpoint("llama", num_layers=4), out)
     rename_think_tokens(out)
     (out / "chat_template.jinja").write_text(THINK_TEMPLATE)
     return out
+
+
+@pytest.fixture(scope="module")
+def target(tiny_hf_checkpoint, tmp_path_factory):
+    return think_model(tiny_hf_checkpoint, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

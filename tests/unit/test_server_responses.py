@@ -7,12 +7,11 @@ implemented (stored responses, other input kinds) is refused naming the field.""
 from __future__ import annotations
 
 import json
-import shutil
 
 import openai
 import pytest
 from server_fixtures import make_engine, make_head, serve
-from test_server_reasoning import THINK_TEMPLATE, rename_think_tokens
+from test_server_reasoning import think_model
 
 from peagle.server import create_app
 
@@ -25,11 +24,7 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required
 
 @pytest.fixture(scope="module")
 def target(tiny_hf_checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("responses") / "model"
-    shutil.copytree(tiny_hf_checkpoint("llama", num_layers=4), out)
-    rename_think_tokens(out)
-    (out / "chat_template.jinja").write_text(THINK_TEMPLATE)
-    return out
+    return think_model(tiny_hf_checkpoint, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

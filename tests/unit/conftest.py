@@ -309,7 +309,7 @@ def config_only_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def repo_script():
-    """`repo_script("plot_training")`: the module of scripts/plot_training.py (the scripts are not a package)."""
+    """`repo_script("server_overhead")`: the module of scripts/server_overhead.py (the scripts are not a package)."""
     def load(name: str):
         path = Path(__file__).parents[2] / "scripts" / f"{name}.py"
         spec = importlib.util.spec_from_file_location(name, path)

@@ -183,6 +183,26 @@ def register(subparsers) -> None:
                             "target's whole vocabulary if smaller; 0: the whole vocabulary)")
     train.set_defaults(func=_train)
 
+    report = subparsers.add_parser(
+        "train-report", help="compare training runs from their logs: a table and the held-out walk over time",
+        description="Read the train_log.jsonl of one or more `peagle train` runs and print, per run, its last "
+                    "evaluation: steps, training minutes, median tokens/s, held-out accuracy by depth and the "
+                    "held-out walk's acceptance length at one K (on the training sources' held-out split and on "
+                    "--eval-data). --plot draws the walk over training time, the curves a recipe A/B is read from.",
+        epilog="example:\n  peagle train-report base=runs/base lr2e-3=runs/lr2e-3/train_log.jsonl --k 7 "
+               "--plot ab.png",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    report.add_argument("logs", nargs="+", metavar="[LABEL=]LOG",
+                        help="a train_log.jsonl (.gz read as gzip) or a `peagle train --out` directory; LABEL "
+                             "names it in the table (default: the directory's or the file's name)")
+    report.add_argument("--k", type=int, help="the walk's draft length (default 7 if the logs walked it, else "
+                                              "their deepest common K)")
+    report.add_argument("--plot", type=Path, metavar="PNG", help="also draw the walk over training time here")
+    report.add_argument("--title", help="the plot's title")
+    report.add_argument("--simulated", action="store_true",
+                        help="also draw the simulated AL (every anchor averaged: it overstates serving)")
+    report.set_defaults(func=_train_report)
+
 
 def _json_object(text: str) -> dict:
     try:
@@ -249,6 +269,21 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         feature_noise=args.feature_noise, compile_elementwise=args.compile_elementwise,
         pad_target_pass=args.pad_target_pass, shape_multiple=args.shape_multiple,
     )
+
+
+def _train_report(args: argparse.Namespace) -> int:
+    from peagle.training.report import default_k, load_run, plot, table, walks
+
+    runs = [load_run(spec) for spec in args.logs]
+    k = args.k or default_k(runs)
+    missing = [r.label for r in runs if k not in walks(r.last_eval)]
+    if missing:
+        raise ValueError(f"the last evaluation of {', '.join(missing)} has no walk at K={k} (the trainer walks "
+                         "K = 1..--k-train)")
+    print(table(runs, k))
+    if args.plot:
+        print(f"plot: {plot(runs, k, args.plot, args.title, args.simulated)}")
+    return 0
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@
 # against; .cfg: the testbed's config.json and tokenizer files, for runs with random weights; .tb_a, .tb_b, .tb_c:
 # the package wheels `peagle testbed` downloads, for `tb_stage`). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
-# The next session's plan (run 25). Run 22's heads (.hp_a-.hp_d) did not outlive the checkout they came home to (the
+# The next session's plan (run 26). Run 22's heads (.hp_a-.hp_d) did not outlive the checkout they came home to (the
 # session after run 23 found a new checkout without them): when they are missing, as now, the session starts with run
 # 22's plan (below: the testbed again, about 21 device minutes, then heads_out x3 so that a later session may skip it)
 # and spends what is left on step 6 (about 5 minutes: the testbed's heads replace run 22's, and its own served table
@@ -37,6 +37,10 @@
 #   `python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site python3
 #   scripts/device/http_capacity.py .cfg $OUT/http-capacity.json --src old=.old/src --src new=src --dummy
 #   --concurrency 64,1 --stream-interval 1,8` (peagle serve with the real engine, old tree against new).
+# Run 25's plan (what was run, BENCHMARKS.md "Run 25", on an H100: no H200 was free): tb_stage (.tb_a); tb_stage
+#   (.tb_b); tb_stage && TB_SECS=420 testbed_data, then TRAIN_MIN=11.5 AB_VARIANTS="base frozen-embed trained-head
+#   no-noise vocab16k" ablate (.tb_c .whl); WAIT_SECS=560 HEADS="ab-..." wait; WAIT_SECS=200 wait; SERVE_K=3,7
+#   SERVE_N=64 SERVE_SECS=100 SERVE_HEADS="ab-..." serve. 23.2 device minutes.
 # Run 24's plan (what was run, BENCHMARKS.md "Run 24"): stage_a (.stage_a); engine (issue 16's variants, profiled)
 #   and scale at concurrency 1 (.stage_b, the gguf wheel); HTTP_METHOD=none httpserve (.old .whl); server_overhead.py
 #   at 1 and 64 streams and gpu_tests (request options, prefix cache, prefill graphs) (.old .whl .cfg). 15 minutes.
@@ -93,12 +97,6 @@
 #   ~4 min: the attention's split merge inside its kernel, batch 1's 0.96 ms step); the trainer alone with and
 #   without --shape-multiple (TP_DATA=$W/tb/data-h200/sharegpt.0 TP_STEPS=40
 #   TP_RUNS="b1=$PWD/src:peagle:8:8192:1 shape=$PWD/src:peagle:8:8192:1:--shape-multiple,1024" throughput).
-# Later (issue 14's recipe, the anchors not yet separated, in one session of their own: the default recipe is
-#   Muon, 32K vocabulary, frozen lm_head, feature noise 0.05, depth decay 0.8): tb_stage x3 && TB_SECS=420
-#   testbed_data; TRAIN_MIN=13 AB_VARIANTS="base frozen-embed trained-head no-noise vocab16k" ablate (five side by
-#   side: each gets a fifth of the GPU, so fewer steps than the testbed's heads; only rows of the run compare);
-#   wait; wait && SERVE_K=3,7 SERVE_N=64 SERVE_HEADS="ab-base ab-frozen-embed ab-trained-head ab-no-noise
-#   ab-vocab16k" serve.
 # Run 13's plan (what was run, BENCHMARKS.md "Run 13": tb_stage && gpu_tests; tb_stage; tb_stage && TB_SECS=560
 # TB_PEAGLE_ARGS="--k-train 12" testbed; TB_SECS=560 testbed_wait; TB_SECS=430 testbed_wait; heads_out x3;
 # HEADS_N=24 HEADS_K=7,11 heads; ENGINE_LOOP=64:256 engine with the trained head; engine_timing by hand, what

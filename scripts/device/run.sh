@@ -12,9 +12,11 @@
 # machine stays warm); results are copied to $OUT.
 # The next session's plan (run 26). Run 22's heads (.hp_a-.hp_d) did not outlive the checkout they came home to (the
 # session after run 23 found a new checkout without them): when they are missing, as now, the session starts with run
-# 22's plan (below: the testbed again, about 21 device minutes, then heads_out x3 so that a later session may skip it)
-# and spends what is left on step 6 (about 5 minutes: the testbed's heads replace run 22's, and its own served table
-# says whether they match). With the heads there, the calls below, one each, back to back, fired one at a time (a
+# 22's plan (below: the testbed again, about 21 device minutes, then heads_out x3 so that a later session may skip it:
+# run 25's ignored folders outlived their session) and spends what is left (about 7 minutes) on step 7 cut to fit:
+# BENCH_SECS=380 BENCH_K=3,7 BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head BENCH_POLICY=(as in 6) bench, the sampled table on
+# MT-Bench (the testbed's heads replace run 22's; its own served table says whether they match). Step 6 and the rest
+# of step 7 then go to the session after, which starts at step 1 with the heads carried home. With the heads there, the calls below, one each, back to back, fired one at a time (a
 # failed call must not start the next), from a tree no one is editing; prefix the bench calls with
 # `export PEAGLE_GIT_COMMIT=<the commit>;`. A call that comes more than 30 s after the previous one returned finds a
 # fresh machine (and an empty $W: start again at 1).

@@ -1,4 +1,5 @@
-"""`peagle regenerate`, `peagle synthesize` and `peagle train` (one process, or one per GPU under torchrun)."""
+"""`peagle regenerate`, `peagle synthesize`, `peagle train` (one process, or one per GPU under torchrun) and
+`peagle train-report`."""
 
 from __future__ import annotations
 

@@ -4,9 +4,11 @@ training time as a PNG (the curves an A/B of recipes is decided on)."""
 
 from __future__ import annotations
 
+import bisect
 import json
 import statistics
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Sequence
 
@@ -17,16 +19,23 @@ class TrainingRun:
     train: list[dict]  # the log's "train" rows, in order
     evals: list[dict]  # its "eval" rows, in order
 
-    def minutes_at(self, step: int) -> float:
-        """Training minutes up to `step`: each train row's step_s times the steps since the row before it
-        (evaluation time excluded: the trainer's step_s measures steps only)."""
-        total, previous = 0.0, 0
+    @cached_property
+    def _elapsed(self) -> tuple[list[int], list[float]]:
+        """Each train row's step and the training seconds up to it: its step_s times the steps since the row
+        before it (evaluation time excluded: the trainer's step_s measures steps only)."""
+        steps, seconds, total, previous = [], [], 0.0, 0
         for row in self.train:
-            if row["step"] > step:
-                break
             total += row["step_s"] * (row["step"] - previous)
             previous = row["step"]
-        return total / 60.0
+            steps.append(previous)
+            seconds.append(total)
+        return steps, seconds
+
+    def minutes_at(self, step: int) -> float:
+        """Training minutes up to `step` (the last train row at or before it)."""
+        steps, seconds = self._elapsed
+        i = bisect.bisect_right(steps, step)
+        return seconds[i - 1] / 60.0 if i else 0.0
 
     @property
     def last_eval(self) -> dict:
@@ -70,7 +79,8 @@ def load_run(spec: str) -> TrainingRun:
 
 def walks(row: dict) -> set[int]:
     """The depths an evaluation row walked, on either split."""
-    return {int(k) for k in row.get("walk_al", {})} | {int(k) for k in (row.get("eval_data") or {}).get("walk_al", {})}
+    evaluation = (row.get("eval_data") or {}).get("walk_al", {})
+    return {int(k) for k in row.get("walk_al", {})} | {int(k) for k in evaluation}
 
 
 def default_k(runs: Sequence[TrainingRun]) -> int:

@@ -85,6 +85,8 @@ def test_cli_errors_name_the_problem(tmp_path, capsys):
     log = _write(tmp_path / "log.jsonl", _log(2.5, 2.2))
     assert main(["train-report", str(log), "--k", "9"]) == 1
     assert "has no walk at K=9" in capsys.readouterr().err
+    assert main(["train-report", str(log), "--k", "0"]) == 1
+    assert "--k must be at least 1, got 0" in capsys.readouterr().err
     (tmp_path / "bad.jsonl").write_text('{"kind": "eval"\n')
     assert main(["train-report", str(tmp_path / "bad.jsonl")]) == 1
     assert "bad.jsonl:1: not a JSON line" in capsys.readouterr().err

@@ -275,8 +275,10 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 def _train_report(args: argparse.Namespace) -> int:
     from peagle.training.report import default_k, load_run, plot, table, walks
 
+    if args.k is not None and args.k < 1:
+        raise ValueError(f"--k must be at least 1, got {args.k}")
     runs = [load_run(spec) for spec in args.logs]
-    k = args.k or default_k(runs)
+    k = default_k(runs) if args.k is None else args.k
     missing = [r.label for r in runs if k not in walks(r.last_eval)]
     if missing:
         raise ValueError(f"the last evaluation of {', '.join(missing)} has no walk at K={k} (the trainer walks "

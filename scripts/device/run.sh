@@ -10,13 +10,13 @@
 # against; .cfg: the testbed's config.json and tokenizer files, for runs with random weights; .tb_a, .tb_b, .tb_c:
 # the package wheels `peagle testbed` downloads, for `tb_stage`). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
-# The next session's plan (run 26). Run 22's heads (.hp_a-.hp_d) did not outlive the checkout they came home to (the
-# session after run 23 found a new checkout without them): when they are missing, as now, the session starts with run
-# 22's plan (below: the testbed again, about 21 device minutes, then heads_out x3 so that a later session may skip it:
-# run 25's ignored folders outlived their session) and spends what is left (about 7 minutes) on step 7 cut to fit:
-# BENCH_SECS=380 BENCH_K=3,7 BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head BENCH_POLICY=(as in 6) bench, the sampled table on
-# MT-Bench (the testbed's heads replace run 22's; its own served table says whether they match). Step 6 and the rest
-# of step 7 then go to the session after, which starts at step 1 with the heads carried home. With the heads there, the calls below, one each, back to back, fired one at a time (a
+# The next session's plan (run 27). No trained heads are at home (.hp_a-.hp_d missing): run 26's testbed was lost
+# with its machine when a call came late (BENCHMARKS.md "Run 26"), so the session starts with run 22's plan (below:
+# the testbed, about 21 device minutes with the machine's start, at the scale's full 12.25 training minutes when 27
+# or more are left, else TB_TRAIN_MINUTES cut by the minutes missing), then heads_out x3 AT ONCE (the heads home
+# first: they are what lets a later session skip the testbed), and spends what is left (about 4 minutes) on the
+# sampled table cut to fit: BENCH_SECS=200 BENCH_K=7 BENCH_C=1,4,16,64 BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head
+# BENCH_POLICY=(as in 6) bench. The session after starts at step 1 with the heads carried home. With the heads there, the calls below, one each, back to back, fired one at a time (a
 # failed call must not start the next), from a tree no one is editing; prefix the bench calls with
 # `export PEAGLE_GIT_COMMIT=<the commit>;`. A call that comes more than 30 s after the previous one returned finds a
 # fresh machine (and an empty $W: start again at 1).
@@ -39,6 +39,9 @@
 #   `python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site python3
 #   scripts/device/http_capacity.py .cfg $OUT/http-capacity.json --src old=.old/src --src new=src --dummy
 #   --concurrency 64,1 --stream-interval 1,8` (peagle serve with the real engine, old tree against new).
+# Run 26's plan (what was run, BENCHMARKS.md "Run 26", on an H100): tb_stage (.tb_a); tb_stage (.tb_b); tb_stage &&
+#   TB_SECS=560 TB_TRAIN_MINUTES=10.25 testbed (.tb_c .whl); testbed_wait came late and found a fresh machine (the
+#   testbed lost); http_capacity.py as above with --stream-interval 1 for both trees, then 8 for the new one.
 # Run 25's plan (what was run, BENCHMARKS.md "Run 25", on an H100: no H200 was free): tb_stage (.tb_a); tb_stage
 #   (.tb_b); tb_stage && TB_SECS=420 testbed_data, then TRAIN_MIN=11.5 AB_VARIANTS="base frozen-embed trained-head
 #   no-noise vocab16k" ablate (.tb_c .whl); WAIT_SECS=560 HEADS="ab-..." wait; WAIT_SECS=200 wait; SERVE_K=3,7
@@ -346,6 +349,11 @@ case "$stage" in
     testbed_follow ${TB_SECS:-540}
     ;;
   testbed_wait)
+    if [ ! -f "$W/testbed.log" ]; then  # a fresh machine: the call came more than 30 s after the last one returned
+      echo "no testbed on this machine ($W/testbed.log missing): a fresh machine, the earlier one's testbed is gone;"
+      echo "start again with tb_stage (.tb_a), tb_stage (.tb_b), tb_stage && testbed (.tb_c .whl)"
+      exit 4
+    fi
     testbed_follow ${TB_SECS:-540}
     ;;
   heads_out)

@@ -13,7 +13,10 @@ def test_http_capacity_measures_each_tree_and_interval(tiny_hf_checkpoint, tmp_p
     out = tmp_path / "r.json"
     assert script.main([str(tiny_hf_checkpoint("llama", num_layers=2)), str(out), "--src", f"a={src}",
                         "--dummy", "--concurrency", "2", "--stream-interval", "1,4", "--seconds", "1",
-                        "--max-tokens", "12"]) == 0
+                        "--max-tokens", "12", "--engine-modes", "thread,process"]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["src"], r["stream_interval"], r["concurrency"]) for r in rows] == [("a", 1, 2), ("a", 4, 2)]
+    assert [(r["src"], r["engine"], r["stream_interval"], r["concurrency"]) for r in rows] == [
+        ("a", "thread", 1, 2), ("a", "process", 1, 2), ("a", "thread", 4, 2), ("a", "process", 4, 2)]
     assert all(r["tokens_per_s"] > 0 and r["server_cpu_us_per_token"] > 0 for r in rows)
+    # the engine's steps run in the server's process, or in the child it spawned
+    assert [r["engine_process_cpu_per_s"] > 0 for r in rows] == [False, True, False, True]

@@ -25,7 +25,7 @@ def create_app(engine, served_model_name: str | list[str], api_key: str | None =
                sampling_defaults: dict | None = None, log_stats_interval_s: float | None = None,
                request_id_headers: bool = False, reasoning_parser: str | None = None, log_requests: bool = False,
                max_log_len: int | None = None, stream_interval: int = 1) -> FastAPI:
-    """An app serving `engine` (an LLMEngine) as `served_model_name` (several names: requests may name any, responses
+    """An app serving `engine` (an LLMEngine, or an EngineProcess: the engine in a child process) as `served_model_name` (several names: requests may name any, responses
     name the first, as vLLM's --served-model-name).
 
     The engine loop starts with the app (lifespan) and stops with it. At most `max_num_seqs + max_queue` requests
@@ -46,8 +46,11 @@ def create_app(engine, served_model_name: str | list[str], api_key: str | None =
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names or not all(isinstance(n, str) and n for n in names):
         raise ValueError("served_model_name must be a non-empty string or a list of them")
-    async_engine = AsyncEngine(engine, model_name=names[0], log_stats_interval_s=log_stats_interval_s,
-                               stream_interval=stream_interval)
+    engine_cls = AsyncEngine
+    if getattr(engine, "remote", False):  # an EngineProcess: the engine runs in a child process
+        from peagle.server.engine_process import ProcessAsyncEngine as engine_cls
+    async_engine = engine_cls(engine, model_name=names[0], log_stats_interval_s=log_stats_interval_s,
+                              stream_interval=stream_interval)
     serving = Serving(async_engine, names, engine.config.max_num_seqs + max_queue,
                       trust_request_chat_template, sampling_defaults, reasoning_parser,
                       log_requests=log_requests, max_log_len=max_log_len)

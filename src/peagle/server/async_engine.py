@@ -113,7 +113,7 @@ class AsyncEngine:
         """Stops the engine thread after its current step; requests still inside fail with RequestFailed."""
         if self._thread is None:
             return
-        self._commands.put(None)
+        self._send(None)
         self._thread.join(timeout)
 
     @property
@@ -126,7 +126,7 @@ class AsyncEngine:
         if not self.is_alive:
             raise RequestFailed("the engine is not running")
         stream = RequestStream(request_id, len(prompt_token_ids), self._loop)
-        self._commands.put(partial(self._add, stream, list(prompt_token_ids), sampling_params))
+        self._send(partial(self._add, stream, list(prompt_token_ids), sampling_params))
         try:
             await stream.accepted
         except asyncio.CancelledError:
@@ -136,7 +136,11 @@ class AsyncEngine:
 
     def abort(self, request_id: str):
         """Aborts the request before the engine's next step (its blocks are freed then); unknown ids are ignored."""
-        self._commands.put(partial(self._abort, request_id))
+        self._send(partial(self._abort, request_id))
+
+    def _send(self, command: Callable[[], None] | None):
+        """Queues a command for the engine thread (None: stop)."""
+        self._commands.put(command)
 
     # ---- engine thread ---------------------------------------------------------------------------------------
 
@@ -191,6 +195,10 @@ class AsyncEngine:
             logger.exception("engine step failed; failing its %d requests", len(self._streams))
             self._fail_all(f"the engine failed while running this request: {type(e).__name__}: {e}")
             return
+        self._handle_outputs(outputs)
+
+    def _handle_outputs(self, outputs: list[StepOutput]):
+        """One step's outputs: metrics, the stream interval's holding back, delivery to the event loop."""
         now = time.monotonic()
         deliveries = []
         num_tokens, intervals = 0, []  # the step's tokens, and (interval, tokens) per request that had some before
@@ -230,10 +238,14 @@ class AsyncEngine:
 
     def _publish_stats(self):
         try:
-            self.stats = stats = self.engine.stats()
+            stats = self.engine.stats()
         except Exception:
             logger.exception("engine stats failed")
             return
+        self._set_stats(stats)
+
+    def _set_stats(self, stats):
+        self.stats = stats
         self.metrics.set_engine_stats(stats.num_running, stats.num_waiting, stats.kv_usage)
         if self.stat_logger is not None:
             self.stat_logger.maybe_log(stats.num_running, stats.num_waiting, stats.kv_usage,

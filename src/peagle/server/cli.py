@@ -150,6 +150,10 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="after a request's first tokens, send its tokens once N have gathered (and when it ends): "
                         "fewer, larger chunks, so that a busy server spends less time writing them (vLLM's name; "
                         "default 1: every engine step's tokens as they come)")
+    p.add_argument("--engine-process", action="store_true",
+                   help="run the engine in a process of its own, so that the server's Python (HTTP, detokenising, "
+                        "streaming) and the engine's host loop stop sharing one GIL; requests and outputs travel "
+                        "through a pipe (off by default until measured on a GPU against the engine thread)")
     p.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic stats lines (by default every 10 s while requests run, as vLLM: prompt and "
                         "generation throughput, running and waiting requests, KV-cache usage, and the acceptance of "
@@ -248,7 +252,6 @@ def _positional_given(actions: dict, args: list[str]) -> bool:
 
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
-    from fastapi.middleware.cors import CORSMiddleware
 
     from peagle.engine.config import EngineConfig, SpeculativeConfig
     from peagle.engine.llm import check_max_model_len, resolve_dtype
@@ -256,9 +259,7 @@ def _serve(args: argparse.Namespace) -> int:
     from peagle.engine.sampling_params import model_sampling_defaults
     from peagle.models.loader import load_tokenizer
     from peagle.server.reasoning import REASONING_PARSERS
-    from peagle.server.tool_calls import template_supports_tools
     from peagle.models.tokenizer import load_chat_template
-    from peagle.server.app import create_app
 
     if args.model is None:
         hint = ""
@@ -303,9 +304,38 @@ def _serve(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None  # before the model loads
     if args.reasoning_parser and (tokenizer or (Path(args.model) / "tokenizer.json").is_file()):
         REASONING_PARSERS[args.reasoning_parser].end_token_id(tokenizer or load_tokenizer(args.model))
-    engine = LLMEngine(config)
-    if tokenizer is not None:
-        engine.use_tokenizer(tokenizer)
+    if args.engine_process:
+        from peagle.server.engine_process import EngineProcess
+
+        engine = EngineProcess.start(config, tokenizer=args.tokenizer)  # the child loads the tokenizer too
+    else:
+        engine = LLMEngine(config)
+        if tokenizer is not None:
+            engine.use_tokenizer(tokenizer)
+    try:
+        app = _app(args, engine, template, defaults)
+    except BaseException:
+        if args.engine_process:
+            engine.close()
+        raise
+    scheme = "https" if args.ssl_certfile else "http"
+    logger.info("serving %s as %s at %s://%s:%d%s/v1 (speculation: %s%s)", args.model,
+                " / ".join(map(repr, args.served_model_name or [args.model])), scheme, args.host, args.port,
+                args.root_path, spec or "off", "; the engine in a process of its own" if args.engine_process else "")
+    uvicorn.run(app, host=args.host, port=args.port,
+                log_level=args.uvicorn_log_level or logging.getLogger().getEffectiveLevel(),
+                access_log=not args.disable_uvicorn_access_log, root_path=args.root_path,
+                ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
+    return 0
+
+
+def _app(args: argparse.Namespace, engine, template, defaults):
+    """The app of `peagle serve` for a built engine (an LLMEngine or an EngineProcess)."""
+    from fastapi.middleware.cors import CORSMiddleware
+
+    from peagle.server.app import create_app
+    from peagle.server.tool_calls import template_supports_tools
+
     if template is not None:
         engine.tokenizer.chat_template = template
     if args.tool_call_parser and not template_supports_tools(engine.tokenizer and engine.tokenizer.chat_template):
@@ -324,14 +354,7 @@ def _serve(args: argparse.Namespace) -> int:
     if defaults:
         logger.info("default sampling parameters from the model's generation config: %s (requests that give a field "
                     "override it; --generation-config vllm ignores them)", defaults)
-    scheme = "https" if args.ssl_certfile else "http"
-    logger.info("serving %s as %s at %s://%s:%d%s/v1 (speculation: %s)", args.model, " / ".join(map(repr, names)),
-                scheme, args.host, args.port, args.root_path, spec or "off")
-    uvicorn.run(app, host=args.host, port=args.port,
-                log_level=args.uvicorn_log_level or logging.getLogger().getEffectiveLevel(),
-                access_log=not args.disable_uvicorn_access_log, root_path=args.root_path,
-                ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
-    return 0
+    return app
 
 
 def _json_list(text: str) -> list[str]:

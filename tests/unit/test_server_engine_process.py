@@ -4,6 +4,7 @@ clients leave, and fails cleanly when the child dies or cannot start."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 
@@ -135,10 +136,14 @@ def test_a_dead_engine_process_fails_health_and_requests(target_dir):
         assert r.status_code >= 500 and "engine" in r.json()["error"]["message"]
 
 
-def test_an_engine_that_cannot_start_reports_the_childs_error(tmp_path):
-    (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(EngineProcessError, match="failed to start"):
-        EngineProcess.start(EngineConfig(model=str(tmp_path), device="cpu", dtype="float32"), timeout_s=120)
+def test_an_engine_that_cannot_start_reports_the_childs_error(tmp_path, target_dir):
+    # a bad model directory: the engine's own ValueError / missing file, as the engine thread would raise it
+    with pytest.raises(ValueError, match="the engine process failed to start: FileNotFoundError"):
+        EngineProcess.start(EngineConfig(model=str(tmp_path / "missing"), device="cpu", dtype="float32"), timeout_s=120)
+    # anything else: EngineProcessError with the child's error
+    config = dataclasses.replace(_config(target_dir), device="no-such-device")
+    with pytest.raises(EngineProcessError, match="failed to start: RuntimeError"):
+        EngineProcess.start(config, timeout_s=120)
 
 
 def test_serve_has_the_option():

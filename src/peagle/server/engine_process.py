@@ -54,8 +54,8 @@ class EngineProcess:
     @classmethod
     def start(cls, config, tokenizer: str | None = None, timeout_s: float = READY_TIMEOUT_S) -> "EngineProcess":
         """Spawns the engine process for `config` (an EngineConfig; `tokenizer`: another directory's tokenizer, as
-        LLMEngine.use_tokenizer) and waits until its engine is built. Raises EngineProcessError with the child's
-        error if it fails."""
+        LLMEngine.use_tokenizer) and waits until its engine is built. If it fails: ValueError with the child's
+        error where that was a ValueError or a missing file (bad input), else EngineProcessError."""
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         parent, child = ctx.Pipe()
         process = ctx.Process(target=_child_main, args=(child, config, tokenizer), name="peagle-engine",
@@ -75,7 +75,9 @@ class EngineProcess:
             raise
         if kind != "ready":
             process.join(5)
-            raise EngineProcessError(f"the engine process failed to start: {payload}")
+            message, bad_input = payload
+            # a bad model directory or option: the ValueError the engine thread would have raised, for a clean message
+            raise (ValueError if bad_input else EngineProcessError)(f"the engine process failed to start: {message}")
         return cls(process, parent, config, payload)
 
     def stats(self):
@@ -248,7 +250,7 @@ def _child_main(conn: Connection, config, tokenizer: str | None):
                 "max_model_len": engine.max_model_len, "model_config": engine.model_config, "k": engine.k,
                 "stats": engine.stats()}
     except BaseException as e:
-        conn.send(("error", f"{type(e).__name__}: {e}"))
+        conn.send(("error", (f"{type(e).__name__}: {e}", isinstance(e, (ValueError, FileNotFoundError)))))
         conn.close()
         return
     conn.send(("ready", info))

@@ -34,14 +34,14 @@
 #   stand-in engine, and P-EAGLE K=7 in process against `peagle serve` at stream intervals 1 and 8 (the CPU-only
 #   section of BENCHMARKS.md measured 1.79x at 64 streams on a 2-core machine).
 #   Then locally: `peagle bench-report` of the calls' results.json files, BENCHMARKS.md, README.
-#   With minutes to spare, no heads needed (carry .old .whl .cfg; the full .whl and .stage_a/.stage_b together pass
-#   the 64 MiB limit, so stage_a carries .stage_a alone and the gguf wheel travels as .whl/gguf-*.whl with .stage_b):
-#   `python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site python3
-#   scripts/device/http_capacity.py .cfg $OUT/http-capacity.json --src old=.old/src --src new=src --dummy
-#   --concurrency 64,1 --stream-interval 1,8` (peagle serve with the real engine, old tree against new).
+#   With minutes to spare, no heads needed (carry .whl .cfg): `python3 -m pip install -q --no-index --no-deps
+#   --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site python3 scripts/device/http_capacity.py .cfg $OUT/h.json
+#   --src new=src --dummy --concurrency 64,16,1 --stream-interval 1 --engine-modes thread,process` (run 26 measured
+#   --engine-process once, 2.51x at 64 streams: a replicate, and a P-EAGLE point, before it becomes the default).
 # Run 26's plan (what was run, BENCHMARKS.md "Run 26", on an H100): tb_stage (.tb_a); tb_stage (.tb_b); tb_stage &&
 #   TB_SECS=560 TB_TRAIN_MINUTES=10.25 testbed (.tb_c .whl); testbed_wait came late and found a fresh machine (the
-#   testbed lost); http_capacity.py as above with --stream-interval 1 for both trees, then 8 for the new one.
+#   testbed lost); http_capacity.py (old tree against new) with --stream-interval 1 for both trees, then 8 for the
+#   new one; on a second machine http_capacity.py --engine-modes thread,process at 64 and 1 streams, interval 1 and 8.
 # Run 25's plan (what was run, BENCHMARKS.md "Run 25", on an H100: no H200 was free): tb_stage (.tb_a); tb_stage
 #   (.tb_b); tb_stage && TB_SECS=420 testbed_data, then TRAIN_MIN=11.5 AB_VARIANTS="base frozen-embed trained-head
 #   no-noise vocab16k" ablate (.tb_c .whl); WAIT_SECS=560 HEADS="ab-..." wait; WAIT_SECS=200 wait; SERVE_K=3,7

@@ -22,6 +22,7 @@ import logging
 import multiprocessing
 import queue
 import socket
+import threading
 from multiprocessing.connection import Connection, wait
 
 from peagle.server.async_engine import AsyncEngine, RequestFailed, RequestStream, _deliver, _settle
@@ -107,6 +108,25 @@ class ProcessAsyncEngine(AsyncEngine):
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._pending: dict[str, tuple[RequestStream, bool]] = {}  # sent to the child, not yet taken: (stream, aborted)
+        # Messages to the child go out from a thread of their own, so that the relay thread never blocks on a full
+        # pipe while the child blocks sending it outputs (a burst of long prompts under load would deadlock both).
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender: threading.Thread | None = None
+
+    def start(self):
+        super().start()
+        self._sender = threading.Thread(target=self._send_loop, name="peagle-engine-send", daemon=True)
+        self._sender.start()
+
+    def _post(self, message):
+        self._outbox.put(message)
+
+    def _send_loop(self):
+        while (message := self._outbox.get()) is not None:
+            try:
+                self.engine.conn.send(message)
+            except (OSError, ValueError):  # the child is gone: the relay thread sees its pipe close
+                return
 
     def shutdown(self, timeout: float | None = 30.0):
         """Stops the relay thread (requests still inside fail with RequestFailed), then the engine process."""
@@ -114,6 +134,9 @@ class ProcessAsyncEngine(AsyncEngine):
             return
         self._send(None)
         self._thread.join(timeout)
+        self._outbox.put(None)
+        if self._sender is not None:
+            self._sender.join(timeout)
         self.engine.close()
 
     def _send(self, command):
@@ -158,8 +181,6 @@ class ProcessAsyncEngine(AsyncEngine):
                 return False
             try:
                 command()
-            except (EOFError, OSError):  # the child is gone: _run fails what is in flight
-                raise
             except Exception:
                 logger.exception("engine command failed")
 
@@ -169,16 +190,16 @@ class ProcessAsyncEngine(AsyncEngine):
             starts_after = params.compiled_grammar.starts_after
             params = dataclasses.replace(params, compiled_grammar=None)
         self._pending[stream.request_id] = (stream, False)
-        self.engine.conn.send(("add", stream.request_id, prompt_token_ids, params, starts_after))
+        self._post(("add", stream.request_id, prompt_token_ids, params, starts_after))
 
     def _abort(self, request_id: str):
         if request_id in self._pending:
             self._pending[request_id] = (self._pending[request_id][0], True)
-            self.engine.conn.send(("abort", request_id))
+            self._post(("abort", request_id))
             return
         if self._streams.pop(request_id, None) is None:
             return
-        self.engine.conn.send(("abort", request_id))
+        self._post(("abort", request_id))
         self.metrics.on_finished("abort", None)
 
     def _on_message(self, message):

@@ -227,3 +227,22 @@ def test_a_tokenizer_without_visible_tags_is_refused(tiny_hf_checkpoint, tmp_pat
     with pytest.raises(ValueError, match="expected one of qwen3, deepseek_r1"):
         create_app(make_engine(special), "tiny", reasoning_parser="granite")
     assert set(REASONING_PARSERS) == {"qwen3", "deepseek_r1"}
+
+
+def test_the_engine_process_starts_the_grammar_after_the_thinking(servers, target):
+    # `--engine-process`: the grammar compiled in the server travels as its request and start, and the child compiles
+    # it again for its own tokenizer; the answer is the engine thread's (there under P-EAGLE: lossless, the same
+    # greedy tokens).
+    from peagle.engine.config import EngineConfig
+    from peagle.server.engine_process import EngineProcess
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
+    want = chat(servers["qwen3"], response_format=fmt, max_tokens=80)
+    engine = EngineProcess.start(EngineConfig(model=str(target), device="cpu", dtype="float32", max_model_len=256,
+                                              max_num_seqs=8, num_kv_blocks=128))
+    with serve(create_app(engine, "tiny", reasoning_parser="qwen3")) as url:
+        got = chat(url, response_format=fmt, max_tokens=80)
+        streamed = chat_stream(url, response_format=fmt, max_tokens=80)[:2]
+    assert got["message"] == want["message"] and got["finish_reason"] == want["finish_reason"] == "stop"
+    assert got["message"]["reasoning"] and set(json.loads(got["message"]["content"])) == {"ok", "n"}
+    assert streamed == (want["message"]["reasoning"], want["message"]["content"])

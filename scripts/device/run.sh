@@ -10,8 +10,8 @@
 # against; .cfg: the testbed's config.json and tokenizer files, for runs with random weights; .tb_a, .tb_b, .tb_c:
 # the package wheels `peagle testbed` downloads, for `tb_stage`). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
-# The next session's plan (run 27). No trained heads are at home (.hp_a-.hp_d missing): run 26's testbed was lost
-# with its machine when a call came late (BENCHMARKS.md "Run 26"), so the session starts with run 22's plan (below:
+# The next session's plan (run 28). No trained heads are at home (.hp_a-.hp_d missing): the testbeds of runs 26 and
+# 27 were lost with their machines when a call came late (BENCHMARKS.md "Run 26", "Run 27"), so the session starts with run 22's plan (below:
 # the testbed, about 21 device minutes with the machine's start, at the scale's full 12.25 training minutes when 27
 # or more are left, else TB_TRAIN_MINUTES cut by the minutes missing), then heads_out x3 AT ONCE (the heads home
 # first: they are what lets a later session skip the testbed), and spends what is left (about 4 minutes) on the
@@ -38,6 +38,9 @@
 #   --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site python3 scripts/device/http_capacity.py .cfg $OUT/h.json
 #   --src new=src --dummy --concurrency 64,16,1 --stream-interval 1 --engine-modes thread,process` (run 26 measured
 #   --engine-process once, 2.51x at 64 streams: a replicate, and a P-EAGLE point, before it becomes the default).
+# Run 27's plan (what was run, BENCHMARKS.md "Run 27", on an H100): three calls found no machine; tb_stage (.tb_a);
+#   tb_stage (.tb_b); tb_stage && TB_SECS=560 TB_TRAIN_MINUTES=11.25 testbed (.tb_c .whl); TB_SECS=560 testbed_wait
+#   (returned in the served step, both heads trained); the next call came late: the testbed lost with the machine.
 # Run 26's plan (what was run, BENCHMARKS.md "Run 26", on an H100): tb_stage (.tb_a); tb_stage (.tb_b); tb_stage &&
 #   TB_SECS=560 TB_TRAIN_MINUTES=10.25 testbed (.tb_c .whl); testbed_wait came late and found a fresh machine (the
 #   testbed lost); http_capacity.py (old tree against new) with --stream-interval 1 for both trees, then 8 for the

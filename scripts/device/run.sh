@@ -10,16 +10,18 @@
 # against; .cfg: the testbed's config.json and tokenizer files, for runs with random weights; .tb_a, .tb_b, .tb_c:
 # the package wheels `peagle testbed` downloads, for `tb_stage`). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
-# The next session's plan (run 28). No trained heads are at home (.hp_a-.hp_d missing): the testbeds of runs 26 and
-# 27 were lost with their machines when a call came late (BENCHMARKS.md "Run 26", "Run 27"), so the session starts with run 22's plan (below:
-# the testbed, about 21 device minutes with the machine's start, at the scale's full 12.25 training minutes when 27
-# or more are left, else TB_TRAIN_MINUTES cut by the minutes missing), then heads_out x3 AT ONCE (the heads home
-# first: they are what lets a later session skip the testbed), and spends what is left (about 4 minutes) on the
-# sampled table cut to fit: BENCH_SECS=200 BENCH_K=7 BENCH_C=1,4,16,64 BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head
-# BENCH_POLICY=(as in 6) bench. The session after starts at step 1 with the heads carried home. With the heads there, the calls below, one each, back to back, fired one at a time (a
-# failed call must not start the next), from a tree no one is editing; prefix the bench calls with
-# `export PEAGLE_GIT_COMMIT=<the commit>;`. A call that comes more than 30 s after the previous one returned finds a
-# fresh machine (and an empty $W: start again at 1).
+# The next session's plan (run 28). No trained heads are at home (.hp_a-.hp_d missing): the testbeds of runs 26 and 27
+# were lost with their machines when a call came late (BENCHMARKS.md "Run 26", "Run 27"), so the session starts with
+# run 22's plan (below: the testbed, about 21 device minutes with the machine's start, at the scale's full 12.25
+# training minutes when 27 or more are left, else TB_TRAIN_MINUTES cut by the minutes missing), then heads_out x3 AT
+# ONCE, as soon as a testbed_wait says "both heads trained" (heads_out runs beside the served step; the heads home
+# first: they are what lets a later session skip the testbed), one last testbed_wait for the served results, and
+# spends what is left (about 4 minutes) on the sampled table cut to fit: BENCH_SECS=200 BENCH_K=7 BENCH_C=1,4,16,64
+# BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head BENCH_POLICY=(as in 6) bench. The session after starts at step 1 with the heads
+# carried home. With the heads there, the calls below, one each, back to back, fired one at a time (a failed call must
+# not start the next), from a tree no one is editing; prefix the bench calls with `export PEAGLE_GIT_COMMIT=<the
+# commit>;`. A call that comes more than 30 s after the previous one returned finds a fresh machine (and an empty $W:
+# start again at 1).
 #   1. stage_a (carry .stage_a .whl); 2. heads_in (.stage_b); 3. heads_in (.hp_a); 4. heads_in (.hp_b);
 #   5. heads_in (.hp_c .hp_d);
 #   6. the adaptive policy at concurrency 2 after its fix (run 23: 21-45% below fixed K there), run 23's policy as the
@@ -193,6 +195,10 @@ await_checkpoints() {  # up to CKPT_WAIT seconds for every running head of HEADS
   done
 }
 
+testbed_heads_trained() {  # whether the testbed's heads step has logged its end (both heads final)
+  grep -qE "peagle.bench.testbed: testbed \[[0-9]+/[0-9]+\] heads: " "$W/testbed.log" 2> /dev/null
+}
+
 testbed_follow() {  # up to $1 seconds for the testbed started by `testbed`; then, done, its model and heads where
   # the other stages look ($W/smollm2, $W/train-METHOD) and its logs in $OUT
   local deadline=$(( $(date +%s) + $1 )) tb=$W/tb m model
@@ -200,6 +206,7 @@ testbed_follow() {  # up to $1 seconds for the testbed started by `testbed`; the
   while [ -f "$W/testbed.pid" ] && running "$(cat "$W/testbed.pid")"; do
     if [ "$(date +%s)" -ge $deadline ]; then
       echo "testbed still running"; grep -v "it/s\]" "$W/testbed.log" | grep -E "peagle.bench.testbed" | tail -12
+      testbed_heads_trained && echo "both heads trained (the served step runs): heads_out can run now"
       cp "$W/testbed.log" "$OUT/"  # so far: a machine lost before the next call still leaves the steps' times here
       return 0
     fi
@@ -367,6 +374,14 @@ case "$stage" in
     # testbed's pair); each call brings back manifest.json and HEADS_OUT_N parts (default 4, 60 MiB: what a call
     # returns) from the HEADS_OUT_FROM-th. On the development machine `stage_local.sh heads DIR...` files them into
     # .hp_a, .hp_b, ... for heads_in.
+    # During the testbed's served step (its last) the heads are final already: linked here from its heads step's end
+    # in the log, so heads_out need not wait for the serving (one call fewer in the chain that a late call breaks).
+    if [ ! -e "$W/heads/peagle" ] && [ -f "$W/testbed.log" ]; then
+      testbed_heads_trained || { echo "the testbed's heads are still training: testbed_wait first"; exit 5; }
+      [ -e "$W/smollm2" ] || ln -sfn "$W/tb/model" "$W/smollm2"
+      for m in peagle eagle3; do ln -sfn "$W/tb/heads/${TB_SCALE:-h200}/$m" "$W/train-$m"; done
+      HEADS="peagle eagle3" link_heads
+    fi
     pack=$W/heads-pack
     [ -f "$pack/manifest.json" ] || $py scripts/device/heads_pack.py pack --target "$W/smollm2" --out "$pack" \
       eagle3="$(readlink -f "$W/heads/eagle3")" peagle="$(readlink -f "$W/heads/peagle")"

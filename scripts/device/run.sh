@@ -15,8 +15,8 @@
 # of the chain (BENCHMARKS.md "Run 26" to "Run 28"), so the session starts with run 22's plan (below), its third call
 # written out before the first: `export PEAGLE_GIT_COMMIT=<hash>; bash scripts/device/run.sh tb_stage && TB_SECS=555
 # TB_BUDGET_S=<budget_left_s of call 2's reply> bash scripts/device/run.sh testbed` (.tb_c .whl; the training
-# minutes that fit, tb_train_minutes: 12.25 from 1,365 s left); then TB_SECS=560 testbed_wait until it says "both
-# heads trained", then heads_out x3 AT ONCE (HEADS_OUT_FROM=0, 4, 8; heads_out runs beside the served step; the
+# minutes that fit, tb_train_minutes: 12.25 from 1,365 s left); then TB_UNTIL_HEADS=1 TB_SECS=560 testbed_wait until
+# it says "both heads trained", then heads_out x3 AT ONCE (HEADS_OUT_FROM=0, 4, 8; heads_out runs beside the served step; the
 # heads home first: they are what lets a later session skip the testbed), one last testbed_wait for the served
 # results, and what is left (if 4 minutes) on the sampled table cut to fit: BENCH_SECS=200 BENCH_K=7
 # BENCH_C=1,4,16,64 BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head BENCH_POLICY=(as in 6) bench. No thinking between calls: a

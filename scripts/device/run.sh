@@ -400,8 +400,8 @@ case "$stage" in
     # the same session with heads_in: a session's machine goes back after 30 s idle, and a later session starts from
     # a fresh checkout, so heads do not outlive their session): scripts/device/heads_pack.py cuts
     # $W/heads/{eagle3,peagle} into parts of 15 MiB (bf16, the frozen lm_head left out: about 160 MB for the
-    # testbed's pair); each call brings back manifest.json and HEADS_OUT_N parts (default 4, 60 MiB: what a call
-    # returns) from the HEADS_OUT_FROM-th. On the development machine `stage_local.sh heads DIR...` files them into
+    # testbed's pair, deflated to some 60% on synthetic heads: 6-8 parts); each call brings back manifest.json and
+    # HEADS_OUT_N parts (default 4, 60 MiB: what a call returns) from the HEADS_OUT_FROM-th. On the development machine `stage_local.sh heads DIR...` files them into
     # .hp_a, .hp_b, ... for heads_in.
     # During the testbed's served step (its last) the heads are final already: linked here from its heads step's end
     # in the log, so heads_out need not wait for the serving (one call fewer in the chain that a late call breaks).

@@ -67,8 +67,8 @@ def offline(monkeypatch, tmp_path):
         dest.mkdir(parents=True, exist_ok=True)
         (dest / testbed._wheel_name(*package)).write_bytes(wheel.read_bytes())
 
-    def run_commands(commands, limit_s, env=None, cancel=None):
-        calls["run"].append({"commands": list(commands), "limit_s": limit_s, "env": env})
+    def run_commands(commands, limit_s, env=None, cancel=None, restart=None):
+        calls["run"].append({"commands": list(commands), "limit_s": limit_s, "env": env, "restart": restart})
         for c in commands:
             c.output.parent.mkdir(parents=True, exist_ok=True)
             if c.argv[1:3] == ("-m", "peagle.training.data_sources"):
@@ -408,7 +408,7 @@ def test_h200_plan_uses_every_data_source_and_trains_both_heads_side_by_side(off
 
     # A served step stopped at its limit before `peagle bench` wrote its results says so, and where its log is.
     offline["run"].clear()
-    def stopped_at_the_limit(commands, limit_s, env=None, cancel=None):
+    def stopped_at_the_limit(commands, limit_s, env=None, cancel=None, restart=None):
         return [c.name for c in commands]  # as run_commands reports commands it stopped, which wrote nothing
 
     monkeypatch.setattr(testbed, "run_commands", stopped_at_the_limit)
@@ -421,6 +421,7 @@ def test_h200_plan_uses_every_data_source_and_trains_both_heads_side_by_side(off
     assert steps["heads"].run() == ""
     (call,) = offline["run"]  # both started together, in one call, under one limit
     assert [c.name for c in call["commands"]] == ["eagle3", "peagle"] and call["limit_s"] == steps["heads"].limit_s
+    assert call["restart"] == bed._resume_head  # a trainer that dies goes on from its checkpoint
 
     # Then both finished heads and plain decoding, served by one `peagle bench` on the same prompts, outside the
     # budget (it ends at the heads): greedy, concurrency 1, K 3 and 7, the answers' length.
@@ -476,7 +477,7 @@ def test_no_code_prompts_without_the_script(monkeypatch, tmp_path):
 def test_failed_step_stops_its_lane_and_the_build_and_is_retried(offline, monkeypatch, tmp_path):
     fake = testbed.run_commands
 
-    def failing(commands, limit_s, env=None, cancel=None):
+    def failing(commands, limit_s, env=None, cancel=None, restart=None):
         if commands[0].name.startswith("regenerate"):
             raise testbed.TestbedStepError(f"`{commands[0].display()}` failed")
         return fake(commands, limit_s, env)
@@ -495,7 +496,7 @@ def test_failed_step_stops_its_lane_and_the_build_and_is_retried(offline, monkey
     assert ran[0] == ["regenerate-sharegpt"] and sorted(ran[1:3]) == [["regenerate-code"], ["regenerate-eval"]]
     assert ran[3:] == [["eagle3", "peagle"], ["serve"]]
 
-    def both_failing(commands, limit_s, env=None, cancel=None):
+    def both_failing(commands, limit_s, env=None, cancel=None, restart=None):
         raise testbed.TestbedStepError(f"{commands[0].name} failed")
 
     monkeypatch.setattr(testbed, "run_commands", both_failing)
@@ -513,7 +514,7 @@ def test_an_interrupted_phase_stops_every_lane(offline, monkeypatch, tmp_path):
     fake = testbed.run_commands
     cancelled, synthesizing = [], threading.Event()
 
-    def run_commands(commands, limit_s, env=None, cancel=None):
+    def run_commands(commands, limit_s, env=None, cancel=None, restart=None):
         if commands[0].name == "regenerate-sharegpt":
             assert synthesizing.wait(timeout=60)  # both lanes are in their first step
             os.kill(os.getpid(), signal.SIGTERM)
@@ -571,6 +572,52 @@ def test_commands_run_side_by_side_and_partial_files_move_into_place(tmp_path):
     commands = [Command("a", python(write, str(partial)), a, partial=partial), Command("b", python(write, str(b)), b)]
     assert testbed.run_commands(commands, limit_s=300) == []
     assert a.read_text() == "x" and b.read_text() == "x" and not partial.exists()
+
+
+def test_a_failed_command_is_replaced_once_by_what_restart_gives(tmp_path):
+    out, seen = tmp_path / "out", []
+    fail = Command("x", python("import sys; sys.exit(3)"), out)
+    write = Command("x", python("import sys; open(sys.argv[1], 'w').write('x')", str(out)), out)
+    slow = Command("slow", python("import sys, time; time.sleep(1); open(sys.argv[1], 'w').write('s')",
+                                  str(tmp_path / "s")), tmp_path / "s")
+
+    def restart(command, code, left_s):
+        seen.append((command.name, code, left_s))
+        return write
+
+    assert testbed.run_commands([fail, slow], limit_s=300, restart=restart) == []
+    assert out.read_text() == "x" and (tmp_path / "s").read_text() == "s"  # the other command ran on
+    assert [(n, c) for n, c, _ in seen] == [("x", 3)] and 0 < seen[0][2] <= 300
+    seen.clear()
+    with pytest.raises(testbed.TestbedStepError, match=r"failed \(exit code 3\)"):  # failing again: no third run
+        testbed.run_commands([fail], limit_s=300, restart=lambda c, code, left: seen.append(code) or fail)
+    assert seen == [3]
+    with pytest.raises(testbed.TestbedStepError, match=r"failed \(exit code 3\)"):
+        testbed.run_commands([fail], limit_s=300, restart=lambda c, code, left: None)
+
+
+def test_a_dead_trainer_resumes_from_its_checkpoint_for_the_minutes_left(tmp_path, caplog):
+    from peagle.training.trainer import CHECKPOINTS, TRAINER_STATE
+
+    bed = testbed.Testbed(tmp_path / "cache", smoke_scale())
+    run = bed.paths["eagle3_run"]
+    command = Command("eagle3", testbed._peagle_argv("train", "--out", str(run), "--time-limit", "2"),
+                      bed.paths["eagle3"], log=tmp_path / "eagle3.log")
+    overhead = bed.scale.train_overhead_s
+    with caplog.at_level(logging.WARNING, logger="peagle.bench.testbed"):
+        assert bed._resume_head(command, 1, left_s=overhead + 300) is None  # no checkpoint: the failure stands
+    assert "not resumed: no complete checkpoint" in caplog.text
+    (run / CHECKPOINTS / "step-00000500").mkdir(parents=True)
+    assert bed._resume_head(command, 1, left_s=overhead + 300) is None  # a checkpoint still being written
+    (run / CHECKPOINTS / "step-00000500" / TRAINER_STATE).write_bytes(b"state")
+    again = bed._resume_head(command, 1, left_s=overhead + 300)
+    assert again.name == "eagle3" and again.output == command.output and again.log == command.log
+    assert again.argv[again.argv.index("--time-limit") + 1] == "5" and again.argv.count("--resume") == 1
+    assert bed._resume_head(again, 1, left_s=overhead + 300).argv.count("--resume") == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="peagle.bench.testbed"):
+        assert bed._resume_head(command, 1, left_s=overhead + 30) is None  # half a minute: not worth a start-up
+    assert "0.50 minutes left, under 1" in caplog.text
 
 
 def test_failing_command_names_itself_with_its_log(tmp_path):

@@ -104,6 +104,7 @@ LONGCODE_BENCHMARK = Path(datasets.__file__).resolve().parent / "data" / "longco
 METHODS = ("eagle3", "peagle")
 HEAD_ARGS_FILE = "testbed-train-args.json"  # in each head's run directory: the trainer arguments it was trained with
 EVAL = "eval"  # the evaluation set's source name
+RESUME_MIN_MINUTES = 1.0  # a trainer that died is resumed only with at least this much training time left
 
 
 class Testbed:
@@ -385,7 +386,29 @@ class Testbed:
                  "unused of their limits" if self.train_extra_s else "")
         logger.info("training %s side by side for %.4g minutes%s (logs: %s)", " and ".join(c.name for c in commands),
                     self.train_minutes, extra, ", ".join(str(c.log) for c in commands))
-        return _stopped_note(run_commands(commands, limit_s, self.env(), cancel=self.interrupted))
+        return _stopped_note(run_commands(commands, limit_s, self.env(), cancel=self.interrupted,
+                                          restart=self._resume_head))
+
+    def _resume_head(self, command: Command, code: int, left_s: float) -> Command | None:
+        """A trainer that died before the step's limit (run 29: a CUDA fault, one trainer of two) goes on from its
+        newest complete checkpoint for the minutes the step has left, less the trainers' start-up and save, so one
+        fault does not cost the build its heads; None (the failure stands) without a checkpoint or that time."""
+        from peagle.training.trainer import CHECKPOINTS, complete_checkpoints
+
+        minutes = (left_s - self.scale.train_overhead_s) / 60
+        found = complete_checkpoints(self.paths[f"{command.name}_run"] / CHECKPOINTS)
+        if not found or minutes < RESUME_MIN_MINUTES:
+            logger.warning("the %s trainer failed (exit code %d); not resumed: %s", command.name, code,
+                           "no complete checkpoint" if not found else
+                           f"{max(minutes, 0):.2f} minutes left, under {RESUME_MIN_MINUTES:g}")
+            return None
+        argv = list(command.argv)
+        argv[argv.index("--time-limit") + 1] = f"{minutes:.6g}"
+        if "--resume" not in argv:
+            argv.append("--resume")
+        logger.warning("the %s trainer failed (exit code %d): resuming it from %s for the %.2f minutes left (log: %s)",
+                       command.name, code, found[-1].name, minutes, command.log)
+        return replace(command, argv=tuple(argv))
 
     def _write_tiny_model(self) -> None:
         from peagle.bench.smoke_model import write_tiny_checkpoint

@@ -47,10 +47,16 @@ class Command:
         return " ".join(("python", *(Path(a).name if i == 0 and a.endswith(".py") else a for i, a in enumerate(args))))
 
 
+# What runs in place of a command that failed before the step's limit, given the command, its exit code and the
+# seconds left; None lets the failure stand.
+Restart = Callable[[Command, int, float], "Command | None"]
+
+
 def run_commands(commands: Sequence[Command], limit_s: float, env: Mapping[str, str] | None = None,
-                 cancel: threading.Event | None = None) -> list[str]:
+                 cancel: threading.Event | None = None, restart: Restart | None = None) -> list[str]:
     """Starts the commands side by side and waits until they exit or `limit_s` has passed; those still running then
     get SIGTERM and, STOP_GRACE_S later, SIGKILL. Returns the names of the commands stopped at the limit.
+    `restart`: a command that fails before the limit is replaced, once, by what it returns (the others run on).
 
     Raises TestbedStepError for a command that failed, or that was stopped before it wrote its output. A SIGTERM or
     Ctrl-C of this process stops the commands too (Ctrl-C reaches them itself) before it propagates; so does
@@ -63,7 +69,7 @@ def run_commands(commands: Sequence[Command], limit_s: float, env: Mapping[str, 
         try:
             for c in commands:
                 started.append((c, _start(c, env)))
-            _wait([proc for _, proc in started], deadline, cancel)
+            _wait(started, deadline, cancel, restart, env)
             late = [(c, proc) for c, proc in started if proc.poll() is None]
             if late:
                 stopped = [c.name for c, _ in late]
@@ -89,14 +95,25 @@ def run_commands(commands: Sequence[Command], limit_s: float, env: Mapping[str, 
     return stopped
 
 
-def _wait(procs: Sequence[subprocess.Popen], deadline: float, cancel: threading.Event | None) -> None:
-    """Until every process has exited or the deadline has passed; raises KeyboardInterrupt once `cancel` is set."""
-    for proc in procs:
-        while proc.poll() is None and (left := deadline - time.monotonic()) > 0:
-            if cancel is not None and cancel.is_set():
-                raise KeyboardInterrupt("the testbed build was interrupted")
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=left if cancel is None else min(left, INTERRUPT_POLL_S))
+def _wait(started: list[tuple[Command, subprocess.Popen]], deadline: float, cancel: threading.Event | None,
+          restart: Restart | None = None, env: Mapping[str, str] | None = None) -> None:
+    """Until every process has exited or the deadline has passed; raises KeyboardInterrupt once `cancel` is set.
+    A process that fails meanwhile is replaced in `started`, once per command, by what `restart` gives for it."""
+    restarted: set[str] = set()
+    while (left := deadline - time.monotonic()) > 0:
+        if cancel is not None and cancel.is_set():
+            raise KeyboardInterrupt("the testbed build was interrupted")
+        for i, (c, proc) in enumerate(started):
+            if restart is not None and proc.poll() not in (None, 0) and c.name not in restarted:
+                restarted.add(c.name)
+                again = restart(c, proc.returncode, left)
+                if again is not None:
+                    started[i] = (again, _start(again, env))
+        running = [proc for _, proc in started if proc.poll() is None]
+        if not running:
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            running[0].wait(timeout=min(left, INTERRUPT_POLL_S))
 
 
 def _start(command: Command, env: Mapping[str, str] | None) -> subprocess.Popen:

@@ -10,27 +10,26 @@
 # against; .cfg: the testbed's config.json and tokenizer files, for runs with random weights; .tb_a, .tb_b, .tb_c:
 # the package wheels `peagle testbed` downloads, for `tb_stage`). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
-# The next session's plan (run 29). No trained heads are at home (.hp_a-.hp_d missing): the testbeds of runs 26 and 27
-# were lost with their machines when a call came late, and run 28 lost its machine between the second and third calls
-# of the chain (BENCHMARKS.md "Run 26" to "Run 28"), so the session starts with run 22's plan (below), its third call
-# written out before the first: `export PEAGLE_GIT_COMMIT=<hash>; bash scripts/device/run.sh tb_stage && TB_SECS=555
-# TB_BUDGET_S=<budget_left_s of call 2's reply> bash scripts/device/run.sh testbed` (.tb_c .whl; the training
-# minutes that fit, tb_train_minutes: 12.25 from 1,365 s left); then TB_UNTIL_HEADS=1 TB_SECS=560 testbed_wait until
-# it says "both heads trained", then heads_out x3 AT ONCE (HEADS_OUT_FROM=0, 4, 8; heads_out runs beside the served step; the
-# heads home first: they are what lets a later session skip the testbed), one last testbed_wait for the served
-# results, and what is left (if 4 minutes) on the sampled table cut to fit: BENCH_SECS=200 BENCH_K=7
-# BENCH_C=1,4,16,64 BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head BENCH_POLICY=(as in 6) bench. No thinking between calls: a
-# call more than 30 s after the last one returned finds a fresh machine. The session after starts at step 1 with
-# the heads carried home. With the heads there, the calls below, one each, back to back, fired one at a time (a failed call must
-# not start the next), from a tree no one is editing; prefix the bench calls with `export PEAGLE_GIT_COMMIT=<the
+# The next session's plan (run 30). Run 29's heads are at home if the checkout kept its ignored folders: .hp_a
+# (EAGLE-3's 3 parts: its step-6000 checkpoint, the trainer having died of a CUDA fault), .hp_b and .hp_c (P-EAGLE's 4
+# parts), 86.8 MB deflated (BENCHMARKS.md "Run 29"). With them, calls 1-6 below. Without them (a fresh checkout:
+# `stage_local.sh wheels`, then `cfg`), the testbed chain as in run 29: tb_stage (.tb_a); tb_stage (.tb_b); `export
+# PEAGLE_GIT_COMMIT=<hash>; bash scripts/device/run.sh tb_stage && TB_SECS=555 TB_BUDGET_S=<budget_left_s of call 2's
+# reply> bash scripts/device/run.sh testbed` (.tb_c .whl); TB_UNTIL_HEADS=1 TB_SECS=560 testbed_wait until it says
+# "both heads trained"; heads_out with HEADS_OUT_FROM=0, then 4 (7 parts: 2 calls); TB_SECS=560 testbed_wait for the
+# served results. No thinking between calls: a call more than 30 s after the last one returned finds a fresh machine.
+# A refused call costs up to 180 device seconds and blocks both kinds for about 9 minutes: wait that out.
+# With the heads there, the calls below, one each, back to back, fired one at a time (a failed call must not start
+# the next), from a tree no one is editing; prefix the bench calls with `export PEAGLE_GIT_COMMIT=<the
 # commit>;`. A call that comes more than 30 s after the previous one returned finds a fresh machine (and an empty $W:
 # start again at 1).
-#   1. stage_a (carry .stage_a .whl); 2. heads_in (.stage_b); 3. heads_in (.hp_a); 4. heads_in (.hp_b);
-#   5. heads_in (.hp_c .hp_d);
-#   6. the adaptive policy at concurrency 2 after its fix (run 23: 21-45% below fixed K there), run 23's policy as the
+#   1. stage_a (carry .stage_a and the gguf wheel alone, .whl/gguf-0.19.0-py3-none-any.whl: with the tracked tree's
+#      16 MiB, the whole .whl does not fit beside .stage_a under 64 MiB); 2. heads_in (.stage_b); 3. heads_in (.hp_a
+#      .hp_c); 4. heads_in (.hp_b);
+#   5. the adaptive policy at concurrency 2 after its fix (run 23: 21-45% below fixed K there), run 23's policy as the
 #      head's default: BENCH_SECS=330 BENCH_K=5,7 BENCH_C=1,2,4 BENCH_DATASETS=mtbench,humaneval BENCH_ADAPTIVE=head
 #      BENCH_POLICY=benchmarks/results/2026-12-03-run23-adaptive-peagle.json bench (about 5 minutes);
-#   7. the sampled table: BENCH_SECS=530 BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head BENCH_POLICY=(as in 6) bench (MT-Bench),
+#   6. the sampled table: BENCH_SECS=530 BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head BENCH_POLICY=(as in 5) bench (MT-Bench),
 #      then with what is left BENCH2_TEMPS=0.7 BENCH2_C=1,4,16,64 BENCH2_DATASETS=humaneval HF_BASELINES=none bench2;
 #   later: the rest of the long-code grid (run 23 was cut before P-EAGLE K=7 at 16 and 64 and K=11), and
 #   `longloop` (after heads_in): where P-EAGLE's time goes on long prompts at concurrency 64, profiled; `httpserve`
@@ -43,6 +42,10 @@
 #   --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site python3 scripts/device/http_capacity.py .cfg $OUT/h.json
 #   --src new=src --dummy --concurrency 64,16,1 --stream-interval 1 --engine-modes thread,process` (run 26 measured
 #   --engine-process once, 2.51x at 64 streams: a replicate, and a P-EAGLE point, before it becomes the default).
+# Run 29's plan (what was run, BENCHMARKS.md "Run 29", on an H100): five calls found no machine; tb_stage (.tb_a);
+#   tb_stage (.tb_b); tb_stage && TB_SECS=555 TB_BUDGET_S=1121 testbed (.tb_c .whl); TB_UNTIL_HEADS=1 TB_SECS=560
+#   testbed_wait (the testbed ended: EAGLE-3's trainer died of a CUDA fault); heads_out x2; the kernel log; SERVE_K=7
+#   SERVE_N=24 SERVE_HEADS=peagle serve.
 # Run 27's plan (what was run, BENCHMARKS.md "Run 27", on an H100): three calls found no machine; tb_stage (.tb_a);
 #   tb_stage (.tb_b); tb_stage && TB_SECS=560 TB_TRAIN_MINUTES=11.25 testbed (.tb_c .whl); TB_SECS=560 testbed_wait
 #   (returned in the served step, both heads trained); the next call came late: the testbed lost with the machine.

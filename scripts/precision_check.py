@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -73,15 +73,11 @@ def bf16_features():
 
 
 def repeated_8grams(answers: list[list[int]]) -> float:
-    repeated = total = 0
-    for ids in answers:
-        seen = set()
-        for i in range(len(ids) - 7):
-            gram = tuple(ids[i:i + 8])
-            repeated += gram in seen
-            total += 1
-            seen.add(gram)
-    return repeated / max(total, 1)
+    """The share of the answers' 8-grams that occurred earlier in the same answer."""
+    from peagle.training.regenerate import repeated_ngrams
+
+    flags = [repeated_ngrams(ids, 8)[7:] for ids in answers]  # the first 7 tokens end no 8-gram
+    return sum(map(sum, flags)) / max(sum(map(len, flags)), 1)
 
 
 def serve(target: str, head: str, mode: str, prompts: list[list[int]], k: int, max_tokens: int) -> dict:
@@ -90,7 +86,7 @@ def serve(target: str, head: str, mode: str, prompts: list[list[int]], k: int, m
     patch = {"fp32-drafter": fp32_drafter, "fp32-target-bf16-features": bf16_features}.get(mode)
     dtype = "bfloat16" if mode in ("bf16", "fp32-drafter") else "float32"
     spec = {"method": "eagle3", "model": head, "num_speculative_tokens": k, "parallel_drafting": True}
-    with patch() if patch else _nothing():
+    with patch() if patch else nullcontext():
         llm = LLM(model=target, speculative_config=spec, dtype=dtype, max_model_len=4096, max_num_seqs=1)
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
     metrics = [o.metrics for o in outs]
@@ -102,11 +98,6 @@ def serve(target: str, head: str, mode: str, prompts: list[list[int]], k: int, m
             "per_position_acceptance": [sum(m.accepted_per_position[i] for m in metrics
                                             if i < len(m.accepted_per_position)) / rounds for i in range(width)],
             "repeated_8grams": repeated_8grams(answers)}
-
-
-@contextmanager
-def _nothing():
-    yield
 
 
 def main(argv: list[str] | None = None) -> int:

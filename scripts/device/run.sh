@@ -220,7 +220,7 @@ testbed_follow() {  # up to $1 seconds for the testbed started by `testbed`; the
   local deadline=$(( $(date +%s) + $1 )) tb=$W/tb m model
   sleep 2
   while [ -f "$W/testbed.pid" ] && running "$(cat "$W/testbed.pid")"; do
-    if [ -n "${TB_UNTIL_HEADS:-}" ] && testbed_heads_trained; then  # heads_out need not wait for the served step
+    if [ "${TB_UNTIL_HEADS:-0}" = 1 ] && testbed_heads_trained; then  # heads_out need not wait for the served step
       echo "both heads trained (the served step runs): heads_out can run now"
       cp "$W/testbed.log" "$OUT/"
       return 0
@@ -389,8 +389,9 @@ case "$stage" in
     testbed_follow ${TB_SECS:-540}
     ;;
   testbed_wait)
-    # TB_UNTIL_HEADS=1: returns as soon as both heads are trained (then heads_out x3, and testbed_wait for the
-    # served results), not after TB_SECS
+    # TB_UNTIL_HEADS=1: returns as soon as both heads are trained (then heads_out x2, and testbed_wait for the
+    # served results), not after TB_SECS (0, the default: after TB_SECS or the testbed's end)
+    case ${TB_UNTIL_HEADS:-0} in 0|1) ;; *) echo "TB_UNTIL_HEADS must be 0 or 1, got $TB_UNTIL_HEADS" >&2; exit 2 ;; esac
     if [ ! -f "$W/testbed.log" ]; then  # a fresh machine: the call came more than 30 s after the last one returned
       echo "no testbed on this machine ($W/testbed.log missing): a fresh machine, the earlier one's testbed is gone;"
       echo "start again with tb_stage (.tb_a), tb_stage (.tb_b), tb_stage && testbed (.tb_c .whl)"

@@ -80,3 +80,14 @@ def test_testbed_wait_returns_once_the_heads_are_trained_when_asked(tmp_path):
     finally:
         trainer.kill()
         trainer.wait()
+
+
+def test_testbed_wait_refuses_an_until_heads_value_it_does_not_know(tmp_path):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    for d in ("scripts", "src"):
+        (cwd / d).symlink_to(REPO / d)
+    env = {**os.environ, "PEAGLE_WORK": str(tmp_path / "work"), "OUT": str(tmp_path / "out"), "TB_UNTIL_HEADS": "yes"}
+    r = subprocess.run(["bash", "scripts/device/run.sh", "testbed_wait"], cwd=cwd, env=env, text=True,
+                       capture_output=True, timeout=120)
+    assert r.returncode == 2 and "TB_UNTIL_HEADS must be 0 or 1, got yes" in r.stderr

@@ -65,6 +65,29 @@ def test_near_ties_go_to_the_smaller_k_and_workloads_pool_by_geometric_mean():
     assert table[1]["speedup_vs_none"]["7"] == pytest.approx((1.515 * 1.08) ** 0.5, abs=1e-4)
 
 
+def test_ks_are_compared_on_the_same_workloads_only(caplog):
+    # Merged calls: K=11 was swept on MT-Bench only, where every K does well; K=5 and K=7 on MT-Bench and HumanEval.
+    # Pooled over what each K has, K=11 (2.0 on MT-Bench alone) would beat K=5 (sqrt(1.9 x 1.2) = 1.51) though it is
+    # 5% ahead where both were measured. It is left out, and the table says why.
+    both = {5: {c: 1.9 for c in CONCURRENCY}, 7: {c: 1.8 for c in CONCURRENCY}}
+    points = sweep({**both, 11: {c: 2.0 for c in CONCURRENCY}}, "mtbench")
+    points += sweep({5: {c: 1.2 for c in CONCURRENCY}, 7: {c: 1.1 for c in CONCURRENCY}}, "humaneval")
+    with caplog.at_level("WARNING"):
+        table = winners(points, "peagle")
+    assert [row["winner"] for row in table] == [5] * 7
+    assert table[0]["speedup_vs_none"] == {"0": 1.0, "5": pytest.approx((1.9 * 1.2) ** 0.5, abs=1e-4),
+                                           "7": pytest.approx((1.8 * 1.1) ** 0.5, abs=1e-4)}
+    assert table[0]["workloads"] == ["humaneval@0", "mtbench@0"]
+    assert table[0]["left_out"] == {"11": ["humaneval@0"]}
+    assert "K=11 lacks humaneval@0" in caplog.text
+    # Greedy and sampled runs are workloads of their own; a concurrency with no K measured gets no row.
+    sampled = [dict(p, temperature=0.7) for p in sweep({11: {c: 1.3 for c in CONCURRENCY}}, "mtbench")]
+    sampled.append(point("none", None, 128, 9000.0))
+    table = winners(sampled, "peagle")
+    assert [row["concurrency"] for row in table] == list(CONCURRENCY)
+    assert table[0]["workloads"] == ["mtbench@0.7"] and "left_out" not in table[0]
+
+
 def test_flagged_points_do_not_vote():
     points = sweep({3: {c: 1.1 for c in CONCURRENCY}})
     stalled = next(p for p in points if p["method"] == "none" and p["concurrency"] == 16)

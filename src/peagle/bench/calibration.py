@@ -2,8 +2,11 @@
 
 `derive_policy` picks, at each measured concurrency (the number of running requests a closed loop of that many
 clients keeps), the K whose output tokens/s is highest relative to no speculation (K = 0), pooled over the
-measured workloads (dataset x temperature) by the geometric mean of the ratios. Near-ties go to the smaller K: a
-K that does not clearly win costs drafting work for nothing. Between two measured concurrencies the band boundary
+measured workloads (dataset x temperature) by the geometric mean of the ratios. Ks are compared on the same
+workloads only: a K that a workload at that concurrency lacks (a run cut by its time limit, results merged from calls
+that swept different Ks) is left out there and named in the table, since a geometric mean over fewer, easier
+workloads would flatter it. A concurrency where no K was measured says nothing and gets no row. Near-ties go to the
+smaller K: a K that does not clearly win costs drafting work for nothing. Between two measured concurrencies the band boundary
 sits at their geometric mean (the grid is log-spaced), and the last winner holds above the largest one.
 
 Worked example: concurrencies 1, 2, 4, 8, 16, 32, 64 won by K 11, 11, 7, 7, 5, 0, 0 give boundaries 1, 2, 5, 11, 22,
@@ -26,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 POLICY_FILE = "adaptive.json"
 TIE_TOLERANCE = 0.02  # a larger K must beat the best smaller one by more than this fraction of tokens/s
+RULE = ("per concurrency, the K with the highest tokens/s over no speculation (geometric mean over the workloads every "
+        "compared K was measured on; near-ties to the smaller K); band edges at geometric midpoints")
 
 
 def policy_text(policy: dict[str, Any]) -> str:
@@ -40,7 +45,9 @@ def winners(points: Iterable[dict], method: str, tie_tolerance: float = TIE_TOLE
     """Per concurrency: each K's tokens/s over no speculation's (geometric mean over workloads) and the winner.
 
     Uses fixed-K points of `method` and `none` that completed requests and carry no hygiene flag. Returns
-    [{"concurrency": c, "winner": K, "speedup_vs_none": {K: ratio}}] in increasing concurrency; K 0 is no speculation.
+    [{"concurrency": c, "winner": K, "speedup_vs_none": {K: ratio}, "workloads": ["dataset@temperature", ...]}] in
+    increasing concurrency (plus "left_out": {K: [workloads it lacks]} where Ks were measured on different
+    workloads); K 0 is no speculation.
     """
     rates: dict[tuple, float] = {}
     for p in points:
@@ -50,16 +57,29 @@ def winners(points: Iterable[dict], method: str, tie_tolerance: float = TIE_TOLE
             rates[(p["dataset"], p.get("temperature", 0.0), p["concurrency"], k)] = p["tokens_per_s"]
     out = []
     for c in sorted({key[2] for key in rates if key[3] == 0}):
-        ratios: dict[int, list[float]] = {}
+        by_k: dict[int, dict[str, float]] = {}  # K -> {workload: its tokens/s over no speculation's}
         for (dataset, temperature, cc, k), rate in rates.items():
             base = rates.get((dataset, temperature, c, 0))
-            if cc == c and base:
-                ratios.setdefault(k, []).append(rate / base)
-        score = {k: math.exp(sum(map(math.log, r)) / len(r)) for k, r in sorted(ratios.items())}
+            if cc == c and base and k:
+                by_k.setdefault(k, {})[f"{dataset}@{temperature:g}"] = rate / base
+        if not by_k:
+            continue
+        workloads = sorted(set().union(*by_k.values()))
+        compared = {k: r for k, r in sorted(by_k.items()) if len(r) == len(workloads)}
+        left_out = {str(k): [w for w in workloads if w not in r] for k, r in sorted(by_k.items()) if k not in compared}
+        if left_out:
+            logger.warning("calibration at concurrency %d: K %s left out (not measured on every workload there: %s)",
+                           c, ", ".join(left_out), "; ".join(f"K={k} lacks {', '.join(w)}" for k, w in left_out.items()))
+        if not compared:
+            continue
+        score = {0: 1.0, **{k: math.exp(sum(map(math.log, r.values())) / len(r)) for k, r in compared.items()}}
         best = max(score.values())
         winner = min(k for k, s in score.items() if s >= (1 - tie_tolerance) * best)
-        out.append({"concurrency": c, "winner": winner, "speedup_vs_none": {str(k): round(s, 4)
-                                                                            for k, s in score.items()}})
+        row = {"concurrency": c, "winner": winner, "speedup_vs_none": {str(k): round(s, 4) for k, s in score.items()},
+               "workloads": workloads}
+        if left_out:
+            row["left_out"] = left_out
+        out.append(row)
     return out
 
 
@@ -79,7 +99,7 @@ def derive_policy(points: Iterable[dict], method: str,
                   tie_tolerance: float = TIE_TOLERANCE) -> tuple[dict[str, Any], list[dict]]:
     """(policy, per-concurrency table) for `method` from a sweep's points; ValueError when they cannot say."""
     table = winners(points, method, tie_tolerance)
-    if not any(len(row["speedup_vs_none"]) > 1 for row in table):
+    if not table:
         raise ValueError(f"calibration needs unflagged points of 'none' and of {method!r} at the same concurrency "
                          "and dataset")
     return policy_from_winners([r["concurrency"] for r in table], [r["winner"] for r in table]), table

@@ -259,12 +259,16 @@ def _method_head(text: str) -> tuple[str, Path]:
 
 
 def _write_policy_from(results: dict, method: str, head: Path) -> Path:
-    from peagle.bench.calibration import POLICY_FILE, derive_policy, write_policy
+    from peagle.bench.calibration import POLICY_FILE, RULE, derive_policy, write_policy
 
     policy, table = derive_policy(results["points"], method)
+    used = sorted({w for row in table for w in row["workloads"]})
     record = {"method": method, "model": results["config"].get("model"), "head": str(head),
               "gpu": results["environment"].get("gpu"), "created_utc": results["created_utc"],
-              "command": results["command"], "derived_by": "peagle bench-report --calibrate", "table": table}
+              "command": results["command"], "derived_by": "peagle bench-report --calibrate",
+              "datasets": sorted({w.rsplit("@", 1)[0] for w in used}),
+              "temperatures": sorted({float(w.rsplit("@", 1)[1]) for w in used}),
+              "max_tokens": results["config"].get("max_tokens"), "rule": RULE, "table": table}
     return write_policy(head / POLICY_FILE, policy, record)
 
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence
 
 from tqdm import tqdm
 
-from peagle.bench.calibration import POLICY_FILE, derive_policy, policy_text, read_policy, write_policy
+from peagle.bench.calibration import POLICY_FILE, RULE, derive_policy, policy_text, read_policy, write_policy
 from peagle.bench.datasets import Prompt, load_prompts
 from peagle.bench.hf_baseline import HF_METHODS
 from peagle.bench.hygiene import HygieneRules, settle
@@ -377,8 +377,7 @@ def policy_writer(config: SweepConfig, writer: ResultsWriter) -> OnPolicy:
                   "gpu": writer.results["environment"].get("gpu"), "created_utc": writer.results["created_utc"],
                   "command": writer.results["command"], "datasets": list(config.datasets),
                   "temperatures": list(config.temperatures), "max_tokens": config.max_tokens,
-                  "rule": "per concurrency, the K with the highest tokens/s over no speculation (geometric mean "
-                          "over workloads; near-ties to the smaller K); band edges at geometric midpoints",
+                  "rule": RULE,
                   "table": table}
         path = write_policy(Path(str(config.draft(method))) / POLICY_FILE, policy, record)
         write_policy(writer.out_dir / f"adaptive-{method}.json", policy, record)

@@ -1,5 +1,7 @@
 """The verifier is lossless: greedy equals argmax decoding, and speculative sampling keeps the target distribution."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -100,6 +102,8 @@ def test_filtered_target_distribution_is_kept(temperature, top_k, top_p):
     st = SamplingTensors(torch.tensor([temperature]), torch.tensor([top_k]), torch.tensor([top_p]), False,
                          top_k > 0 or top_p < 1, [None])
     p = target_probs(logits, st, rows_per_request=2)
+    # A batch with no greedy request skips the one-hot rows and gets the same distributions.
+    torch.testing.assert_close(target_probs(logits, dataclasses.replace(st, any_greedy=False), 2), p, atol=0, rtol=0)
     # The reference filter, written plainly.
     ref = torch.softmax(logits[0] / temperature, -1)
     order = ref.argsort(descending=True)
@@ -117,6 +121,22 @@ def test_filtered_target_distribution_is_kept(temperature, top_k, top_p):
     counts = torch.bincount(out.output_tokens[:, 0], minlength=v).float()
     stat, dof = chi_square(counts, p[0])
     assert stat < CHI2_CRIT_P001[dof], (stat, dof)
+
+
+def test_sampling_tensors_say_whether_any_request_is_greedy():
+    from types import SimpleNamespace
+
+    from peagle import SamplingParams
+    from peagle.engine.sampler import build_sampling_tensors
+
+    def seqs(*temperatures):
+        return [SimpleNamespace(sampling_params=SamplingParams(temperature=t, max_tokens=4), draft_token_ids=[])
+                for t in temperatures]
+
+    cpu = torch.device("cpu")
+    assert not build_sampling_tensors(seqs(0.7, 1.0), [None, None], 50, cpu).any_greedy
+    mixed = build_sampling_tensors(seqs(0.0, 1.0), [None, None], 50, cpu)
+    assert mixed.any_greedy and not mixed.all_greedy and mixed.temperature.tolist() == [0.0, 1.0]
 
 
 def test_greedy_rows_in_a_sampling_batch_stay_argmax():

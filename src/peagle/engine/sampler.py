@@ -46,6 +46,7 @@ class SamplingTensors:
     processing: LogitsProcessing | None = None
     logprob_requests: torch.Tensor | None = None  # [L] int64 batch indices of requests that want logprobs
     num_logprobs: int = 0  # top alternatives per token (the largest any of those requests asked)
+    any_greedy: bool = True  # some request is greedy (its rows become one-hot); False skips that work
 
 
 def build_sampling_tensors(seqs, generators: list[torch.Generator | None], vocab_size: int,
@@ -55,18 +56,34 @@ def build_sampling_tensors(seqs, generators: list[torch.Generator | None], vocab
     all_greedy = all(p.greedy for p in params)
     processing = _processing(seqs, vocab_size, device, max((len(s.draft_token_ids) for s in seqs), default=0) + 1)
     want = [b for b, p in enumerate(params) if p.logprobs is not None]
-    logprob_requests = torch.tensor(want, dtype=torch.long, device=device) if want else None
+    logprob_requests = upload(torch.tensor(want, dtype=torch.long), device) if want else None
     num_logprobs = max((params[b].logprobs for b in want), default=0)
     if all_greedy:
         z = torch.zeros(0, device=device)
         return SamplingTensors(z, z.long(), z, True, False, [], None, processing, logprob_requests, num_logprobs)
-    temp = torch.tensor([0.0 if p.greedy else p.temperature for p in params], device=device)
-    top_k = torch.tensor([max(p.top_k, 0) for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    min_p = torch.tensor([p.min_p for p in params], device=device) if any(p.min_p for p in params) else None
+    # One upload for the four per-request columns (top_k travels as fp32: exact below 2**24, any vocabulary's size).
+    use_min_p = any(p.min_p for p in params)
+    table = upload(torch.tensor([[0.0 if p.greedy else p.temperature for p in params],
+                                 [max(p.top_k, 0) for p in params],
+                                 [p.top_p for p in params],
+                                 [p.min_p for p in params]], dtype=torch.float32), device)
+    temp, top_k, top_p = table[0], table[1].long(), table[2]
+    min_p = table[3] if use_min_p else None
     needs_filter = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
     return SamplingTensors(temp, top_k, top_p, False, needs_filter, generators, min_p, processing,
-                           logprob_requests, num_logprobs)
+                           logprob_requests, num_logprobs, any(p.greedy for p in params))
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor built on the host this step, on `device` without waiting for the stream.
+
+    A copy to the GPU from pageable memory synchronises the stream before it starts (a CUDA rule), so it would hold
+    the host behind the step in flight and undo async scheduling's overlap; a copy from pinned memory is queued like a
+    kernel. The pinned block comes from torch's caching host allocator, which keeps it until the copy has run.
+    """
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _processing(seqs, vocab: int, device: torch.device, rows: int) -> LogitsProcessing | None:
@@ -104,8 +121,8 @@ def _processing(seqs, vocab: int, device: torch.device, rows: int) -> LogitsProc
         presence = torch.tensor([q.presence_penalty for q in params])
         frequency = torch.tensor([q.frequency_penalty for q in params])
         repetition = torch.tensor([q.repetition_penalty for q in params])
-    on = (lambda t: None if t is None else t.to(device, non_blocking=True))  # noqa: E731
-    return LogitsProcessing(torch.tensor(chosen, device=device), on(bias), on(left), on(stop_mask), on(counts),
+    on = (lambda t: None if t is None else upload(t, device))  # noqa: E731
+    return LogitsProcessing(upload(torch.tensor(chosen), device), on(bias), on(left), on(stop_mask), on(counts),
                             on(prompt_mask), on(presence), on(frequency), on(repetition),
                             on(_row_masks(seqs, vocab, rows)))
 
@@ -200,12 +217,11 @@ def token_logprobs(logits: torch.Tensor, requests: torch.Tensor, tokens: torch.T
 
 def target_probs(logits: torch.Tensor, st: SamplingTensors, rows_per_request: int) -> torch.Tensor:
     """logits: [B * R, V] fp32 -> probabilities [B * R, V] (one-hot argmax for greedy rows)."""
-    greedy_onehot = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     if st.all_greedy:
-        return greedy_onehot
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     temp = st.temperature.repeat_interleave(rows_per_request)[:, None]  # [B*R, 1]
-    greedy = temp == 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temp), temp)
+    greedy = temp == 0 if st.any_greedy else None
+    scaled = logits / (torch.where(greedy, torch.ones_like(temp), temp) if st.any_greedy else temp)
     if st.needs_filter:
         scaled = _top_k_top_p(scaled, st.top_k.repeat_interleave(rows_per_request),
                               st.top_p.repeat_interleave(rows_per_request))
@@ -215,6 +231,9 @@ def target_probs(logits: torch.Tensor, st: SamplingTensors, rows_per_request: in
         floor = st.min_p.repeat_interleave(rows_per_request)[:, None] * probs.amax(-1, keepdim=True)
         probs = probs.masked_fill(probs < floor, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
+    if not st.any_greedy:  # eager steps launch each op from the host: skip the one-hot rows nobody needs
+        return probs
+    greedy_onehot = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(greedy, greedy_onehot, probs)
 
 

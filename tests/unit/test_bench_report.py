@@ -84,6 +84,21 @@ def test_markdown_table_picks_best_k_and_speedups():
     assert "| P-EAGLE | 2.90 | - | 3.70 |" in text and "| EAGLE-3 | 2.50 | 2.70 | - |" in text
 
 
+def test_a_best_k_at_the_edge_of_what_was_measured_there_is_marked():
+    # EAGLE-3 was swept at K 5 and 7 at concurrency 1 but at K 3 too at 16; P-EAGLE at K 5 and 7 at 1, K 11 elsewhere.
+    # At 1 EAGLE-3's best measured K (5) is the smallest measured there and K=3 was not: its best may be K=3, so the
+    # ratio against it is a bound. Interior or run-wide edges are not marked.
+    points = [make_point("mtbench", "none", None, c, measurement(100.0 * c)) for c in (1, 16)]
+    points += [make_point("mtbench", "eagle3", k, 1, measurement(r, 2.5)) for k, r in ((5, 170.0), (7, 160.0))]
+    points += [make_point("mtbench", "peagle", k, 1, measurement(r, 2.5)) for k, r in ((5, 190.0), (7, 200.0))]
+    points += [make_point("mtbench", "eagle3", k, 16, measurement(r, 2.5)) for k, r in ((3, 2500.0), (5, 2400.0))]
+    points += [make_point("mtbench", "peagle", k, 16, measurement(r, 2.5)) for k, r in ((3, 2600.0), (11, 2000.0))]
+    text = markdown({"command": "peagle bench", "config": {}, "environment": {}, "points": points})
+    assert "| 1 | 100.0 | 170.0 (K=5, AL 2.50) * | 200.0 (K=7, AL 2.50) * |" in text
+    assert "| 16 | 1600.0 | 2500.0 (K=3, AL 2.50) | 2600.0 (K=3, AL 2.50) |" in text
+    assert "(EAGLE-3 at c=1: K 3 not measured here; P-EAGLE at c=1: K 11 not measured here)" in text
+
+
 def test_summary_line_is_one_json_object():
     results = {"points": sample_points()}
     line = summary_line(results, {"results": "r.json", "markdown": "r.md", "plots": ["a.png"]})

@@ -261,12 +261,13 @@ def markdown(results: dict[str, Any]) -> str:
     if cfg.get("note"):
         lines += [f"**{cfg['note']}**", ""]
     lines += [f"`{results.get('command', '')}`", "", _length_line(cfg), ""]
+    swept = sorted({p["k"] for p in points if p["method"] in ("eagle3", "peagle") and p["k"] and not p.get("adaptive")})
     for t in temperatures_of(points):
         mine = [p for p in points if p.get("temperature", 0.0) == t]
         lines += [f"## {temperature_title(t).capitalize()}", ""]
         for dataset in datasets_of(mine):
-            lines += (_engine_table(mine, dataset, t) + _full_table(mine, dataset) + _hf_table(mine, dataset, t)
-                      + _acceptance_table(mine, dataset))
+            lines += (_engine_table(mine, dataset, t, swept) + _full_table(mine, dataset)
+                      + _hf_table(mine, dataset, t) + _acceptance_table(mine, dataset))
         lines += _seeds_section(mine, t)
     return "\n".join(lines + _hygiene_section(points))
 
@@ -326,7 +327,27 @@ def _length_line(cfg: dict) -> str:
             "Output tokens/s at each concurrency; each row at its best K (K and acceptance length in parentheses).")
 
 
-def _engine_table(points: list[dict], dataset: str, temperature: float) -> list[str]:
+def best_k_at_edge(points: Iterable[dict], dataset: str, temperature: float,
+                   swept: Iterable[int]) -> dict[tuple[str, int], list[int]]:
+    """(method, concurrency) -> the Ks of `swept` (those the whole run measured) beyond that row's best K which were not
+    measured there, when its best K is the smallest or largest measured there: the row's best may lie among them, so
+    a ratio against it is a bound, not a measurement. Fixed-K rows of eagle3 and peagle only."""
+    ks: dict[tuple[str, int], set[int]] = {}
+    for p in points:
+        if (p["dataset"] == dataset and p.get("temperature", 0.0) == temperature and p["num_prompts"]
+                and p["method"] in ("eagle3", "peagle") and p["k"] and not p.get("adaptive")):
+            ks.setdefault((p["method"], p["concurrency"]), set()).add(p["k"])
+    best = best_points(points, dataset, temperature)
+    out = {}
+    for (method, c), here in ks.items():
+        k = best[(method, c)]["k"]
+        missing = [x for x in swept if x not in here and ((x < k and k == min(here)) or (x > k and k == max(here)))]
+        if missing:
+            out[(method, c)] = missing
+    return out
+
+
+def _engine_table(points: list[dict], dataset: str, temperature: float, swept: Iterable[int] = ()) -> list[str]:
     best = best_points(points, dataset, temperature)
     rows_of = [v for v in variants_of(points) if v.partition("@")[0] in ENGINE_METHODS and any(
         key[0] == v for key in best)]
@@ -339,10 +360,17 @@ def _engine_table(points: list[dict], dataset: str, temperature: float) -> list[
               *(f"{variant_label(a)} / {variant_label(b)}" for a, b in pairs)]
     rows = [f"### {dataset} ({prompts} requests per point)", "", _row(header), _row(["---"] * len(header))]
     ratios = {pair: speedups(points, dataset, *pair, temperature) for pair in pairs}
+    edge = best_k_at_edge(points, dataset, temperature, swept)
     for c in sorted({c for v, c in best if v in rows_of}):
-        cells = [str(c)] + [_throughput_cell(best.get((v, c))) for v in rows_of]
+        cells = [str(c)] + [_throughput_cell(best.get((v, c))) + (" *" if (v, c) in edge else "") for v in rows_of]
         cells += [f"{ratios[pair][c]:.2f}x" if c in ratios[pair] else "-" for pair in pairs]
         rows.append(_row(cells))
+    notes = []
+    for (method, c), missing in sorted(edge.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        notes.append(f"{METHOD_LABELS[method]} at c={c}: K {', '.join(map(str, missing))} not measured here")
+    if notes:
+        rows += ["", "\\* best K at the edge of the Ks measured at that point, with Ks of this run beyond it not "
+                 "measured there (" + "; ".join(notes) + "): its best may lie there, so ratios against it are bounds."]
     return rows + [""]
 
 

@@ -4,44 +4,50 @@
 #                                      admit | prefix | muon | heads_out | heads_in | longloop | httpserve |
 #                                      gpu_tests | throughput | mmhost | buckets | engine | data | train | wait |
 #                                      heads | serve | walk | check | ablate |
-#                                      stage_b | bench | bench2 | final | scale | teacher)
+#                                      stage_b | bench | bench2 | final | scale | teacher | sampled_ab)
 # Large inputs travel in ignored folders named by the caller (.stage_a, .stage_b: halves of the testbed GGUF;
 # .whl: wheels missing on the machine, gguf at least; .gpu: prompt files; .old: an earlier source tree to time
 # against; .cfg: the testbed's config.json and tokenizer files, for runs with random weights; .tb_a, .tb_b, .tb_c:
 # the package wheels `peagle testbed` downloads, for `tb_stage`). Everything built lives under $W (kept while the
 # machine stays warm); results are copied to $OUT.
-# The next session's plan (run 30). Run 29's heads are at home if the checkout kept its ignored folders: .hp_a
+# The next session's plan (run 31). Run 29's heads are at home if the checkout kept its ignored folders: .hp_a
 # (EAGLE-3's 3 parts: its step-6000 checkpoint, the trainer having died of a CUDA fault), .hp_b and .hp_c (P-EAGLE's 4
-# parts), 86.8 MB deflated (BENCHMARKS.md "Run 29"). With them, calls 1-6 below. Without them (a fresh checkout:
-# `stage_local.sh wheels`, then `cfg`), the testbed chain as in run 29: tb_stage (.tb_a); tb_stage (.tb_b); `export
-# PEAGLE_GIT_COMMIT=<hash>; bash scripts/device/run.sh tb_stage && TB_SECS=555 TB_BUDGET_S=<budget_left_s of call 2's
-# reply> bash scripts/device/run.sh testbed` (.tb_c .whl); TB_UNTIL_HEADS=1 TB_SECS=560 testbed_wait until it says
-# "both heads trained"; heads_out with HEADS_OUT_FROM=0, then 4 (7 parts: 2 calls); TB_SECS=560 testbed_wait for the
-# served results. No thinking between calls: a call more than 30 s after the last one returned finds a fresh machine.
-# A refused call costs up to 180 device seconds and blocks both kinds for about 9 minutes: wait that out.
+# parts), 86.8 MB deflated (BENCHMARKS.md "Run 29"; run 30 carried them in and swept with them). Without them (a fresh
+# checkout: `stage_local.sh wheels`, then `cfg`), the testbed chain as in run 29: tb_stage (.tb_a); tb_stage (.tb_b);
+# `export PEAGLE_GIT_COMMIT=<hash>; bash scripts/device/run.sh tb_stage && TB_SECS=555 TB_BUDGET_S=<budget_left_s of
+# call 2's reply> bash scripts/device/run.sh testbed` (.tb_c .whl); TB_UNTIL_HEADS=1 TB_SECS=560 testbed_wait until it
+# says "both heads trained"; heads_out with HEADS_OUT_FROM=0, then 4 (7 parts: 2 calls); TB_SECS=560 testbed_wait for
+# the served results. No thinking between calls: a call more than 30 s after the last one returned finds a fresh
+# machine. A refused call costs up to 180 device seconds and blocks both kinds for about 9 minutes: wait that out.
 # With the heads there, the calls below, one each, back to back, fired one at a time (a failed call must not start
-# the next), from a tree no one is editing; prefix the bench calls with `export PEAGLE_GIT_COMMIT=<the
-# commit>;`. A call that comes more than 30 s after the previous one returned finds a fresh machine (and an empty $W:
-# start again at 1).
+# the next), from a tree no one is editing; prefix the bench calls with `export PEAGLE_GIT_COMMIT=<the commit>;`.
+# Before the first call: `mkdir -p .old && git archive 4b39e29 src | tar -x -C .old` (the tree before the sampler's
+# pinned upload, for sampled_ab).
 #   1. stage_a (carry .stage_a and the gguf wheel alone, .whl/gguf-0.19.0-py3-none-any.whl: with the tracked tree's
 #      16 MiB, the whole .whl does not fit beside .stage_a under 64 MiB); 2. heads_in (.stage_b); 3. heads_in (.hp_a
-#      .hp_c); 4. heads_in (.hp_b);
-#   5. the adaptive policy at concurrency 2 after its fix (run 23: 21-45% below fixed K there), run 23's policy as the
-#      head's default: BENCH_SECS=330 BENCH_K=5,7 BENCH_C=1,2,4 BENCH_DATASETS=mtbench,humaneval BENCH_ADAPTIVE=head
-#      BENCH_POLICY=benchmarks/results/2026-12-03-run23-adaptive-peagle.json bench (about 5 minutes);
-#   6. the sampled table: BENCH_SECS=530 BENCH_TEMPS=0.7 BENCH_ADAPTIVE=head BENCH_POLICY=(as in 5) bench (MT-Bench),
-#      then with what is left BENCH2_TEMPS=0.7 BENCH2_C=1,4,16,64 BENCH2_DATASETS=humaneval HF_BASELINES=none bench2;
-#   later: the rest of the long-code grid (run 23 was cut before P-EAGLE K=7 at 16 and 64 and K=11), and
-#   `longloop` (after heads_in): where P-EAGLE's time goes on long prompts at concurrency 64, profiled; `httpserve`
-#   (after heads_in or the testbed; .old built by `OLD_COMMIT=11e0b40 bash scripts/device/stage_local.sh gpu` and
-#   carried with .cfg, about 4 minutes): the HTTP server's cost on the GPU host, old tree against new with the
-#   stand-in engine, and P-EAGLE K=7 in process against `peagle serve` at stream intervals 1 and 8 (the CPU-only
-#   section of BENCHMARKS.md measured 1.79x at 64 streams on a 2-core machine).
-#   Then locally: `peagle bench-report` of the calls' results.json files, BENCHMARKS.md, README.
+#      .hp_c .old); 4. heads_in (.hp_b);
+#   5. sampled_ab (carry .old; about 5 minutes): the sampler's pinned upload (88fc98a, measured nowhere yet) against 4b39e29, no
+#      speculation and P-EAGLE K=7 at 1 and 64, greedy and temperature 0.7 (run 30: sampling cost plain decoding
+#      18-27% of its tokens/s);
+#   6. EAGLE-3's K=3 where run 30 did not sweep it, beside the policy run 30 derived for run 29's head:
+#      BENCH_SECS=330 BENCH_K=3,5,7 BENCH_C=1,2,4,8,32 BENCH_DATASETS=mtbench,humaneval BENCH_ADAPTIVE=head
+#      BENCH_POLICY=benchmarks/results/2026-12-06-run30-adaptive-peagle.json bench (concurrency 8 and 32 were missing
+#      from run 30's greedy grid; K=3 at 1-4 bounds its P-EAGLE / EAGLE-3 ratios);
+#   7. with what is left: HF_SECS=310 BENCH2_DATASETS=none bench2 (the HF baselines beside a no-speculation point,
+#      on this machine), or the long-code grid at K=5 (BENCH2_SECS=300 BENCH_K=5 BENCH2_C=1,4,16,64
+#      BENCH2_DATASETS=longcode HF_BASELINES=none bench2).
+#   Then locally: `peagle bench-report` of run 30's sweep with these calls' results.json files, BENCHMARKS.md, README.
 #   With minutes to spare, no heads needed (carry .whl .cfg): `python3 -m pip install -q --no-index --no-deps
 #   --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site python3 scripts/device/http_capacity.py .cfg $OUT/h.json
 #   --src new=src --dummy --concurrency 64,16,1 --stream-interval 1 --engine-modes thread,process` (run 26 measured
 #   --engine-process once, 2.51x at 64 streams: a replicate, and a P-EAGLE point, before it becomes the default).
+# Run 30's plan (what was run, BENCHMARKS.md "Run 30", on an H100, 26.3 device minutes): stage_a; heads_in x3;
+#   BENCH_SECS=330 BENCH_K=5,7 BENCH_C=1,2,4 BENCH_DATASETS=mtbench,humaneval BENCH_ADAPTIVE=head BENCH_POLICY=(run
+#   23's) bench; BENCH_SECS=530 BENCH_TEMPS=0.7 (same policy) bench; BENCH2_SECS=400 BENCH_K=3,7,11
+#   BENCH2_C=1,4,16,64 BENCH2_DATASETS=longcode HF_BASELINES=none bench2; BENCH2_SECS=520 BENCH2_TEMPS=0.7
+#   BENCH2_C=1,4,16,64 BENCH2_DATASETS=humaneval HF_BASELINES=none bench2; BENCH_SECS=350 BENCH_K=3,5,7 BENCH_C=16,64
+#   BENCH_DATASETS=mtbench,humaneval (same policy) bench. Still unrun from earlier plans: `longloop` (where P-EAGLE's
+#   time goes on long prompts at 64, profiled) and `httpserve` (the HTTP server's cost on the GPU host).
 # Run 29's plan (what was run, BENCHMARKS.md "Run 29", on an H100): five calls found no machine; tb_stage (.tb_a);
 #   tb_stage (.tb_b); tb_stage && TB_SECS=555 TB_BUDGET_S=1121 testbed (.tb_c .whl); TB_UNTIL_HEADS=1 TB_SECS=560
 #   testbed_wait (the testbed ended: EAGLE-3's trainer died of a CUDA fault); heads_out x2; the kernel log; SERVE_K=7
@@ -801,6 +807,24 @@ print('$(basename $d)', sum(x['num_documents'] for x in s), 'documents', sum(x['
       done
       [ ${#runs[@]} -gt 0 ] && $py -m peagle bench-report "${runs[@]}" --out "$OUT/sweep" | tail -1 || true
     fi
+    ;;
+  sampled_ab)
+    # A sampled step's per-request tensors from pinned memory in one copy (88fc98a) against the tree before it (carry
+    # .old: `mkdir -p .old && git archive 4b39e29 src | tar -x -C .old`), side by side on one machine after heads_in
+    # or the testbed: no speculation and P-EAGLE K=7 (fixed) at concurrency AB_C on MT-Bench, greedy (the control:
+    # nothing changed there) and temperature 0.7; the trees alternate, old then new, twice.
+    need_model
+    link_heads
+    [ -d .old/src ] || { echo "sampled_ab needs .old/src (an earlier tree's src)"; exit 3; }
+    for rep in 1 2; do
+      for tree in old new; do
+        src=$PWD/src; [ $tree = old ] && src=$PWD/.old/src
+        PYTHONPATH="$src:/tmp/site" timeout ${AB_SECS:-150} $py -m peagle bench --model "$W/smollm2" \
+          --draft-peagle "$W/heads/peagle" --methods none,peagle --k 7 --concurrency ${AB_C:-1,64} --datasets mtbench \
+          --temperature 0,0.7 --max-tokens 256 --num-prompts 24 --min-waves 3 --min-seconds 5 --max-model-len 4096 \
+          --out "$OUT/ab-$tree-$rep" 2>&1 | grep -E '^\| (1|64) \|' || true
+      done
+    done
     ;;
   httpserve)
     # What the HTTP server costs (the server's Python shares one GIL with the engine's host work): (1) the stand-in

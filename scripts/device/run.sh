@@ -26,8 +26,8 @@
 #   1. stage_a (carry .stage_a and the gguf wheel alone, .whl/gguf-0.19.0-py3-none-any.whl: with the tracked tree's
 #      16 MiB, the whole .whl does not fit beside .stage_a under 64 MiB); 2. heads_in (.stage_b); 3. heads_in (.hp_a
 #      .hp_c .old); 4. heads_in (.hp_b);
-#   5. sampled_ab (carry .old; about 5 minutes): the sampler's pinned upload (88fc98a, measured nowhere yet) against 4b39e29, no
-#      speculation and P-EAGLE K=7 at 1 and 64, greedy and temperature 0.7 (run 30: sampling cost plain decoding
+#   5. sampled_ab (carry .old; about 5 minutes): the sampler's pinned upload (88fc98a, measured nowhere yet)
+#      against 4b39e29, no speculation and P-EAGLE K=7 at 1 and 64, greedy and temperature 0.7 (run 30: sampling cost plain decoding
 #      18-27% of its tokens/s);
 #   6. EAGLE-3's K=3 where run 30 did not sweep it, beside the policy run 30 derived for run 29's head:
 #      BENCH_SECS=330 BENCH_K=3,5,7 BENCH_C=1,2,4,8,32 BENCH_DATASETS=mtbench,humaneval BENCH_ADAPTIVE=head

@@ -97,6 +97,8 @@ def test_a_best_k_at_the_edge_of_what_was_measured_there_is_marked():
     assert "| 1 | 100.0 | 170.0 (K=5, AL 2.50) * | 200.0 (K=7, AL 2.50) * |" in text
     assert "| 16 | 1600.0 | 2500.0 (K=3, AL 2.50) | 2600.0 (K=3, AL 2.50) |" in text
     assert "(EAGLE-3 at c=1: K 3 not measured here; P-EAGLE at c=1: K 11 not measured here)" in text
+    assert "| c=1: P-EAGLE / EAGLE-3 | 1.18x * |" in text and "| c=16: P-EAGLE / EAGLE-3 | 1.04x |" in text
+    assert "| P-EAGLE's best K at c=1 | 7 * |" in text
 
 
 def test_summary_line_is_one_json_object():
@@ -214,7 +216,8 @@ def test_against_the_seeds_summarises_the_headline_cells():
     assert "| c=1: P-EAGLE / EAGLE-3 | 1.65x | 1.55-1.69x |" in section  # 330 / 200, each at its best K
     assert "| c=1: P-EAGLE / no speculation | 3.30x | 2.97-3.97x |" in section
     assert "| c=1: P-EAGLE / HF static cache + compile | 11.00x | - |" in section
-    assert "| c=64: P-EAGLE / EAGLE-3 | 1.10x | 1.05-1.25x (c=64) |" in section  # K=5's 6,600 / 6,000
+    # K=5's 6,600 / 6,000; marked: at 64 EAGLE-3 ran K=3 alone and P-EAGLE K 5 and 7 (their best at the edge)
+    assert "| c=64: P-EAGLE / EAGLE-3 | 1.10x * | 1.05-1.25x (c=64) |" in section
     assert "/ no speculation, c=64 | 1.62x | - |" in section and "/ no speculation, lowest | 1.62x (c=64) |" in section
     assert "| P-EAGLE's best K at c=1 | 7 | 7-11 |" in section
     # without P-EAGLE rows there is nothing to hold against the seeds

@@ -268,7 +268,7 @@ def markdown(results: dict[str, Any]) -> str:
         for dataset in datasets_of(mine):
             lines += (_engine_table(mine, dataset, t, swept) + _full_table(mine, dataset)
                       + _hf_table(mine, dataset, t) + _acceptance_table(mine, dataset))
-        lines += _seeds_section(mine, t)
+        lines += _seeds_section(mine, t, swept)
     return "\n".join(lines + _hygiene_section(points))
 
 
@@ -277,11 +277,12 @@ def markdown(results: dict[str, Any]) -> str:
 SEEDS = {"c1_pe": "1.55-1.69x", "c1_pn": "2.97-3.97x", "cmax_pe": "1.05-1.25x (c=64)", "best_k": "7-11"}
 
 
-def _seeds_section(points: list[dict], temperature: float) -> list[str]:
+def _seeds_section(points: list[dict], temperature: float, swept: Iterable[int] = ()) -> list[str]:
     """The seeds' headline cells from this run, per data set: P-EAGLE over EAGLE-3 and over no speculation at
     concurrency 1 and at the highest concurrency measured (each at its best K), over HF static cache + compile at 1,
     the adaptive rows over no speculation (at the highest concurrency, and their lowest over every concurrency),
-    and P-EAGLE's best K at concurrency 1."""
+    and P-EAGLE's best K at concurrency 1. A ratio with a row whose best K is at the edge of what was measured there
+    (`best_k_at_edge`) is marked *, as in the tables above."""
     datasets = [d for d in datasets_of(points) if any(p["dataset"] == d and p["method"] == "peagle" for p in points)]
     if not datasets:
         return []
@@ -294,10 +295,12 @@ def _seeds_section(points: list[dict], temperature: float) -> list[str]:
         best = best_points(points, d, temperature)
         top = max(c for v, c in best if v == "peagle")
         ratios = {other: speedups(points, d, "peagle", other, temperature) for other in ("eagle3", "none")}
+        edge = best_k_at_edge(points, d, temperature, swept)
         for c in (1, top) if top > 1 else (1,):
             for other, label in (("eagle3", "EAGLE-3"), ("none", "no speculation")):
                 if c in ratios[other]:
-                    put(f"c={c}: P-EAGLE / {label}", d, f"{ratios[other][c]:.2f}x")
+                    bound = " *" if ("peagle", c) in edge or (other, c) in edge else ""
+                    put(f"c={c}: P-EAGLE / {label}", d, f"{ratios[other][c]:.2f}x{bound}")
             hf = best.get(("hf_static_compile", 1))
             if c == 1 and hf and ("peagle", 1) in best and hf["tokens_per_s"] > 0:
                 put("c=1: P-EAGLE / HF static cache + compile", d,
@@ -309,7 +312,7 @@ def _seeds_section(points: list[dict], temperature: float) -> list[str]:
                 put(f"{variant_label(v)} / no speculation, c={c_top}", d, f"{adaptive[c_top]:.2f}x")
                 put(f"{variant_label(v)} / no speculation, lowest", d, f"{adaptive[low]:.2f}x (c={low})")
         if ("peagle", 1) in best:
-            put("P-EAGLE's best K at c=1", d, str(best[("peagle", 1)]["k"]))
+            put("P-EAGLE's best K at c=1", d, str(best[("peagle", 1)]["k"]) + (" *" if ("peagle", 1) in edge else ""))
     seeds_of = {"c=1: P-EAGLE / EAGLE-3": SEEDS["c1_pe"], "c=1: P-EAGLE / no speculation": SEEDS["c1_pn"],
                 "P-EAGLE's best K at c=1": SEEDS["best_k"]}
     rows = [f"### Against the seeds ({temperature_title(temperature)})", "",

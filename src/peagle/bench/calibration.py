@@ -6,8 +6,8 @@ measured workloads (dataset x temperature) by the geometric mean of the ratios. 
 workloads only: a K that a workload at that concurrency lacks (a run cut by its time limit, results merged from calls
 that swept different Ks) is left out there and named in the table, since a geometric mean over fewer, easier
 workloads would flatter it. A concurrency where no K was measured says nothing and gets no row. Near-ties go to the
-smaller K: a K that does not clearly win costs drafting work for nothing. Between two measured concurrencies the band boundary
-sits at their geometric mean (the grid is log-spaced), and the last winner holds above the largest one.
+smaller K: a K that does not clearly win costs drafting work for nothing. Between two measured concurrencies the
+band boundary sits at their geometric mean (the grid is log-spaced), and the last winner holds above the largest one.
 
 Worked example: concurrencies 1, 2, 4, 8, 16, 32, 64 won by K 11, 11, 7, 7, 5, 0, 0 give boundaries 1, 2, 5, 11, 22,
 45 and, with equal neighbours merged, `{"thresholds": [[2, 11], [11, 7], [22, 5]], "above": 0}`.
@@ -68,8 +68,9 @@ def winners(points: Iterable[dict], method: str, tie_tolerance: float = TIE_TOLE
         compared = {k: r for k, r in sorted(by_k.items()) if len(r) == len(workloads)}
         left_out = {str(k): [w for w in workloads if w not in r] for k, r in sorted(by_k.items()) if k not in compared}
         if left_out:
+            lacks = "; ".join(f"K={k} lacks {', '.join(w)}" for k, w in left_out.items())
             logger.warning("calibration at concurrency %d: K %s left out (not measured on every workload there: %s)",
-                           c, ", ".join(left_out), "; ".join(f"K={k} lacks {', '.join(w)}" for k, w in left_out.items()))
+                           c, ", ".join(left_out), lacks)
         if not compared:
             continue
         score = {0: 1.0, **{k: math.exp(sum(map(math.log, r.values())) / len(r)) for k, r in compared.items()}}

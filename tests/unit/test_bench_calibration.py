@@ -86,6 +86,11 @@ def test_ks_are_compared_on_the_same_workloads_only(caplog):
     table = winners(sampled, "peagle")
     assert [row["concurrency"] for row in table] == list(CONCURRENCY)
     assert table[0]["workloads"] == ["mtbench@0.7"] and "left_out" not in table[0]
+    # Ks with no workload in common anywhere: nothing to compare, and the error says so.
+    disjoint = [point("none", None, 1, 10.0), point("none", None, 1, 10.0, "humaneval"),
+                point("peagle", 3, 1, 20.0), point("peagle", 7, 1, 25.0, "humaneval")]
+    with pytest.raises(ValueError, match="some K measured on every workload"):
+        derive_policy(disjoint, "peagle")
 
 
 def test_flagged_points_do_not_vote():

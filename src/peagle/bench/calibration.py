@@ -102,7 +102,8 @@ def derive_policy(points: Iterable[dict], method: str,
     table = winners(points, method, tie_tolerance)
     if not table:
         raise ValueError(f"calibration needs unflagged points of 'none' and of {method!r} at the same concurrency "
-                         "and dataset")
+                         "and dataset, with some K measured on every workload (dataset x temperature) of that "
+                         "concurrency")
     return policy_from_winners([r["concurrency"] for r in table], [r["winner"] for r in table]), table
 
 

@@ -17,6 +17,20 @@ from pathlib import Path
 import pytest
 import torch
 
+# Where the user's machine keeps what `peagle quickstart` and `peagle testbed` fetch. A unit test must never read
+# them (a cached ShareGPT file changed which prompts count as held out): each test gets its own, empty, under its
+# tmp dir.
+_USER_PATHS = ("PEAGLE_CACHE", "HOME", "XDG_CACHE_HOME", "HF_HOME")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_user_paths(tmp_path, monkeypatch):
+    for name in _USER_PATHS:
+        path = tmp_path / "user" / name.lower()
+        path.mkdir(parents=True)
+        monkeypatch.setenv(name, str(path))
+
+
 # A ChatML template in the common hub style: whitespace control, a default system prompt, a generation prompt.
 CHATML_TEMPLATE = (
     "{%- for message in messages %}\n"

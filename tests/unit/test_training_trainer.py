@@ -697,3 +697,63 @@ def test_freeze_embeddings_refuses_weight_decay(setup, tmp_path, capsys):
     assert main(_args(checkpoint, data, tmp_path / "wd", "--steps", "1", "--freeze-embeddings",
                       "--weight-decay", "0.01")) == 1
     assert "--freeze-embeddings with --weight-decay 0.01" in capsys.readouterr().err
+
+
+def test_a_device_fault_records_the_unfinished_steps_and_replay_runs_them_alone(setup, tmp_path, one_thread,
+                                                                                monkeypatch, capsys):
+    from peagle.training import objectives
+    from peagle.training.trainer import FAULT_PLANS, FAULT_RECORD, FAULTS
+
+    checkpoint, data = setup
+    common = ("--steps", "6", "--save-every", "2", "--log-every", "2", "--batch-size", "2")
+    cpu = DistContext(0, 1, torch.device("cpu"))
+    assert build_trainer(_config(checkpoint, data, tmp_path / "clean", *common), cpu).train() == 0
+    clean = dict(_losses(tmp_path / "clean"))
+
+    backward, calls = objectives.Objective.backward, {"n": 0, "fault_at": 4}
+
+    def faulting(self, *args, **kwargs):  # the 4th micro-batch pass is step 4's: steps 1-2 were read back at 2
+        calls["n"] += 1
+        if calls["n"] == calls["fault_at"]:
+            raise RuntimeError("CUDA error: unspecified launch failure")
+        return backward(self, *args, **kwargs)
+
+    monkeypatch.setattr(objectives.Objective, "backward", faulting)
+    trainer = build_trainer(_config(checkpoint, data, tmp_path / "run", *common), cpu)
+    positions = []
+    prepare = trainer.prepare
+    trainer.prepare = lambda epoch, index, pin=True: positions.append((epoch, index)) or prepare(epoch, index, pin)
+    with pytest.raises(RuntimeError, match="unspecified launch failure"):
+        trainer.train()
+    fault = tmp_path / "run" / FAULTS / "step-00000003"
+    record = json.loads((fault / FAULT_RECORD).read_text())
+    assert "unspecified launch failure" in record["error"]
+    assert [s["step"] for s in record["steps"]] == [3, 4]  # step 3 was never read back: it may be the faulty one
+    assert [(s["epoch"], s["index"]) for s in record["steps"]] == positions[2:4]
+    assert record["steps"][0]["micro_batches"][0]["forwards"][0]["elements"] > 0
+    assert record["replay"] == f"peagle train-replay {fault}"
+    # The recorded plans are the ones the steps ran: planning again from the position gives the same tensors.
+    plans = torch.load(fault / FAULT_PLANS, weights_only=False)["steps"]
+    again = prepare(*positions[3], pin=False)
+    assert torch.equal(plans[1]["prepared"].plans[0].layout.anchor, again.plans[0].layout.anchor)
+
+    # Replay from the step-2 checkpoint: steps 3 and 4 alone, the same losses as the run that never faulted.
+    monkeypatch.setattr(objectives.Objective, "backward", backward)
+    assert main(["train-replay", str(fault)]) == 0
+    out = capsys.readouterr().out
+    rows = json.loads(out.strip().splitlines()[-1])["steps"]
+    assert [(r["step"], r["error"]) for r in rows] == [(3, None), (4, None)]
+    assert [r["loss"] for r in rows] == [clean[3], clean[4]]
+    assert "step 4 (epoch 0, sequence" in out and "ran clean" in out
+
+    # A step that faults again is named, and the ones after it are not run.
+    calls.update(n=0, fault_at=1)
+    monkeypatch.setattr(objectives.Objective, "backward", faulting)
+    assert main(["train-replay", str(fault)]) == 1
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"]
+    assert len(rows) == 1 and "unspecified launch failure" in rows[0]["error"]
+
+
+def test_train_replay_refuses_a_directory_without_plans(tmp_path, capsys):
+    assert main(["train-replay", str(tmp_path)]) != 0
+    assert f"{tmp_path} holds no plans.pt" in capsys.readouterr().err

@@ -1,5 +1,5 @@
-"""`peagle regenerate`, `peagle synthesize`, `peagle train` (one process, or one per GPU under torchrun) and
-`peagle train-report`."""
+"""`peagle regenerate`, `peagle synthesize`, `peagle train` (one process, or one per GPU under torchrun),
+`peagle train-replay` and `peagle train-report`."""
 
 from __future__ import annotations
 
@@ -184,6 +184,20 @@ def register(subparsers) -> None:
                             "target's whole vocabulary if smaller; 0: the whole vocabulary)")
     train.set_defaults(func=_train)
 
+    replay = subparsers.add_parser(
+        "train-replay", help="run the steps a trainer recorded at a device fault, alone, to find the faulting one",
+        description="After a CUDA error (e.g. 'unspecified launch failure') `peagle train` writes the steps the "
+                    "device had not finished to <--out>/faults/step-N/ (fault.json: the error, each step's data "
+                    "position and shapes; plans.pt: the steps' plans). This runs those steps again, one at a time, "
+                    "from the run's newest checkpoint (else its starting drafter), with CUDA_LAUNCH_BLOCKING=1 so "
+                    "that an error names the kernel that raised it, and says which step faulted. Exit status 1 if one "
+                    "did. Wrap it in `compute-sanitizer --tool memcheck` (with PYTORCH_NO_CUDA_MEMORY_CACHING=1) to "
+                    "see the faulting access.",
+        epilog="example:\n  peagle train-replay runs/peagle/faults/step-00006251",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    replay.add_argument("fault_dir", type=Path, metavar="FAULT_DIR", help="a directory under <--out>/faults/")
+    replay.set_defaults(func=_train_replay)
+
     report = subparsers.add_parser(
         "train-report", help="compare training runs from their logs: a table and the held-out walk over time",
         description="Read the train_log.jsonl of one or more `peagle train` runs and print, per run, its last "
@@ -287,6 +301,26 @@ def _train_report(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"plot: {plot(runs, k, args.plot, args.title, args.simulated)}")
     return 0
+
+
+def _train_replay(args: argparse.Namespace) -> int:
+    import os
+
+    os.environ.setdefault("CUDA_LAUNCH_BLOCKING", "1")  # read when CUDA starts: an error then names its kernel
+    from peagle.training.distributed import init_distributed, shutdown_distributed
+    from peagle.training.trainer import replay_fault
+
+    dist = init_distributed()
+    try:
+        rows = replay_fault(args.fault_dir, dist)
+    finally:
+        shutdown_distributed()
+    for row in rows:
+        state = "ran clean" if row["error"] is None else f"FAULTED: {row['error']}"
+        print(f"step {row['step']} (epoch {row['epoch']}, sequence {row['index']}): {state}")
+    faulted = any(row["error"] is not None for row in rows)
+    print(json.dumps({"steps": rows, "faulted": faulted}))
+    return 1 if faulted else 0
 
 
 def _train(args: argparse.Namespace) -> int:

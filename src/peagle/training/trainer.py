@@ -51,6 +51,9 @@ CHECKPOINTS = "checkpoints"
 FINAL = "final"
 TRAINER_STATE = "trainer_state.pt"
 LOG_FILE = "train_log.jsonl"
+CONFIG_FILE = "train_config.json"
+FAULTS = "faults"  # beside CHECKPOINTS: the steps in flight when the device faulted (`record_fault`)
+FAULT_RECORD, FAULT_PLANS = "fault.json", "plans.pt"
 
 
 def make_objective(cfg: TrainConfig) -> Objective:
@@ -175,8 +178,10 @@ class Trainer:
                                   ) if cfg.feature_cache else None
         self.vocab_map = draft_to_target_ids(drafter)
         self.flops = StepFlops.of(target, drafter)
+        self.device_name = torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else "cpu"
         self.peak_flops = peak_flops(dist.device) * dist.world_size if peak_flops(dist.device) else None
         self._pending: list[tuple[dict, torch.Tensor]] = []  # train rows whose device values are not read yet
+        self._unsynced: list[tuple[int, int, int]] = []  # (step, epoch, index) of steps the device may not have run
         self._interval_start = None
         self._prefetch: Prefetcher | None = None
         self._stop = False
@@ -243,6 +248,11 @@ class Trainer:
                 save_drafter(self.drafter, self.cfg.out / FINAL, force=True)
                 logger.info("saved the trained drafter to %s", self.cfg.out / FINAL)
             return 0
+        except Exception as e:
+            if is_device_fault(e):
+                self._prefetch.close()
+                self.record_fault(e)
+            raise
         finally:
             self._prefetch.close()
             self._prefetch = None
@@ -260,8 +270,9 @@ class Trainer:
         batch = [(epoch, index + j, sequences[index + j]) for j in range(self.global_batch)]
         return batch, epoch, index + self.global_batch
 
-    def prepare(self, epoch: int, index: int) -> PreparedStep:
-        """Host work of the step at data position (epoch, index): this process's micro-batches, planned."""
+    def prepare(self, epoch: int, index: int, pin: bool = True) -> PreparedStep:
+        """Host work of the step at data position (epoch, index): this process's micro-batches, planned (in pinned
+        memory on CUDA unless `pin` is False)."""
         batch, epoch, index = self.batch_at(epoch, index)
         per_rank = self.cfg.batch_size * self.cfg.grad_accum
         mine = batch[self.dist.rank * per_rank:(self.dist.rank + 1) * per_rank]
@@ -269,7 +280,7 @@ class Trainer:
         weight = sum(p.weight_sum for p in plans)
         counts = torch.tensor([weight, sum(p.num_elements for p in plans), sum(len(p.sequence) for p in plans)],
                               dtype=torch.float64)
-        if self.dist.device.type == "cuda":
+        if pin and self.dist.device.type == "cuda":
             plans, counts = tuple(plan.pinned() for plan in plans), counts.pin_memory()
         return PreparedStep(epoch, index, plans, weight, counts,
                             sum(self.flops.step(p) for p in plans))
@@ -279,7 +290,12 @@ class Trainer:
         if self.dist.device.type == "cuda" and not self._pending:
             torch.cuda.reset_peak_memory_stats(self.dist.device)
         prepared = self._prefetch.next() if self._prefetch is not None else self.prepare(self.epoch, self.index)
+        self._unsynced.append((self.step + 1, self.epoch, self.index))
         self.epoch, self.index = prepared.epoch, prepared.index
+        self.run_step(prepared)
+
+    def run_step(self, prepared: PreparedStep) -> None:
+        """The device work of one prepared step, the optimizer's step included; its values join `_pending`."""
         counts = prepared.counts.to(self.dist.device, non_blocking=True)
         if self.dist.world_size > 1:  # the global denominator, summed on the device: no wait
             denominator = self.dist.all_reduce(counts[0].clone()).clamp(min=1.0)
@@ -308,6 +324,7 @@ class Trainer:
         if not self._pending:
             return
         values = self.dist.all_reduce(torch.stack([v for _, v in self._pending])).cpu()
+        self._unsynced = []  # the device has finished every step so far
         now = time.monotonic()
         elapsed = max(now - self._interval_start, 1e-9)
         self._interval_start = now
@@ -462,6 +479,55 @@ class Trainer:
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         logger.info("resumed from %s at step %d", found[-1], self.step)
 
+    # ---- device faults ----
+
+    def fault_dir(self) -> Path:
+        first = self._unsynced[0][0] if self._unsynced else self.step + 1
+        rank = f"-rank{self.dist.rank}" if self.dist.world_size > 1 else ""
+        return self.cfg.out / FAULTS / f"step-{first:08d}{rank}"
+
+    def record_fault(self, error: BaseException) -> Path:
+        """Writes the steps the device had not finished when it faulted (one of them faulted: an error reported by
+        CUDA surfaces at a later call), for `peagle train-replay`: fault.json (the error, each step's data position
+        and shapes, the host RNG states) and plans.pt (each step planned again on the host from its position, which
+        gives the plan it ran: planning depends on the position alone). Touches no device memory."""
+        steps = self._unsynced or [(self.step + 1, self.epoch, self.index)]
+        prepared = [self.prepare(epoch, index, pin=False) for _, epoch, index in steps]
+        out = self.fault_dir()
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save({"steps": [{"step": step, "epoch": epoch, "index": index, "prepared": p}
+                              for (step, epoch, index), p in zip(steps, prepared)],
+                    "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}, out / FAULT_PLANS)
+        record = {
+            "error": f"{type(error).__name__}: {error}".strip(), "method": self.cfg.method,
+            "torch": torch.__version__, "device": self.device_name,
+            "steps": [{"step": step, "epoch": epoch, "index": index, **plan_shapes(p)}
+                      for (step, epoch, index), p in zip(steps, prepared)],
+            "replay": f"peagle train-replay {out}",
+        }
+        (out / FAULT_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+        logger.error("device fault within steps %d..%d; their plans are in %s (replay: peagle train-replay %s)",
+                     steps[0][0], steps[-1][0], out, out)
+        return out
+
+    def replay(self, fault_dir: Path) -> list[dict]:
+        """Runs each step recorded in `fault_dir` alone, waiting for the device after each: one row per step, with
+        its loss, or the error of the step that faulted (the steps after it are not run)."""
+        record = torch.load(Path(fault_dir) / FAULT_PLANS, map_location="cpu", weights_only=False)
+        rows = []
+        for entry in record["steps"]:
+            row = {"step": entry["step"], "epoch": entry["epoch"], "index": entry["index"]}
+            try:
+                self.run_step(entry["prepared"])
+                if self.dist.device.type == "cuda":
+                    torch.cuda.synchronize(self.dist.device)
+                loss = float(self._pending.pop()[1][0])
+            except Exception as e:  # noqa: BLE001 - the fault is the result; any other error is one too
+                rows.append({**row, "error": f"{type(e).__name__}: {e}".strip()})
+                break
+            rows.append({**row, "error": None, "loss": loss})
+        return rows
+
     # ---- signals and logs ----
 
     def _on_sigterm(self, signum, frame) -> None:
@@ -562,6 +628,24 @@ class Trainer:
                 self._tensorboard.add_scalar(f"{kind}/{key}", value, step)
 
 
+def is_device_fault(error: BaseException) -> bool:
+    """Whether an exception is a CUDA error reported by the device (a kernel's fault, not a Python mistake)."""
+    accelerator = getattr(torch, "AcceleratorError", None)
+    return (accelerator is not None and isinstance(error, accelerator)) or (
+        isinstance(error, RuntimeError) and "CUDA error" in str(error))
+
+
+def plan_shapes(prepared: PreparedStep) -> dict:
+    """What a step's kernels saw: per micro-batch its tokens, documents, and per forward its elements by depth,
+    padded rows, charged elements and block-mask tiles."""
+    return {"micro_batches": [{
+        "tokens": len(plan.sequence), "documents": len(plan.sequence.doc_lengths),
+        "teacher_rows": plan.teacher_positions.numel(),
+        "forwards": [{"elements": len(f.layout), "depth_counts": list(f.depth_counts), "rows": f.rows,
+                      "charged": f.charged.numel(), "tiles": [list(t.kv_idx.shape[-2:]) for t in f.tiles]}
+                     for f in plan.forwards]} for plan in prepared.plans]}
+
+
 def _cache_identity(cfg: TrainConfig, aux_layer_ids, target: LlamaModel) -> dict:
     # Cached documents are keyed by their index among the training documents, which the split decides.
     return {"target": str(cfg.target.resolve()), "dtype": str(target.embed_tokens.weight.dtype),
@@ -620,6 +704,36 @@ def config_record(cfg: TrainConfig) -> dict:
         return [plain(x) for x in v] if isinstance(v, (tuple, list)) else v
 
     return {k: plain(v) for k, v in asdict(cfg).items()}
+
+
+def config_from_record(record: dict) -> TrainConfig:
+    """The TrainConfig that `config_record` wrote (a run's train_config.json)."""
+    paths = {"target", "out", "init", "feature_cache"}
+    value = {k: (Path(v) if k in paths and v is not None else v) for k, v in record.items()}
+    value["data"] = tuple(Path(d) for d in (record["data"] if isinstance(record["data"], list) else [record["data"]]))
+    value["eval_data"] = tuple(Path(d) for d in record.get("eval_data", ()))
+    if value.get("aux_layer_ids") is not None:
+        value["aux_layer_ids"] = tuple(value["aux_layer_ids"])
+    return TrainConfig(**value)
+
+
+def replay_fault(fault_dir: Path, dist: DistContext) -> list[dict]:
+    """Each step recorded in `fault_dir` (`Trainer.record_fault`) run alone on `dist`'s device, from the run's
+    newest checkpoint (else the drafter the run started from): one row per step run (`Trainer.replay`)."""
+    fault_dir = Path(fault_dir)
+    if not (fault_dir / FAULT_PLANS).is_file():
+        raise FileNotFoundError(f"{fault_dir} holds no {FAULT_PLANS}: give a directory the trainer wrote under "
+                                f"<--out>/{FAULTS}/ after a device fault")
+    run = fault_dir.parent.parent
+    if not (run / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{run} holds no {CONFIG_FILE}: the fault directory must stay inside its run's "
+                                f"--out directory ({FAULTS}/step-N)")
+    cfg = config_from_record(json.loads((run / CONFIG_FILE).read_text()))
+    resumed = bool(complete_checkpoints(run / CHECKPOINTS))
+    trainer = build_trainer(replace(cfg, out=run, resume=resumed), dist, write_config=False)
+    if resumed:
+        trainer._load_latest()
+    return trainer.replay(fault_dir)
 
 
 def split_sources(data_dirs, tokenizer: Tokenizer, vocab_size: int, eval_fraction: float, max_eval: int,
@@ -681,8 +795,9 @@ def source_names(data_dirs) -> list[str]:
     return [f"{n}#{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]
 
 
-def build_trainer(cfg: TrainConfig, dist: DistContext) -> Trainer:
-    """Loads the target, the data and a drafter (fresh or --init) and checks that they fit together."""
+def build_trainer(cfg: TrainConfig, dist: DistContext, write_config: bool = True) -> Trainer:
+    """Loads the target, the data and a drafter (fresh or --init) and checks that they fit together; records the
+    configuration in the run's directory unless `write_config` is False."""
     target_config = ModelConfig.from_dir(cfg.target)
     if cfg.max_length > target_config.max_position_embeddings:
         raise ValueError(
@@ -705,9 +820,9 @@ def build_trainer(cfg: TrainConfig, dist: DistContext) -> Trainer:
 
         compiled_ops.install(dist.device)
     drafter = _make_drafter(cfg, target, tokenizer, train_docs).to(dist.device)
-    if dist.is_main:
+    if dist.is_main and write_config:
         cfg.out.mkdir(parents=True, exist_ok=True)
-        (cfg.out / "train_config.json").write_text(json.dumps(config_record(cfg), indent=1) + "\n")
+        (cfg.out / CONFIG_FILE).write_text(json.dumps(config_record(cfg), indent=1) + "\n")
     held_out = pack(held_docs, range(len(held_docs)), cfg.max_length)
     eval_data = pack(eval_docs, range(len(eval_docs)), cfg.max_length)
     return Trainer(cfg, target, drafter, TrainingData(train_docs, cfg.max_length, cfg.seed), held_out, dist,

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Trainer faults on the GPU machine: the testbed's two recipes trained side by side, twice each (seeds 0 and 1), on
+# data of the testbed's structure (.fault, from fault_data.py) against a random-weight target of the testbed's shape
+# (.cfg), with a GPU core dump on any device exception (read back with cuda-gdb: the faulting kernel and its
+# instruction); beside them one short run of each recipe under compute-sanitizer memcheck with PyTorch's caching
+# allocator off (every tensor its own allocation, so an access past a tensor is seen). Everything lands in
+# $OUT/fault_hunt.tar.gz; a summary is printed.
+#   FH_MINUTES   the side-by-side trainers' --time-limit (default 5)
+#   FH_SAN_STEPS the sanitized runs' steps (default 30); FH_SAN=0: no sanitized runs
+#   FH_EXTRA     more `peagle train` arguments for every run (e.g. a candidate fix's switch)
+set -u
+W=${FH_WORK:-/tmp/fault-hunt}
+OUT=${OUT:-$W/out}
+rm -rf "$W" && mkdir -p "$W" "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:/tmp/site"
+py=${PYTHON:-python3}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+
+$py - "$W/target" <<'PY'
+import glob, shutil, sys
+import torch, transformers
+cfg = transformers.AutoConfig.from_pretrained(".cfg")
+torch.manual_seed(0)
+model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+model.save_pretrained(sys.argv[1])
+for f in glob.glob(".cfg/*.json"):
+    if not f.endswith("config.json") or f.endswith("tokenizer_config.json"):
+        shutil.copy(f, sys.argv[1])
+print("random target written")
+PY
+
+common=(--target "$W/target" --data .fault/chat .fault/code --steps 1000000 --max-length 8192 --save-every 500
+        --eval-every 500 ${FH_EXTRA:-})
+eagle3=(--method eagle3 --num-layers 1 --k-train 3 --batch-size 1)
+peagle=(--method peagle --num-layers 4 --k-train 8 --batch-size 1)
+minutes=${FH_MINUTES:-5}
+pids=()
+for seed in 0 1; do
+  for m in eagle3 peagle; do
+    name=$m-$seed
+    args=("${common[@]}")
+    [ $m = eagle3 ] && args+=("${eagle3[@]}") || args+=("${peagle[@]}")
+    CUDA_ENABLE_COREDUMP_ON_EXCEPTION=1 CUDA_ENABLE_LIGHTWEIGHT_COREDUMP=1 CUDA_COREDUMP_FILE="$W/core.$name" \
+      timeout $(( minutes * 60 + 150 )) $py -m peagle train "${args[@]}" --seed $seed --out "$W/run-$name" \
+      --time-limit $minutes > "$W/$name.log" 2>&1 &
+    pids+=($!)
+  done
+done
+if [ "${FH_SAN:-1}" != 0 ]; then
+  for m in eagle3 peagle; do
+    args=("${common[@]}")
+    [ $m = eagle3 ] && args+=("${eagle3[@]}") || args+=("${peagle[@]}")
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout $(( minutes * 60 + 140 )) compute-sanitizer --tool memcheck \
+      --print-limit 20 --log-file "$W/memcheck-$m.log" $py -m peagle train "${args[@]}" --steps ${FH_SAN_STEPS:-30} \
+      --eval-every 1000 --log-every 5 --out "$W/san-$m" > "$W/san-$m.log" 2>&1 &
+    pids+=($!)
+  done
+fi
+for p in "${pids[@]}"; do wait $p; echo "pid $p exit $?"; done
+
+echo "== trainers"
+for f in "$W"/*.log; do
+  echo "-- $(basename $f): $(grep -c '"kind": "train"' "${f%.log}"/train_log.jsonl 2>/dev/null) rows"
+  grep -E "Error|error|ERROR|Traceback|saved the trained|time limit" "$f" | grep -v Warning | tail -4 | cut -c1-300
+done
+for d in "$W"/run-* "$W"/san-*; do
+  [ -f "$d/train_log.jsonl" ] && echo "$(basename $d): last step $(tail -1 "$d/train_log.jsonl" | cut -c1-80)"
+done
+echo "== memcheck"
+for f in "$W"/memcheck-*.log; do echo "-- $f"; grep -E "ERROR SUMMARY|Invalid|at 0x|by thread|in block" "$f" | head -20; done
+echo "== core dumps"
+for core in "$W"/core.*; do
+  [ -f "$core" ] || continue
+  echo "-- $core"
+  timeout 120 cuda-gdb -batch -ex "target cudacore $core" -ex "info cuda kernels" -ex "bt" -ex 'x/6i $pc' \
+    > "$core.txt" 2>&1
+  grep -v "^$" "$core.txt" | tail -40 | cut -c1-400
+done
+dmesg 2>/dev/null | grep -i xid | tail -5
+(cd "$W" && tar czf "$OUT/fault_hunt.tar.gz" --exclude='*/checkpoints' --exclude='core.*[!t]' --exclude=target \
+  --exclude='*/final' --exclude='*/tensorboard' .) || true
+ls -la "$OUT"

@@ -620,6 +620,51 @@ def test_a_dead_trainer_resumes_from_its_checkpoint_for_the_minutes_left(tmp_pat
     assert "0.50 minutes left, under 1" in caplog.text
 
 
+def _fake_trainers(bed, tmp_path, fail_resumed: set[str]):
+    """Trainer commands for bed's heads step: each fails with a CUDA error the first time; resumed (--resume), one of
+    `fail_resumed` fails again, the others write their head."""
+    from peagle.training.trainer import CHECKPOINTS, FAULTS, TRAINER_STATE
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    script = tmp_path / "trainer.py"
+    script.write_text(
+        "import os, sys\n"
+        "out, fail_resumed = sys.argv[1], sys.argv[2] == '1'\n"
+        "if '--resume' not in sys.argv or fail_resumed:\n"
+        "    print('torch.AcceleratorError: CUDA error: unspecified launch failure')\n"
+        "    sys.exit(1)\n"
+        "os.makedirs(out)\n")
+    commands = []
+    for method in testbed.METHODS:
+        run = bed.paths[f"{method}_run"]
+        (run / CHECKPOINTS / "step-00000500").mkdir(parents=True)
+        (run / CHECKPOINTS / "step-00000500" / TRAINER_STATE).write_bytes(b"state")
+        (run / FAULTS / "step-00000501").mkdir(parents=True)
+        argv = python(script.read_text(), str(bed.paths[method]), str(int(method in fail_resumed)))
+        commands.append(Command(method, (*argv, "--time-limit", "5"), bed.paths[method],
+                                log=tmp_path / f"{method}.log"))
+    return lambda: commands
+
+
+def test_the_heads_step_counts_restarts_and_names_a_head_it_could_not_train(tmp_path, monkeypatch):
+    bed = testbed.Testbed(tmp_path / "ok", smoke_scale())
+    monkeypatch.setattr(bed, "train_commands", _fake_trainers(bed, tmp_path / "ok", set()))
+    note = bed._train_heads(limit_s=bed.scale.train_overhead_s + 300)
+    assert "restarts after a failure: eagle3 1, peagle 1" in note
+    assert bed.paths["eagle3"].is_dir() and bed.paths["peagle"].is_dir()
+
+    bed = testbed.Testbed(tmp_path / "bad", smoke_scale())
+    monkeypatch.setattr(bed, "train_commands", _fake_trainers(bed, tmp_path / "bad", {"eagle3"}))
+    with pytest.raises(testbed.TestbedStepError) as failed:
+        bed._train_heads(limit_s=bed.scale.train_overhead_s + 300)
+    message = str(failed.value)
+    assert message.startswith("the eagle3 head could not be trained (torch.AcceleratorError: CUDA error: "
+                              "unspecified launch failure; 1 restart from its checkpoints); its log: ")
+    assert str(tmp_path / "bad" / "eagle3.log") in message and "peagle head" not in message
+    assert f"peagle train-replay {bed.paths['eagle3_run'] / 'faults' / 'step-00000501'}" in message
+    assert bed.paths["peagle"].is_dir()  # the other head trained on
+
+
 def test_failing_command_names_itself_with_its_log(tmp_path):
     log = tmp_path / "x.log"
     command = Command("x", python("import sys; print('boom'); sys.exit(3)"), tmp_path / "out", log=log)

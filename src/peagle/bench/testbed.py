@@ -71,6 +71,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -116,6 +117,7 @@ class Testbed:
         self.train_extra_s = 0.0
         # Set when the build is interrupted while a phase runs: its other lanes stop their commands.
         self.interrupted = threading.Event()
+        self.head_restarts: dict[str, int] = {}  # the heads step's trainers resumed after a failure, by head
         prompts, data, heads = (self.dir / "prompts" / scale.name, self.dir / f"data-{scale.name}",
                                 self.dir / "heads" / scale.name)
         self.paths = {"cache": self.dir,
@@ -386,8 +388,27 @@ class Testbed:
                  "unused of their limits" if self.train_extra_s else "")
         logger.info("training %s side by side for %.4g minutes%s (logs: %s)", " and ".join(c.name for c in commands),
                     self.train_minutes, extra, ", ".join(str(c.log) for c in commands))
-        return _stopped_note(run_commands(commands, limit_s, self.env(), cancel=self.interrupted,
-                                          restart=self._resume_head))
+        self.head_restarts = {c.name: 0 for c in commands}
+        try:
+            stopped = run_commands(commands, limit_s, self.env(), cancel=self.interrupted, restart=self._resume_head)
+        except TestbedStepError:
+            raise TestbedStepError("; ".join(self._head_failure(c) for c in commands if not self.paths[c.name].exists())
+                                   + "; rerun `peagle testbed` to go on from the heads' checkpoints") from None
+        restarts = ", ".join(f"{name} {n}" for name, n in self.head_restarts.items())
+        return ", ".join(filter(None, [_stopped_note(stopped), f"restarts after a failure: {restarts}"]))
+
+    def _head_failure(self, command: Command) -> str:
+        """What a user needs of a head that could not be trained: its name, its last error, its log, the restarts it
+        had and where the trainer recorded a device fault's steps."""
+        from peagle.training.trainer import FAULTS
+
+        error = _last_error(command.log)
+        faults = sorted((self.paths[f"{command.name}_run"] / FAULTS).glob("step-*"))
+        restarts = self.head_restarts.get(command.name, 0)
+        return (f"the {command.name} head could not be trained ({error or 'no error in its log'}; "
+                f"{restarts} restart{'s' * (restarts != 1)} from its checkpoints); its log: {command.log}"
+                + (f"; the steps in flight at its device fault: {faults[-1]} (`peagle train-replay {faults[-1]}` "
+                   "runs them alone)" if faults else ""))
 
     def _resume_head(self, command: Command, code: int, left_s: float) -> Command | None:
         """A trainer that died before the step's limit (run 29: a CUDA fault, one trainer of two) goes on from its
@@ -406,8 +427,10 @@ class Testbed:
         argv[argv.index("--time-limit") + 1] = f"{minutes:.6g}"
         if "--resume" not in argv:
             argv.append("--resume")
-        logger.warning("the %s trainer failed (exit code %d): resuming it from %s for the %.2f minutes left (log: %s)",
-                       command.name, code, found[-1].name, minutes, command.log)
+        logger.warning("the %s trainer failed (exit code %d: %s): resuming it from %s for the %.2f minutes left (log: "
+                       "%s)", command.name, code, _last_error(command.log) or "no error in its log", found[-1].name,
+                       minutes, command.log)
+        self.head_restarts[command.name] = self.head_restarts.get(command.name, 0) + 1
         return replace(command, argv=tuple(argv))
 
     def _write_tiny_model(self) -> None:
@@ -569,6 +592,15 @@ def _peagle_argv(*args: str) -> tuple[str, ...]:
 def _partial(path: Path) -> Path:
     """Where a command writes `path` until it has finished (same suffixes: the writers read them)."""
     return path.with_name(path.name.replace(".jsonl", ".partial.jsonl", 1))
+
+
+def _last_error(log: Path | None) -> str:
+    """The last line of a log that names an error (a Python exception's, a CUDA error's), else ''."""
+    if log is None or not log.is_file():
+        return ""
+    lines = log.read_text(errors="replace").splitlines()
+    found = [line.strip() for line in lines if re.search(r"(Error|Exception)\b.*:|CUDA error|error:", line)]
+    return found[-1][:300] if found else ""
 
 
 def _stopped_note(stopped: list[str]) -> str:

@@ -18,16 +18,17 @@ import pytest
 import torch
 
 # Where the user's machine keeps what `peagle quickstart` and `peagle testbed` fetch. A unit test must never read
-# them (a cached ShareGPT file changed which prompts count as held out): each test gets its own, empty, under its
-# tmp dir.
+# them (a cached ShareGPT file changed which prompts count as held out): each test gets its own, empty, in pytest's
+# temporary directory.
 _USER_PATHS = ("PEAGLE_CACHE", "HOME", "XDG_CACHE_HOME", "HF_HOME")
 
 
 @pytest.fixture(autouse=True)
-def _isolated_user_paths(tmp_path, monkeypatch):
+def _isolated_user_paths(tmp_path_factory, monkeypatch):
+    root = tmp_path_factory.mktemp("user-paths")  # beside the test's tmp_path, which tests list
     for name in _USER_PATHS:
-        path = tmp_path / "user" / name.lower()
-        path.mkdir(parents=True)
+        path = root / name.lower()
+        path.mkdir()
         monkeypatch.setenv(name, str(path))
 
 

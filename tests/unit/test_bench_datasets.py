@@ -104,3 +104,18 @@ def test_sharegpt_split_is_deterministic_and_disjoint(tmp_path):
 def test_sharegpt_missing_says_how_to_get_it(tmp_path):
     with pytest.raises(FileNotFoundError, match="peagle testbed"):
         load_prompts("sharegpt", cache_dir=tmp_path)
+
+
+def test_unit_tests_never_read_the_users_cache(monkeypatch):
+    # The README runs `peagle quickstart` (filling ~/.cache/peagle/testbed) before the tests: a cached ShareGPT file
+    # there made held-out prompts of a test's own data. Each test sees an empty cache and home of its own.
+    import os
+    from pathlib import Path
+
+    from peagle.bench.datasets import default_cache_dir, sharegpt_file
+
+    for name in ("PEAGLE_CACHE", "HOME", "XDG_CACHE_HOME", "HF_HOME"):
+        assert "user-paths" in os.environ[name] and not any(Path(os.environ[name]).iterdir())
+    assert not sharegpt_file(default_cache_dir()).exists()
+    monkeypatch.delenv("PEAGLE_CACHE")
+    assert str(default_cache_dir()).startswith(os.environ["HOME"])

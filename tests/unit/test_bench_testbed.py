@@ -418,7 +418,7 @@ def test_h200_plan_uses_every_data_source_and_trains_both_heads_side_by_side(off
         bed._run_step(steps["served"], "testbed [14/14] served", {})
     monkeypatch.setattr(testbed, "run_commands", offline["fake"])
 
-    assert steps["heads"].run() == ""
+    assert steps["heads"].run() == "restarts after a failure: eagle3 0, peagle 0"
     (call,) = offline["run"]  # both started together, in one call, under one limit
     assert [c.name for c in call["commands"]] == ["eagle3", "peagle"] and call["limit_s"] == steps["heads"].limit_s
     assert call["restart"] == bed._resume_head  # a trainer that dies goes on from its checkpoint

@@ -8,6 +8,7 @@
 #   FH_MINUTES   the side-by-side trainers' --time-limit (default 5)
 #   FH_SAN_STEPS the sanitized runs' steps (default 30); FH_SAN=0: no sanitized runs
 #   FH_EXTRA     more `peagle train` arguments for every run (e.g. a candidate fix's switch)
+#   FH_ENGINE=0  no engine pass (scripts/device/engine_sanitize.py under memcheck, beside the trainers)
 set -u
 W=${FH_WORK:-/tmp/fault-hunt}
 OUT=${OUT:-$W/out}
@@ -28,6 +29,17 @@ for f in glob.glob(".cfg/*.json"):
         shutil.copy(f, sys.argv[1])
 print("random target written")
 PY
+
+if [ "${FH_ENGINE:-1}" != 0 ]; then  # the engine's serving path under memcheck, beside the trainers
+  for m in eagle3 peagle; do
+    l=$([ $m = eagle3 ] && echo 1 || echo 4)
+    $py -m peagle drafter init --target "$W/target" --method $m --num-layers $l --out "$W/heads/$m" > /dev/null
+  done
+  timeout $(( ${FH_MINUTES:-5} * 60 + 140 )) compute-sanitizer --tool memcheck --print-limit 20 \
+    --log-file "$W/memcheck-engine.log" $py scripts/device/engine_sanitize.py "$W/target" "$W/heads" \
+    > "$W/engine.log" 2>&1 &
+  engine_pid=$!
+fi
 
 common=(--target "$W/target" --data .fault/chat .fault/code --steps 1000000 --max-length 8192 --save-every 500
         --eval-every 500 ${FH_EXTRA:-})
@@ -56,7 +68,8 @@ if [ "${FH_SAN:-1}" != 0 ]; then
     pids+=($!)
   done
 fi
-for p in "${pids[@]}"; do wait $p; echo "pid $p exit $?"; done
+for p in "${pids[@]}" ${engine_pid:-}; do wait $p; echo "pid $p exit $?"; done
+grep '^{' "$W/engine.log" 2>/dev/null
 
 echo "== trainers"
 for f in "$W"/*.log; do

@@ -6,7 +6,7 @@
 # allocator off (every tensor its own allocation, so an access past a tensor is seen). Everything lands in
 # $OUT/fault_hunt.tar.gz; a summary is printed.
 #   FH_MINUTES   the side-by-side trainers' --time-limit (default 5)
-#   FH_SAN_STEPS the sanitized runs' steps (default 30); FH_SAN=0: no sanitized runs
+#   FH_SAN_STEPS the sanitized runs' steps (default 100: the time limit may end them first); FH_SAN=0: no sanitized runs
 #   FH_EXTRA     more `peagle train` arguments for every run (e.g. a candidate fix's switch)
 #   FH_ENGINE=0  no engine pass (scripts/device/engine_sanitize.py under memcheck, beside the trainers)
 set -u
@@ -63,7 +63,7 @@ if [ "${FH_SAN:-1}" != 0 ]; then
     args=("${common[@]}")
     [ $m = eagle3 ] && args+=("${eagle3[@]}") || args+=("${peagle[@]}")
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout $(( minutes * 60 + 140 )) compute-sanitizer --tool memcheck \
-      --print-limit 20 --log-file "$W/memcheck-$m.log" $py -m peagle train "${args[@]}" --steps ${FH_SAN_STEPS:-30} \
+      --print-limit 20 --log-file "$W/memcheck-$m.log" $py -m peagle train "${args[@]}" --steps ${FH_SAN_STEPS:-100} \
       --eval-every 1000 --log-every 5 --out "$W/san-$m" > "$W/san-$m.log" 2>&1 &
     pids+=($!)
   done

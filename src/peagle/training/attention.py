@@ -17,9 +17,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 
 logger = logging.getLogger(__name__)
-# 64 x 64 kernel tiles over the 128 x 128 block mask: on an H200 (torch 2.11) the forward of an 8K-token P-EAGLE
-# layout (34K elements, 9 query heads, head_dim 64) took 1.20 ms against 2.55 ms with the defaults, forward +
-# backward 3.83 ms against 5.10 ms (scripts/device/flex_timing.py, BENCHMARKS.md run 5).
+# 64 x 64 kernel tiles over the 128 x 128 block mask: faster than the defaults at 8K-token layouts (docs/DECISIONS.md).
 KERNEL_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64}
 _FALLBACK = {"on": os.environ.get("PEAGLE_TRAIN_ATTENTION", "flex") == "blocksparse"}
 

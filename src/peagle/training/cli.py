@@ -91,8 +91,8 @@ def register(subparsers) -> None:
     train.add_argument("--out", type=Path, required=True, help="output directory (checkpoints, logs, final/)")
     train.add_argument("--num-layers", type=int, help="drafter layers (default 4 for peagle, 1 for eagle3)")
     train.add_argument("--k-train", type=int,
-                       help="drafting depth trained (default 8 for peagle, 3 for eagle3: each method's best in "
-                            "BENCHMARKS.md)")
+                       help="drafting depth trained (default 8 for peagle, 3 for eagle3: each method's best; see "
+                            "docs/DECISIONS.md)")
     train.add_argument("--cod-r", type=float, default=0.7, help="COD keep ratio per depth (default 0.7)")
     train.add_argument("--cod-r-min", type=float, default=0.2, help="COD floor (default 0.2)")
     train.add_argument("--num-segments", type=int, default=1,
@@ -175,7 +175,7 @@ def register(subparsers) -> None:
                             "the drafter's rows, the charged elements) up to multiples of ROWS (a multiple of "
                             "128, e.g. 1024) with rows that carry no loss, so that a few shapes repeat from step to "
                             "step: a GEMM of a shape not seen before costs ~100 us of host time to choose its "
-                            "kernel, a repeated one ~15 us (BENCHMARKS.md run 10). For a trainer the host holds "
+                            "kernel, a repeated one ~15 us (see docs/DECISIONS.md). For a trainer the host holds "
                             "back; 0 (default): off")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--init", type=Path, metavar="DRAFTER_DIR", help="start from an existing head")

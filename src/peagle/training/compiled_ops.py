@@ -1,8 +1,8 @@
 """The drafter's element-wise steps compiled for training: RMSNorm, add + RMSNorm, RoPE and SiLU-and-mul.
 
 While autograd records, the decoder layers run the PyTorch references of these steps (the Triton kernels have no
-backward), several small kernels each plus the dtype casts between them; on the GPU those were about a fifth of a
-P-EAGLE training step (BENCHMARKS.md run 5's profile). `install` compiles each reference (`torch.compile`,
+backward), several small kernels each plus the dtype casts between them, a sizeable share of a P-EAGLE training
+step on the GPU (off by default: docs/DECISIONS.md). `install` compiles each reference (`torch.compile`,
 dynamic shapes), checks the compiled forward and backward against the reference on small inputs in both dtypes a
 step sees, and installs the ones that agree in `peagle.models.layers.TRAINING_OPS`; an op whose compilation or check
 fails keeps its reference, and so does one whose compiled form fails later on a new input.

@@ -10,26 +10,19 @@ from peagle.drafters.config import DEFAULT_NUM_LAYERS, METHODS
 OPTIMIZERS = ("adamw", "muon")  # --optimizer (optimizers.py)
 
 SCHEDULES = ("linear", "cosine")
-# The draft head's vocabulary when none is asked for (speculators' and SpecForge's 32K): 32,768 tokens beat the
-# target's whole 49,152 for P-EAGLE with the same data and time (BENCHMARKS.md run 11: held-out walk AL@7 2.79 / 2.64,
-# served AL at K=7 2.15 / 2.07 MT-Bench, 2.35 / 2.21 HumanEval).
+# The draft head's vocabulary when none is asked for (speculators' and SpecForge's 32K): it served more than the
+# target's whole vocabulary with the same data and time (docs/DECISIONS.md).
 DEFAULT_DRAFT_VOCAB = 32768
 TIME_LIMITED_WARMUP = 30  # default warmup steps under --time-limit (the steps over which the rate is measured)
-# Peak learning rate per method when --lr is not given. P-EAGLE's 1e-3 beat 6e-4 in both side-by-side runs on the
-# same data and time (BENCHMARKS.md runs 7 and 9: held-out walk AL@7 1.67 / 1.60 at 4 minutes, 2.18 / 2.14 at 6;
-# served AL at K=7 1.90 / 1.89 MT-Bench, 2.03 / 1.95 HumanEval); EAGLE-3 keeps the public recipes' 6e-4 (not tried).
+# Peak learning rate per method when --lr is not given: P-EAGLE's 1e-3 beat 6e-4 side by side on the same data and
+# time; EAGLE-3 keeps the public recipes' 6e-4 (docs/DECISIONS.md).
 DEFAULT_LR = {"peagle": 1e-3, "eagle3": 6e-4}
-# Optimizer per method when --optimizer is not given: Muon for both. For P-EAGLE's hidden matrices it served more
-# than AdamW in the one-session recipe with EAGLE-3 unchanged beside it as the control (BENCHMARKS.md run 14 against
-# run 12: served AL at K=7 2.84 / 3.25 against 2.67 / 2.98 MT-Bench / HumanEval, the control 2.66 / 2.99 against
-# 2.65 / 2.95); EAGLE-3 with Muon too served 2.89 / 3.25 against its AdamW 2.66 / 2.99 (run 15 against run 14, P-EAGLE
-# 2.90 / 3.29 beside it), so the baseline gets it as well. A dict per method, so that the two can part again.
+# Optimizer per method when --optimizer is not given: Muon for both, which served more than AdamW for each head in
+# the one-session recipe (docs/DECISIONS.md). A dict per method, so that the two can part again.
 DEFAULT_OPTIMIZER = {"peagle": "muon", "eagle3": "muon"}
 # Depth trained per method when --k-train is not given. P-EAGLE drafts K in one pass and serves best at K=7-11, so it
-# trains 8 deep (12 cost a fifth of the steps and gained nothing at K=11: BENCHMARKS.md run 13). EAGLE-3 serves best
-# at K=3, and trained 3 steps deep it served more at K=3 and at K=7 than trained 7 deep, in the same time with steps
-# of half the cost (run 19 against run 15: AL 2.51 / 2.81 against 2.41 / 2.60 at K=3, 3.01 / 3.52 against 2.89 /
-# 3.25 at K=7, MT-Bench / HumanEval).
+# trains 8 deep (deeper costs steps and gains nothing at K=11). EAGLE-3 serves best at K=3, and trained 3 steps deep
+# it serves more at K=3 and at K=7 than trained 7 deep, in the same time (docs/DECISIONS.md).
 DEFAULT_K_TRAIN = {"peagle": 8, "eagle3": 3}
 
 
@@ -38,9 +31,8 @@ class TrainConfig:
     """A training run. The recipe defaults (lr 6e-4 cosine, frozen lm_head, a 32K draft vocabulary, COD 0.7 / 0.2,
     depth decay 0.8, feature noise 0.05) are the public recipes' choices (speculators, SpecForge), which beat the
     earlier defaults (lr 1e-3, trained full-vocabulary head, COD 0.8, no decay, no noise) on every held-out and
-    served acceptance number for P-EAGLE with the same data and time (BENCHMARKS.md run 5); P-EAGLE's peak learning
-    rate alone is 1e-3 since run 9 (DEFAULT_LR); the optimizer is Muon, P-EAGLE's since run 14, EAGLE-3's since run
-    15 (DEFAULT_OPTIMIZER)."""
+    served acceptance number for P-EAGLE with the same data and time; P-EAGLE's peak learning rate alone is 1e-3
+    (DEFAULT_LR), and the optimizer is Muon for both heads (DEFAULT_OPTIMIZER). The evidence: docs/DECISIONS.md."""
 
     target: Path
     data: Path | tuple[Path, ...]  # one or more data directories; kept as a tuple

@@ -86,7 +86,7 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, params: Sequence[nn.Parameter], blocks: Sequence[Sequence[int] | None], lr: float,
                  weight_decay: float = 0.0, momentum: float = MUON_MOMENTUM, batch_shapes: bool = True):
-        """`batch_shapes=False`: every block through `orthogonalise` alone (the form before run 15, for timing)."""
+        """`batch_shapes=False`: every block through `orthogonalise` alone (the unbatched form, kept for timing)."""
         self.batch_shapes = batch_shapes
         params = list(params)
         if len(blocks) != len(params):

@@ -120,7 +120,7 @@ def _pad_to(t: torch.Tensor, length: int) -> torch.Tensor:
 def pad_shapes(plan: StepPlan, multiple: int, drafter_rows: bool = False) -> StepPlan:
     """The plan with the row counts of its matrices padded up to multiples of `multiple`, so that a step's GEMMs
     keep a few shapes from step to step instead of new ones each time (a shape the GEMM library has not seen costs
-    ~100 us of host time to select a kernel, a repeated one ~15 us: BENCHMARKS.md run 10).
+    ~100 us of host time to select a kernel, a repeated one ~15 us: docs/DECISIONS.md).
 
     Padded: the teacher table's rows (copies of position 0), each forward's charged elements (weight-0 copies of
     element 0: no loss, no gradient, not counted), and with `drafter_rows` (P-EAGLE's single pass) the drafter's

@@ -162,24 +162,23 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     load_format: str = "auto"
     synthetic_acceptance: tuple[float, ...] | None = None
-    # vLLM's name: the host schedules and prepares step n+1 while the GPU runs step n (1.14x at batch 1, 1.38x at
-    # batch 64 on an H200, BENCHMARKS.md run 5; greedy output identical under CUDA graphs with trained heads, run 6)
+    # vLLM's name: the host schedules and prepares step n+1 while the GPU runs step n (faster at every batch size,
+    # greedy output unchanged: docs/DECISIONS.md)
     async_scheduling: bool = True
     # the target's linear layers run the split-K GEMV kernel (kernels/gemv.py) at <= 8 rows instead of cuBLAS, each
-    # decoder norm and the MLP's activation inside the GEMV after it (three kernels fewer per layer); off by default
-    # until an engine run times it (the kernels alone: BENCHMARKS.md run 8)
+    # decoder norm and the MLP's activation inside the GEMV after it (three kernels fewer per layer); off by default:
+    # slower than cuBLAS end to end at batch 1 (docs/DECISIONS.md)
     decode_gemv: bool = False
     # vLLM's name: prompts longer than a step's max_num_batched_tokens left by the decodes are prefilled in chunks
     enable_chunked_prefill: bool = False
     # vLLM's name: a prompt starts from the KV blocks an earlier prompt with the same first tokens left cached (full
-    # blocks, the target's and the drafter's entries; engine/block_manager.py). Off by default (vLLM's is on): benchmarks repeat their prompts, and the
-    # testbed's prefills are as cheap as a step's fixed costs (BENCHMARKS.md run 22: 1.08x TTFT on a 1,024-token prefix)
+    # blocks, the target's and the drafter's entries; engine/block_manager.py). Off by default (vLLM's is on):
+    # benchmarks repeat their prompts, and the testbed's prefills cost little more than a step (docs/DECISIONS.md)
     enable_prefix_caching: bool = False
     # general steps (prefills, prefill chunks, prefills beside decodes) of up to 2048 tokens and 16 requests replay
     # CUDA graphs too, captured on first use (CUDA without enforce_eager only): an eager step costs ~13 ms of host
-    # launches on the 30-layer testbed target. On an H200 TTFT p50 at concurrency 1 fell from 16.2 to 4.1 ms and a
-    # 512-token prompt's step among 8 decodes from 15.9 to 1.9 ms; greedy output identical with trained heads
-    # (BENCHMARKS.md run 7). A shape's first use pays its capture (30-50 ms)
+    # launches on the 30-layer testbed target; graphed, TTFT and a prompt's step fall several-fold with greedy output
+    # unchanged (docs/DECISIONS.md). A shape's first use pays its capture (30-50 ms)
     prefill_cuda_graphs: bool = True
 
     def __post_init__(self):

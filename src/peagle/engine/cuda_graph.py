@@ -31,12 +31,13 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # General steps: token buckets are powers of two from 16 to 128, then TOKEN_BUCKET_STEPS buckets per doubling (128,
 # 160, 192, 224, 256, 320, ...) up to the step budget, capped (a larger step's compute dwarfs its launch cost, so it
 # runs eagerly). A graphed step computes its whole bucket: at concurrency 64 and K=7 the decodes alone feed 512
-# tokens, and a step that also admits a 75-token prompt padded to 1,024 tokens cost 2.7x a decode round (run 13);
-# with four steps per doubling it pads to 640. Request buckets reach 64, the default max_num_seqs: at high
-# concurrency nearly every step admits a new prompt, and an eager step of 32-64 requests costs several graphed ones.
+# tokens, and a step that also admits a 75-token prompt would pad to 1,024 with powers of two, several times a
+# decode round's cost; with four steps per doubling it pads to 640 (docs/DECISIONS.md). Request buckets reach 64, the
+# default max_num_seqs: at high concurrency nearly every step admits a new prompt, and an eager step of 32-64
+# requests costs several graphed ones.
 TOKEN_BUCKET_MIN = 16
 TOKEN_BUCKET_FINE_FROM = 128
-TOKEN_BUCKET_STEPS = 4  # buckets per doubling from TOKEN_BUCKET_FINE_FROM (1: powers of two, the ladder before run 14)
+TOKEN_BUCKET_STEPS = 4  # buckets per doubling from TOKEN_BUCKET_FINE_FROM (1: powers of two, the coarse ladder)
 TOKEN_BUCKET_CAP = 2048
 REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MAX_GENERAL_KEYS = 96  # (T, B, K) keys with graphs; steps of further keys run eagerly

@@ -26,8 +26,8 @@ logger = logging.getLogger(__name__)
 _ACTIVATION_RESERVE = 2 << 30  # bytes kept free for activations, logits and graphs
 # Async scheduling: a step that admits waiting prompts is launched before the answer in flight arrives (the prompts
 # built on the host, the decodes' rows on the device from that answer), instead of after it with the GPU idle while
-# the host builds the step. On since run 14 (BENCHMARKS.md: a closed loop of 64 requests 13-14% more tokens/s, P-EAGLE's
-# ITL p99 as requests arrive 2.84 -> 2.04 ms); scripts/device/engine_timing.py's "+admit-ahead" variant times it.
+# the host builds the step. On: more tokens/s and a lower ITL tail where requests finish apart (docs/DECISIONS.md);
+# scripts/device/engine_timing.py's "+admit-ahead" variant times it.
 ADMIT_AHEAD = True
 
 

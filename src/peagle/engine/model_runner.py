@@ -29,11 +29,9 @@ from peagle.engine.spec.proposer import DraftInputs, Proposer
 from peagle.engine.spec.verifier import verify_greedy, verify_sampled, verify_synthetic
 from peagle.models.attention import DenseAttention
 
-# Whether an adaptive engine's drafter proposes only the drafts its step's K verifies (not the engine's K). At the 8B
-# shape (BENCHMARKS.md run 18) 14.7-15.4K tokens/s at 64 requests against 13.1-13.5K without, 9.0-11.0K at 32
-# against 9.9-10.6K (and one first wave of its process at 7.8K). The step at a rise in K is laid out as the new K's
-# step with its missing drafts padded (PAD_DRAFT), so it replays graphs; run 17 ran it eagerly and five of eight
-# waves took 1-5 s longer.
+# Whether an adaptive engine's drafter proposes only the drafts its step's K verifies (not the engine's K): faster at
+# 64 requests of the 8B shape (docs/DECISIONS.md). The step at a rise in K is laid out as the new K's step with its
+# missing drafts padded (PAD_DRAFT), so it replays graphs rather than running eagerly, which cost seconds a wave.
 PROPOSE_VERIFIED_ONLY = True
 # A draft that is fed but never accepted (the verifiers skip ids < 0): pads a step whose K rose to the new K's layout.
 PAD_DRAFT = -1
@@ -389,7 +387,7 @@ class ModelRunner:
                 # A rise beside a prompt (or a chunk) cannot be padded: the step proposes what its K's graphs
                 # propose, and the rise comes at the next decode-only step. Proposing `want` here would run the
                 # whole step eagerly (several rounds' time on the GPU) at every admission of a load that crosses a band
-                # edge (BENCHMARKS.md run 23: the calibrated policy at concurrency 2, 21-45% below fixed K).
+                # edge (docs/DECISIONS.md).
                 want = self.draft_count(k)
         eager = draft and want != self.draft_count(k)  # a count no graph proposes (fewer than the default)
         if not eager and chunks is None and self.graphs is not None and self.graphs.can_run(seqs, drafts, k, draft):

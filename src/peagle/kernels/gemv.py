@@ -162,9 +162,8 @@ def _num_sms(device_index: int) -> int:
 
 def choose_split_k(n: int, k: int, device: torch.device, block_n: int = 32, block_k: int = 128) -> int:
     """Enough K slices that the programs cover the SMs about twice, each slice at least two BLOCK_K wide; none
-    below MIN_SPLIT_BLOCKS * BLOCK_K of reduction, where the second kernel costs more than the spread gains (H200,
-    graphed, M = 1: at K = 576 two slices took 3.5-4.6 us against 3.1-3.4 us for one, for N = 576-3072; at K = 1536
-    six slices 3.8 us against 5.1; BENCHMARKS.md run 8)."""
+    below MIN_SPLIT_BLOCKS * BLOCK_K of reduction, where the second kernel costs more than the spread gains (timed
+    on an H200 at the testbed's shapes: docs/DECISIONS.md)."""
     if k < MIN_SPLIT_BLOCKS * block_k:
         return 1
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
@@ -180,9 +179,8 @@ WARPS4_TILE_MAX = 16 * 256  # weight tiles of more elements run on 8 warps (fewe
 def choose_tiling(n: int, k: int, device: torch.device) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, split-K) for a weight of [n, k]. Every program reads its weight tiles one after another,
     and with the weights out of the L2 cache (as a model's layers meet them) each read is a round trip to memory,
-    so a short reduction wants few, wide tiles: at the testbed's K = 576, 16 x 256 tiles took 4.2-5.1 us cold against
-    5.3-5.5 us for 32 x 128 (H200, M = 1, BENCHMARKS.md run 16's tiling sweep; cuBLAS 3.7-4.2 us). A longer one
-    keeps 32 x 128 tiles and choose_split_k's slices (K = 1536: six slices, 4.7 us cold, the sweep's best)."""
+    so a short reduction wants few, wide tiles (16 x 256 at the testbed's K = 576). A longer one keeps 32 x 128 tiles
+    and choose_split_k's slices (at K = 1536 the best of a tiling sweep: docs/DECISIONS.md)."""
     if k < MIN_SPLIT_BLOCKS * 128:
         return (*SHORT_K_TILING, 1)
     return 32, 128, choose_split_k(n, k, device)

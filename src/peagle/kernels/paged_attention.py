@@ -266,15 +266,12 @@ def kv_tile(head_dim: int, num_splits: int) -> dict[str, int]:
 
 
 # Whether split-KV calls merge their splits inside the attention kernel (one launch) rather than in a second kernel.
-# On since it was timed twice (BENCHMARKS.md runs 16 and 17, scripts/device/engine_timing.py "+fused-merge"): a
-# batch-1 decode step without speculation 0.944-0.961 ms against 0.981-0.987 (1,040-1,057 tokens/s against
-# 1,014-1,018), a step that admits a prompt among 63 decodes 1.84 ms of GPU time against 2.29-2.33; P-EAGLE's rounds
-# unchanged. The GPU tests check both.
+# On: faster decode and admitting steps, P-EAGLE's rounds unchanged (docs/DECISIONS.md; scripts/device/
+# engine_timing.py "+fused-merge" times it). The GPU tests check both.
 FUSED_MERGE = True
 # Whether a mixed step (a `small_query_len` given, and longer requests present) tiles its short and long requests in
-# two launches (`paged_attention`). On since it was timed (BENCHMARKS.md run 16, scripts/device/engine_timing.py
-# "+mixed-tiles"): in a closed loop of 64 P-EAGLE requests a step that admits a prompt took 2.53 ms of GPU time
-# (median) against 3.85-4.04 ms with one launch; steps without prompts are unchanged.
+# two launches (`paged_attention`). On: a step that admits a prompt among many decodes takes less GPU time, steps
+# without prompts are unchanged (docs/DECISIONS.md; scripts/device/engine_timing.py "+mixed-tiles" times it).
 MIXED_TILES = True
 _ARRIVALS_MIN = 1 << 16
 _arrivals_buffers: dict[str, list[torch.Tensor]] = {}  # per device, every buffer made (graphs keep pointers to them)

@@ -1,7 +1,7 @@
 """Programmatic dependent launch (PDL) for the decode path's Triton kernels (Hopper and newer).
 
 A batch-1 decode step of a small target is a chain of latency-bound kernels (about ten per layer of a few us each on
-an H200, BENCHMARKS.md runs 3 and 8): part of each one's time is the gap in which the GPU drains the kernel before and
+an H200): part of each one's time is the gap in which the GPU drains the kernel before and
 starts the next. With PDL a kernel launched with `launch_pdl=True` may start while the kernel before it is still
 running, once that one allows it (`gdc_launch_dependents`), and waits inside (`gdc_wait`) until the one before has
 finished and its writes are visible. The kernels that take a USE_PDL constexpr begin with

@@ -28,8 +28,8 @@ class AttentionBackend(Protocol):
         ...
 
 
-# cuDNN attention is left out: with it allowed, a training step (whose teacher calls this once per document, at every
-# length) was the slowest of the variants timed on an H200 in either order (BENCHMARKS.md, training, run 3).
+# cuDNN attention is left out: allowed, it made the slowest training step of the variants timed (the teacher calls
+# this once per document, at every length; docs/DECISIONS.md).
 _BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

@@ -34,8 +34,8 @@ class EngineRunner:
     concurrency above 1 they run twice: first all at once (each prompt's prefill), then with staggered lengths
     (`warmup_tokens` + i mod concurrency tokens for the i-th, at most the point's), so that requests finish a step
     apart and each step admits a prompt beside the running decodes, as in the measurement: the engine captures the
-    graph of such a step's (tokens, requests) bucket on its first use, some 30-40 ms each (run 19's points at
-    concurrency 64 took captures inside the measured seconds).
+    graph of such a step's (tokens, requests) bucket on its first use, some 30-40 ms each, which would otherwise
+    fall inside the measured seconds (docs/DECISIONS.md).
     """
 
     def __init__(self, engine: Any, encode: Callable[[Prompt], list[int]], params: Callable[[float, int], Any],

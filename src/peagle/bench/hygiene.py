@@ -6,9 +6,9 @@ breaks either by more than `drop_tolerance` is flagged (the later point of a fal
 A point whose TTFT p99 is `stall_factor` times, and `stall_min_ms` above, the larger TTFT p99 of its neighbouring
 concurrencies stalled (a compilation, an allocator hiccup) somewhere inside it. A lower neighbour's TTFT is scaled by
 the ratio of concurrencies first: a burst of c prompts queues c prefills, so prefill-bound points (long prompts) grow
-their TTFT tail with concurrency without stalling (BENCHMARKS.md run 23: long code at 64 against 16). `settle`
-re-measures each flagged point once and leaves in its `flags` what still stands. All functions are pure over point dicts
-(docs/BENCH_SCHEMA.md) except for the `measure_again` callable given to `settle`.
+their TTFT tail with concurrency without stalling (docs/DECISIONS.md). `settle` re-measures each flagged point once
+and leaves in its `flags` what still stands. All functions are pure over point dicts (docs/BENCH_SCHEMA.md) except
+for the `measure_again` callable given to `settle`.
 """
 
 from __future__ import annotations

@@ -36,8 +36,7 @@ class Scale:
     code_prompts: int = 20_000  # short code prompts at most (the standard library alone gives under a thousand)
     code_root: str = ""  # the part of the standard library they are read from ("": all of it)
     # ... and the installed packages' Python source too (sysconfig's purelib and platlib: torch, transformers and the
-    # rest of the environment: 10,867 prompts with the standard library's on the development machine, the 20,000
-    # cap on the H200 machine in run 11, against 614-841 from the standard library alone)
+    # rest of the environment): many times the standard library's prompts (docs/DECISIONS.md)
     code_site_packages: bool = True
     long_code: bool = True  # long code prompts (1K-8K tokens, the standard library's files) for 8K packs
     # The evaluation set, never trained on: the target's answers to the last N first turns of ShareGPT's held-out
@@ -55,7 +54,7 @@ class Scale:
     num_kv_blocks: int | None = None  # --num-kv-blocks of every `peagle regenerate` (None: sized from free memory)
     # Training: both heads get train_args and --time-limit train_minutes, each its own method's arguments; the
     # recipe (learning rate, optimizer, schedule, frozen 32K head, COD, depth decay, feature noise) is `peagle train`'s
-    # default (Muon for both heads: P-EAGLE's since run 14, EAGLE-3's since run 15).
+    # default (Muon for both heads).
     train_args: tuple[str, ...] = TRAIN_ARGS
     eagle3_args: tuple[str, ...] = ("--num-layers", "1", "--k-train", "3", "--batch-size", "1")
     peagle_args: tuple[str, ...] = ("--num-layers", "4", "--k-train", "8", "--batch-size", "1")
@@ -137,30 +136,25 @@ class Scale:
         return {name: max(sum(limits[s] for s in lane) for lane in lanes) for name, lanes in schedule(list(limits))}
 
 
-# The device script's recipe of run 7 (BENCHMARKS.md), the best served acceptance measured: answers of up to 256
-# tokens (run 6's 512 looped past ~256 and halved the prompts answered in the same time; served AL at K=7 rose
-# 1.89 -> 2.04 on MT-Bench and 2.00 -> 2.19 on HumanEval). The heads take `peagle train`'s draft vocabulary (32K),
-# which beat the target's whole one in run 11's side-by-side A/B (runs 6-10 trained over the whole one).
+# Answers of up to 256 tokens: longer ones loop, halve the prompts answered in the same time and serve less
+# (docs/DECISIONS.md). The heads take `peagle train`'s draft vocabulary (32K).
 H200_ANSWER_TOKENS = 256
 H200_TRAIN_ARGS: tuple[str, ...] = ()
 
 
 def h200_scale() -> Scale:
     """One H200, from the GGUF to both trained heads within 20 minutes: every turn of ShareGPT's train split (as
-    many conversations as 160 s allow), side by side with self-synthesised prompts (85 s: run 11's 70 s kept
-    14,778, answered in 49 s of the 85 s they had then, so the lane idled 40 s) and their answers (70 s),
+    many conversations as 160 s allow), side by side with self-synthesised prompts (85 s) and their answers (70 s),
     ShareGPT and the synthesised prompts two processes each; then short code prompts from the standard library and
-    the installed packages and long ones from the standard library side by side (50 s; run 10's 614 short ones from
-    the standard library alone were answered in 18 s, run 11's 20,000 gave 8,960 documents, 3.6M tokens, in the
-    50), beside them the evaluation set (256 held-out first turns, 40 s); answers of up to 256 tokens; then EAGLE-3
-    (1 layer, K_train 3: run 19's anchor served more than 7) and P-EAGLE (4 layers, K_train 8) trained side by
-    side on 8K packs for 12.25 minutes each, plus what the steps before left of their limits, with `peagle
-    train`'s default recipe (a 32K draft vocabulary). Wall limits: 30 + 30 + 60 + 60 s before the data, 160 + 50 s
-    of data, 785 s for the heads: 19.6 minutes. The commands and the data schedule follow the device script's `data` and `train` stages (run 8's,
-    with 85 s of synthesis instead of 45), trained longer. The heads' 50 s beyond their training are the trainers'
-    start-up, final evaluation and save: 22.7 s in run 10 (BENCHMARKS.md), whose 120 s reserve left 97 s of the
-    budget idle; 75 s of it train now. Then, outside the budget, both heads are served at K 3 and 7 on 64 prompts
-    of MT-Bench and of HumanEval (7 minutes at most)."""
+    the installed packages and long ones from the standard library side by side (50 s), beside them the evaluation
+    set (256 held-out first turns, 40 s); answers of up to 256 tokens; then EAGLE-3 (1 layer, K_train 3) and
+    P-EAGLE (4 layers, K_train 8) trained side by side on 8K packs for 12.25 minutes each, plus what the steps
+    before left of their limits, with `peagle train`'s default recipe (a 32K draft vocabulary). Wall limits:
+    30 + 30 + 60 + 60 s before the data, 160 + 50 s of data, 785 s for the heads: 19.6 minutes. The commands and
+    the data schedule follow the device script's `data` and `train` stages, trained longer. The heads' 50 s beyond
+    their training are the trainers' start-up, final evaluation and save. Then, outside the budget, both heads are
+    served at K 3 and 7 on 64 prompts of MT-Bench and of HumanEval (7 minutes at most). Why these limits:
+    docs/DECISIONS.md."""
     return Scale(name="h200", target="smollm2", regenerate_parts=2, num_kv_blocks=40_000,
                  max_tokens=H200_ANSWER_TOKENS, long_code_max_tokens=H200_ANSWER_TOKENS,
                  train_args=(*TRAIN_ARGS, *H200_TRAIN_ARGS), download_s=600,

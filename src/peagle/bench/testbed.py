@@ -49,7 +49,7 @@ time: a step alone its limit, a phase its longest lane's (the sum of that lane's
 aside (they wait on the network, not the machine), sum to at most 20 minutes. At a scale with a budget, what the
 steps before the heads, run whole in this build, leave unused of their limits is added to the trainers' --time-limit
 (and to the heads step's limit): the build still ends within the budget, and the slack goes to training, on which the
-heads' acceptance depends most (BENCHMARKS.md run 9). After each step one log line says how
+heads' acceptance depends most (docs/DECISIONS.md). After each step one log line says how
 long it took, against its limit, and what it produced (documents, tokens, prompts, training steps); after a phase one
 more line gives its wall time against its limit and each lane's steps' times.
 
@@ -411,7 +411,7 @@ class Testbed:
                    "runs them alone)" if faults else ""))
 
     def _resume_head(self, command: Command, code: int, left_s: float) -> Command | None:
-        """A trainer that died before the step's limit (run 29: a CUDA fault, one trainer of two) goes on from its
+        """A trainer that died before the step's limit (a CUDA fault, say) goes on from its
         newest complete checkpoint for the minutes the step has left, less the trainers' start-up and save, so one
         fault does not cost the build its heads; None (the failure stands) without a checkpoint or that time."""
         from peagle.training.trainer import CHECKPOINTS, complete_checkpoints

@@ -537,10 +537,8 @@ class Trainer:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.dist.device.type == "cuda" else [])
-        # The profiler's CUDA tracer (CUPTI) stays attached after it stops unless TEARDOWN_CUPTI=1, and then every
-        # later kernel launch pays for it (PyTorch issue 144455: 10-20% slower training; BENCHMARKS.md run 21: heads
-        # profiled for three steps took 14-52% longer per step than unprofiled runs of their recipes). Teardown is
-        # unsafe only beside CUDA graphs, which the trainer does not use. A value the user set is kept.
+        # The CUDA tracer stays attached after it stops unless TEARDOWN_CUPTI=1, slowing every later launch (PyTorch
+        # issue 144455; docs/DECISIONS.md); teardown is unsafe only beside CUDA graphs, which training does not use.
         os.environ.setdefault(CUPTI_TEARDOWN_ENV, "1")
         self._profiler = profile(activities=activities)
         self._profiler.start()

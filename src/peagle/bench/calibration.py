@@ -12,33 +12,24 @@ band boundary sits at their geometric mean (the grid is log-spaced), and the las
 Worked example: concurrencies 1, 2, 4, 8, 16, 32, 64 won by K 11, 11, 7, 7, 5, 0, 0 give boundaries 1, 2, 5, 11, 22,
 45 and, with equal neighbours merged, `{"thresholds": [[2, 11], [11, 7], [22, 5]], "above": 0}`.
 
-`adaptive.json` beside a head holds that policy in the shape `speculative_config.adaptive` takes, plus a
-`calibration` record (what was measured, on which GPU); `head_adaptive_default` fills it into a speculative config
-that gives no `adaptive` of its own. This module imports nothing heavy: the engine calls it while parsing configs.
+`write_policy` saves the policy beside the head as `adaptive.json`, in the format of peagle.drafters.policy, which
+also reads it back as the head's default policy.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from peagle.drafters.policy import policy_file_text
+
 logger = logging.getLogger(__name__)
 
-POLICY_FILE = "adaptive.json"
 TIE_TOLERANCE = 0.02  # a larger K must beat the best smaller one by more than this fraction of tokens/s
 RULE = ("per concurrency, the K with the highest tokens/s over no speculation (geometric mean over the workloads every "
         "compared K was measured on; near-ties to the smaller K); band edges at geometric midpoints")
-
-
-def policy_text(policy: dict[str, Any]) -> str:
-    """A policy in the `--adaptive` syntax: {"thresholds": [[8, 7]], "above": 0} -> "8:7,above:0"."""
-    items = [f"{bound}:{k}" for bound, k in policy.get("thresholds") or ()]
-    if policy.get("above") is not None:
-        items.append(f"above:{policy['above']}")
-    return ",".join(items) or "above:max"
 
 
 def winners(points: Iterable[dict], method: str, tie_tolerance: float = TIE_TOLERANCE) -> list[dict]:
@@ -111,33 +102,6 @@ def write_policy(path: str | Path, policy: dict[str, Any], record: dict[str, Any
     """Writes a policy file (policy + a `calibration` record) through a temporary file; returns its path."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({**policy, "calibration": record}, indent=2) + "\n")
+    tmp.write_text(policy_file_text(policy, record))
     tmp.replace(path)
     return path
-
-
-def read_policy(path: str | Path) -> dict[str, Any]:
-    """The policy of an adaptive.json: {"thresholds": [...], "above": K}; ValueError naming the file if malformed."""
-    try:
-        data = json.loads(Path(path).read_text())
-        policy = {"thresholds": [[int(b), int(k)] for b, k in data.get("thresholds", [])], "above": data.get("above")}
-    except (OSError, ValueError, TypeError, AttributeError) as e:
-        raise ValueError(f"{path} is not an adaptive policy file ({e}); rewrite it with peagle bench --calibrate, "
-                         "delete it, or give speculative_config.adaptive explicitly") from None
-    if policy["above"] is not None and not isinstance(policy["above"], int):
-        raise ValueError(f"{path}: 'above' must be an integer K or null")
-    return policy
-
-
-def head_adaptive_default(spec: dict[str, Any]) -> dict[str, Any]:
-    """`spec` with `adaptive` taken from the head's adaptive.json when it gives none (an explicit `adaptive`, even
-    {}, is kept: that is how a caller asks for a fixed K). Any other spec comes back unchanged."""
-    if "adaptive" in spec or not spec.get("model"):
-        return spec
-    path = Path(str(spec["model"])) / POLICY_FILE
-    if not path.is_file():
-        return spec
-    policy = read_policy(path)
-    logger.info("adaptive policy %s from %s (the head's calibrated default; pass \"adaptive\": {} for a fixed K)",
-                policy_text(policy), path)
-    return {**spec, "adaptive": policy}

@@ -259,7 +259,8 @@ def _method_head(text: str) -> tuple[str, Path]:
 
 
 def _write_policy_from(results: dict, method: str, head: Path) -> Path:
-    from peagle.bench.calibration import POLICY_FILE, RULE, derive_policy, write_policy
+    from peagle.bench.calibration import RULE, derive_policy, write_policy
+    from peagle.drafters.policy import policy_path
 
     policy, table = derive_policy(results["points"], method)
     used = sorted({w for row in table for w in row["workloads"]})
@@ -269,7 +270,7 @@ def _write_policy_from(results: dict, method: str, head: Path) -> Path:
               "datasets": sorted({w.rsplit("@", 1)[0] for w in used}),
               "temperatures": sorted({float(w.rsplit("@", 1)[1]) for w in used}),
               "max_tokens": results["config"].get("max_tokens"), "rule": RULE, "table": table}
-    return write_policy(head / POLICY_FILE, policy, record)
+    return write_policy(policy_path(head), policy, record)
 
 
 def _check_after_the_run(points: list[dict]) -> None:

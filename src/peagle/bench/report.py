@@ -41,8 +41,8 @@ import subprocess
 from pathlib import Path
 from typing import Any, Iterable
 
-from peagle.bench.calibration import policy_text
 from peagle.bench.measurement import Measurement
+from peagle.drafters.policy import policy_text
 
 SCHEMA_VERSION = 2
 RESULTS_KIND = "peagle-bench"

@@ -22,12 +22,13 @@ from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence
 
 from tqdm import tqdm
 
-from peagle.bench.calibration import POLICY_FILE, RULE, derive_policy, policy_text, read_policy, write_policy
+from peagle.bench.calibration import RULE, derive_policy, write_policy
 from peagle.bench.datasets import Prompt, load_prompts
 from peagle.bench.hf_baseline import HF_METHODS
 from peagle.bench.hygiene import HygieneRules, settle
 from peagle.bench.measurement import Measurement
 from peagle.bench.report import ENGINE_METHODS, ResultsWriter, make_point, markdown
+from peagle.drafters.policy import POLICY_FILE, policy_path, policy_text, read_policy
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +160,7 @@ class SweepConfig:
             policy = {"thresholds": [list(t) for t in self.adaptive], "above": self.adaptive_above}
             rows += [(m, self.policy_k(policy), policy) for m in self.speculative_methods]
         if self.adaptive_head:
-            paths = {m: Path(str(self.draft(m))) / POLICY_FILE for m in self.speculative_methods}
+            paths = {m: policy_path(self.draft(m)) for m in self.speculative_methods}
             if not any(path.is_file() for path in paths.values()):
                 raise ValueError(f"--adaptive head: none of {sorted(map(str, paths.values()))} exists (write one "
                                  "with peagle bench --calibrate)")
@@ -379,7 +380,7 @@ def policy_writer(config: SweepConfig, writer: ResultsWriter) -> OnPolicy:
                   "temperatures": list(config.temperatures), "max_tokens": config.max_tokens,
                   "rule": RULE,
                   "table": table}
-        path = write_policy(Path(str(config.draft(method))) / POLICY_FILE, policy, record)
+        path = write_policy(policy_path(config.draft(method)), policy, record)
         write_policy(writer.out_dir / f"adaptive-{method}.json", policy, record)
         logger.info("wrote %s: %s", path, policy_text(policy))
         writer.policies[method] = path

@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from peagle.drafters.policy import head_adaptive_default
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AdaptivePolicy:
@@ -81,8 +83,6 @@ class SpeculativeConfig:
             raise ValueError("speculative config must be a JSON object")
         if not d:  # '{}' says: no speculation (overrides a config from the environment)
             return None
-        from peagle.bench.calibration import head_adaptive_default
-
         d = head_adaptive_default(d)  # no "adaptive" given: the head's calibrated adaptive.json, if it has one
         known = {"method", "model", "num_speculative_tokens", "parallel_drafting", "adaptive"}
         unknown = sorted(set(d) - known)

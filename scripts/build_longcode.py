@@ -1,4 +1,4 @@
-"""Build the vendored long-context code set (src/peagle/bench/data/longcode.jsonl.gz) once; the output is committed.
+"""Build the vendored long-context code set (src/peagle/data/longcode.jsonl.gz) once; the output is committed.
 
 Each prompt is one real Python standard-library file followed by an instruction about one of its functions, e.g.
 "Explain what the function `scanstring` above does and write a unit test for it". Files are picked so that prompt
@@ -9,7 +9,7 @@ Token counts come from the target's tokenizer when --tokenizer is given (a conve
 file, loaded with transformers); otherwise they are estimated as characters / 3.5 (SmolLM2's tokenizer averages
 about 3.5-3.8 characters per token on Python code). Each record says which of the two was used.
 
-    python scripts/build_longcode.py --tokenizer MODEL_DIR_OR_GGUF --out src/peagle/bench/data/longcode.jsonl.gz
+    python scripts/build_longcode.py --tokenizer MODEL_DIR_OR_GGUF --out src/peagle/data/longcode.jsonl.gz
 
 With --train, it writes instead every other qualifying file (--min-tokens up to 7.9K tokens) whose module is not in
 the vendored benchmark set, as `{"prompt": ...}` lines for `peagle regenerate`: the long training documents of a
@@ -147,11 +147,11 @@ def main() -> None:
     parser.add_argument("--tokenizer", help="model directory or .gguf file whose tokenizer measures prompt lengths")
     parser.add_argument("--stdlib", type=Path, default=Path(sysconfig.get_paths()["stdlib"]))
     parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--out", type=Path, default=Path("src/peagle/bench/data/longcode.jsonl.gz"))
+    parser.add_argument("--out", type=Path, default=Path("src/peagle/data/longcode.jsonl.gz"))
     parser.add_argument("--train", action="store_true",
                         help="write training prompts: every qualifying module not in --exclude")
     parser.add_argument("--min-tokens", type=int, default=MIN_TOKENS, help="shortest prompt with --train")
-    parser.add_argument("--exclude", type=Path, default=Path("src/peagle/bench/data/longcode.jsonl.gz"),
+    parser.add_argument("--exclude", type=Path, default=Path("src/peagle/data/longcode.jsonl.gz"),
                         help="with --train: the benchmark set whose modules are left out")
     parser.add_argument("--short", action="store_true",
                         help="with --train: short requests about single functions of the stdlib and site-packages")

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.modes.split(",")
     if bad := [m for m in modes if m not in MODES]:
         ap.error(f"unknown mode {bad[0]!r}: choose from {', '.join(MODES)}")
-    from peagle.bench.datasets import load_prompts
+    from peagle.datasets import load_prompts
     from peagle.models.loader import load_tokenizer
 
     tok = load_tokenizer(args.target)

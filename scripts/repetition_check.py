@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from peagle import LLM, SamplingParams
-from peagle.bench.datasets import load_prompts
+from peagle.datasets import load_prompts
 from peagle.training.regenerate import repeated_ngrams
 
 SPLIT = 256  # the benchmarks' --max-tokens in `run.sh heads`

@@ -1,11 +1,14 @@
-"""Benchmark prompts: MT-Bench, HumanEval, held-out ShareGPT, the long-context code set, or any JSONL of prompts.
+"""Prompt sets: MT-Bench, HumanEval, ShareGPT (held-out and train splits), the long-context code set, any JSONL.
+
+Benchmarks (peagle.bench) read them as prompts; training (peagle.training) reads ShareGPT's train split and checks
+its data against the benchmark sets, so this module sits below both and imports nothing of peagle.
 
 Every loader returns `Prompt`s: an id and a chat (a tuple of {"role", "content"} messages ending with a user turn),
 so that the in-process engine (chat template applied by our tokenizer), a server's /v1/chat/completions and the
 Hugging Face baselines all see the same conversation.
 
 Sources:
-- mtbench: the 80 MT-Bench questions (FastChat, Apache-2.0), first turns only; vendored in data/.
+- mtbench: the 80 MT-Bench questions (FastChat, Apache-2.0), first turns only; vendored in peagle/data/.
 - humaneval: the 164 HumanEval problems (MIT), each wrapped as "Complete the following Python function"; vendored.
 - longcode: 32 prompts of 2K-8K tokens built once from CPython standard-library files (PSF licence) by
   scripts/build_longcode.py; it stands in for SPEED-Bench's coding category, which no package registry ships.
@@ -93,8 +96,9 @@ def load_prompts(name: str, limit: int | None = None, split: str = "test",
     return prompts[:limit]
 
 
-def _data_file(name: str):
-    return resources.files("peagle.bench").joinpath("data", name)
+def data_file(name: str):
+    """A vendored file of peagle/data/ (package data: it ships in the wheel)."""
+    return resources.files("peagle").joinpath("data", name)
 
 
 def _read_jsonl_lines(lines: Iterator[str], source: str) -> Iterator[tuple[int, dict]]:
@@ -111,13 +115,13 @@ def _read_jsonl_lines(lines: Iterator[str], source: str) -> Iterator[tuple[int, 
 
 
 def load_mtbench(split: str = "test", cache_dir: Path | None = None) -> list[Prompt]:
-    with _data_file("mtbench_question.jsonl").open("r", encoding="utf-8") as f:
+    with data_file("mtbench_question.jsonl").open("r", encoding="utf-8") as f:
         records = [r for _, r in _read_jsonl_lines(f, "mtbench_question.jsonl")]
     return [Prompt.user(f"mtbench-{r['question_id']}", r["turns"][0]) for r in records]
 
 
 def load_humaneval(split: str = "test", cache_dir: Path | None = None) -> list[Prompt]:
-    with _data_file("HumanEval.jsonl.gz").open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as f:
+    with data_file("HumanEval.jsonl.gz").open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as f:
         records = [r for _, r in _read_jsonl_lines(f, "HumanEval.jsonl.gz")]
     return [Prompt.user(r["task_id"], HUMANEVAL_TEMPLATE.format(prompt=r["prompt"])) for r in records]
 
@@ -128,7 +132,7 @@ def load_longcode(split: str = "test", cache_dir: Path | None = None) -> list[Pr
 
 def longcode_records() -> list[dict]:
     """The vendored long-context records, with their provenance fields (source file, function, num_tokens, ...)."""
-    with _data_file("longcode.jsonl.gz").open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as f:
+    with data_file("longcode.jsonl.gz").open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as f:
         return [r for _, r in _read_jsonl_lines(f, "longcode.jsonl.gz")]
 
 

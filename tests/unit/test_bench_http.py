@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from peagle.bench.datasets import Prompt
+from peagle.datasets import Prompt
 from peagle.bench.http_runner import HttpRunner, counter_delta, read_spec_counters
 from peagle.bench.measurement import SpecCounts
 

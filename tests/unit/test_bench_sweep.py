@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from peagle.bench.datasets import Prompt
+from peagle.datasets import Prompt
 from peagle.bench.engine_runner import EngineRunner
 from peagle.bench.report import POINT_KEYS, markdown, summary_line
 from peagle.bench.sweep import SweepConfig, run_benchmark, run_sweep

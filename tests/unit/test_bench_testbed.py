@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from peagle.bench import testbed, testbed_commands, testbed_report
-from peagle.bench.datasets import load_prompts, sharegpt_split_of
+from peagle.datasets import load_prompts, sharegpt_split_of
 from peagle.bench.testbed import SHAREGPT_MEMBER, Command
 from peagle.bench.testbed_scale import h200_scale, smoke_scale
 

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from peagle.bench.datasets import (
+from peagle.datasets import (
     HUMANEVAL_TEMPLATE,
     Prompt,
     load_prompts,
@@ -112,7 +112,7 @@ def test_unit_tests_never_read_the_users_cache(monkeypatch):
     import os
     from pathlib import Path
 
-    from peagle.bench.datasets import default_cache_dir, sharegpt_file
+    from peagle.datasets import default_cache_dir, sharegpt_file
 
     for name in ("PEAGLE_CACHE", "HOME", "XDG_CACHE_HOME", "HF_HOME"):
         assert "user-paths" in os.environ[name] and not any(Path(os.environ[name]).iterdir())

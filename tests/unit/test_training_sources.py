@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from peagle.bench import datasets
+from peagle import datasets
 from peagle.engine.outputs import StepOutput
 from peagle.models.attention import DenseAttention
 from peagle.models.loader import load_model, load_tokenizer
@@ -176,7 +176,7 @@ def test_next_turn_does_not_repeat_an_end_of_turn_the_target_wrote(tiny_hf_check
 
 def test_data_commands_refuse_benchmark_prompts(tiny_hf_checkpoint, tmp_path):
     checkpoint = tiny_hf_checkpoint("llama", num_layers=1)
-    data = resources.files("peagle.bench") / "data"
+    data = resources.files("peagle") / "data"
     with (data / "HumanEval.jsonl.gz").open("rb") as raw, gzip.open(raw, "rt") as f:
         problem = json.loads(f.readline())["prompt"]
     mtbench = json.loads((data / "mtbench_question.jsonl").read_text().splitlines()[3])["turns"][1]
@@ -219,7 +219,7 @@ def test_sharegpt_command_writes_an_evaluation_set_of_held_out_first_turns(tmp_p
                                              {"from": "gpt", "value": "answer"},
                                              {"from": "human", "value": f"second {cid}"}]}
                for cid in [test_ids[0], train_id, *test_ids[1:3]]]
-    mtbench = json.loads((resources.files("peagle.bench") / "data" / "mtbench_question.jsonl").read_text()
+    mtbench = json.loads((resources.files("peagle") / "data" / "mtbench_question.jsonl").read_text()
                          .splitlines()[0])["turns"][0]
     records += [{"id": test_ids[3], "conversations": [{"from": "human", "value": mtbench}]},  # a benchmark prompt
                 {"id": test_ids[4], "conversations": [{"from": "human", "value": "x " * 7000}]},  # too long

@@ -324,14 +324,15 @@ def trainer_arguments(text: str, option: str, before: Sequence[str] = ()) -> tup
     them: an unknown one, one the testbed sets itself or a bad value is refused with `option` named."""
     import shlex
 
-    from peagle.cli import build_parser
+    from peagle.training.cli import register as register_training
 
     args = tuple(shlex.split(text))
     owned = sorted({a.split("=", 1)[0] for a in args} & set(TESTBED_TRAIN_OPTIONS))
     if owned:
         raise ValueError(f"{option}: {', '.join(owned)} is set by the testbed for each head")
     base = ["train", "--target", "t", "--data", "d", "--method", "peagle", "--out", "o", *before]
-    parser = build_parser()
+    parser = argparse.ArgumentParser(prog="peagle")  # not peagle.cli.build_parser: that module sits above bench
+    register_training(parser.add_subparsers(dest="command", metavar="COMMAND"))
     try:
         _, unknown = parser.parse_known_args([*base, *args])
     except SystemExit as e:  # argparse has printed why (a missing or invalid value)

@@ -11,7 +11,7 @@ import logging
 import time
 from typing import Any, Callable, Sequence
 
-from peagle.bench.datasets import Prompt
+from peagle.datasets import Prompt
 from peagle.bench.measurement import (
     WARMUP_MAX_TOKENS,
     Measurement,

@@ -16,7 +16,7 @@ import logging
 import time
 from typing import Any, Callable, Sequence
 
-from peagle.bench.datasets import Prompt
+from peagle.datasets import Prompt
 from peagle.bench.measurement import WARMUP_MAX_TOKENS, Measurement, RequestPlan, RequestTrace, SpecCounts, summarize
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence
 from tqdm import tqdm
 
 from peagle.bench.calibration import RULE, derive_policy, write_policy
-from peagle.bench.datasets import Prompt, load_prompts
+from peagle.datasets import Prompt, load_prompts
 from peagle.bench.hf_baseline import HF_METHODS
 from peagle.bench.hygiene import HygieneRules, settle
 from peagle.bench.measurement import Measurement

@@ -83,8 +83,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from peagle.bench import datasets
-from peagle.bench.datasets import default_cache_dir, load_prompts, sharegpt_file
+from peagle import datasets
+from peagle.datasets import default_cache_dir, load_prompts, sharegpt_file
 from peagle.bench.testbed_commands import (INTERRUPT_POLL_S, STOP_GRACE_S, Command, Phase, Step, TestbedStepError,
                                            run_commands, sigterm_raises_interrupt)
 from peagle.bench.testbed_commands import seconds as _seconds

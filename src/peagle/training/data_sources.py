@@ -25,9 +25,10 @@ import json
 import logging
 import re
 import unicodedata
-from importlib import resources
 from pathlib import Path
 from typing import Iterable, Sequence
+
+from peagle import datasets
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +68,6 @@ class BenchmarkGuard:
     @classmethod
     def builtin(cls, sharegpt_json: Path | None = None) -> "BenchmarkGuard":
         """The vendored benchmark sets, plus ShareGPT's held-out prompts when the ShareGPT JSON is at hand."""
-        from peagle.bench import datasets
-
         path = sharegpt_json or datasets.sharegpt_file(datasets.default_cache_dir())
         held_out = []
         if path.is_file():
@@ -93,9 +92,7 @@ class BenchmarkGuard:
         """Whether a record id names a conversation of ShareGPT's held-out split."""
         if not record_id or not record_id.startswith(SHAREGPT_ID_PREFIX):
             return False
-        from peagle.bench.datasets import sharegpt_split_of
-
-        return sharegpt_split_of(record_id[len(SHAREGPT_ID_PREFIX):]) == "test"
+        return datasets.sharegpt_split_of(record_id[len(SHAREGPT_ID_PREFIX):]) == "test"
 
     def held_out_text(self, text: str) -> bool:
         """Whether `text` equals a held-out ShareGPT prompt (normalised)."""
@@ -144,12 +141,9 @@ class BenchmarkGuard:
 
 def builtin_benchmark_texts() -> list[tuple[str, str]]:
     """(set name, prompt text) of every vendored benchmark prompt, in each form a prompt file might hold it."""
-    from peagle.bench import datasets
-
-    data = resources.files("peagle.bench").joinpath("data")
-    with data.joinpath("mtbench_question.jsonl").open("r", encoding="utf-8") as f:
+    with datasets.data_file("mtbench_question.jsonl").open("r", encoding="utf-8") as f:
         texts = [("mtbench", turn) for line in f if line.strip() for turn in json.loads(line)["turns"]]
-    with data.joinpath("HumanEval.jsonl.gz").open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as f:
+    with datasets.data_file("HumanEval.jsonl.gz").open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as f:
         problems = [json.loads(line) for line in f if line.strip()]
     texts += [("humaneval", r["prompt"]) for r in problems]
     texts += [("humaneval", datasets.HUMANEVAL_TEMPLATE.format(prompt=r["prompt"])) for r in problems]
@@ -159,12 +153,10 @@ def builtin_benchmark_texts() -> list[tuple[str, str]]:
 
 def sharegpt_conversations(records: Iterable[dict], split: str = "train") -> list[dict]:
     """`{"id": "sharegpt-ID", "messages": [user turns]}` for every conversation of `split` with a human turn."""
-    from peagle.bench.datasets import sharegpt_split_of
-
     out = []
     for record in records:
         cid = str(record.get("id", ""))
-        if not cid or sharegpt_split_of(cid) != split:
+        if not cid or datasets.sharegpt_split_of(cid) != split:
             continue
         turns = [t["value"] for t in record.get("conversations", [])
                  if isinstance(t, dict) and t.get("from") in ("human", "user") and isinstance(t.get("value"), str)
@@ -218,15 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.last is not None and args.last < 1:
         parser.error(f"--last must be at least 1, got {args.last}")
-    from peagle.bench.datasets import read_sharegpt
-
-    records = read_sharegpt(args.sharegpt_json)
+    records = datasets.read_sharegpt(args.sharegpt_json)
     conversations = sharegpt_conversations(records, args.split)
     if args.first_turns:
-        from peagle.bench.datasets import SHAREGPT_MAX_PROMPT_CHARS
-
         conversations = [{**c, "messages": c["messages"][:1]} for c in conversations
-                         if len(c["messages"][0]["content"]) <= SHAREGPT_MAX_PROMPT_CHARS]
+                         if len(c["messages"][0]["content"]) <= datasets.SHAREGPT_MAX_PROMPT_CHARS]
     # Prompts overlapping a benchmark set are dropped from either split (the held-out split is an evaluation set's
     # source: it is kept, never trained on).
     guard = BenchmarkGuard.builtin(args.sharegpt_json)

@@ -3,7 +3,7 @@
 Prompts come from JSON Lines (`{"messages": [...]}` or `{"prompt": "..."}` per line, optionally gzip-compressed as
 .gz) or a ShareGPT JSON file (a list of `{"id": ..., "conversations": [{"from": "human" | "gpt", "value": ...}]}`;
 a truncated file is read up to its last complete record, and only the train split is used: see
-peagle.bench.datasets). Single-turn (the default): each prompt's messages up to its last user turn are the context
+peagle.datasets). Single-turn (the default): each prompt's messages up to its last user turn are the context
 and the target writes one answer; ShareGPT gives its first human turn. Multi-turn (`multi_turn=True`): every user
 turn is answered in order, each in the context of the target's OWN earlier answers (the recorded ones are dropped),
 and the whole chat is one document whose loss mask covers exactly the target-written tokens.
@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from tqdm import tqdm
 
+from peagle.datasets import sharegpt_split_of
 from peagle.models.config import ModelConfig
 from peagle.models.loader import load_tokenizer
 from peagle.models.tokenizer import Message, Tokenizer
@@ -86,8 +87,6 @@ def _record_id(record: Any) -> str | None:
 
 def _train_split(records: Iterator[dict], path: Path) -> Iterator[dict]:
     """A ShareGPT file's train split: its held-out conversations are benchmark prompts."""
-    from peagle.bench.datasets import sharegpt_split_of
-
     held_out = 0
     for record in records:
         if isinstance(record, dict) and "id" in record and sharegpt_split_of(str(record["id"])) == "test":

@@ -163,3 +163,38 @@ def test_failed_forced_conversion_keeps_the_old_output(tmp_path):
     with pytest.raises(ValueError, match="not a readable GGUF file"):
         convert_gguf(src, out, force=True)
     assert _listing(tmp_path) == ["empty.gguf", "out", "out/config.json"]
+
+
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def _says_how_to_get_a_checkpoint(text: str, repo: str = "ORG/NAME") -> None:
+    assert "peagle takes a local checkpoint directory (config.json, safetensors weights, tokenizer.json)" in text
+    assert "downloads nothing from a hub" in text
+    assert f"hf download {repo} --local-dir DIR" in text and "peagle convert gguf" in text
+
+
+def test_a_hub_id_is_answered_with_how_to_download_it(tmp_path, monkeypatch, capsys):
+    from peagle import LLM
+
+    monkeypatch.chdir(tmp_path)  # the hub id is no directory here
+    with pytest.raises(FileNotFoundError) as e:
+        LLM(HUB_ID, device="cpu")
+    assert str(e.value).startswith(f"{HUB_ID} is not a directory")
+    _says_how_to_get_a_checkpoint(str(e.value), HUB_ID)
+    with pytest.raises(FileNotFoundError) as e:
+        load_tokenizer(HUB_ID)
+    _says_how_to_get_a_checkpoint(str(e.value), HUB_ID)
+    assert cli_main(["serve", HUB_ID, "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"peagle serve: error: {HUB_ID} is not a directory")
+    _says_how_to_get_a_checkpoint(err, HUB_ID)
+
+
+def test_a_directory_without_config_json_or_a_gguf_file_says_what_peagle_takes(checkpoint, tmp_path):
+    (checkpoint / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match=f"{checkpoint} has no config.json") as e:
+        load_model(checkpoint)
+    _says_how_to_get_a_checkpoint(str(e.value))
+    with pytest.raises(FileNotFoundError, match=r"model\.gguf is a GGUF file.*`peagle convert gguf .*model\.gguf DIR`"):
+        load_model(tmp_path / "model.gguf")

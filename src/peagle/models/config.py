@@ -23,6 +23,21 @@ class UnsupportedModelError(ValueError):
     pass
 
 
+def not_a_checkpoint(path: str | Path) -> str:
+    """Why `path` is no model for peagle, and how to get a local checkpoint directory (a hub id is the usual slip)."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        what, how = f"{path} is a GGUF file", f"convert it first: `peagle convert gguf {path} DIR`"
+    else:
+        what = f"{path} has no config.json" if path.is_dir() else f"{path} is not a directory"
+        hub_id = not path.exists() and not path.is_absolute() and str(path).count("/") == 1
+        repo = str(path) if hub_id and not str(path).startswith(".") else "ORG/NAME"
+        how = (f"get one with `hf download {repo} --local-dir DIR` (older huggingface_hub: `huggingface-cli "
+               "download`), or convert a GGUF file with `peagle convert gguf FILE.gguf DIR`")
+    return (f"{what}: peagle takes a local checkpoint directory (config.json, safetensors weights, tokenizer.json) and "
+            f"downloads nothing from a hub; {how}, then pass DIR")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     family: str
@@ -167,7 +182,7 @@ class ModelConfig:
         path = Path(path)
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
-            raise FileNotFoundError(f"{path} has no config.json; is it a Hugging Face checkpoint directory?")
+            raise FileNotFoundError(not_a_checkpoint(path))
         try:
             d = json.loads(cfg_file.read_text())
         except json.JSONDecodeError as e:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from peagle.models.config import ModelConfig
+from peagle.models.config import ModelConfig, not_a_checkpoint
 from peagle.models.layers import RotaryEmbedding
 from peagle.models.llama import LlamaModel
 from peagle.models.tokenizer import Tokenizer
@@ -48,7 +48,7 @@ def load_model(
     """The target model from a checkpoint directory (config.json + safetensors), in eval mode without grads."""
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+        raise FileNotFoundError(not_a_checkpoint(path))
     cfg = ModelConfig.from_dir(path)
     torch_dtype = parse_dtype(dtype)
     model = empty_model(cfg)

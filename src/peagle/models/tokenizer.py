@@ -17,6 +17,8 @@ from typing import Any, Iterable, Sequence
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 
+from peagle.models.config import not_a_checkpoint
+
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 Message = dict[str, Any]
 
@@ -40,6 +42,8 @@ class Tokenizer:
     def from_dir(cls, path: str | Path) -> "Tokenizer":
         path = Path(path)
         tokenizer_file = path / "tokenizer.json"
+        if not path.is_dir():
+            raise FileNotFoundError(not_a_checkpoint(path))
         if not tokenizer_file.is_file():
             raise FileNotFoundError(
                 f"{path} has no tokenizer.json; peagle reads fast (tokenizers) tokenizers only. "

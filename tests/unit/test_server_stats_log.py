@@ -4,6 +4,7 @@ Prometheus metrics take; and the server logging them while it serves."""
 from __future__ import annotations
 
 import logging
+import queue
 
 import httpx
 import pytest
@@ -66,6 +67,79 @@ def test_a_drained_burst_is_logged_at_once_and_idle_time_is_not_counted():
     assert "Avg generation throughput: 3.0 tokens/s" in log.maybe_log(1, 0, 0.0)[0]
     with pytest.raises(ValueError, match="interval"):
         StatLogger(metrics, interval_s=0)
+
+
+def test_short_bursts_log_at_most_one_line_per_interval():
+    # A request every 3 s, each done in 1 s: the engine goes idle after each. One line per 10 s, not one per burst;
+    # the burst held back is logged once 10 s have passed since the last line, over the time requests ran.
+    metrics, clock = ServerMetrics(0, "m"), Clock()
+    log = StatLogger(metrics, interval_s=10.0, clock=clock)
+    times = []
+    for _ in range(7):
+        log.restart_window()  # a request wakes the engine
+        metrics.on_step_tokens(10, [])
+        clock.now += 1.0
+        if log.maybe_log(0, 0, 0.0, idle=True):
+            times.append(clock.now)
+        assert log.pending_s() == (None if times[-1] == clock.now else times[-1] + 10.0 - clock.now)
+        clock.now += 2.0
+    assert times == [101.0, 113.0]  # and not 101, 104, 107, ...
+    clock.now = times[-1] + 9.0  # idle since 119: the burst that drained then waits until 123
+    assert log.pending_s() == 1.0
+    assert log.maybe_log(0, 0, 0.0, idle=True) == []
+    clock.now += 1.0
+    assert log.pending_s() == 0.0
+    lines = log.maybe_log(0, 0, 0.0, idle=True)
+    assert len(lines) == 1 and "Avg generation throughput: 10.0 tokens/s" in lines[0]  # 20 tokens in 2 s of work
+    assert log.pending_s() is None
+    clock.now += 50.0
+    log.restart_window()
+    metrics.on_step_tokens(50, [])
+    clock.now += 10.0
+    assert "Avg generation throughput: 5.0 tokens/s" in log.maybe_log(1, 0, 0.0)[0]  # idle time is not counted
+
+
+def test_the_idle_engine_thread_logs_a_held_back_line_when_it_is_due(caplog):
+    class Engine:
+        k, config = 0, type("Config", (), {"enable_prefix_caching": False})
+
+        def stats(self):
+            return type("Stats", (), {"num_running": 0, "num_waiting": 0, "kv_usage": 0.0})
+
+        def has_unfinished_requests(self):
+            return False
+
+    class Commands:  # the engine thread's queue: nothing comes while a timed wait runs, then a command does
+        def __init__(self):
+            self.timeouts = []
+
+        def get(self, timeout=None):
+            self.timeouts.append(timeout)
+            if timeout is None:
+                return "command"
+            clock.now += timeout
+            raise queue.Empty
+
+    from peagle.server.async_engine import AsyncEngine
+
+    metrics, clock = ServerMetrics(0, "m"), Clock()
+    engine = AsyncEngine(Engine(), metrics=metrics, log_stats_interval_s=10.0)
+    engine.stat_logger = log = StatLogger(metrics, interval_s=10.0, clock=clock)
+    engine._commands = commands = Commands()
+    caplog.set_level(logging.INFO, logger="peagle.server.stats")
+    for tokens in (10, 30):  # two bursts of 1 s, 2 s apart: the second drains too soon after the first's line
+        log.restart_window()
+        metrics.on_step_tokens(tokens, [])
+        clock.now += 1.0
+        engine._publish_stats()
+        clock.now += 2.0
+    assert len(caplog.records) == 1
+    assert engine._next_command_when_idle() == "command"
+    assert commands.timeouts == [5.0, None]  # waited until 10 s after the first line, then for the next command
+    assert len(caplog.records) == 2 and "Avg generation throughput: 30.0 tokens/s" in caplog.records[1].message
+    no_logger = AsyncEngine(Engine(), metrics=ServerMetrics(0, "m"))
+    no_logger._commands = commands = Commands()
+    assert no_logger._next_command_when_idle() == "command" and commands.timeouts == [None]
 
 
 def test_the_server_logs_stats_while_it_serves(tiny_hf_checkpoint, tmp_path, caplog):

@@ -162,7 +162,7 @@ class AsyncEngine:
         # Idle: sleep until a command comes. Busy: take what has arrived and step again.
         commands = []
         if not self.engine.has_unfinished_requests():
-            commands.append(self._commands.get())
+            commands.append(self._next_command_when_idle())
             if self.stat_logger is not None:
                 self.stat_logger.restart_window()
         while True:
@@ -170,6 +170,17 @@ class AsyncEngine:
                 commands.append(self._commands.get_nowait())
             except queue.Empty:
                 return commands
+
+    def _next_command_when_idle(self) -> Callable[[], None] | None:
+        """The next command, waited for; meanwhile the drained burst's stats line once one is due (at most one per
+        interval: a line logged shortly before the burst drained holds it back)."""
+        wait = None if self.stat_logger is None else self.stat_logger.pending_s()
+        if wait is not None:
+            try:
+                return self._commands.get(timeout=wait)
+            except queue.Empty:
+                self._publish_stats()
+        return self._commands.get()
 
     def _add(self, stream: RequestStream, prompt_token_ids: list[int], params: SamplingParams):
         try:

@@ -152,7 +152,11 @@ class ProcessAsyncEngine(AsyncEngine):
         conn = self.engine.conn
         try:
             while True:
-                ready = wait([conn, self._wake_r])
+                stats_due = None if self.stat_logger is None else self.stat_logger.pending_s()
+                ready = wait([conn, self._wake_r], timeout=stats_due)
+                if not ready:  # idle, and the drained burst's stats line is due
+                    self._set_stats(self.engine.last_stats)
+                    continue
                 if self._wake_r in ready:
                     try:
                         while self._wake_r.recv(4096):

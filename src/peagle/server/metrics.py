@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -211,31 +212,56 @@ class StatLogger:
     """vLLM's periodic log lines: every `interval_s` while requests run or arrive, the interval's prompt and
     generation throughput, running and waiting requests, KV-cache usage and prefix-cache hit rate, and with
     speculation the acceptance of the requests that finished in it (mean acceptance length, per-position acceptance
-    rate, draft acceptance rate). `maybe_log` is called by the engine thread after each iteration."""
+    rate, draft acceptance rate). `maybe_log` is called by the engine thread after each iteration.
+
+    At most one line per `interval_s`: a burst that drains sooner is logged when the engine goes idle if the last
+    line is that old, else once it is (`pending_s` tells the idle engine thread when). Idle time is not part of an
+    interval, so a line's throughput is over the time requests ran."""
 
     def __init__(self, metrics: ServerMetrics, interval_s: float = 10.0, clock=time.monotonic):
         if interval_s <= 0:
             raise ValueError(f"the stats interval must be > 0 s, got {interval_s}")
         self.metrics, self.interval_s, self.clock = metrics, interval_s, clock
-        self._last_time, self._last = clock(), metrics.totals.copy()
+        self._last_time, self._last = clock(), metrics.totals.copy()  # the window: its start (less idle time), counts
+        self._last_line = -math.inf  # when the last line was logged
+        self._idle_since: float | None = None  # set while the engine is idle
 
     def restart_window(self) -> None:
-        """The engine woke from idle: the next line's interval starts now (its throughput is not spread over the
-        idle time; what ran before was logged when the engine went idle)."""
-        self._last_time = self.clock()
+        """The engine woke from idle: the time it idled is left out of the window (what ran before it is in the
+        window still, unless its line was logged)."""
+        now = self.clock()
+        if self._idle_since is None:
+            self._last_time = now
+        else:
+            self._last_time += now - self._idle_since
+            self._idle_since = None
+
+    def pending_s(self) -> float | None:
+        """While idle, the seconds until the drained burst's line may be logged; None when nothing waits for one."""
+        cur, last = self.metrics.totals, self._last
+        if self._idle_since is None or (cur.prompt_tokens, cur.generation_tokens) == (last.prompt_tokens,
+                                                                                      last.generation_tokens):
+            return None
+        return max(0.0, self._last_line + self.interval_s - self.clock())
 
     def maybe_log(self, num_running: int, num_waiting: int, kv_usage: float, idle: bool = False) -> list[str]:
-        """The lines logged now: none before the interval is over (unless the engine just went `idle`: the rest of
-        a burst is logged when it drains), or when nothing ran in it."""
+        """The lines logged now: none before the interval is over (when the engine just went `idle`: before
+        `interval_s` has passed since the last line), or when nothing ran in it."""
+        if not idle and self._idle_since is not None:
+            self.restart_window()  # woken without a restart_window call (the engine process's relay)
         now = self.clock()
-        dt = now - self._last_time
-        if dt < self.interval_s and not idle:
+        if idle and self._idle_since is None:
+            self._idle_since = now
+        dt = (now if self._idle_since is None else self._idle_since) - self._last_time  # the time requests ran
+        if dt < self.interval_s and not (idle and now - self._last_line >= self.interval_s):
             return []
         cur, last = self.metrics.totals.copy(), self._last
         prompt, generated = cur.prompt_tokens - last.prompt_tokens, cur.generation_tokens - last.generation_tokens
         if not (prompt or generated or num_running or num_waiting):
             return []
-        self._last_time, self._last = now, cur
+        self._last_time, self._last, self._last_line = now, cur, now
+        if self._idle_since is not None:
+            self._idle_since = now  # the window starts now: idle time from here on is left out of it
         dt = max(dt, 1e-9)
         line = (f"Avg prompt throughput: {prompt / dt:.1f} tokens/s, Avg generation throughput: {generated / dt:.1f} "
                 f"tokens/s, Running: {num_running} reqs, Waiting: {num_waiting} reqs, KV cache usage: "

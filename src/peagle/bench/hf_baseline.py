@@ -78,7 +78,7 @@ class HfBaseline:
         traces = []
         self._sync()
         start = time.perf_counter()
-        with tqdm(desc=f"HF generate, batch {batch}", unit="batch", leave=False) as bar:
+        with tqdm(desc=f"HF generate, batch {batch}", unit="batch", leave=False, disable=None) as bar:
             while not traces or time.perf_counter() - start < self.min_seconds:  # whole passes, one at least
                 for rows in batches:
                     traces += self._timed_batch(rows, **generate_kwargs)

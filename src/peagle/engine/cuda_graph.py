@@ -159,7 +159,7 @@ class CudaGraphs:
     def _capture_all(self):
         r = self.runner
         todo = [(b, k) for k in self.ks for b in reversed(self.buckets)]
-        for b, k in tqdm(todo, desc="capturing CUDA graphs", leave=False):
+        for b, k in tqdm(todo, desc="capturing CUDA graphs", leave=False, disable=None):
             self._fill_dummy(b, k)
             x = self._views(b, k)
             self._capture(("greedy", b, k), lambda: r.greedy_step(x, k))

@@ -175,7 +175,7 @@ class LLM:
         done: dict[str, list] = {rid: [None] * p.n for rid, (_, _, p) in requests.items()}
         tokens: dict[str, list[int]] = {}
         logprobs: dict[str, list] = {}
-        bar = tqdm(total=len(requests), desc="generating", disable=not use_tqdm, leave=False)
+        bar = tqdm(total=len(requests), desc="generating", disable=None if use_tqdm else True, leave=False)
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)

@@ -202,7 +202,7 @@ class GGUFFile:
 
     def hf_tensors(self, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) for every weight, dequantized and un-permuted, with a progress bar."""
-        for t in tqdm(self.reader.tensors, desc=f"converting {self.path.name}", unit="tensor"):
+        for t in tqdm(self.reader.tensors, desc=f"converting {self.path.name}", unit="tensor", disable=None):
             if t.name == ROPE_FREQS:
                 continue
             hf_name = hf_tensor_name(t.name)

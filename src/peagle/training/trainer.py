@@ -251,7 +251,10 @@ class Trainer:
         except Exception as e:
             if is_device_fault(e):
                 self._prefetch.close()
-                self.record_fault(e)
+                try:
+                    self.record_fault(e)
+                except Exception as record_error:  # noqa: BLE001 - the fault, not the record's failure, is the error
+                    logger.error("could not record the fault's steps: %s", record_error)
             raise
         finally:
             self._prefetch.close()

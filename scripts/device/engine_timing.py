@@ -22,15 +22,15 @@ step while the GPU runs the current one (async_scheduling: "other" then is the h
 `async+prefill-graphs` with async scheduling (the engine's defaults), `async+prefill-graphs+gemv` and the GEMV
 (decode_gemv: since run 8 with each decoder norm and the MLP's activation inside the GEMVs). Any variant may end in
 `+fused-merge`: the paged attention's KV splits merged by their last arrival inside the attention kernel, one launch
-instead of two per layer (peagle.kernels.paged_attention.FUSED_MERGE, on by default since run 17; without the
+instead of two per layer (EngineConfig.fused_merge, on by default since run 17; without the
 modifier the variant runs with it off, as with admit-ahead), and in
 `+coarse-buckets`: general steps' graphs padded to powers of two of tokens, the ladder before run 14
 (peagle.engine.cuda_graph.TOKEN_BUCKET_STEPS = 1; four buckets per doubling from 128 tokens since), and in
 `+admit-ahead`: with async scheduling, a step that admits waiting prompts launched before the answer in flight
-arrives (peagle.engine.llm_engine.ADMIT_AHEAD, on by default since run 14; without the modifier the variant runs
+arrives (EngineConfig.admit_ahead, on by default since run 14; without the modifier the variant runs
 with it off, so rows mean the same in every run), and in `+mixed-tiles`: the attention of a step that prefills beside
 decodes in two launches, short requests in small tiles and long ones listed by a tile map
-(peagle.kernels.paged_attention.MIXED_TILES, on by default since run 16; without the modifier the variant runs with
+(EngineConfig.mixed_tiles, on by default since run 16; without the modifier the variant runs with
 it off, as with admit-ahead), and in `+pdl`: the decode path's Triton
 kernels launched with programmatic dependent launch, each starting while the one before finishes
 (peagle.kernels.pdl.ENABLED, off by default: no gain on the default path in run 16; Hopper and newer), and in
@@ -64,6 +64,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
+import inspect
 import json
 import random
 import statistics
@@ -92,6 +93,8 @@ except (ImportError, AttributeError):
     gemv_module = SHORT_K_TILING = None
 WIDE_TILING = (16, 1024)  # `+gemv-wide`: a short reduction's whole weight slice in one tile (K <= 1,024)
 MODIFIERS = ("fused-merge", "coarse-buckets", "admit-ahead", "mixed-tiles", "pdl", "gemv-wide")
+# The modifiers that are engine options (EngineConfig): modifier -> LLM keyword
+ENGINE_SWITCHES = {"fused-merge": "fused_merge", "mixed-tiles": "mixed_tiles", "admit-ahead": "admit_ahead"}
 
 
 def split_variant(variant: str) -> tuple[str, set[str]]:
@@ -103,6 +106,18 @@ def split_variant(variant: str) -> tuple[str, set[str]]:
         variant = variant.removesuffix("+" + m)
         mods.add(m)
     return variant, mods
+
+
+def engine_switches(mods: set[str]) -> dict[str, bool]:
+    """The LLM options of a variant's modifiers, each off without its modifier. A tree from before they were options
+    (an earlier tree timed beside this one) reads them as module switches: set there, and no options returned."""
+    options = {option: mod in mods for mod, option in ENGINE_SWITCHES.items()}
+    if "admit_ahead" in inspect.signature(LLM).parameters:
+        return options
+    paged_attention_module.FUSED_MERGE = options["fused_merge"]
+    paged_attention_module.MIXED_TILES = options["mixed_tiles"]  # harmless in trees without it
+    llm_engine.ADMIT_AHEAD = options["admit_ahead"]  # harmless in trees without it
+    return {}
 
 CONFIGS = {"none": ("none", None, 0, False), "peagle": ("peagle", "peagle", 7, True),
            "peagle-k3": ("peagle", "peagle", 3, True),
@@ -580,14 +595,13 @@ def main(argv=None) -> int:
         spec = None if head is None else {"method": "eagle3", "model": heads[head], "num_speculative_tokens": k,
                                           "parallel_drafting": parallel}
         for variant in args.variants.split(","):
-            # module switches, no LLM options, each off without its modifier: "+fused-merge" (the paged attention's
-            # KV splits merged inside its kernel), "+coarse-buckets" (general graphs padded to powers of two, as
-            # before run 14) and "+admit-ahead" (async scheduling launches a step that admits prompts before the answer in flight)
+            # each off without its modifier: engine options "+fused-merge" (the paged attention's KV splits merged
+            # inside its kernel), "+mixed-tiles" and "+admit-ahead" (async scheduling launches a step that admits
+            # prompts before the answer in flight); module switches "+coarse-buckets" (general graphs padded to
+            # powers of two, as before run 14), "+pdl" and "+gemv-wide"
             base, mods = split_variant(variant)
-            paged_attention_module.FUSED_MERGE = "fused-merge" in mods
-            paged_attention_module.MIXED_TILES = "mixed-tiles" in mods  # harmless in trees without it
+            switches = engine_switches(mods)
             cuda_graph.TOKEN_BUCKET_STEPS = 1 if "coarse-buckets" in mods else TOKEN_BUCKET_STEPS
-            llm_engine.ADMIT_AHEAD = "admit-ahead" in mods  # an attribute older trees lack: harmless there
             if pdl is not None:
                 pdl.ENABLED = "pdl" in mods
             elif "pdl" in mods:
@@ -598,7 +612,8 @@ def main(argv=None) -> int:
                 raise SystemExit(f"{variant}: this tree's GEMV has no tiling choice (peagle.kernels.gemv.choose_tiling)")
             synthetic = None if head is None or not args.synthetic_acceptance else rates
             llm = LLM(model=args.target, speculative_config=spec, dtype="bfloat16", max_model_len=args.max_model_len,
-                      max_num_seqs=64, load_format=args.load_format, synthetic_acceptance=synthetic, **VARIANTS[base])
+                      max_num_seqs=64, load_format=args.load_format, synthetic_acceptance=synthetic, **VARIANTS[base],
+                      **switches)
             if args.ttft_prompts:
                 keep({"method": name, "variant": variant, "k": k, **measure_ttft(llm, prompts, args.ttft_prompts)})
             for b in map(int, filter(None, args.batches.split(","))):

@@ -2,7 +2,7 @@
 general steps, token for token in fp32, without speculation and with EAGLE-3 and P-EAGLE drafting, with chunked
 prefill and async scheduling; and a captured graph's replay equals an eager call of its function on the same static
 buffers. Timing: scripts/device/engine_timing.py --variants sync,prefill-graphs. The mixed steps' attention in two
-launches (MIXED_TILES), the KV splits merged inside the attention kernel (FUSED_MERGE) and programmatic dependent
+launches (mixed_tiles), the KV splits merged inside the attention kernel (fused_merge) and programmatic dependent
 launch (peagle.kernels.pdl) keep the same output."""
 
 from __future__ import annotations
@@ -55,15 +55,12 @@ def test_graphed_general_steps_keep_greedy_output(model_dir, method, variant):
 
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("method", sorted(SPECS))
-def test_admit_ahead_keeps_greedy_output(model_dir, method, graphs, monkeypatch):
-    """Prompts admitted in a step launched before the answer in flight (ADMIT_AHEAD: staged pinned inputs, the
+def test_admit_ahead_keeps_greedy_output(model_dir, method, graphs):
+    """Prompts admitted in a step launched before the answer in flight (admit_ahead: staged pinned inputs, the
     decodes' rows written by the Triton kernel into the general graph's buffers) give the output of the engine
     without async scheduling, and the path did run."""
-    import peagle.engine.llm_engine as llm_engine
-
     ref = [o.token_ids for o in make_llm(model_dir, method, False).generate(PROMPTS, params(), use_tqdm=False)]
-    monkeypatch.setattr(llm_engine, "ADMIT_AHEAD", True)
-    llm = make_llm(model_dir, method, graphs, async_scheduling=True)
+    llm = make_llm(model_dir, method, graphs, async_scheduling=True, admit_ahead=True)
     calls, real = [], llm.engine.runner.launch_admit_next
     llm.engine.runner.launch_admit_next = lambda *a: calls.append(len(a[3])) or real(*a)
     assert [o.token_ids for o in llm.generate(PROMPTS, params(), use_tqdm=False)] == ref
@@ -73,15 +70,14 @@ def test_admit_ahead_keeps_greedy_output(model_dir, method, graphs, monkeypatch)
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("method", sorted(SPECS))
 def test_mixed_tiles_keep_greedy_output(model_dir, method, graphs, monkeypatch):
-    """Mixed steps' attention in two launches (MIXED_TILES: short requests in small tiles, long ones by a tile map
+    """Mixed steps' attention in two launches (mixed_tiles: short requests in small tiles, long ones by a tile map
     made on the device inside the graph) gives the output of one launch, token for token in fp32, and it ran."""
     module = importlib.import_module("peagle.kernels.paged_attention")  # the package exports a function of that name
-    monkeypatch.setattr(module, "MIXED_TILES", False)  # the reference: one launch (two is the default since run 16)
-    ref = [o.token_ids for o in make_llm(model_dir, method, graphs).generate(PROMPTS, params(), use_tqdm=False)]
-    monkeypatch.setattr(module, "MIXED_TILES", True)
+    ref = [o.token_ids for o in make_llm(model_dir, method, graphs, mixed_tiles=False).generate(  # one launch
+        PROMPTS, params(), use_tqdm=False)]
     maps, real = [], module._launch
     monkeypatch.setattr(module, "_launch", lambda *a, **kw: maps.append(kw.get("map_mode", 0)) or real(*a, **kw))
-    llm = make_llm(model_dir, method, graphs)
+    llm = make_llm(model_dir, method, graphs, mixed_tiles=True)
     assert [o.token_ids for o in llm.generate(PROMPTS, params(), use_tqdm=False)] == ref
     assert 2 in maps
 
@@ -89,18 +85,16 @@ def test_mixed_tiles_keep_greedy_output(model_dir, method, graphs, monkeypatch):
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("method", sorted(SPECS))
 def test_fused_merge_keeps_greedy_output(model_dir, method, graphs, monkeypatch):
-    """The KV splits merged by their last arrival inside the attention kernel (FUSED_MERGE, on by default since run
+    """The KV splits merged by their last arrival inside the attention kernel (fused_merge, on by default since run
     17) give the output of the separate merge kernel, token for token in fp32, with async scheduling (the engine's
     default) and with or without graphs for general steps; fused split calls did run, and every arrival counter is
     back at zero afterwards (a counter left behind would merge a later call's splits early)."""
     module = importlib.import_module("peagle.kernels.paged_attention")
-    monkeypatch.setattr(module, "FUSED_MERGE", False)
-    ref = [o.token_ids for o in make_llm(model_dir, method, graphs, async_scheduling=True).generate(
+    ref = [o.token_ids for o in make_llm(model_dir, method, graphs, async_scheduling=True, fused_merge=False).generate(
         PROMPTS, params(), use_tqdm=False)]
-    monkeypatch.setattr(module, "FUSED_MERGE", True)
     fused, real = [], module._arrivals  # called by split calls that merge inside the kernel only
     monkeypatch.setattr(module, "_arrivals", lambda *a: fused.append(real(*a)) or fused[-1])
-    llm = make_llm(model_dir, method, graphs, async_scheduling=True)
+    llm = make_llm(model_dir, method, graphs, async_scheduling=True, fused_merge=True)
     assert [o.token_ids for o in llm.generate(PROMPTS, params(), use_tqdm=False)] == ref
     assert any(b is not None for b in fused)
     torch.cuda.synchronize()

@@ -1,14 +1,13 @@
 """Async scheduling that admits waiting prompts in a step launched before the answer in flight arrives
-(`peagle.engine.llm_engine.ADMIT_AHEAD`, on by default since run 14): the prompts' rows built on the host, the decodes' rows on the device from
-the answer in flight. Output must equal the engine's without async scheduling, token for token; the scheduler's part
-(`Scheduler.admit_ahead`) admits only what fits whole."""
+(`EngineConfig.admit_ahead`, on by default since run 14): the prompts' rows built on the host, the decodes' rows on
+the device from the answer in flight. Output must equal the engine's without async scheduling, token for token; the
+scheduler's part (`Scheduler.admit_ahead`) admits only what fits whole."""
 
 from __future__ import annotations
 
 import pytest
 from test_engine_prefill_graphs import heads, target_dir  # noqa: F401 (fixtures: a 4-layer target, random heads)
 
-import peagle.engine.llm_engine as llm_engine
 from peagle import LLM, SamplingParams
 from peagle.engine.scheduler import Scheduler, SchedulerConfig
 from peagle.engine.sequence import Sequence, SequenceStatus
@@ -17,11 +16,11 @@ PROMPTS = [[7, 20, 31, 40], [9, 15], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21
            list(range(100, 135)), [3, 4], [80, 81, 82, 83, 84, 85]]
 
 
-def make_llm(target_dir, head, method, *, async_scheduling: bool, padded: bool = False):
+def make_llm(target_dir, head, method, *, async_scheduling: bool, padded: bool = False, admit_ahead: bool = True):
     spec = None if head is None else {"method": "eagle3", "model": head, "num_speculative_tokens": 3,
                                       "parallel_drafting": method == "peagle"}
     llm = LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
-              max_num_seqs=3, async_scheduling=async_scheduling)
+              max_num_seqs=3, async_scheduling=async_scheduling, admit_ahead=admit_ahead)
     if padded:
         llm.engine.runner.general_graphs = llm.engine.general_graphs(capture=False)
     return llm
@@ -47,11 +46,10 @@ def count_admit_ahead(runner) -> list[int]:
 
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("method", [None, "eagle3", "peagle"])
-def test_admit_ahead_keeps_greedy_output(target_dir, heads, method, padded, monkeypatch):
+def test_admit_ahead_keeps_greedy_output(target_dir, heads, method, padded):
     ref = make_llm(target_dir, heads[method], method, async_scheduling=False).generate(PROMPTS, params(),
                                                                                        use_tqdm=False)
-    monkeypatch.setattr(llm_engine, "ADMIT_AHEAD", True)
-    llm = make_llm(target_dir, heads[method], method, async_scheduling=True, padded=padded)
+    llm = make_llm(target_dir, heads[method], method, async_scheduling=True, padded=padded, admit_ahead=True)
     calls = count_admit_ahead(llm.engine.runner)
     outs = llm.generate(PROMPTS, params(), use_tqdm=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
@@ -60,30 +58,26 @@ def test_admit_ahead_keeps_greedy_output(target_dir, heads, method, padded, monk
         assert all(o.metrics.num_drafting_rounds > 0 for o in outs)
 
 
-def test_admit_ahead_off_launches_none(target_dir, heads, monkeypatch):
-    monkeypatch.setattr(llm_engine, "ADMIT_AHEAD", False)
-    llm = make_llm(target_dir, heads["peagle"], "peagle", async_scheduling=True)
+def test_admit_ahead_off_launches_none(target_dir, heads):
+    llm = make_llm(target_dir, heads["peagle"], "peagle", async_scheduling=True, admit_ahead=False)
     calls = count_admit_ahead(llm.engine.runner)
     llm.generate(PROMPTS, params(), use_tqdm=False)
     assert calls == []
 
 
-def test_admit_ahead_keeps_seeded_sampling(target_dir, heads, monkeypatch):
+def test_admit_ahead_keeps_seeded_sampling(target_dir, heads):
     """Seeded sampling draws from each request's own generator: the same text with and without admission ahead."""
-    monkeypatch.setattr(llm_engine, "ADMIT_AHEAD", False)
-    ref = make_llm(target_dir, heads["peagle"], "peagle", async_scheduling=True).generate(
+    ref = make_llm(target_dir, heads["peagle"], "peagle", async_scheduling=True, admit_ahead=False).generate(
         PROMPTS, params(0.8), use_tqdm=False)
-    monkeypatch.setattr(llm_engine, "ADMIT_AHEAD", True)
-    llm = make_llm(target_dir, heads["peagle"], "peagle", async_scheduling=True)
+    llm = make_llm(target_dir, heads["peagle"], "peagle", async_scheduling=True, admit_ahead=True)
     calls = count_admit_ahead(llm.engine.runner)
     outs = llm.generate(PROMPTS, params(0.8), use_tqdm=False)
     assert calls
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
 
 
-def test_prompts_needing_logits_processing_wait_for_the_answer(target_dir, heads, monkeypatch):
-    monkeypatch.setattr(llm_engine, "ADMIT_AHEAD", True)
-    llm = make_llm(target_dir, heads["peagle"], "peagle", async_scheduling=True)
+def test_prompts_needing_logits_processing_wait_for_the_answer(target_dir, heads):
+    llm = make_llm(target_dir, heads["peagle"], "peagle", async_scheduling=True, admit_ahead=True)
     calls = count_admit_ahead(llm.engine.runner)
     p = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=1.2)] * len(PROMPTS)
     ref = make_llm(target_dir, heads["peagle"], "peagle", async_scheduling=False).generate(PROMPTS, p,

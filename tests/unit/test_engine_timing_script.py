@@ -41,6 +41,14 @@ def test_split_variant(timing):
         "async+prefill-graphs+gemv", {"admit-ahead", "pdl", "gemv-wide"})
 
 
+def test_engine_switches_are_llm_options(timing, target_dir):
+    # each off without its modifier; LLM takes them (a tree from before took them as module switches)
+    switches = timing.engine_switches(timing.split_variant("async+prefill-graphs+admit-ahead+pdl")[1])
+    assert switches == {"fused_merge": False, "mixed_tiles": False, "admit_ahead": True}
+    config = LLM(model=str(target_dir), device="cpu", dtype="float32", max_model_len=64, **switches).engine.config
+    assert (config.fused_merge, config.mixed_tiles, config.admit_ahead) == (False, False, True)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_closed_loop_jitter_and_parts(timing, target_dir, async_scheduling):
     llm = LLM(model=str(target_dir), device="cpu", dtype="float32", max_model_len=64, max_num_seqs=4,

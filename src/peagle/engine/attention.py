@@ -23,13 +23,24 @@ class AttentionMetadata:
     small_query_len: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionOptions:
+    """The Triton paged attention kernel's switches, from EngineConfig (kernels/paged_attention.py says what each
+    does); the reference computes the same either way."""
+
+    fused_merge: bool  # KV splits merged inside the attention kernel (one launch)
+    mixed_tiles: bool  # a mixed step's short and long requests tiled apart (two launches)
+
+
 class PagedAttention:
     """AttentionBackend over one model's paged KV cache (one (k, v) pair of tensors per layer)."""
 
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata, scale: float):
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata, scale: float,
+                 options: AttentionOptions):
         self.kv_caches = kv_caches
         self.meta = meta
         self.scale = scale
+        self.options = options
         self.tile_maps: dict = {}  # a mixed step's tile map, made by the first layer and read by the others
 
     def __call__(self, layer_idx, q, k, v):
@@ -48,7 +59,8 @@ class PagedAttention:
         m = self.meta
         return kernels.paged_attention(
             q, k_cache, v_cache, m.block_tables, m.query_start_loc, m.positions, self.scale, m.max_query_len,
-            small_query_len=m.small_query_len, tile_maps=self.tile_maps,
+            small_query_len=m.small_query_len, tile_maps=self.tile_maps, fused_merge=self.options.fused_merge,
+            mixed_tiles=self.options.mixed_tiles,
         )
 
 

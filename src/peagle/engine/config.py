@@ -180,6 +180,17 @@ class EngineConfig:
     # launches on the 30-layer testbed target; graphed, TTFT and a prompt's step fall several-fold with greedy output
     # unchanged (docs/DECISIONS.md). A shape's first use pays its capture (30-50 ms)
     prefill_cuda_graphs: bool = True
+    # With async scheduling, a step that admits waiting prompts is launched before the answer in flight arrives (the
+    # prompts built on the host, the decodes' rows on the device from that answer) instead of after it with the GPU
+    # idle: more tokens/s and a lower ITL tail where requests finish apart (docs/DECISIONS.md; scripts/device/
+    # engine_timing.py's "+admit-ahead" variant times it)
+    admit_ahead: bool = True
+    # The paged attention's KV splits merged by their last arrival inside the attention kernel, one launch instead of
+    # two (kernels/paged_attention.py): faster decode and admitting steps (docs/DECISIONS.md; "+fused-merge")
+    fused_merge: bool = True
+    # A mixed step's short and long requests tiled apart in two attention launches (kernels/paged_attention.py): an
+    # admitting step takes less GPU time, steps without prompts are unchanged (docs/DECISIONS.md; "+mixed-tiles")
+    mixed_tiles: bool = True
 
     def __post_init__(self):
         if self.load_format not in ("auto", "dummy"):
@@ -208,6 +219,12 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.block_size not in (8, 16, 32, 64):
             raise ValueError(f"block_size must be 8, 16, 32 or 64, got {self.block_size}")
+        for name in _SWITCHES:  # a truthy non-bool (a string from a script) would turn a switch on unseen
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+
+_SWITCHES = ("admit_ahead", "fused_merge", "mixed_tiles")
 
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from peagle.engine import model_runner
+from peagle.engine.attention import AttentionOptions
 from peagle.engine.config import EngineConfig
 from peagle.engine.model_runner import ModelRunner, StepHandle, StepResult
 from peagle.engine.outputs import RequestMetrics, StepOutput
@@ -24,11 +25,6 @@ from peagle.models.config import ModelConfig
 logger = logging.getLogger(__name__)
 
 _ACTIVATION_RESERVE = 2 << 30  # bytes kept free for activations, logits and graphs
-# Async scheduling: a step that admits waiting prompts is launched before the answer in flight arrives (the prompts
-# built on the host, the decodes' rows on the device from that answer), instead of after it with the GPU idle while
-# the host builds the step. On: more tokens/s and a lower ITL tail where requests finish apart (docs/DECISIONS.md);
-# scripts/device/engine_timing.py's "+admit-ahead" variant times it.
-ADMIT_AHEAD = True
 
 
 @dataclass
@@ -75,7 +71,7 @@ class LLMEngine:
         num_blocks = self._num_blocks(drafter)
         self.runner = ModelRunner(self.target, drafter, proposer_cls, k=self.k, block_size=block_size,
                                   num_blocks=num_blocks, max_model_len=self.max_model_len, device=self.device,
-                                  dtype=self.dtype)
+                                  dtype=self.dtype, attention=AttentionOptions(config.fused_merge, config.mixed_tiles))
         # Without chunked prefill a step must hold a whole prompt; with it, vLLM's server default of 2048.
         whole = 2048 if config.enable_chunked_prefill else self.max_model_len
         max_batched = config.max_num_batched_tokens or max(whole, config.max_num_seqs * (self.k + 1))
@@ -277,7 +273,7 @@ class LLMEngine:
         if any(seq.sampling_params.needs_logits_processing for seq in seqs):
             return None  # penalties, min_tokens and grammars read the history and drafts the answer in flight holds
         k_policy = self.spec.adaptive.k_for(len(seqs), self.k) if self.spec else 0
-        admitting = ADMIT_AHEAD and self._can_admit_ahead()
+        admitting = self.config.admit_ahead and self._can_admit_ahead()
         if 0 < handle.num_drafts < k_policy and not admitting:
             return None  # the policy's K rose: a step scheduled from the answer proposes the new count (padded)
         # A rise beside prompts to admit cannot be padded (a prompt does not decode): the step is admitted ahead at

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from peagle import kernels
-from peagle.engine.attention import AttentionMetadata, PagedAttention, allocate_kv_cache, kv_bytes_per_block
+from peagle.engine.attention import (AttentionMetadata, AttentionOptions, PagedAttention, allocate_kv_cache,
+                                     kv_bytes_per_block)
 from peagle.engine.sampler import (SamplingTensors, exponential_like, process_logits, target_probs, token_logprobs,
                                    uniform_like)
 from peagle.engine.spec.proposer import DraftInputs, Proposer
@@ -95,7 +96,7 @@ class StepHandle:
 
 class ModelRunner:
     def __init__(self, target, drafter, proposer_cls, *, k: int, block_size: int, num_blocks: int,
-                 max_model_len: int, device: torch.device, dtype: torch.dtype):
+                 max_model_len: int, device: torch.device, dtype: torch.dtype, attention: AttentionOptions):
         self.target = target
         self.drafter = drafter
         self.k = k if drafter is not None else 0
@@ -105,6 +106,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.max_model_len = max_model_len
+        self.attention = attention
         self.max_blocks_per_seq = -(-(max_model_len + 2 * self.k + 1) // block_size)
         tcfg = target.config
         self.target_scale = tcfg.head_dim ** -0.5
@@ -117,7 +119,7 @@ class ModelRunner:
             self.aux_layer_ids = tuple(drafter.config.aux_layer_ids)
             draft_kv = allocate_kv_cache(drafter.config.num_layers, num_blocks + 1, block_size,
                                          dcfg.num_key_value_heads, dcfg.head_dim, dtype, device)
-            self.proposer = proposer_cls(drafter, draft_kv, block_size, self.k)
+            self.proposer = proposer_cls(drafter, draft_kv, block_size, self.k, attention=attention)
         self.graphs = None  # CudaGraphs, set by the engine on CUDA
         self.general_graphs = None  # GeneralGraphs, set by the engine with prefill_cuda_graphs
         self.synthetic_acceptance: tuple[float, ...] | None = None  # benchmarking only (see EngineConfig)
@@ -285,8 +287,8 @@ class ModelRunner:
         longer prompts or chunks (AttentionMetadata)."""
         meta = AttentionMetadata(x["positions"], x["slot_mapping"], x["block_tables"], x["query_start_loc"],
                                  max_query_len, small_query_len)
-        out = self.target(x["input_ids"], x["positions"], PagedAttention(self.target_kv, meta, self.target_scale),
-                          self.aux_layer_ids)
+        attention = PagedAttention(self.target_kv, meta, self.target_scale, self.attention)
+        out = self.target(x["input_ids"], x["positions"], attention, self.aux_layer_ids)
         hidden = out.hidden if all_rows else out.hidden.index_select(0, x["logit_rows"])
         return self.target.compute_logits(hidden), out.aux  # [B*(k+1), V], [T, F]
 

@@ -98,13 +98,15 @@ def paged_attention(
     *,
     small_query_len: int | None = None,
     tile_maps: dict | None = None,
+    fused_merge: bool | None = None,
+    mixed_tiles: bool | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """`small_query_len` and `tile_maps`: a mixed step's tiling hints for the Triton kernel (its MIXED_TILES); the
-    reference computes the same either way."""
+    """`small_query_len` and `tile_maps`: a mixed step's tiling hints for the Triton kernel; `fused_merge` and
+    `mixed_tiles`: its switches (None: the kernel module's defaults). The reference computes the same either way."""
     if use_triton(q.device):
         return triton_module("paged_attention", q.device).paged_attention(
             q, k_cache, v_cache, block_tables, query_start_loc, positions, scale, max_query_len,
-            small_query_len=small_query_len, tile_maps=tile_maps)
+            small_query_len=small_query_len, tile_maps=tile_maps, fused_merge=fused_merge, mixed_tiles=mixed_tiles)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, positions, scale, max_query_len)
 
 

@@ -16,7 +16,7 @@ power of two of max_query_len * GROUP, at least 16 (the smallest MMA tile) and a
 bound the fp32 accumulator's registers). The program walks the KV blocks up to the largest position in its tile with
 an online softmax in fp32 and masks per pair by position.
 
-Mixed steps (`small_query_len`, MIXED_TILES). A step that prefills a prompt beside decoding requests has a large
+Mixed steps (`small_query_len`, `mixed_tiles`). A step that prefills a prompt beside decoding requests has a large
 max_query_len, so every request would get its tiles: 64 decodes of 8 rows beside a 75-token prompt, padded to 640
 tokens, make 64 x 16 tiles of 128 (query, head) pairs, one in sixteen used and that one a quarter full. With
 `small_query_len` (K + 1) two launches share the work: the requests of at most that many rows, one small tile each
@@ -26,7 +26,7 @@ static bound, so a CUDA graph captures both.
 Split KV. Decode and verify at small batch launch few programs (batch 1 of a 3-KV-head model: 3), and one program
 walking a 2K-token context alone is latency-bound. When the grid is small for the GPU, the context is split evenly
 into `num_splits` chunks (static per call, so a CUDA graph captures it); each split writes an unnormalised partial
-(acc, running max, running sum) and a second small kernel merges them, or (`fused_merge`, FUSED_MERGE) the last
+(acc, running max, running sum) and a second small kernel merges them, or (`fused_merge`) the last
 split of each tile to arrive merges them inside the attention kernel, counted in a per-device buffer of arrival
 counters that it leaves at zero: one launch instead of two. Both kernels take only tensors besides static Python
 ints, so the call can be captured in a CUDA graph.
@@ -267,11 +267,13 @@ def kv_tile(head_dim: int, num_splits: int) -> dict[str, int]:
 
 # Whether split-KV calls merge their splits inside the attention kernel (one launch) rather than in a second kernel.
 # On: faster decode and admitting steps, P-EAGLE's rounds unchanged (docs/DECISIONS.md; scripts/device/
-# engine_timing.py "+fused-merge" times it). The GPU tests check both.
+# engine_timing.py "+fused-merge" times it). The GPU tests check both. The default of calls that do not say; the
+# engine says, from EngineConfig.fused_merge.
 FUSED_MERGE = True
 # Whether a mixed step (a `small_query_len` given, and longer requests present) tiles its short and long requests in
 # two launches (`paged_attention`). On: a step that admits a prompt among many decodes takes less GPU time, steps
-# without prompts are unchanged (docs/DECISIONS.md; scripts/device/engine_timing.py "+mixed-tiles" times it).
+# without prompts are unchanged (docs/DECISIONS.md; scripts/device/engine_timing.py "+mixed-tiles" times it). The
+# default of calls that do not say; the engine says, from EngineConfig.mixed_tiles.
 MIXED_TILES = True
 _ARRIVALS_MIN = 1 << 16
 _arrivals_buffers: dict[str, list[torch.Tensor]] = {}  # per device, every buffer made (graphs keep pointers to them)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from peagle import kernels
-from peagle.engine.attention import AttentionMetadata, PagedAttention
+from peagle.engine.attention import AttentionMetadata, AttentionOptions, PagedAttention
 
 
 @dataclass
@@ -36,11 +36,12 @@ class Proposer(ABC):
     """Drafts K tokens per request with a drafter that owns a paged KV cache of its own (K: the engine's, or fewer
     where the adaptive policy verifies fewer)."""
 
-    def __init__(self, drafter, kv_caches, block_size: int, k: int):
+    def __init__(self, drafter, kv_caches, block_size: int, k: int, *, attention: AttentionOptions):
         self.drafter = drafter
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.k = k
+        self.attention = attention
         cfg = drafter.config.transformer_layer_config
         self.scale = cfg.head_dim ** -0.5
 
@@ -60,8 +61,8 @@ class Proposer(ABC):
         small = None if inp.small_query_len is None else inp.small_query_len + num_mask_slots
         meta = AttentionMetadata(e.positions, e.slot_mapping, inp.block_tables, e.query_start_loc,
                                  inp.max_query_len + num_mask_slots, small)
-        hidden = self.drafter(e.input_ids, e.positions, PagedAttention(self.kv_caches, meta, self.scale),
-                              self.drafter.fc(features))  # [R, d]
+        attention = PagedAttention(self.kv_caches, meta, self.scale, self.attention)
+        hidden = self.drafter(e.input_ids, e.positions, attention, self.drafter.fc(features))  # [R, d]
         return e, hidden
 
     def _tokens(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -103,7 +104,7 @@ class Eagle3Proposer(Proposer):
             slots = torch.where(live, block.long() * self.block_size + pos % self.block_size,
                                 torch.full_like(pos, -1, dtype=torch.long))
             meta = AttentionMetadata(pos, slots, inp.block_tables, qsl, 1)
-            h = self.drafter(token, pos, PagedAttention(self.kv_caches, meta, self.scale), h)
+            h = self.drafter(token, pos, PagedAttention(self.kv_caches, meta, self.scale, self.attention), h)
             token = self._tokens(h)
             drafts.append(token)
         return torch.stack(drafts, dim=1)

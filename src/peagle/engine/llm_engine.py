@@ -69,12 +69,20 @@ class LLMEngine:
                 m.rope.max_positions = need
         block_size = config.block_size
         num_blocks = self._num_blocks(drafter)
-        self.runner = ModelRunner(self.target, drafter, proposer_cls, k=self.k, block_size=block_size,
-                                  num_blocks=num_blocks, max_model_len=self.max_model_len, device=self.device,
-                                  dtype=self.dtype, attention=AttentionOptions(config.fused_merge, config.mixed_tiles))
         # Without chunked prefill a step must hold a whole prompt; with it, vLLM's server default of 2048.
         whole = 2048 if config.enable_chunked_prefill else self.max_model_len
         max_batched = config.max_num_batched_tokens or max(whole, config.max_num_seqs * (self.k + 1))
+        if config.synthetic_acceptance is not None:
+            logger.warning("SYNTHETIC ACCEPTANCE IS ON: drafts are accepted by dice with per-position rates %s, not "
+                           "by the target; outputs are meaningless. Benchmarking only.", config.synthetic_acceptance)
+        self.runner = ModelRunner(
+            self.target, drafter, proposer_cls, k=self.k, block_size=block_size, num_blocks=num_blocks,
+            max_model_len=self.max_model_len, device=self.device, dtype=self.dtype,
+            attention=AttentionOptions(config.fused_merge, config.mixed_tiles), max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=max_batched, graph_ks=self._graph_ks(),
+            synthetic_acceptance=config.synthetic_acceptance, cuda_graphs=not config.enforce_eager,
+            prefill_cuda_graphs=config.prefill_cuda_graphs, async_copies=config.async_scheduling,
+        )
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=self.max_model_len,
             block_size=block_size, num_blocks=num_blocks, num_lookahead_slots=2 * self.k,
@@ -83,19 +91,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids if self.tokenizer
                                        else self.model_config.eos_token_ids)
         self._generators: dict[str, torch.Generator] = {}
-        if config.synthetic_acceptance is not None:
-            logger.warning("SYNTHETIC ACCEPTANCE IS ON: drafts are accepted by dice with per-position rates %s, not "
-                           "by the target; outputs are meaningless. Benchmarking only.", config.synthetic_acceptance)
-            self.runner.synthetic_acceptance = config.synthetic_acceptance
-        if self.device.type == "cuda" and not config.enforce_eager:
-            from peagle.engine.cuda_graph import CudaGraphs
-
-            self.runner.graphs = CudaGraphs(self.runner, config.max_num_seqs, self._graph_ks())
-            if config.prefill_cuda_graphs:
-                self.runner.general_graphs = self.general_graphs()
         self._inflight: _Launched | None = None  # async scheduling: the step whose answer is on its way
-        if config.async_scheduling:
-            self.runner.enable_async_copies(config.max_num_seqs)
         logger.info("engine ready: %s, %d KV blocks of %d, K=%d", config.model, num_blocks, block_size, self.k)
 
     def use_tokenizer(self, tokenizer) -> None:
@@ -116,13 +112,8 @@ class LLMEngine:
         return sorted({min(k, self.k) for k in ks})
 
     def general_graphs(self, capture: bool = True):
-        """Graphs for general steps (prefill_cuda_graphs), sharing the decode graphs' memory pool. capture=False
-        runs their functions eagerly over the same padded static buffers (the padding's path on the CPU)."""
-        from peagle.engine.cuda_graph import GeneralGraphs
-
-        pool = self.runner.graphs.pool if self.runner.graphs is not None else None
-        return GeneralGraphs(self.runner, self.scheduler.config.max_num_batched_tokens, self.config.max_num_seqs,
-                             pool=pool, capture=capture)
+        """Graphs for general steps (prefill_cuda_graphs): `ModelRunner.build_general_graphs`."""
+        return self.runner.build_general_graphs(capture)
 
     def _load_drafter(self):
         if self.spec is None:

@@ -95,8 +95,15 @@ class StepHandle:
 
 
 class ModelRunner:
+    """Runs steps on the device; complete when constructed: CUDA graphs (`cuda_graphs`, CUDA only; with
+    `prefill_cuda_graphs` general steps' too) captured over the K in `graph_ks`, answers copied back through pinned
+    buffers with `async_copies`."""
+
     def __init__(self, target, drafter, proposer_cls, *, k: int, block_size: int, num_blocks: int,
-                 max_model_len: int, device: torch.device, dtype: torch.dtype, attention: AttentionOptions):
+                 max_model_len: int, device: torch.device, dtype: torch.dtype, attention: AttentionOptions,
+                 max_num_seqs: int, max_num_batched_tokens: int, graph_ks: list[int],
+                 synthetic_acceptance: tuple[float, ...] | None = None, cuda_graphs: bool = False,
+                 prefill_cuda_graphs: bool = False, async_copies: bool = False):
         self.target = target
         self.drafter = drafter
         self.k = k if drafter is not None else 0
@@ -120,20 +127,38 @@ class ModelRunner:
             draft_kv = allocate_kv_cache(drafter.config.num_layers, num_blocks + 1, block_size,
                                          dcfg.num_key_value_heads, dcfg.head_dim, dtype, device)
             self.proposer = proposer_cls(drafter, draft_kv, block_size, self.k, attention=attention)
-        self.graphs = None  # CudaGraphs, set by the engine on CUDA
-        self.general_graphs = None  # GeneralGraphs, set by the engine with prefill_cuda_graphs
-        self.synthetic_acceptance: tuple[float, ...] | None = None  # benchmarking only (see EngineConfig)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.graphs = None  # CudaGraphs: decode steps (cuda_graphs on CUDA)
+        self.general_graphs = None  # GeneralGraphs: general steps (with prefill_cuda_graphs too)
+        self.synthetic_acceptance = synthetic_acceptance  # benchmarking only (see EngineConfig)
         self._pinned: list[torch.Tensor] | None = None  # async answers: two pinned buffers and their events
         self._events: list[torch.cuda.Event] = []
         self._flip = 0
+        if cuda_graphs and device.type == "cuda":  # captured last: their functions read everything set above
+            from peagle.engine.cuda_graph import CudaGraphs
 
-    def enable_async_copies(self, max_num_seqs: int):
+            self.graphs = CudaGraphs(self, max_num_seqs, graph_ks)
+            if prefill_cuda_graphs:
+                self.general_graphs = self.build_general_graphs()
+        if async_copies:
+            self._enable_async_copies()
+
+    def build_general_graphs(self, capture: bool = True):
+        """Graphs for general steps, sharing the decode graphs' memory pool. capture=False runs their functions
+        eagerly over the same padded static buffers (the padding's path on the CPU)."""
+        from peagle.engine.cuda_graph import GeneralGraphs
+
+        pool = self.graphs.pool if self.graphs is not None else None
+        return GeneralGraphs(self, self.max_num_batched_tokens, self.max_num_seqs, pool=pool, capture=capture)
+
+    def _enable_async_copies(self):
         """Answers come back through two pinned host buffers, each copy marked by an event (CUDA only): the host
         launches the next step before it waits for the one in flight. Two suffice: the engine reads an answer
         before it launches the step after next."""
         if self.device.type != "cuda":
             return
-        n = max_num_seqs * (2 * self.k + 2)
+        n = self.max_num_seqs * (2 * self.k + 2)
         self._pinned = [torch.empty(n, dtype=torch.long, pin_memory=True) for _ in range(2)]
         self._events = [torch.cuda.Event() for _ in range(2)]
 

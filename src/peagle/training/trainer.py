@@ -508,6 +508,8 @@ class Trainer:
                       for (step, epoch, index), p in zip(steps, prepared)],
             "replay": f"peagle train-replay {out}",
         }
+        if not self._unsynced:  # every step had finished: an evaluation or a save faulted; the next step is kept
+            record["note"] = "no training step was in flight: the fault arose in an evaluation or a checkpoint save"
         (out / FAULT_RECORD).write_text(json.dumps(record, indent=1) + "\n")
         logger.error("device fault within steps %d..%d; their plans are in %s (replay: peagle train-replay %s)",
                      steps[0][0], steps[-1][0], out, out)

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -757,3 +758,20 @@ def test_a_device_fault_records_the_unfinished_steps_and_replay_runs_them_alone(
 def test_train_replay_refuses_a_directory_without_plans(tmp_path, capsys):
     assert main(["train-replay", str(tmp_path)]) != 0
     assert f"{tmp_path} holds no plans.pt" in capsys.readouterr().err
+
+
+def test_a_fault_outside_a_training_step_is_recorded_as_such(setup, tmp_path):
+    from peagle.training.trainer import FAULT_RECORD, FAULTS
+
+    checkpoint, data = setup
+    cfg = _config(checkpoint, data, tmp_path / "run", "--steps", "4", "--eval-every", "2", "--log-every", "2")
+    trainer = build_trainer(replace(cfg, eval_fraction=0.2), DistContext(0, 1, torch.device("cpu")))
+
+    def evaluate():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    trainer.evaluate = evaluate
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        trainer.train()
+    record = json.loads((tmp_path / "run" / FAULTS / "step-00000003" / FAULT_RECORD).read_text())
+    assert [s["step"] for s in record["steps"]] == [3] and "evaluation or a checkpoint save" in record["note"]

@@ -112,7 +112,7 @@ SPECULATIVE_RUNS = {"eagle3-k3": (3, False, None), "peagle-k7": (7, True, None),
 
 
 def main(out: str, hf: bool, concurrency: list[int], gemv: bool = False, repeat: int = 1,
-         only: str | None = None) -> int:
+         only: str | None = None, propose_verified_only: bool = False) -> int:
     d = tempfile.mkdtemp()
     (Path(d) / "config.json").write_text(json.dumps(LLAMA_8B))
     bw = copy_bandwidth()
@@ -138,7 +138,8 @@ def main(out: str, hf: bool, concurrency: list[int], gemv: bool = False, repeat:
             spec["adaptive"] = adaptive
         if only is not None and label != only:
             continue
-        rows, _, ms = run(d, spec, RATES[:k], concurrency, repeat)
+        switches = {"propose_verified_only": True} if propose_verified_only else {}
+        rows, _, ms = run(d, spec, RATES[:k], concurrency, repeat, **switches)
         result["runs"][label] = rows
         result.setdefault("ms_per_token_batch1", {})[label] = ms
         save()
@@ -166,13 +167,9 @@ if __name__ == "__main__":
                          "the floor")
     ap.add_argument("--propose-verified-only", action="store_true",
                     help="the adaptive engine's drafter proposes only the drafts its step's K verifies "
-                         "(model_runner.PROPOSE_VERIFIED_ONLY)")
+                         "(EngineConfig.propose_verified_only)")
     args = ap.parse_args()
     if args.repeat < 1:
         ap.error(f"--repeat must be at least 1 (got {args.repeat})")
-    if args.propose_verified_only:
-        from peagle.engine import model_runner
-
-        model_runner.PROPOSE_VERIFIED_ONLY = True
     sys.exit(main(args.out, args.hf, [int(c) for c in args.concurrency.split(",")], args.gemv, args.repeat,
-                  args.only))
+                  args.only, args.propose_verified_only))

@@ -147,20 +147,17 @@ def test_replay_equals_an_eager_call_on_the_static_buffers(model_dir, method):
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("method", ["eagle3", "peagle"])
-def test_adaptive_policy_drafts_what_it_verifies_under_graphs(model_dir, method, async_scheduling, monkeypatch):
+def test_adaptive_policy_drafts_what_it_verifies_under_graphs(model_dir, method, async_scheduling):
     """With an adaptive policy whose K falls with the load (1 draft above 2 running requests, 2 up to 2, the
     engine's K for one), CUDA-graphed steps propose only the drafts their K verifies and a rise in K proposes the
     new count, laid out as that count's step with the missing drafts padded (graphed as it is): greedy output
     equals plain greedy output, token for token in fp32, and each count was proposed
-    (model_runner.PROPOSE_VERIFIED_ONLY, on by default)."""
-    from peagle.engine import model_runner
-
-    monkeypatch.setattr(model_runner, "PROPOSE_VERIFIED_ONLY", True)
+    (propose_verified_only, on by default)."""
     ref = [o.token_ids for o in make_llm(model_dir, "none", True).generate(PROMPTS, params(), use_tqdm=False)]
     k = SPECS[method]["num_speculative_tokens"]
     spec = {**SPECS[method], "adaptive": {"thresholds": [[1, k], [2, 2]], "above": 1}}
     llm = LLM(model=model_dir, load_format="dummy", dtype="float32", max_model_len=512, max_num_seqs=4,
-              speculative_config=spec, async_scheduling=async_scheduling)
+              speculative_config=spec, async_scheduling=async_scheduling, propose_verified_only=True)
     steps, real = [], llm.engine.runner._run  # (drafts verified, drafts proposed) per step
 
     def run(x, st, verified, *a, **kw):

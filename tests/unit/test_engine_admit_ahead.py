@@ -36,9 +36,9 @@ def count_admit_ahead(runner) -> list[int]:
     """The number of prompts each admit-ahead launch took in."""
     calls, real = [], runner.launch_admit_next
 
-    def launch_admit_next(prev, rows, seqs, new, st, k):
+    def launch_admit_next(prev, rows, seqs, new, st, plan):
         calls.append(len(new))
-        return real(prev, rows, seqs, new, st, k)
+        return real(prev, rows, seqs, new, st, plan)
 
     runner.launch_admit_next = launch_admit_next
     return calls

@@ -72,11 +72,11 @@ def test_cuda_graphs_cover_every_k_the_adaptive_policy_picks(config_only_dir):
               speculative_config={"method": "eagle3", "model": "dummy", "num_speculative_tokens": 7,
                                   "parallel_drafting": True,
                                   "adaptive": {"thresholds": [[4, 7], [16, 5], [64, 9]], "above": 2}})
-    assert llm.engine._graph_ks() == [2, 5, 7]
+    assert llm.engine.planner.graph_ks() == [2, 5, 7]
     off = LLM(model=str(config_only_dir), load_format="dummy", device="cpu", dtype="float32", max_model_len=128,
               speculative_config={"method": "eagle3", "model": "dummy", "num_speculative_tokens": 7,
                                   "parallel_drafting": True, "adaptive": {"thresholds": [[4, 7]], "above": 0}})
-    assert off.engine._graph_ks() == [0, 7]  # K = 0: plain-step graphs (speculation off)
+    assert off.engine.planner.graph_ks() == [0, 7]  # K = 0: plain-step graphs (speculation off)
 
 
 def test_kv_sizing_collects_dropped_engines_first_and_explains_a_shortfall(config_only_dir, monkeypatch):

@@ -73,9 +73,9 @@ def record_padded_steps(runner) -> list[dict]:
     steps, launched = [], {}
     real_launch, real_pad = runner.launch, runner.pad_inputs
 
-    def launch(seqs, drafts, st, draft=True, chunks=None, num_new_drafts=None):
+    def launch(seqs, drafts, st, plan, chunks=None):
         launched["reqs"] = [(s.num_tokens - s.num_computed_tokens, s.num_computed_tokens) for s in seqs]
-        return real_launch(seqs, drafts, st, draft, chunks, num_new_drafts)
+        return real_launch(seqs, drafts, st, plan, chunks)
 
     def pad_inputs(inp, t, b):
         steps.append({"t": t, "b": b, "tokens": len(inp.input_ids), "reqs": launched["reqs"]})

@@ -114,9 +114,9 @@ def test_partial_acceptance_keeps_both_caches_consistent(target_dir, heads, refe
     real_execute = engine.runner.execute
     num_chunks = 0
 
-    def execute(seqs, drafts, st, draft=True, chunks=None, **kw):
+    def execute(seqs, drafts, st, plan, chunks=None, **kw):
         nonlocal num_chunks
-        result = real_execute(seqs, drafts, st, draft, chunks, **kw)
+        result = real_execute(seqs, drafts, st, plan, chunks, **kw)
         for i, seq in enumerate(seqs):
             if chunks is not None and chunks[i] < seq.num_new_tokens:
                 num_chunks += 1  # a prefill chunk: nothing sampled, its drafts are dropped
@@ -191,9 +191,9 @@ def test_adaptive_policy_turns_speculation_off_and_on(target_dir, heads, referen
     steps = []
     real_execute = runner.execute
 
-    def execute(seqs, drafts, st, draft=True, **kw):
-        steps.append((len(seqs), max(map(len, drafts)), draft))
-        return real_execute(seqs, drafts, st, draft, **kw)
+    def execute(seqs, drafts, st, plan, *a, **kw):
+        steps.append((len(seqs), max(map(len, drafts)), plan.draft))
+        return real_execute(seqs, drafts, st, plan, *a, **kw)
 
     runner.execute = execute
     lengths = [8, 40, 12, 40, 16, 20]
@@ -208,14 +208,14 @@ def test_adaptive_policy_turns_speculation_off_and_on(target_dir, heads, referen
 
 
 def _spy_on_padding(runner) -> list[bool]:
-    """Records, per step whose K rose, whether the runner padded its drafts to the new K (`_can_pad_drafts`)."""
-    padded, real = [], runner._can_pad_drafts
+    """Records, per step whose K rose, whether its drafts were padded to the new K (`DraftPlanner.can_pad`)."""
+    padded, real = [], runner.planner.can_pad
 
     def can_pad(*a):
         padded.append(real(*a))
         return padded[-1]
 
-    runner._can_pad_drafts = can_pad
+    runner.planner.can_pad = can_pad
     return padded
 
 
@@ -223,19 +223,16 @@ def _spy_on_padding(runner) -> list[bool]:
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("method", ["peagle", "eagle3"])
 def test_adaptive_policy_drafts_only_what_it_verifies(target_dir, heads, reference, method, async_scheduling,
-                                                      verified_only, monkeypatch):
+                                                      verified_only):
     # Engine K = 4; the policy verifies 1 draft above 4 running requests, 2 up to 4, 4 up to 1. Each drafter pass
     # proposes the policy's K for the load of its step (the engine's K after a step without drafts), never K = 4
     # to verify 1 (drafting passes of EAGLE-3 and P-EAGLE's mask positions grow with the count); when the load
     # falls and the policy's K rises, a step proposes the new count. The output stays plain greedy's. Off by
-    # default (PROPOSE_VERIFIED_ONLY): then every pass proposes the engine's K and steps verify the load's.
-    from peagle.engine import model_runner
-
-    monkeypatch.setattr(model_runner, "PROPOSE_VERIFIED_ONLY", verified_only)
+    # default (propose_verified_only): then every pass proposes the engine's K and steps verify the load's.
     spec = {"method": "eagle3", "model": heads[method], "num_speculative_tokens": 4,
             "parallel_drafting": method == "peagle", "adaptive": {"thresholds": [[1, 4], [4, 2]], "above": 1}}
     llm = LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
-              max_num_seqs=6, async_scheduling=async_scheduling)
+              max_num_seqs=6, async_scheduling=async_scheduling, propose_verified_only=verified_only)
     runner, policy = llm.engine.runner, llm.engine.spec.adaptive
     proposed, verified = [], []
     real_propose, real_run = runner.propose, runner._run

@@ -17,9 +17,9 @@ class AdaptivePolicy:
     `thresholds` maps an upper bound on running requests to K: [(4, 7), (16, 5), (64, 3)] means up to 4 running
     requests verify 7 drafts, up to 16 verify 5, up to 64 verify 3, and more than 64 verify `above`.
     Larger batches make verification compute-bound, where rejected drafts cost real time; fewer drafts then pay.
-    The drafter proposes as many drafts as the load's K verifies (model_runner.PROPOSE_VERIFIED_ONLY; off: the
+    The drafter proposes as many drafts as the load's K verifies (EngineConfig.propose_verified_only; off: the
     engine's K, of which each step verifies the load's first K); when the load falls and K rises, the step
-    verifies its drafts padded to the new K and proposes that many.
+    verifies its drafts padded to the new K and proposes that many (engine/draft_plan.py).
     K = 0 turns speculation off in that band: plain decoding steps, the drafter not run at all (except over new
     prompts, so that it knows them). When the load falls again, drafting resumes; the drafter's cache then lacks the
     tokens decoded while it was off, which lowers its acceptance for those requests, never their output.
@@ -191,6 +191,10 @@ class EngineConfig:
     # A mixed step's short and long requests tiled apart in two attention launches (kernels/paged_attention.py): an
     # admitting step takes less GPU time, steps without prompts are unchanged (docs/DECISIONS.md; "+mixed-tiles")
     mixed_tiles: bool = True
+    # An adaptive engine's drafter proposes only the drafts its step's K verifies (not the engine's K), a step whose
+    # K rose padded to the new K's layout so that it replays graphs: faster at 64 requests of the 8B shape
+    # (docs/DECISIONS.md; engine/draft_plan.py)
+    propose_verified_only: bool = True
 
     def __post_init__(self):
         if self.load_format not in ("auto", "dummy"):
@@ -224,7 +228,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
 
-_SWITCHES = ("admit_ahead", "fused_merge", "mixed_tiles")
+_SWITCHES = ("admit_ahead", "fused_merge", "mixed_tiles", "propose_verified_only")
 
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",

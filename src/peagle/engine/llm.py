@@ -38,8 +38,8 @@ class LLM:
     `synthetic_acceptance` (benchmarking only, needs load_format="dummy") accepts draft position i with the given
     per-position rate instead of asking the target, so speculation's speed at real size can be measured without
     trained weights.
-    `admit_ahead`, `fused_merge` and `mixed_tiles` (on by default) are the engine's switches of those names
-    (EngineConfig), for timing them off.
+    `admit_ahead`, `fused_merge`, `mixed_tiles` and `propose_verified_only` (on by default) are the engine's switches
+    of those names (EngineConfig), for timing them off.
     """
 
     def __init__(self, model: str, speculative_config: dict[str, Any] | str | None = None, *,
@@ -51,7 +51,7 @@ class LLM:
                  synthetic_acceptance: Sequence[float] | None = None, async_scheduling: bool = True,
                  decode_gemv: bool = False, enable_chunked_prefill: bool = False,
                  prefill_cuda_graphs: bool = True, generation_config: str = "auto", admit_ahead: bool = True,
-                 fused_merge: bool = True, mixed_tiles: bool = True):
+                 fused_merge: bool = True, mixed_tiles: bool = True, propose_verified_only: bool = True):
         import torch
 
         _check_unimplemented(tensor_parallel_size, trust_remote_code)
@@ -67,6 +67,7 @@ class LLM:
             async_scheduling=async_scheduling, decode_gemv=decode_gemv, enable_chunked_prefill=enable_chunked_prefill,
             prefill_cuda_graphs=prefill_cuda_graphs, enable_prefix_caching=bool(enable_prefix_caching),
             admit_ahead=admit_ahead, fused_merge=fused_merge, mixed_tiles=mixed_tiles,
+            propose_verified_only=propose_verified_only,
         )
         check_max_model_len(config)
         self.sampling_defaults = model_sampling_defaults(generation_config, model)  # before the model loads

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from peagle.engine import model_runner
 from peagle.engine.attention import AttentionOptions
 from peagle.engine.config import EngineConfig
+from peagle.engine.draft_plan import DraftPlanner
 from peagle.engine.model_runner import ModelRunner, StepHandle, StepResult
 from peagle.engine.outputs import RequestMetrics, StepOutput
 from peagle.engine.sampler import SamplingTensors, build_sampling_tensors
@@ -62,6 +62,9 @@ class LLMEngine:
         drafter, proposer_cls = self._load_drafter()
         self.k = self.spec.num_speculative_tokens if self.spec else 0
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.planner = DraftPlanner(self.k, self.spec.adaptive if self.spec else None,
+                                    propose_verified_only=config.propose_verified_only,
+                                    max_model_len=self.max_model_len)
         # MASK slots and verify rows run up to 2K positions past the last token.
         need = self.max_model_len + 2 * self.k + 1
         for m in (self.target, drafter):
@@ -76,10 +79,10 @@ class LLMEngine:
             logger.warning("SYNTHETIC ACCEPTANCE IS ON: drafts are accepted by dice with per-position rates %s, not "
                            "by the target; outputs are meaningless. Benchmarking only.", config.synthetic_acceptance)
         self.runner = ModelRunner(
-            self.target, drafter, proposer_cls, k=self.k, block_size=block_size, num_blocks=num_blocks,
+            self.target, drafter, proposer_cls, planner=self.planner, block_size=block_size, num_blocks=num_blocks,
             max_model_len=self.max_model_len, device=self.device, dtype=self.dtype,
             attention=AttentionOptions(config.fused_merge, config.mixed_tiles), max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=max_batched, graph_ks=self._graph_ks(),
+            max_num_batched_tokens=max_batched,
             synthetic_acceptance=config.synthetic_acceptance, cuda_graphs=not config.enforce_eager,
             prefill_cuda_graphs=config.prefill_cuda_graphs, async_copies=config.async_scheduling,
         )
@@ -102,14 +105,6 @@ class LLMEngine:
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
 
     # ---- construction ------------------------------------------------------------------------------------------
-
-    def _graph_ks(self) -> list[int]:
-        """Every K a decode step can verify: the configured one and each K the adaptive policy may pick."""
-        if self.spec is None:
-            return [0]
-        policy = self.spec.adaptive
-        ks = {self.k} | {k for _, k in policy.thresholds} | ({policy.above} if policy.above is not None else set())
-        return sorted({min(k, self.k) for k in ks})
 
     def general_graphs(self, capture: bool = True):
         """Graphs for general steps (prefill_cuda_graphs): `ModelRunner.build_general_graphs`."""
@@ -218,14 +213,14 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         if self.config.async_scheduling:
             return self._step_async()
-        sched, drafts, draft, chunks, k = self._schedule()
+        sched, drafts, chunks, load_k = self._schedule()
         outputs: list[StepOutput] = []
         if sched.seqs:
-            more = {} if chunks is None else {"chunks": chunks}
-            if self._proposes_other_count(drafts, k):
-                more["num_new_drafts"] = k
-            self._note_drafting(sched.seqs, draft)
-            result = self.runner.execute(sched.seqs, drafts, self._sampling_tensors(sched.seqs), draft=draft, **more)
+            st = self._sampling_tensors(sched.seqs)
+            plan = self.planner.plan(sched.seqs, drafts, load_k, logits_processing=st.processing is not None,
+                                     chunks=chunks)
+            self._note_drafting(sched.seqs, plan.draft)
+            result = self.runner.execute(sched.seqs, drafts, st, plan, chunks)
             outputs = self._commit(_Launched(sched.seqs, None, chunks), result)
         return self._release(outputs)
 
@@ -245,12 +240,13 @@ class LLMEngine:
         if prev is not None:
             outputs = self._commit(prev, prev.handle.result(), None if ahead is None else ahead.handle.k)
         if ahead is None:
-            sched, drafts, draft, chunks, k = self._schedule()
+            sched, drafts, chunks, load_k = self._schedule()
             if sched.seqs:
                 st = self._sampling_tensors(sched.seqs)
-                more = k if self._proposes_other_count(drafts, k) else None
-                self._note_drafting(sched.seqs, draft)
-                ahead = _Launched(sched.seqs, self.runner.launch(sched.seqs, drafts, st, draft, chunks, more), chunks)
+                plan = self.planner.plan(sched.seqs, drafts, load_k, logits_processing=st.processing is not None,
+                                         chunks=chunks)
+                self._note_drafting(sched.seqs, plan.draft)
+                ahead = _Launched(sched.seqs, self.runner.launch(sched.seqs, drafts, st, plan, chunks), chunks)
         self._inflight = ahead
         return self._release(outputs)
 
@@ -263,25 +259,22 @@ class LLMEngine:
         seqs = [prev.seqs[i] for i in rows]
         if any(seq.sampling_params.needs_logits_processing for seq in seqs):
             return None  # penalties, min_tokens and grammars read the history and drafts the answer in flight holds
-        k_policy = self.spec.adaptive.k_for(len(seqs), self.k) if self.spec else 0
         admitting = self.config.admit_ahead and self._can_admit_ahead()
-        if 0 < handle.num_drafts < k_policy and not admitting:
-            return None  # the policy's K rose: a step scheduled from the answer proposes the new count (padded)
-        # A rise beside prompts to admit cannot be padded (a prompt does not decode): the step is admitted ahead at
-        # the K its drafts hold, as the runner lays out such a step anyway (`ModelRunner.launch`).
-        k = min(k_policy, handle.num_drafts)
+        plan = self.planner.plan_ahead(len(seqs), handle.num_drafts, admitting=admitting)
+        if plan is None:
+            return None  # the load's K rose: a step scheduled from the answer proposes the new count (padded)
+        k = plan.verify_k
         if admitting:
             new = self.scheduler.admit_ahead(seqs, handle.k + 1, k + 1)
             if not new:
                 return None
             batch = new + seqs
             return _Launched(batch, self.runner.launch_admit_next(handle, rows, seqs, new,
-                                                                  self._sampling_tensors(batch), k))
+                                                                  self._sampling_tensors(batch), plan))
         if not self.scheduler.schedule_ahead(seqs, handle.k + 1, k + 1):
             return None
-        self._note_drafting(seqs, k_policy > 0)
-        return _Launched(seqs, self.runner.launch_next(handle, rows, seqs, self._sampling_tensors(seqs), k,
-                                                       draft=k_policy > 0))
+        self._note_drafting(seqs, plan.draft)
+        return _Launched(seqs, self.runner.launch_next(handle, rows, seqs, self._sampling_tensors(seqs), plan))
 
     def _note_drafting(self, seqs: list[Sequence], draft: bool):
         """A step that feeds sequences without running the drafter leaves their drafter entries unwritten there:
@@ -290,14 +283,6 @@ class LLMEngine:
             for seq in seqs:
                 seq.drafter_gap = True
 
-    def _proposes_other_count(self, drafts: list[list[int]], k: int) -> bool:
-        """Whether a step verifying `drafts` should propose the policy's K for the next, not what the runner would
-        (as many as it verifies): the load fell and the policy's K rose. A step without drafts (prompts, or the
-        first after speculation was off) proposes the engine's K, truncated to the policy's by the next. Never
-        without model_runner.PROPOSE_VERIFIED_ONLY: every step proposes the engine's K."""
-        most = max(map(len, drafts), default=0)
-        return model_runner.PROPOSE_VERIFIED_ONLY and 0 < most < k
-
     def _can_admit_ahead(self) -> bool:
         """Prompts wait, there is room for one, and none of them needs logits processing (it reads the history)."""
         sched = self.scheduler
@@ -305,19 +290,15 @@ class LLMEngine:
                 and not any(seq.sampling_params.needs_logits_processing for seq in sched.waiting))
 
     def _schedule(self):
-        """The next step from the committed state: its scheduler output, each request's drafts, whether to draft,
-        the tokens each request feeds when a prefill is chunked (else None), and the adaptive policy's K for the
-        load (the drafts the step verifies at most, and proposes for the next)."""
-        k = self.spec.adaptive.k_for(self.scheduler.num_running, self.k) if self.spec else 0
-        for seq in self.scheduler.running:
-            room = self.max_model_len - seq.num_tokens  # verify positions must stay inside max_model_len
-            del seq.draft_token_ids[max(0, min(k, room)):]
+        """The next step from the committed state: its scheduler output, each request's drafts, the tokens each
+        request feeds when a prefill is chunked (else None), and the load's K (`DraftPlanner.load_k`: the drafts
+        the step verifies at most), for the step's DraftPlan (`DraftPlanner.plan`)."""
+        load_k = self.planner.load_k(self.scheduler.num_running)
+        self.planner.trim(self.scheduler.running, load_k)  # before scheduling, whose token budget counts the drafts
         sched = self.scheduler.schedule()
-        # The drafter runs unless the policy turned speculation off (K = 0); it still reads new prompts.
-        draft = k > 0 or any(s.num_computed_tokens < s.num_tokens - 1 for s in sched.seqs)
         counts = sched.num_scheduled_tokens
         chunks = counts if any(n < s.num_new_tokens for s, n in zip(sched.seqs, counts)) else None
-        return sched, [s.draft_token_ids for s in sched.seqs], draft, chunks, k
+        return sched, [s.draft_token_ids for s in sched.seqs], chunks, load_k
 
     def _commit(self, step: _Launched, result: StepResult, next_k: int | None = None) -> list[StepOutput]:
         """Apply a step's answer. `next_k`: the drafts the step launched after it verifies (async scheduling)."""

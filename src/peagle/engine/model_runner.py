@@ -24,18 +24,12 @@ import torch
 from peagle import kernels
 from peagle.engine.attention import (AttentionMetadata, AttentionOptions, PagedAttention, allocate_kv_cache,
                                      kv_bytes_per_block)
+from peagle.engine.draft_plan import PAD_DRAFT, DraftPlan, DraftPlanner
 from peagle.engine.sampler import (SamplingTensors, exponential_like, process_logits, target_probs, token_logprobs,
                                    uniform_like)
 from peagle.engine.spec.proposer import DraftInputs, Proposer
 from peagle.engine.spec.verifier import verify_greedy, verify_sampled, verify_synthetic
 from peagle.models.attention import DenseAttention
-
-# Whether an adaptive engine's drafter proposes only the drafts its step's K verifies (not the engine's K): faster at
-# 64 requests of the 8B shape (docs/DECISIONS.md). The step at a rise in K is laid out as the new K's step with its
-# missing drafts padded (PAD_DRAFT), so it replays graphs rather than running eagerly, which cost seconds a wave.
-PROPOSE_VERIFIED_ONLY = True
-# A draft that is fed but never accepted (the verifiers skip ids < 0): pads a step whose K rose to the new K's layout.
-PAD_DRAFT = -1
 
 logger = logging.getLogger(__name__)
 
@@ -95,18 +89,20 @@ class StepHandle:
 
 
 class ModelRunner:
-    """Runs steps on the device; complete when constructed: CUDA graphs (`cuda_graphs`, CUDA only; with
-    `prefill_cuda_graphs` general steps' too) captured over the K in `graph_ks`, answers copied back through pinned
-    buffers with `async_copies`."""
+    """Runs steps on the device, drafting as each step's DraftPlan says (`planner`: the engine's K and its
+    adaptive policy); complete when constructed: CUDA graphs (`cuda_graphs`, CUDA only; with `prefill_cuda_graphs`
+    general steps' too) captured over `planner.graph_ks()`, answers copied back through pinned buffers with
+    `async_copies`."""
 
-    def __init__(self, target, drafter, proposer_cls, *, k: int, block_size: int, num_blocks: int,
+    def __init__(self, target, drafter, proposer_cls, *, planner: DraftPlanner, block_size: int, num_blocks: int,
                  max_model_len: int, device: torch.device, dtype: torch.dtype, attention: AttentionOptions,
-                 max_num_seqs: int, max_num_batched_tokens: int, graph_ks: list[int],
+                 max_num_seqs: int, max_num_batched_tokens: int,
                  synthetic_acceptance: tuple[float, ...] | None = None, cuda_graphs: bool = False,
                  prefill_cuda_graphs: bool = False, async_copies: bool = False):
         self.target = target
         self.drafter = drafter
-        self.k = k if drafter is not None else 0
+        self.planner = planner
+        self.k = planner.k if drafter is not None else 0
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks  # one extra block that padding requests of a graph bucket write into
@@ -138,7 +134,7 @@ class ModelRunner:
         if cuda_graphs and device.type == "cuda":  # captured last: their functions read everything set above
             from peagle.engine.cuda_graph import CudaGraphs
 
-            self.graphs = CudaGraphs(self, max_num_seqs, graph_ks)
+            self.graphs = CudaGraphs(self, max_num_seqs, planner.graph_ks())
             if prefill_cuda_graphs:
                 self.general_graphs = self.build_general_graphs()
         if async_copies:
@@ -338,12 +334,8 @@ class ModelRunner:
         return out
 
     def draft_count(self, k: int) -> int:
-        """The drafts a step verifying k per request proposes for the next: with PROPOSE_VERIFIED_ONLY (the default)
-        as many as it verifies (the adaptive policy's K for the load, which the next step most likely verifies again;
-        the engine's K after a step without drafts), else the engine's K. A step that should propose more (the
-        policy's K rose) is padded to that count when it can be, else proposes this count and the rise comes a step
-        later (`launch`)."""
-        return k if k > 0 and PROPOSE_VERIFIED_ONLY else self.k
+        """The drafts a step verifying k per request proposes for the next, as its graphs do (`DraftPlanner`)."""
+        return self.planner.draft_count(k)
 
     def propose(self, x: dict[str, torch.Tensor], aux, num_rejected, next_tokens, max_query_len: int,
                 small_query_len: int | None = None, num_drafts: int | None = None):
@@ -388,35 +380,23 @@ class ModelRunner:
                                   num_drafts=self.draft_count(k))
         return _pack(v, drafts, b)
 
-    def execute(self, seqs, drafts: list[list[int]], st: SamplingTensors, draft: bool = True,
-                chunks: list[int] | None = None, num_new_drafts: int | None = None) -> StepResult:
+    def execute(self, seqs, drafts: list[list[int]], st: SamplingTensors, plan: DraftPlan,
+                chunks: list[int] | None = None) -> StepResult:
         """One step, answered on the host (`launch` and wait)."""
-        return self.launch(seqs, drafts, st, draft, chunks, num_new_drafts).result()
+        return self.launch(seqs, drafts, st, plan, chunks).result()
 
     @torch.inference_mode()
-    def launch(self, seqs, drafts: list[list[int]], st: SamplingTensors, draft: bool = True,
-               chunks: list[int] | None = None, num_new_drafts: int | None = None) -> StepHandle:
-        """One step from the host's sequences. `draft=False` skips the drafter (speculation off for this step): no
-        drafts come back. `chunks`: tokens fed per request when a prefill is chunked; a chunk's answer is
-        meaningless (nothing is sampled), but the drafter reads the prompt token after it, so its cache fills.
-        `num_new_drafts`: the drafts to propose per request (default `draft_count` of the drafts given); a larger
-        count pads the drafts to it (`_can_pad_drafts`), so the step runs as that K's steps do; a larger count that
-        cannot be padded is not honoured (the default is proposed, on the graphs); a smaller one runs eagerly."""
-        k = max((len(d) for d in drafts), default=0)
-        draft = draft and self.proposer is not None
-        want = self.draft_count(k) if num_new_drafts is None else num_new_drafts
-        if draft and want > self.draft_count(k):
-            if self._can_pad_drafts(seqs, drafts, k, want, st, chunks):
-                # The adaptive policy's K rose: the step is laid out as one verifying `want` drafts, the missing
-                # ones PAD_DRAFT (fed, never accepted), so it runs as that K's steps do (graphs) and proposes `want`.
-                drafts, k = [d + [PAD_DRAFT] * (want - k) for d in drafts], want
-            else:
-                # A rise beside a prompt (or a chunk) cannot be padded: the step proposes what its K's graphs
-                # propose, and the rise comes at the next decode-only step. Proposing `want` here would run the
-                # whole step eagerly (several rounds' time on the GPU) at every admission of a load that crosses a band
-                # edge (docs/DECISIONS.md).
-                want = self.draft_count(k)
-        eager = draft and want != self.draft_count(k)  # a count no graph proposes (fewer than the default)
+    def launch(self, seqs, drafts: list[list[int]], st: SamplingTensors, plan: DraftPlan,
+               chunks: list[int] | None = None) -> StepHandle:
+        """One step from the host's sequences, drafting as `plan` says (`DraftPlanner.plan`): without drafting no
+        drafts come back; a padded plan feeds each request's missing drafts as PAD_DRAFT up to plan.verify_k, so the
+        step runs as that K's steps do (graphs). `chunks`: tokens fed per request when a prefill is chunked; a
+        chunk's answer is meaningless (nothing is sampled), but the drafter reads the prompt token after it, so its
+        cache fills. A plan proposing a count no graph of its K proposes (`draft_count`) runs eagerly."""
+        k, draft = plan.verify_k, plan.draft
+        if plan.pad:
+            drafts = [d + [PAD_DRAFT] * (k - len(d)) for d in drafts]
+        eager = draft and plan.propose_k != self.draft_count(k)
         if not eager and chunks is None and self.graphs is not None and self.graphs.can_run(seqs, drafts, k, draft):
             inp = self.build_inputs(seqs, drafts, k, pad_to=self.graphs.bucket_for(len(seqs)))
             return self._run(self.graphs.load_inputs(inp), st, k, inp.num_real, inp.max_query_len, self.graphs,
@@ -425,29 +405,22 @@ class ModelRunner:
         general = None if eager else self.general_graphs
         key = None if general is None else general.key_for(len(inp.input_ids), len(seqs), k)
         if key is None:
-            return self._run(self.to_device(inp), st, k, inp.num_real, inp.max_query_len, None, draft, want)
+            return self._run(self.to_device(inp), st, k, inp.num_real, inp.max_query_len, None, draft,
+                             plan.propose_k)
         inp = self.pad_inputs(inp, key[0], key[1])
         return self._run(general.load_inputs(inp, key), st, k, inp.num_real, inp.max_query_len, general, draft)
 
-    def _can_pad_drafts(self, seqs, drafts, k: int, want: int, st: SamplingTensors, chunks) -> bool:
-        """Whether a step verifying k drafts can be laid out as one verifying `want` (padded): every request decodes
-        with k drafts, no logits processing reads the drafts, and the padded positions stay inside the model."""
-        if chunks is not None or st.processing is not None:
-            return False
-        return all(s.num_tokens - s.num_computed_tokens == 1 and len(d) == k
-                   and s.num_tokens + want <= self.max_model_len for s, d in zip(seqs, drafts))
-
     @torch.inference_mode()
-    def launch_next(self, prev: StepHandle, rows: list[int], seqs, st: SamplingTensors, k: int,
-                    draft: bool = True) -> StepHandle:
+    def launch_next(self, prev: StepHandle, rows: list[int], seqs, st: SamplingTensors,
+                    plan: DraftPlan) -> StepHandle:
         """The decode step after `prev`, launched before prev's answer reached the host (async scheduling).
 
-        Request i is row `rows[i]` of prev's batch; it feeds prev's next token and the first k of its drafts
-        (k <= prev.num_drafts), at positions that follow the tokens prev accepts. The host gives only each
-        request's token count at prev's launch and its block table (grown for the most tokens prev can add);
-        `kernels.advance_decode_inputs` builds the rest on the device.
+        Request i is row `rows[i]` of prev's batch; it feeds prev's next token and the first k = plan.verify_k of
+        its drafts (k <= prev.num_drafts), at positions that follow the tokens prev accepts. The host gives only
+        each request's token count at prev's launch and its block table (grown for the most tokens prev can add);
+        `kernels.advance_decode_inputs` builds the rest on the device. `plan`: `DraftPlanner.plan_ahead`'s.
         """
-        draft = draft and self.proposer is not None
+        k, draft = plan.verify_k, plan.draft
         assert k <= prev.num_drafts, (k, prev.num_drafts)
         graphed = self.graphs is not None and self.graphs.fits(len(seqs), k, draft)
         src, base, tables = self.build_next_inputs(seqs, rows, self.graphs.bucket_for(len(seqs)) if graphed
@@ -458,16 +431,18 @@ class ModelRunner:
             x, src_d, base_d = self._next_inputs_eager(src, base, tables, k)
         kernels.advance_decode_inputs(prev.packed, src_d, base_d, x["block_tables"], prev.k, k, self.block_size,
                                       self.scratch_block, x)
-        return self._run(x, st, k, len(seqs), k + 1, self.graphs if graphed else None, draft)
+        return self._run(x, st, k, len(seqs), k + 1, self.graphs if graphed else None, draft, plan.propose_k)
 
     @torch.inference_mode()
     def launch_admit_next(self, prev: StepHandle, rows: list[int], seqs, new, st: SamplingTensors,
-                          k: int) -> StepHandle:
+                          plan: DraftPlan) -> StepHandle:
         """`launch_next` with new prompts admitted in the same step: the prompts' whole spans first (built on the
         host), then the decodes of `seqs` (request i is row rows[i] of prev's batch, feeding prev's next token and
-        the first k of its drafts), whose rows `kernels.advance_decode_inputs` writes on the device from prev's
-        answer. The drafter runs (it reads the new prompts). A general graph runs the step when its bucket has one,
-        its inputs staged through pinned memory so the host does not wait for prev; else it runs eagerly."""
+        the first k = plan.verify_k of its drafts), whose rows `kernels.advance_decode_inputs` writes on the device
+        from prev's answer. The drafter runs where there is one (it reads the new prompts). A general graph runs
+        the step when its bucket has one, its inputs staged through pinned memory so the host does not wait for
+        prev; else it runs eagerly."""
+        k = plan.verify_k
         assert k <= prev.num_drafts, (k, prev.num_drafts)
         pre = self._build_general_inputs(new, [[] for _ in new], k, None)
         n_new, d, bs = len(new), len(seqs), self.block_size
@@ -502,8 +477,8 @@ class ModelRunner:
                "num_drafts": x["num_drafts"][n_new:n_new + d]}
         kernels.advance_decode_inputs(prev.packed, src_d, base_d, x["block_tables"][n_new:n_new + d], prev.k, k,
                                       bs, self.scratch_block, out)
-        return self._run(x, st, k, n_new + d, max_query_len, None if key is None else general,
-                         self.proposer is not None)
+        return self._run(x, st, k, n_new + d, max_query_len, None if key is None else general, plan.draft,
+                         plan.propose_k)
 
     def build_next_inputs(self, seqs, rows: list[int], pad_to: int):
         """Host arrays for `launch_next`: per request the packed row it reads (-1 = padding), its token count

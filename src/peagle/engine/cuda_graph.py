@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from peagle.engine.model_runner import DeviceInputs
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -99,15 +101,15 @@ class CudaGraphs:
             return False  # drafting resumes and its graphs failed to capture: one eager step
         return True
 
-    def _views(self, b: int, k: int) -> dict[str, torch.Tensor]:
+    def _views(self, b: int, k: int) -> DeviceInputs:
         t = b * (k + 1)
         i64, i32 = self.i64, self.i32
-        return {"input_ids": i64[:t], "positions": i64[t:2 * t], "slot_mapping": i64[2 * t:3 * t],
-                "drafts": i64[3 * t:3 * t + b * k].view(b, k), "num_drafts": i64[3 * t + b * k:3 * t + b * k + b],
-                "query_start_loc": i32[:b + 1], "block_tables": i32[b + 1:b + 1 + b * self.width].view(b, self.width),
-                "logit_rows": None}
+        return DeviceInputs(input_ids=i64[:t], positions=i64[t:2 * t], slot_mapping=i64[2 * t:3 * t],
+                            drafts=i64[3 * t:3 * t + b * k].view(b, k), num_drafts=i64[3 * t + b * k:3 * t + b * k + b],
+                            query_start_loc=i32[:b + 1],
+                            block_tables=i32[b + 1:b + 1 + b * self.width].view(b, self.width), logit_rows=None)
 
-    def load_inputs(self, inp) -> dict[str, torch.Tensor]:
+    def load_inputs(self, inp) -> DeviceInputs:
         b, k = len(inp.query_start_loc) - 1, inp.drafts.shape[1]
         self.current = (b, k)
         host64 = np.concatenate([inp.input_ids, inp.positions, inp.slot_mapping, inp.drafts.ravel(), inp.num_drafts])
@@ -198,13 +200,13 @@ class CudaGraphs:
         bs = r.block_size
         x = self._views(b, k)
         rows = torch.arange(k + 1).repeat(b)
-        x["input_ids"].zero_()
-        x["positions"].copy_(rows)
-        x["slot_mapping"].copy_(r.scratch_block * bs + rows % bs)
-        x["drafts"].zero_()
-        x["num_drafts"].fill_(k)
-        x["query_start_loc"].copy_(torch.arange(b + 1, dtype=torch.int32) * (k + 1))
-        x["block_tables"].fill_(r.scratch_block)
+        x.input_ids.zero_()
+        x.positions.copy_(rows)
+        x.slot_mapping.copy_(r.scratch_block * bs + rows % bs)
+        x.drafts.zero_()
+        x.num_drafts.fill_(k)
+        x.query_start_loc.copy_(torch.arange(b + 1, dtype=torch.int32) * (k + 1))
+        x.block_tables.fill_(r.scratch_block)
         self.num_rejected[:b].zero_()
         self.next_tokens[:b].zero_()
 
@@ -284,14 +286,14 @@ class GeneralGraphs:
             return None
         return key
 
-    def _views(self, key: tuple[int, int, int]) -> dict[str, torch.Tensor]:
+    def _views(self, key: tuple[int, int, int]) -> DeviceInputs:
         t, b, k = key
         sizes = (t, t, t, b * (k + 1), b * k, b, b)
         ids, pos, slots, rows, drafts, nd, chunk_next = self.i64[:sum(sizes)].split(sizes)
         qsl, tables = self.i32[:b + 1 + b * self.width].split((b + 1, b * self.width))
-        return {"input_ids": ids, "positions": pos, "slot_mapping": slots, "logit_rows": rows,
-                "drafts": drafts.view(b, k), "num_drafts": nd, "chunk_next": chunk_next, "query_start_loc": qsl,
-                "block_tables": tables.view(b, self.width)}
+        return DeviceInputs(input_ids=ids, positions=pos, slot_mapping=slots, logit_rows=rows,
+                            drafts=drafts.view(b, k), num_drafts=nd, chunk_next=chunk_next, query_start_loc=qsl,
+                            block_tables=tables.view(b, self.width))
 
     def load_inputs(self, inp, key: tuple[int, int, int], next_rows: tuple[np.ndarray, np.ndarray] | None = None):
         """`inp`, padded to `key` (`ModelRunner.pad_inputs`), into the static buffers: two host-to-device copies.

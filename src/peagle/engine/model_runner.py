@@ -52,6 +52,25 @@ class StepInputs:
 
 
 @dataclass
+class DeviceInputs:
+    """One step's inputs on the device (StepInputs uploaded, or a graph's static buffers): B requests (padding
+    included), T fed tokens. Also read by name (`x["drafts"]`), as the kernels that write some take them."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    logit_rows: torch.Tensor | None  # [B * (k + 1)] int64 rows whose target logits verify; None: every row (decode)
+    drafts: torch.Tensor  # [B, k] int64
+    num_drafts: torch.Tensor  # [B] int64
+    chunk_next: torch.Tensor | None = None  # [B] int64 the prompt token after a prefill chunk, -1 for the others
+
+    def __getitem__(self, name: str) -> torch.Tensor | None:
+        return getattr(self, name)
+
+
+@dataclass
 class StepResult:
     output_tokens: list[list[int]]  # per request: accepted drafts then the next token
     num_accepted: list[int]
@@ -290,27 +309,27 @@ class ModelRunner:
             max_query_len=t, num_real=inp.num_real, chunk_next=chunk_next,
         )
 
-    def to_device(self, inp: StepInputs) -> dict[str, torch.Tensor]:
+    def to_device(self, inp: StepInputs) -> DeviceInputs:
         dev = self.device
         t = lambda a: torch.from_numpy(a).to(dev, non_blocking=True)  # noqa: E731
-        x = {"input_ids": t(inp.input_ids), "positions": t(inp.positions), "slot_mapping": t(inp.slot_mapping),
-             "query_start_loc": t(inp.query_start_loc), "block_tables": t(inp.block_tables),
-             "logit_rows": t(inp.logit_rows.reshape(-1)), "drafts": t(inp.drafts), "num_drafts": t(inp.num_drafts)}
-        if inp.chunk_next is not None:
-            x["chunk_next"] = t(inp.chunk_next)
-        return x
+        return DeviceInputs(
+            input_ids=t(inp.input_ids), positions=t(inp.positions), slot_mapping=t(inp.slot_mapping),
+            query_start_loc=t(inp.query_start_loc), block_tables=t(inp.block_tables),
+            logit_rows=t(inp.logit_rows.reshape(-1)), drafts=t(inp.drafts), num_drafts=t(inp.num_drafts),
+            chunk_next=None if inp.chunk_next is None else t(inp.chunk_next),
+        )
 
     # ---- device side --------------------------------------------------------------------------------------------
 
-    def target_forward(self, x: dict[str, torch.Tensor], max_query_len: int, all_rows: bool = False,
+    def target_forward(self, x: DeviceInputs, max_query_len: int, all_rows: bool = False,
                        small_query_len: int | None = None):
         """`small_query_len`: the most rows a decoding request feeds (K + 1), for a step that may mix decodes with
         longer prompts or chunks (AttentionMetadata)."""
-        meta = AttentionMetadata(x["positions"], x["slot_mapping"], x["block_tables"], x["query_start_loc"],
+        meta = AttentionMetadata(x.positions, x.slot_mapping, x.block_tables, x.query_start_loc,
                                  max_query_len, small_query_len)
         attention = PagedAttention(self.target_kv, meta, self.target_scale, self.attention)
-        out = self.target(x["input_ids"], x["positions"], attention, self.aux_layer_ids)
-        hidden = out.hidden if all_rows else out.hidden.index_select(0, x["logit_rows"])
+        out = self.target(x.input_ids, x.positions, attention, self.aux_layer_ids)
+        hidden = out.hidden if all_rows else out.hidden.index_select(0, x.logit_rows)
         return self.target.compute_logits(hidden), out.aux  # [B*(k+1), V], [T, F]
 
     @torch.inference_mode()
@@ -337,21 +356,21 @@ class ModelRunner:
         """The drafts a step verifying k per request proposes for the next, as its graphs do (`DraftPlanner`)."""
         return self.planner.draft_count(k)
 
-    def propose(self, x: dict[str, torch.Tensor], aux, num_rejected, next_tokens, max_query_len: int,
+    def propose(self, x: DeviceInputs, aux, num_rejected, next_tokens, max_query_len: int,
                 small_query_len: int | None = None, num_drafts: int | None = None):
         """[B, num_drafts] drafts (default: the engine's K)."""
         if num_drafts is not None and not 1 <= num_drafts <= self.k:
             raise ValueError(f"num_drafts must be in [1, {self.k}], got {num_drafts}")
         return self.proposer.propose(DraftInputs(
-            input_ids=x["input_ids"], positions=x["positions"], slot_mapping=x["slot_mapping"],
-            query_start_loc=x["query_start_loc"], block_tables=x["block_tables"], aux=aux,
+            input_ids=x.input_ids, positions=x.positions, slot_mapping=x.slot_mapping,
+            query_start_loc=x.query_start_loc, block_tables=x.block_tables, aux=aux,
             num_rejected=num_rejected, next_tokens=next_tokens, max_query_len=max_query_len,
             small_query_len=small_query_len,
         ), num_drafts)
 
-    def verify(self, logits, x, st: SamplingTensors, k: int, num_real: int):
+    def verify(self, logits, x: DeviceInputs, st: SamplingTensors, k: int, num_real: int):
         logits = logits[: num_real * (k + 1)]
-        drafts, nd = x["drafts"][:num_real], x["num_drafts"][:num_real]
+        drafts, nd = x.drafts[:num_real], x.num_drafts[:num_real]
         if st.processing is not None:
             logits = process_logits(logits, st.processing, drafts, nd, k + 1)
         if self.synthetic_acceptance is not None:
@@ -363,20 +382,20 @@ class ModelRunner:
         noise = exponential_like(probs[:, 0], st.generators, 1)
         return verify_sampled(probs, drafts, nd, u, noise)
 
-    def greedy_step(self, x: dict[str, torch.Tensor], k: int, draft: bool | None = None) -> torch.Tensor:
+    def greedy_step(self, x: DeviceInputs, k: int, draft: bool | None = None) -> torch.Tensor:
         """A whole decode round for greedy requests on the device (captured as one CUDA graph): verify, then draft.
 
         Every request feeds exactly one uncomputed token and k drafts. Returns the packed host answer
         [B, (k + 1) + 1 + K]: output tokens, number accepted, next drafts.
         """
-        b = x["query_start_loc"].shape[0] - 1
+        b = x.query_start_loc.shape[0] - 1
         logits, aux = self.target_forward(x, k + 1, all_rows=True)
-        v = verify_greedy(logits.argmax(-1).view(b, k + 1), x["drafts"], x["num_drafts"])
+        v = verify_greedy(logits.argmax(-1).view(b, k + 1), x.drafts, x.num_drafts)
         drafts = None
         if draft is None:  # by default a round without drafts is a plain step (the adaptive policy's "off")
             draft = k > 0
         if self.proposer is not None and draft:
-            drafts = self.propose(x, aux, x["num_drafts"] - v.num_accepted, v.next_tokens, k + 1,
+            drafts = self.propose(x, aux, x.num_drafts - v.num_accepted, v.next_tokens, k + 1,
                                   num_drafts=self.draft_count(k))
         return _pack(v, drafts, b)
 
@@ -429,7 +448,7 @@ class ModelRunner:
             x, src_d, base_d = self.graphs.load_next_inputs(src, base, tables, k)
         else:
             x, src_d, base_d = self._next_inputs_eager(src, base, tables, k)
-        kernels.advance_decode_inputs(prev.packed, src_d, base_d, x["block_tables"], prev.k, k, self.block_size,
+        kernels.advance_decode_inputs(prev.packed, src_d, base_d, x.block_tables, prev.k, k, self.block_size,
                                       self.scratch_block, x)
         return self._run(x, st, k, len(seqs), k + 1, self.graphs if graphed else None, draft, plan.propose_k)
 
@@ -472,10 +491,10 @@ class ModelRunner:
             x, src_d, base_d = general.load_inputs(inp, key, next_rows=(src, base))
             max_query_len = key[0]
         rows_d = slice(t_pre, t_pre + d * (k + 1))
-        out = {"input_ids": x["input_ids"][rows_d], "positions": x["positions"][rows_d],
-               "slot_mapping": x["slot_mapping"][rows_d], "drafts": x["drafts"][n_new:n_new + d],
-               "num_drafts": x["num_drafts"][n_new:n_new + d]}
-        kernels.advance_decode_inputs(prev.packed, src_d, base_d, x["block_tables"][n_new:n_new + d], prev.k, k,
+        out = {"input_ids": x.input_ids[rows_d], "positions": x.positions[rows_d],
+               "slot_mapping": x.slot_mapping[rows_d], "drafts": x.drafts[n_new:n_new + d],
+               "num_drafts": x.num_drafts[n_new:n_new + d]}
+        kernels.advance_decode_inputs(prev.packed, src_d, base_d, x.block_tables[n_new:n_new + d], prev.k, k,
                                       bs, self.scratch_block, out)
         return self._run(x, st, k, n_new + d, max_query_len, None if key is None else general, plan.draft,
                          plan.propose_k)
@@ -497,13 +516,13 @@ class ModelRunner:
         dev, b = self.device, len(src)
         t = b * (k + 1)
         empty = lambda *shape: torch.empty(shape, dtype=torch.long, device=dev)  # noqa: E731
-        x = {"input_ids": empty(t), "positions": empty(t), "slot_mapping": empty(t), "drafts": empty(b, k),
-             "num_drafts": empty(b), "block_tables": torch.from_numpy(tables).to(dev),
-             "query_start_loc": torch.arange(0, t + 1, k + 1, dtype=torch.int32, device=dev),
-             "logit_rows": torch.arange(t, device=dev)}
+        x = DeviceInputs(input_ids=empty(t), positions=empty(t), slot_mapping=empty(t), drafts=empty(b, k),
+                         num_drafts=empty(b), block_tables=torch.from_numpy(tables).to(dev),
+                         query_start_loc=torch.arange(0, t + 1, k + 1, dtype=torch.int32, device=dev),
+                         logit_rows=torch.arange(t, device=dev))
         return x, torch.from_numpy(src).to(dev), torch.from_numpy(base).to(dev)
 
-    def _run(self, x: dict[str, torch.Tensor], st: SamplingTensors, k: int, num_real: int, max_query_len: int,
+    def _run(self, x: DeviceInputs, st: SamplingTensors, k: int, num_real: int, max_query_len: int,
              graphs, draft: bool, num_new_drafts: int | None = None) -> StepHandle:
         """Verify and draft over inputs already on the device; the answer starts its way to the host. `graphs`:
         the CudaGraphs or GeneralGraphs whose buffers hold the inputs (None: eager; graphs propose
@@ -518,11 +537,11 @@ class ModelRunner:
         v = self.verify(logits, x, st, k, num_real)
         new_drafts = None
         if draft:
-            pad = x["query_start_loc"].shape[0] - 1 - num_real
-            num_rejected = x["num_drafts"][:num_real] - v.num_accepted
+            pad = x.query_start_loc.shape[0] - 1 - num_real
+            num_rejected = x.num_drafts[:num_real] - v.num_accepted
             next_tokens = v.next_tokens
-            if "chunk_next" in x:
-                chunk_next = x["chunk_next"][:num_real]
+            if x.chunk_next is not None:
+                chunk_next = x.chunk_next[:num_real]
                 next_tokens = torch.where(chunk_next >= 0, chunk_next, next_tokens)
             if pad:
                 num_rejected = torch.cat([num_rejected, num_rejected.new_zeros(pad)])

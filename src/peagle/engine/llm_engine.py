@@ -220,7 +220,7 @@ class LLMEngine:
             plan = self.planner.plan(sched.seqs, drafts, load_k, logits_processing=st.processing is not None,
                                      chunks=chunks)
             self._note_drafting(sched.seqs, plan.draft)
-            result = self.runner.execute(sched.seqs, drafts, st, plan, chunks)
+            result = self.runner.execute(sched.seqs, drafts, st, plan, chunks=chunks)
             outputs = self._commit(_Launched(sched.seqs, None, chunks), result)
         return self._release(outputs)
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from peagle.engine.model_runner import DeviceInputs
+from peagle.engine.device_inputs import DeviceInputs
 
 logger = logging.getLogger(__name__)
 

@@ -24,6 +24,7 @@ import torch
 from peagle import kernels
 from peagle.engine.attention import (AttentionMetadata, AttentionOptions, PagedAttention, allocate_kv_cache,
                                      kv_bytes_per_block)
+from peagle.engine.device_inputs import DeviceInputs
 from peagle.engine.draft_plan import PAD_DRAFT, DraftPlan, DraftPlanner
 from peagle.engine.sampler import (SamplingTensors, exponential_like, process_logits, target_probs, token_logprobs,
                                    uniform_like)
@@ -49,25 +50,6 @@ class StepInputs:
     max_query_len: int
     num_real: int  # requests before padding
     chunk_next: np.ndarray | None = None  # [B] int64 the prompt token after a prefill chunk, -1 for the others
-
-
-@dataclass
-class DeviceInputs:
-    """One step's inputs on the device (StepInputs uploaded, or a graph's static buffers): B requests (padding
-    included), T fed tokens. Also read by name (`x["drafts"]`), as the kernels that write some take them."""
-
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    slot_mapping: torch.Tensor  # [T] int64
-    query_start_loc: torch.Tensor  # [B + 1] int32
-    block_tables: torch.Tensor  # [B, max_blocks] int32
-    logit_rows: torch.Tensor | None  # [B * (k + 1)] int64 rows whose target logits verify; None: every row (decode)
-    drafts: torch.Tensor  # [B, k] int64
-    num_drafts: torch.Tensor  # [B] int64
-    chunk_next: torch.Tensor | None = None  # [B] int64 the prompt token after a prefill chunk, -1 for the others
-
-    def __getitem__(self, name: str) -> torch.Tensor | None:
-        return getattr(self, name)
 
 
 @dataclass

@@ -62,7 +62,7 @@ _CORPUS = [
     "You are a helpful assistant. What is the capital of France? Paris is the capital of France.",
 ]
 
-FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral")
+FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral", "mistral_swa", "qwen3_moe", "gpt_oss")
 
 
 def _tokenizer_files(out: Path) -> int:
@@ -134,6 +134,21 @@ def _hf_config(family: str, vocab_size: int, num_layers: int, tie_word_embedding
         return transformers.Qwen3Config(**common, use_sliding_window=False)
     if family == "mistral":
         return transformers.MistralConfig(**common, sliding_window=None)
+    if family == "mistral_swa":
+        return transformers.MistralConfig(**common, sliding_window=6)
+    # The MoE families: 8 experts, top 2, YaRN over a short original context so that it bends a 16-dim head's
+    # frequencies; Qwen3-MoE with one dense layer, GPT-OSS with a 6-token window, sinks and a clamp that bites.
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                           norm_topk_prob=True, mlp_only_layers=[1],
+                                           rope_parameters={**yarn, "rope_theta": 10000.0})
+    if family == "gpt_oss":
+        common = {**common, "intermediate_size": 32}
+        return transformers.GptOssConfig(**common, num_local_experts=8, num_experts_per_tok=2, sliding_window=6,
+                                         swiglu_limit=0.5, attention_bias=True,
+                                         rope_parameters={**yarn, "rope_theta": 150000.0, "beta_fast": 32.0,
+                                                          "beta_slow": 1.0, "truncate": False})
     raise ValueError(f"unknown tiny family {family!r}; choose from {FAMILIES}")
 
 

@@ -97,7 +97,7 @@ def test_speculators_config_carries_every_required_field(tmp_path, method, arch)
     assert SPECULATORS_FIELDS <= set(d)
     assert (d["speculators_model_type"], d["architectures"]) == (method, [arch])
     assert (d["draft_vocab_size"], d["target_hidden_size"]) == (31, 32)
-    assert d["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3]
+    assert d["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]
     assert d["norm_before_fc"] is False and isinstance(d["norm_before_residual"], bool)
     spec = d["speculators_config"]
     assert spec["algorithm"] == method and spec["default_proposal_method"] == "greedy"
@@ -184,7 +184,7 @@ def test_export_import_round_trips(tmp_path, method):
 @pytest.mark.parametrize("change,field,expected,found", [
     (dict(hidden_size=48), "hidden_size", 48, 32),
     (dict(vocab_size=80), "vocab_size", 80, 64),
-    (dict(num_hidden_layers=2), "aux_layer_ids", "ids in 0..2", [2, 3, 3]),
+    (dict(num_hidden_layers=2), "aux_layer_ids", "ids in 0..2", [2, 3, 4]),
     (dict(family="qwen3", qk_norm=True), "family", "qwen3", "llama"),
 ])
 def test_mismatched_target_is_refused(tmp_path, change, field, expected, found):

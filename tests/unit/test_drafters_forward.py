@@ -214,7 +214,7 @@ def test_for_target_copies_target_shape_and_rows():
     for field in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                   "rope_theta", "vocab_size"):
         assert getattr(lc, field) == getattr(tc, field), field
-    assert drafter.config.aux_layer_ids == (2, 3, 3)
+    assert drafter.config.aux_layer_ids == (2, 3, 4)
     assert torch.equal(drafter.embed_tokens.weight, target.embed_tokens.weight)
     assert torch.equal(drafter.lm_head.weight, target.lm_head.weight[[2, 9, 40]])
     assert drafter.to_target_ids(torch.tensor([0, 1, 2])).tolist() == [2, 9, 40]
@@ -236,8 +236,12 @@ def test_default_aux_layers_stay_inside_shallow_targets():
                            num_attention_heads=4, num_key_value_heads=2, head_dim=8).default_aux_layer_ids
 
     assert ids(32) == (2, 16, 29) and ids(30) == (2, 15, 27)  # EAGLE-3's choice for real depths
-    assert ids(2) == (2, 1, 0) and ids(1) == (1, 0, 0)  # kept inside 0..n
+    # Distinct layers' inputs (0..n-1) from 3 layers on: vLLM taps inputs only and refuses a layer tapped twice.
+    for n in range(3, 40):
+        low, mid, high = ids(n)
+        assert 0 <= low < mid < high < n, n
+    assert ids(6) == (2, 3, 4) and ids(4) == (1, 2, 3) and ids(2) == (0, 1, 1) and ids(1) == (0, 0, 0)
     torch.manual_seed(0)
     shallow = LlamaModel(ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=48,
                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8))
-    assert Drafter.for_target(shallow, "eagle3").config.aux_layer_ids == (2, 1, 0)
+    assert Drafter.for_target(shallow, "eagle3").config.aux_layer_ids == (0, 1, 1)

@@ -372,14 +372,14 @@ class _Launched:
 
 def _random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int):
     """A model of `cfg`'s shape with random weights, built directly on the device (like vLLM's dummy format)."""
-    from peagle.models.llama import LlamaModel
+    from peagle.models.registry import build_model
 
     torch.manual_seed(seed)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaModel(cfg)
+            model = build_model(cfg)
             for name, p in model.named_parameters():
                 if p.dim() > 1:
                     torch.nn.init.normal_(p, std=0.02)

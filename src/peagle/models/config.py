@@ -8,15 +8,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# HF architecture name -> family. One model file (llama.py) serves them all; the family only switches small options.
+# HF architecture name -> family. The dense families share llama.py and differ in small options; the others have a
+# model file of their own (models/registry.py).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 FAMILY_ARCHITECTURE = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
-FAMILY_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+FAMILY_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                     "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss"}
+ROPE_TYPES = ("default", "llama3", "yarn")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class UnsupportedModelError(ValueError):
@@ -59,6 +65,21 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     torch_dtype: str = "bfloat16"
+    # Attention: per layer "full_attention" or "sliding_attention" (empty: every layer full); a sliding layer's query
+    # at position p sees keys p - sliding_window < j <= p. attention_sinks: a learned logit per head (GPT-OSS).
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0
+    attention_sinks: bool = False
+    # Mixture of experts (num_experts 0: a dense MLP in every layer). dense_layers: the layers of a MoE model that
+    # keep a dense MLP of intermediate_size (Qwen3-MoE's mlp_only_layers and decoder_sparse_step).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    dense_layers: tuple[int, ...] = ()
+    # GPT-OSS's experts: gate clamped above, up to [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate).
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -77,8 +98,24 @@ class ModelConfig:
             )
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            if kind not in ("default", "llama3"):
-                raise UnsupportedModelError(f"unsupported rope_scaling type {kind!r}; supported: default, llama3")
+            if kind not in ROPE_TYPES:
+                raise UnsupportedModelError(
+                    f"unsupported rope_scaling type {kind!r}; supported: {', '.join(ROPE_TYPES)}")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"layer_types names {len(self.layer_types)} layers, the model has "
+                                 f"{self.num_hidden_layers}")
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise UnsupportedModelError(f"unsupported layer type(s) {unknown}; supported: {list(LAYER_TYPES)}")
+            if "sliding_attention" in self.layer_types and self.sliding_window <= 0:
+                raise ValueError("layer_types has sliding_attention layers but sliding_window is not positive")
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts "
+                                 f"({self.num_experts})")
+            if self.moe_intermediate_size <= 0:
+                raise ValueError("a mixture-of-experts config needs a positive moe_intermediate_size")
 
     @property
     def architecture(self) -> str:
@@ -86,9 +123,26 @@ class ModelConfig:
 
     @property
     def default_aux_layer_ids(self) -> tuple[int, int, int]:
-        """EAGLE-3's choice (low, middle, high: layers 2, n/2, n-3), kept inside 0..n for targets of < 5 layers."""
+        """EAGLE-3's choice (low, middle, high: the inputs of layers 2, n/2, n-3), moved apart on shallow targets so
+        that from 3 layers on they are distinct layers' inputs (vLLM taps only inputs, 0..n-1, and refuses a head
+        that taps one twice)."""
         n = self.num_hidden_layers
-        return (min(2, n), n // 2, max(0, n - 3))
+        low, mid, high = min(2, n), n // 2, max(0, n - 3)
+        if low < mid < high:
+            return (low, mid, high)
+        if n < 3:
+            return (0, n // 2, n - 1)
+        low = min(low, n - 3)
+        mid = max(low + 1, min(mid, n - 2))
+        return (low, mid, max(mid + 1, min(high, n - 1)))
+
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of `layer` (0: full attention)."""
+        sliding = self.layer_types and self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window if sliding else 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -118,15 +172,14 @@ class ModelConfig:
             scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
         if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
             scaling = None
-        if d.get("sliding_window") and d.get("use_sliding_window", family == "mistral"):
-            raise UnsupportedModelError(
-                f"sliding-window attention (sliding_window={d['sliding_window']}) is not supported; "
-                "only dense full-attention checkpoints are"
-            )
+        if family == "gpt_oss" and "quantization_config" in d:
+            d.pop("quantization_config")  # MXFP4 experts: dequantised to the compute dtype at load (weights.py)
         heads = d["num_attention_heads"]
         hidden = d["hidden_size"]
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(
+            **_attention_fields(d, family),
+            **_moe_fields(d, family),
             family=family,
             vocab_size=d["vocab_size"],
             hidden_size=hidden,
@@ -142,7 +195,7 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=True if family == "qwen2" else bool(d.get("attention_bias", False)),
             o_bias=False if family == "qwen2" else bool(d.get("attention_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
@@ -150,6 +203,9 @@ class ModelConfig:
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
+        """The Hugging Face config.json of a dense family (the drafters' layers and the test models are dense)."""
+        if self.num_experts or self.attention_sinks or self.layer_types:
+            raise ValueError(f"to_hf_dict writes dense full-attention configs only, not a {self.family} one")
         d: dict[str, Any] = {
             "architectures": [self.architecture],
             "model_type": FAMILY_MODEL_TYPE[self.family],
@@ -188,3 +244,38 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ValueError(f"{cfg_file} is not valid JSON: {e}") from None
         return cls.from_hf_dict(d)
+
+
+def _layer_types(d: dict[str, Any], family: str) -> tuple[str, ...]:
+    n = d["num_hidden_layers"]
+    if d.get("layer_types"):
+        return tuple(d["layer_types"])
+    if family == "gpt_oss":  # sliding first, then alternating, as the released checkpoints
+        return tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n))
+    if not d.get("sliding_window") or not d.get("use_sliding_window", family == "mistral"):
+        return ()
+    first = 0 if family == "mistral" else d.get("max_window_layers", n)  # Qwen: layers from max_window_layers slide
+    return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
+
+
+def _attention_fields(d: dict[str, Any], family: str) -> dict[str, Any]:
+    types = _layer_types(d, family)
+    if "sliding_attention" not in types:
+        types = ()
+    return dict(layer_types=types, sliding_window=int(d.get("sliding_window") or 0) if types else 0,
+                attention_sinks=family == "gpt_oss")
+
+
+def _moe_fields(d: dict[str, Any], family: str) -> dict[str, Any]:
+    if family == "qwen3_moe":
+        n, step = d["num_hidden_layers"], d.get("decoder_sparse_step") or 1
+        only = set(d.get("mlp_only_layers") or ())
+        return dict(num_experts=d.get("num_experts") or d["num_local_experts"],
+                    num_experts_per_tok=d["num_experts_per_tok"], moe_intermediate_size=d["moe_intermediate_size"],
+                    norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                    dense_layers=tuple(i for i in range(n) if i in only or (i + 1) % step))
+    if family == "gpt_oss":  # softmax over the top-k logits: the full softmax's top-k, renormalised
+        return dict(num_experts=d["num_local_experts"], num_experts_per_tok=d["num_experts_per_tok"],
+                    moe_intermediate_size=d["intermediate_size"], norm_topk_prob=True,
+                    swiglu_limit=float(d.get("swiglu_limit", 7.0)), swiglu_alpha=float(d.get("swiglu_alpha", 1.702)))
+    return {}

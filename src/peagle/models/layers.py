@@ -48,6 +48,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv_freq
+    if scaling.get("rope_type", scaling.get("type")) == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     # llama3: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between.
     factor = scaling["factor"]
     low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
@@ -61,6 +63,41 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    # YaRN: frequencies that turn fewer than beta_slow times over the original context are interpolated (divided by
+    # factor), those that turn more than beta_fast times kept, with a linear ramp between (transformers' formula).
+    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_of(rotations):
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """The factor on cos and sin: YaRN's 0.1 ln(factor) + 1 (or its mscale form, or attention_factor), else 1."""
+    if scaling is None or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = scaling["factor"]
+
+    def mscale(m=1.0):
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"])
+    return mscale()
+
+
 class RotaryEmbedding(nn.Module):
     """Non-interleaved (rotate-half) RoPE, the Hugging Face layout."""
 
@@ -69,6 +106,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.max_positions = max_positions
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)  # fp32 on purpose: not a buffer, never cast
+        self.attention_factor = rope_attention_factor(scaling)
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +114,8 @@ class RotaryEmbedding(nn.Module):
             pos = torch.arange(self.max_positions, dtype=torch.float32)
             freqs = torch.outer(pos, self.inv_freq.cpu())
             emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-            self._tables[device] = (emb.cos().to(device), emb.sin().to(device))
+            f = self.attention_factor
+            self._tables[device] = ((emb.cos() * f).to(device), (emb.sin() * f).to(device))
         return self._tables[device]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
@@ -101,6 +140,10 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        # A sliding layer's window and the learned sinks go to the backend only when set, so that backends which
+        # never meet them (the drafters') keep the plain call.
+        self.window = cfg.layer_window(layer_idx)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if cfg.attention_sinks else None
 
     def forward(self, x, positions, rope: RotaryEmbedding, attn: AttentionBackend):
         # x: [T, in_size] -> [T, hidden]
@@ -114,12 +157,17 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        options = {}
+        if self.window:
+            options["window"] = self.window
+        if self.sinks is not None:
+            options["sinks"] = self.sinks
         fused = getattr(attn, "rotary_attend", None)  # a backend that rotates and stores k/v in one kernel
         if fused is not None and not torch.is_grad_enabled():
-            o = fused(self.layer_idx, positions, q, k, v, rope)
+            o = fused(self.layer_idx, positions, q, k, v, rope, **options)
         else:
             q, k = rope(positions, q, k)
-            o = attn(self.layer_idx, q, k, v)  # [T, Hq, D]
+            o = attn(self.layer_idx, q, k, v, **options)  # [T, Hq, D]
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -152,12 +200,14 @@ def norm_linear(norm: RMSNorm, linear: nn.Linear, x, residual=None):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    """Pre-norm attention then MLP. `mlp` is the dense MLP unless given (a family's mixture of experts)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, mlp: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size) if mlp is None else mlp
 
     def forward(self, x, positions, rope, attn):
         # x: [T, hidden] -> [T, hidden]
@@ -173,6 +223,9 @@ class DecoderLayer(nn.Module):
         qkv, entering = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
         entering = stream if entering is None else entering
         o = self.self_attn.attend(qkv, positions, rope, attn)
+        if not isinstance(self.mlp, MLP):
+            h, after = self.post_attention_layernorm(o, residual=entering)
+            return entering, self.mlp(h), after
         h, after = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, o, entering)
         return entering, self.mlp.down(h), after
 

@@ -1,4 +1,8 @@
-"""The Llama-family target model (Llama, Mistral dense, Qwen2, Qwen3): one file, read top to bottom."""
+"""The Llama-family target model (Llama, Mistral, Qwen2, Qwen3): one file, read top to bottom.
+
+Families that differ only inside their decoder layers (qwen3_moe.py, gpt_oss.py) subclass it and override
+`make_layer`; models/registry.py maps a config's family to its class.
+"""
 
 from __future__ import annotations
 
@@ -24,13 +28,17 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @staticmethod
+    def make_layer(cfg: ModelConfig, layer_idx: int) -> DecoderLayer:
+        return DecoderLayer(cfg, layer_idx)
 
     @property
     def output_weight(self) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 from peagle.models.config import ModelConfig, not_a_checkpoint
 from peagle.models.layers import RotaryEmbedding
 from peagle.models.llama import LlamaModel
+from peagle.models.registry import build_model
 from peagle.models.tokenizer import Tokenizer
 from peagle.models.weights import load_into
 
@@ -36,7 +37,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 def empty_model(cfg: ModelConfig) -> LlamaModel:
     """A model whose parameters live on the meta device (no memory), ready for `load_into`."""
     with torch.device("meta"):
-        model = LlamaModel(cfg)
+        model = build_model(cfg)
     # RoPE frequencies are computed, not loaded; the meta context would have left them without data.
     model.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
     return model

@@ -4,7 +4,9 @@ peagle fuses two groups of HF tensors (concatenated along dim 0, weights and bia
     layers.N.self_attn.qkv_proj  = cat(q_proj, k_proj, v_proj)
     layers.N.mlp.gate_up_proj    = cat(gate_proj, up_proj)
 Every other tensor keeps its HF name without the `model.` prefix; `lm_head` has no prefix on either side and is
-absent from peagle models with tied embeddings.
+absent from peagle models with tied embeddings. A mixture of experts (`layers.N.mlp`: router, w13, w2, b13, b2) is
+read from each family's layout (`_expert_sources`); quantised tensors are dequantised as they are read
+(models/quantized.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from peagle.models import quantized
 from peagle.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -34,6 +37,7 @@ FUSED = {
 }
 # Tensors some checkpoints carry that are recomputed rather than loaded.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_EXPERT_PARAMS = ("router.weight", "router.bias", "w13", "w2", "b13", "b2")
 
 
 def fused_split_sizes(cfg: ModelConfig, fused: str) -> list[int]:
@@ -79,6 +83,7 @@ class SafetensorsCheckpoint:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self.fp8_block = _fp8_block(self.path)
         self.files = self._files()
         self._handles = {}
         self.file_of: dict[str, Path] = {}
@@ -122,21 +127,111 @@ class SafetensorsCheckpoint:
                 "re-download or re-convert it"
             ) from None
 
+    def has(self, name: str) -> bool:
+        """Whether the checkpoint holds `name`, plainly or MXFP4-quantised."""
+        return name in self.file_of or name + quantized.MXFP4_BLOCKS in self.file_of
+
+    def where(self, name: str) -> Path:
+        return self.file_of.get(name) or self.file_of[name + quantized.MXFP4_BLOCKS]
+
     def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape as a full-precision checkpoint would hold it."""
+        if name not in self.file_of:
+            return quantized.mxfp4_shape(self._raw_shape(name + quantized.MXFP4_BLOCKS))
+        return self._raw_shape(name)
+
+    def _raw_shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handles[self.file_of[name]].get_slice(name).get_shape())
 
-    def get(self, name: str) -> torch.Tensor:
+    def companions(self, name: str) -> list[str]:
+        """The stored tensors that make up `name`: itself, or its quantised parts and scales."""
+        if name not in self.file_of:
+            return [name + quantized.MXFP4_BLOCKS, name + quantized.MXFP4_SCALES]
+        scale = name.removesuffix("weight") + quantized.FP8_SCALE
+        return [name, scale] if name.endswith("weight") and scale in self.file_of else [name]
+
+    def get(self, name: str, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> torch.Tensor:
+        """The tensor on `device`; a quantised one dequantised there to `dtype`, which it then requires."""
+        parts = [self._read(n).to(device) for n in self.companions(name)]
+        if len(parts) == 1:
+            if quantized.is_fp8(parts[0].dtype):
+                raise ValueError(f"tensor {name} is {parts[0].dtype} without the block scales peagle reads "
+                                 f"({quantized.FP8_SCALE}); only block-scaled FP8 checkpoints load")
+            return parts[0]
+        if dtype is None:
+            raise ValueError(f"tensor {name} is quantised: give the dtype to dequantise it to")
+        if name in self.file_of:
+            if self.fp8_block is None:
+                raise ValueError(f"{self.path}/config.json names no weight_block_size for the FP8 tensor {name}")
+            return quantized.dequantize_fp8_blocks(parts[0], parts[1], self.fp8_block, dtype)
+        return quantized.dequantize_mxfp4(parts[0], parts[1], dtype)
+
+    def _read(self, name: str) -> torch.Tensor:
         try:
             return self._handles[self.file_of[name]].get_tensor(name)
         except SafetensorError as e:
             raise ValueError(f"cannot read tensor {name} from {self.file_of[name]} (corrupted file?): {e}") from None
 
 
-def _expected_shapes(name: str, shape: tuple[int, ...], cfg: ModelConfig) -> list[tuple[int, ...]]:
+def _fp8_block(path: Path) -> tuple[int, int] | None:
+    try:
+        qc = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, json.JSONDecodeError):
+        return None
+    block = qc.get("weight_block_size") if qc.get("quant_method") == "fp8" else None
+    return tuple(block) if block else None
+
+
+def _expert_sources(name: str, shape: tuple[int, ...], cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """The HF tensors (name, shape) of one parameter of a mixture of experts, `layers.N.mlp.<param>`."""
+    head, param = name.split(".mlp.")
+    base = f"model.{head}.mlp"
+    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    if cfg.family == "gpt_oss":  # stacked experts, gate and up interleaved, [E, in, out]
+        stacked = {"router.weight": ("router.weight", (e, h)), "router.bias": ("router.bias", (e,)),
+                   "w13": ("experts.gate_up_proj", (e, h, 2 * i)), "w2": ("experts.down_proj", (e, i, h)),
+                   "b13": ("experts.gate_up_proj_bias", (e, 2 * i)), "b2": ("experts.down_proj_bias", (e, h))}
+        hf, hf_shape = stacked[param]
+        return [(f"{base}.{hf}", hf_shape)]
+    if param == "router.weight":  # Qwen3-MoE: one tensor per expert and projection
+        return [(f"{base}.gate.weight", shape)]
+    if param == "w13":
+        return [(f"{base}.experts.{x}.{proj}.weight", (i, h)) for x in range(e) for proj in ("gate_proj", "up_proj")]
+    if param == "w2":
+        return [(f"{base}.experts.{x}.down_proj.weight", (h, i)) for x in range(e)]
+    raise ValueError(f"{cfg.family} experts have no {param}")
+
+
+def _combine_experts(name: str, parts: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    param = name.split(".mlp.")[1]
+    if cfg.family == "gpt_oss":
+        t = parts[0]
+        if param in ("w13", "b13"):  # interleaved gate/up columns -> gate rows, then up rows
+            t = torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
+        return t.transpose(1, 2).contiguous() if param in ("w13", "w2") else t
+    if param == "w13":
+        return torch.stack([torch.cat(parts[x:x + 2]) for x in range(0, len(parts), 2)])
+    return torch.stack(parts) if param == "w2" else parts[0]
+
+
+def _is_expert_param(name: str, cfg: ModelConfig) -> bool:
+    return cfg.num_experts > 0 and ".mlp." in name and name.split(".mlp.")[1] in _EXPERT_PARAMS
+
+
+def sources(name: str, shape: tuple[int, ...], cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """The HF tensors (name, shape in full precision) that make up the peagle parameter `name` of `shape`."""
+    if _is_expert_param(name, cfg):
+        return _expert_sources(name, shape, cfg)
     fused = _fused_module(name)
-    if fused is None:
-        return [shape]
-    return [(size, *shape[1:]) for size in fused_split_sizes(cfg, fused)]
+    shapes = [(size, *shape[1:]) for size in fused_split_sizes(cfg, fused)] if fused else [shape]
+    return list(zip(hf_names(name), shapes, strict=True))
+
+
+def combine(name: str, parts: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """The peagle parameter `name` from its HF tensors, in `sources` order."""
+    if _is_expert_param(name, cfg):
+        return _combine_experts(name, parts, cfg)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
 def check_checkpoint(ckpt: SafetensorsCheckpoint, model: nn.Module) -> None:
@@ -144,8 +239,8 @@ def check_checkpoint(ckpt: SafetensorsCheckpoint, model: nn.Module) -> None:
     cfg: ModelConfig = model.config
     needed = {}
     for name, param in model.state_dict().items():
-        needed.update(zip(hf_names(name), _expected_shapes(name, tuple(param.shape), cfg)))
-    missing = [n for n in needed if n not in ckpt.file_of]
+        needed.update(sources(name, tuple(param.shape), cfg))
+    missing = [n for n in needed if not ckpt.has(n)]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(
@@ -156,10 +251,11 @@ def check_checkpoint(ckpt: SafetensorsCheckpoint, model: nn.Module) -> None:
         found = ckpt.shape(hf_name)
         if found != expected:
             raise ValueError(
-                f"tensor {hf_name} in {ckpt.file_of[hf_name].name} has shape {list(found)}, "
+                f"tensor {hf_name} in {ckpt.where(hf_name).name} has shape {list(found)}, "
                 f"but config.json implies {list(expected)}; the weights do not match config.json"
             )
-    extra = [n for n in ckpt.file_of if n not in needed and not n.endswith(IGNORED_SUFFIXES)]
+    used = {part for n in needed for part in ckpt.companions(n)}
+    extra = [n for n in ckpt.file_of if n not in used and not n.endswith(IGNORED_SUFFIXES)]
     if cfg.tie_word_embeddings:
         extra = [n for n in extra if n != "lm_head.weight"]
     if extra:
@@ -174,10 +270,11 @@ def load_into(model: nn.Module, path: str | Path, dtype: torch.dtype, device: st
     """
     ckpt = SafetensorsCheckpoint(path)
     check_checkpoint(ckpt, model)
+    cfg: ModelConfig = model.config
     state = {}
-    for name in model.state_dict():
-        parts = [ckpt.get(n).to(device=device, dtype=dtype) for n in hf_names(name)]
-        state[name] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    for name, param in model.state_dict().items():
+        parts = [ckpt.get(n, dtype, device).to(dtype) for n, _ in sources(name, tuple(param.shape), cfg)]
+        state[name] = combine(name, parts, cfg)
     model.load_state_dict(state, strict=True, assign=True)
 
 

@@ -163,9 +163,12 @@ class Drafter(nn.Module):
 def drafter_layer_config(target: ModelConfig, num_layers: int) -> ModelConfig:
     """The target's layer shape for a `num_layers`-deep drafter, in a layer family vLLM serves."""
     family = layer_family_for(target.family)
+    # Dense full-attention layers whatever the target's: a drafter attends a few hundred positions of its own.
     return dataclasses.replace(
         target, family=family, num_hidden_layers=num_layers, tie_word_embeddings=False,
-        qkv_bias=False, o_bias=False, qk_norm=family == "qwen3", extra={},
+        qkv_bias=False, o_bias=False, qk_norm=family == "qwen3", layer_types=(), sliding_window=0,
+        attention_sinks=False, num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, norm_topk_prob=False,
+        dense_layers=(), swiglu_limit=0.0, extra={},
     )
 
 

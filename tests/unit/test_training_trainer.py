@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -775,3 +776,21 @@ def test_a_fault_outside_a_training_step_is_recorded_as_such(setup, tmp_path):
         trainer.train()
     record = json.loads((tmp_path / "run" / FAULTS / "step-00000003" / FAULT_RECORD).read_text())
     assert [s["step"] for s in record["steps"]] == [3] and "evaluation or a checkpoint save" in record["note"]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_trains_against_mixture_of_experts_targets(tiny_hf_checkpoint, tmp_path, family):
+    """The teacher runs through the experts, GPT-OSS's sinks and its sliding window (documents of 12-40 tokens
+    against a window of 6); both methods train and write heads that load against the target."""
+    checkpoint = tiny_hf_checkpoint(family, num_layers=4)
+    data = write_dataset(tmp_path / "data", checkpoint)
+    for method in ("peagle", "eagle3"):
+        out = tmp_path / method
+        args = _args(checkpoint, data, out, "--steps", "4", "--lr", "1e-2")
+        args[args.index("peagle")] = method
+        args[args.index("--aux-layer-ids") + 1:args.index("--aux-layer-ids") + 4] = ["1", "2", "3"]
+        assert main(args) == 0
+        losses = [loss for _, loss in _losses(out)]
+        assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
+        head = load_drafter(out / FINAL, ModelConfig.from_dir(checkpoint))
+        assert head.config.method == method and head.config.aux_layer_ids == (1, 2, 3)

@@ -1,7 +1,8 @@
 """The PyTorch references of the kernels against independent definitions, and the backend dispatch.
 
-Paged attention is checked against plain causal attention over the contiguous sequences, the draft batch against
-the hand-written worked example of its docstring. The Triton kernels are compared with these references in
+Paged attention is checked against plain causal attention over the contiguous sequences (sliding windows and sinks:
+against transformers' GPT-OSS eager attention and a row-by-row definition), the draft batch against the
+hand-written worked example of its docstring. The Triton kernels are compared with these references in
 test_kernels_triton.py.
 """
 
@@ -20,7 +21,8 @@ from peagle.kernels import (
     paged_attention_ref,
     store_kv_ref,
 )
-from peagle.models.attention import DenseAttention
+from peagle.engine.attention import AttentionMetadata, AttentionOptions, PagedAttention
+from peagle.models.attention import DenseAttention, VarlenAttention
 
 I32 = torch.int32
 
@@ -90,6 +92,149 @@ def test_paged_attention_ref_checks_max_query_len_and_heads():
         paged_attention_ref(q, *args, 2)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         paged_attention_ref(q[:, :1], *args, 3)
+
+
+# Sliding windows and sinks
+
+def gpt_oss_eager(q, k, v, window, sinks):
+    """transformers' GPT-OSS eager attention of one sequence, masked by its sliding-window mask function (window 0:
+    causal): q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    i = torch.arange(q.shape[0])
+    rule = sliding_window_causal_mask_function(window) if window else causal_mask_function
+    allowed = rule(0, 0, i[:, None], i[None, :])  # [T, T]
+    mask = torch.zeros(allowed.shape).masked_fill(~allowed, -math.inf)[None, None]
+    module = SimpleNamespace(num_key_value_groups=q.shape[1] // k.shape[1], sinks=sinks, training=False)
+    out, _ = eager_attention_forward(module, *(x.transpose(0, 1)[None] for x in (q, k, v)), mask,
+                                     scaling=q.shape[-1] ** -0.5)
+    return out[0]  # [T, Hq, D]
+
+
+def rowwise_attention(q, k, v, positions, window, sinks):
+    """Row by row from the definition: the keys p - window < j <= p of one contiguous sequence, the softmax's
+    output times 1 / (1 + exp(sink - lse)). q [T, Hq, D], k/v [S, Hkv, D] -> [T, Hq, D]."""
+    group = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    for t, p in enumerate(positions.tolist()):
+        seen = slice(max(p - window + 1, 0) if window else 0, p + 1)
+        for h in range(q.shape[1]):
+            scores = k[seen, h // group] @ q[t, h] / math.sqrt(q.shape[-1])  # [keys]
+            out[t, h] = scores.softmax(0) @ v[seen, h // group]
+            if sinks is not None:
+                out[t, h] /= 1 + torch.exp(sinks[h] - scores.logsumexp(0))
+    return out
+
+
+def random_qkv(seed, num_tokens, num_kv_heads, group, head_dim):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(num_tokens, num_kv_heads * group, head_dim, generator=gen)
+    k, v = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen) for _ in range(2))
+    return q, k, v, torch.randn(num_kv_heads * group, generator=gen) * 2
+
+
+@pytest.mark.parametrize("window", [0, 1, 4, 50])
+@pytest.mark.parametrize("group", [1, 3])
+def test_window_and_sinks_equal_gpt_oss_eager_attention(window, group):
+    q, k, v, sinks = random_qkv(window + group, 11, 2, group, 16)
+    want = gpt_oss_eager(q, k, v, window, sinks)
+    torch.testing.assert_close(rowwise_attention(q, k, v, torch.arange(11), window, sinks), want)
+    torch.testing.assert_close(DenseAttention()(0, q, k, v, window=window, sinks=sinks), want)
+    k_cache, v_cache, block_tables, positions = paged_copy([11], k, v, block_size=4)
+    out = paged_attention_ref(q, k_cache, v_cache, block_tables, torch.tensor([0, 11], dtype=I32), positions,
+                              16**-0.5, 11, window=window, sinks=sinks)
+    torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize("window,with_sinks", [(0, True), (5, False), (5, True), (40, True)])
+def test_paged_attention_ref_window_sinks_by_rows_at_shuffled_positions(window, with_sinks):
+    seq_lens, group = [12, 30], 2
+    q, k, v, sinks = random_qkv(window, 42, 2, group, 32)
+    sinks = sinks.to(torch.bfloat16) if with_sinks else None  # any float dtype, fp32 math
+    k_cache, v_cache, block_tables, positions = paged_copy(seq_lens, k, v)
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.cat([torch.randint(0, 12, (5,), generator=gen), 12 + torch.randint(0, 30, (9,), generator=gen)])
+    qsl = torch.tensor([0, 5, 14], dtype=I32)
+    out = paged_attention_ref(q[rows], k_cache, v_cache, block_tables, qsl, positions[rows], 32**-0.5, 9,
+                              window=window, sinks=sinks)
+    sinks = None if sinks is None else sinks.float()
+    want = torch.cat([rowwise_attention(q[rows[:5]], k[:12], v[:12], positions[rows[:5]], window, sinks),
+                      rowwise_attention(q[rows[5:]], k[12:], v[12:], positions[rows[5:]], window, sinks)])
+    torch.testing.assert_close(out, want)
+
+
+def test_paged_attention_ref_reads_no_key_outside_the_windows():
+    # Every cached key below the window of a request's lowest row is NaN: nothing of it reaches the output.
+    q, k, v, sinks = random_qkv(0, 30, 1, 4, 16)
+    k_cache, v_cache, block_tables, positions = paged_copy([30], k, v, block_size=4)
+    args = (block_tables, torch.tensor([0, 3], dtype=I32), torch.tensor([20, 29, 25]), 0.25, 3)
+    want = paged_attention_ref(q[:3], k_cache, v_cache, *args, window=6, sinks=sinks)
+    poisoned = [c.clone().index_fill_(0, block_tables[0, :3].long(), math.nan) for c in (k_cache, v_cache)]
+    poisoned[0][block_tables[0, 3].long(), :3] = math.nan  # positions 12 .. 14; the lowest window starts at 15
+    poisoned[1][block_tables[0, 3].long(), :3] = math.nan
+    torch.testing.assert_close(paged_attention_ref(q[:3], *poisoned, *args, window=6, sinks=sinks), want)
+    assert paged_attention_ref(q[:3], *poisoned, *args, window=7, sinks=sinks).isnan().any()
+
+
+@pytest.mark.parametrize("window,with_sinks", [(0, False), (0, True), (3, False), (3, True)])
+def test_dense_and_varlen_attention_equal_the_paged_reference(window, with_sinks):
+    seq_lens, group = [7, 20, 9], 3
+    q, k, v, sinks = random_qkv(5, sum(seq_lens), 2, group, 16)
+    sinks = sinks if with_sinks else None
+    k_cache, v_cache, block_tables, positions = paged_copy(seq_lens, k, v)
+    qsl = torch.tensor([0, 7, 27, 36], dtype=I32)
+    want = paged_attention_ref(q, k_cache, v_cache, block_tables, qsl, positions, 16**-0.5, 20, window=window,
+                               sinks=sinks)
+    dense = DenseAttention(seq_lens)(0, q, k, v, window=window, sinks=sinks)
+    torch.testing.assert_close(dense, want, atol=1e-5, rtol=1e-5)
+    varlen = VarlenAttention(seq_lens, "cpu")(0, q, k, v, window=window, sinks=sinks)
+    torch.testing.assert_close(varlen, want, atol=1e-5, rtol=1e-5)
+
+
+def test_dense_attention_with_a_mask_takes_sinks_not_a_window():
+    q, k, v, sinks = random_qkv(2, 6, 1, 2, 16)
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()
+    torch.testing.assert_close(DenseAttention(mask=mask)(0, q, k, v, sinks=sinks), gpt_oss_eager(q, k, v, 0, sinks))
+    with pytest.raises(ValueError, match="window into the mask"):
+        DenseAttention(mask=mask)(0, q, k, v, window=3)
+
+
+def test_window_and_sinks_are_checked():
+    q, k, v, sinks = random_qkv(2, 6, 1, 2, 16)
+    with pytest.raises(ValueError, match="window must be"):
+        DenseAttention()(0, q, k, v, window=-1)
+    with pytest.raises(ValueError, match="sinks must be"):
+        VarlenAttention([6], "cpu")(0, q, k, v, sinks=sinks[:1])
+    cache = torch.zeros(1, 16, 1, 16)
+    args = (q, cache, cache, torch.zeros(1, 1, dtype=I32), torch.tensor([0, 6], dtype=I32), torch.arange(6), 0.25, 6)
+    with pytest.raises(ValueError, match="window must be"):
+        paged_attention_ref(*args, window=2.5)
+    with pytest.raises(ValueError, match="sinks must be"):
+        paged_attention_ref(*args, sinks=sinks.repeat(2))
+
+
+@pytest.mark.parametrize("rotary", [False, True])
+def test_paged_attention_backend_passes_window_and_sinks(rotary):
+    # The engine's backend on the CPU (the reference): a prefill of two prompts, one layer, against DenseAttention.
+    seq_lens, block_size = [9, 14], 4
+    q, k, v, sinks = random_qkv(7, 23, 2, 2, 16)
+    positions = torch.cat([torch.arange(n) for n in seq_lens])
+    block_tables = torch.tensor([[5, 1, 3, 0], [2, 6, 7, 4]], dtype=I32)
+    request = torch.repeat_interleave(torch.arange(2), torch.tensor(seq_lens))
+    slots = block_tables[request, positions // block_size].long() * block_size + positions % block_size
+    meta = AttentionMetadata(positions, slots, block_tables, torch.tensor([0, 9, 23], dtype=I32), 14)
+    caches = [(torch.zeros(8, block_size, 2, 16), torch.zeros(8, block_size, 2, 16))]
+    backend = PagedAttention(caches, meta, 16**-0.5, AttentionOptions(fused_merge=True, mixed_tiles=True))
+    if rotary:
+        gen = torch.Generator().manual_seed(0)
+        cos, sin = torch.randn(32, 16, generator=gen), torch.randn(32, 16, generator=gen)
+        out = backend.rotary_attend(0, positions, q, k, v, SimpleNamespace(tables=lambda device: (cos, sin)),
+                                    window=3, sinks=sinks)
+        q, k = kernels.rotary_ref(positions, q, k, cos, sin)
+    else:
+        out = backend(0, q, k, v, window=3, sinks=sinks)
+    torch.testing.assert_close(out, DenseAttention(seq_lens)(0, q, k, v, window=3, sinks=sinks))
 
 
 def worked_example(num_mask_slots):

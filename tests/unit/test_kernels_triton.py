@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import warnings
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
@@ -114,6 +115,8 @@ ATTENTION_CASES = {
     "draft_shuffled_positions": ([6, 5], [9, 30], 2, 1, 16, torch.float32, True, 0),
     "prefill_multi_tile": ([40, 2], [40, 70], 1, 8, 16, torch.bfloat16, False, 0),
     "head_dim_128_fp16": ([7, 1, 0], [7, 65, 1], 1, 2, 128, torch.float16, True, 1),
+    # contexts of several KV tiles: a window walks only its last one
+    "long_context_decode_verify": ([1, 4], [300, 260], 2, 2, 32, torch.float32, False, 0),
 }
 
 
@@ -192,6 +195,84 @@ def test_paged_attention_mixed_tiles(interpreted, case, num_splits, fused_merge)
     interpreted(check_paged_attention_mixed_tiles, case, num_splits, fused_merge)
 
 
+def poison_outside_windows(batch, window):
+    """The batch with NaN in every cache slot that no request's rows may see (below the window of its lowest row,
+    past its highest row), so that a kernel reading one returns NaN; and whether some request's lowest window starts
+    past position 0 (full attention would read NaN)."""
+    k_cache = batch["k_cache"]
+    block_size = k_cache.shape[1]
+    keep = torch.zeros(k_cache.shape[:2], dtype=torch.bool)  # [num_blocks, block_size]
+    bounds = batch["query_start_loc"].tolist()
+    below = False
+    for req, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if end > start:
+            pos = batch["positions"][start:end]
+            lowest = max(int(pos.min()) - window + 1, 0) if window else 0
+            below |= lowest > 0
+            keys = torch.arange(lowest, int(pos.max()) + 1)
+            keep[batch["block_tables"][req, keys // block_size].long(), keys % block_size] = True
+    hidden = ~keep[:, :, None, None]
+    return {**batch, "k_cache": k_cache.masked_fill(hidden, math.nan),
+            "v_cache": batch["v_cache"].masked_fill(hidden, math.nan)}, below
+
+
+def random_sinks(num_heads, seed):
+    # bf16: any float dtype is read, in fp32; spread so that some rows give the sink most of their weight
+    return (torch.randn(num_heads, generator=torch.Generator().manual_seed(seed)) * 3).to(torch.bfloat16)
+
+
+def check_paged_attention_window_sinks(case, window, with_sinks):
+    query_lens, context_lens, num_kv_heads, group, head_dim, dtype, shuffle, tail = ATTENTION_CASES[case]
+    batch = make_attention_batch(len(case), query_lens, context_lens, num_kv_heads=num_kv_heads, group=group,
+                                 head_dim=head_dim, dtype=dtype, shuffle=shuffle, tail=tail)
+    sinks = random_sinks(num_kv_heads * group, window) if with_sinks else None
+    module = triton_kernels("paged_attention")
+    expected = kernels.paged_attention_ref(**batch, window=window, sinks=sinks)
+    poisoned, below = poison_outside_windows(batch, window)
+    rows = sum(query_lens)
+    tol = TOLERANCE[dtype]
+    for num_splits, fused_merge in ((1, False), (3, False), (3, True)):
+        out = module.paged_attention(**poisoned, num_splits=num_splits, fused_merge=fused_merge, window=window,
+                                     sinks=sinks)
+        torch.testing.assert_close(out[:rows].float(), expected[:rows].float(), atol=tol, rtol=tol)
+    if below:  # the poison bites: without the window the kernel reads it (the interpreter warns of NaN rows)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            assert module.paged_attention(**poisoned, num_splits=1, sinks=sinks)[:rows].isnan().any()
+
+
+@pytest.mark.parametrize("window,with_sinks", [(0, True), (5, False), (5, True), (16, False), (16, True),
+                                               (1000, False), (1000, True)])
+@pytest.mark.parametrize("case", sorted(ATTENTION_CASES))
+def test_paged_attention_window_sinks(interpreted, case, window, with_sinks):
+    """Windows (smaller and larger than the contexts) and sinks against the reference, unsplit and split KV merged
+    either way, over a cache that is NaN wherever no row may look: the kernel reads no key outside the windows."""
+    interpreted(check_paged_attention_window_sinks, case, window, with_sinks)
+
+
+def check_paged_attention_mixed_window_sinks(case):
+    query_lens, context_lens, num_kv_heads, group, head_dim, dtype, tail, small = MIXED_CASES[case]
+    batch = make_attention_batch(len(case), query_lens, context_lens, num_kv_heads=num_kv_heads, group=group,
+                                 head_dim=head_dim, dtype=dtype, shuffle=False, tail=tail)
+    batch["max_query_len"] = sum(query_lens) + tail
+    sinks = random_sinks(num_kv_heads * group, len(case))
+    module = triton_kernels("paged_attention")
+    expected = kernels.paged_attention_ref(**batch, window=6, sinks=sinks)
+    poisoned, _ = poison_outside_windows(batch, 6)
+    rows = sum(query_lens)
+    tol = TOLERANCE[dtype]
+    for num_splits, fused_merge in ((1, False), (2, False), (2, True)):
+        out = module.paged_attention(**poisoned, num_splits=num_splits, fused_merge=fused_merge, window=6,
+                                     sinks=sinks, small_query_len=small, mixed_tiles=True)
+        torch.testing.assert_close(out[:rows].float(), expected[:rows].float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("case", sorted(MIXED_CASES))
+def test_paged_attention_mixed_tiles_window_sinks(interpreted, case):
+    """A mixed step's two launches with a window and sinks, over a cache poisoned outside the windows."""
+    interpreted(check_paged_attention_mixed_window_sinks, case)
+
+
 def test_mixed_tile_map_lists_the_long_requests_tiles():
     from peagle.kernels.paged_attention import mixed_tile_map, mixed_tiles_bound
 
@@ -209,6 +290,9 @@ def check_dispatch_when_forced():
         batch = make_attention_batch(0, [2, 1], [9, 20], num_kv_heads=2, group=2, head_dim=16, dtype=torch.float32,
                                      shuffle=False, tail=0)
         torch.testing.assert_close(kernels.paged_attention(**batch), kernels.paged_attention_ref(**batch))
+        sinks = random_sinks(4, 0)
+        torch.testing.assert_close(kernels.paged_attention(**batch, window=3, sinks=sinks),
+                                   kernels.paged_attention_ref(**batch, window=3, sinks=sinks))
     finally:
         del os.environ[kernels.BACKEND_ENV]
 

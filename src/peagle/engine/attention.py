@@ -43,24 +43,25 @@ class PagedAttention:
         self.options = options
         self.tile_maps: dict = {}  # a mixed step's tile map, made by the first layer and read by the others
 
-    def __call__(self, layer_idx, q, k, v):
+    def __call__(self, layer_idx, q, k, v, *, window: int = 0, sinks: torch.Tensor | None = None):
         k_cache, v_cache = self.kv_caches[layer_idx]
         kernels.store_kv(k, v, k_cache, v_cache, self.meta.slot_mapping)
-        return self._attend(q, k_cache, v_cache)
+        return self._attend(q, k_cache, v_cache, window, sinks)
 
-    def rotary_attend(self, layer_idx, positions, q, k, v, rope):
+    def rotary_attend(self, layer_idx, positions, q, k, v, rope, *, window: int = 0,
+                      sinks: torch.Tensor | None = None):
         """q, k before RoPE: one kernel rotates q and writes the rotated k and v into the cache, then attention."""
         k_cache, v_cache = self.kv_caches[layer_idx]
         cos, sin = rope.tables(q.device)
         q = kernels.rotary_store_kv(positions, q, k, v, cos, sin, k_cache, v_cache, self.meta.slot_mapping)
-        return self._attend(q, k_cache, v_cache)
+        return self._attend(q, k_cache, v_cache, window, sinks)
 
-    def _attend(self, q, k_cache, v_cache):
+    def _attend(self, q, k_cache, v_cache, window, sinks):
         m = self.meta
         return kernels.paged_attention(
             q, k_cache, v_cache, m.block_tables, m.query_start_loc, m.positions, self.scale, m.max_query_len,
             small_query_len=m.small_query_len, tile_maps=self.tile_maps, fused_merge=self.options.fused_merge,
-            mixed_tiles=self.options.mixed_tiles,
+            mixed_tiles=self.options.mixed_tiles, window=window, sinks=sinks,
         )
 
 

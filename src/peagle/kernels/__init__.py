@@ -100,14 +100,19 @@ def paged_attention(
     tile_maps: dict | None = None,
     fused_merge: bool | None = None,
     mixed_tiles: bool | None = None,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """`small_query_len` and `tile_maps`: a mixed step's tiling hints for the Triton kernel; `fused_merge` and
-    `mixed_tiles`: its switches (None: the kernel module's defaults). The reference computes the same either way."""
+    `mixed_tiles`: its switches (None: the kernel module's defaults). The reference computes the same either way.
+    `window` (0: full attention) and `sinks`: a sliding window and learned sink logits (see the kernel module)."""
     if use_triton(q.device):
         return triton_module("paged_attention", q.device).paged_attention(
             q, k_cache, v_cache, block_tables, query_start_loc, positions, scale, max_query_len,
-            small_query_len=small_query_len, tile_maps=tile_maps, fused_merge=fused_merge, mixed_tiles=mixed_tiles)
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, positions, scale, max_query_len)
+            small_query_len=small_query_len, tile_maps=tile_maps, fused_merge=fused_merge, mixed_tiles=mixed_tiles,
+            window=window, sinks=sinks)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, positions, scale, max_query_len,
+                               window=window, sinks=sinks)
 
 
 def expand_draft_batch(

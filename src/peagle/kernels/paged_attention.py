@@ -8,13 +8,21 @@ position in its first MASK row). Cache position j of request b lives at slot
 the cache (`store_kv` first). Rows that belong to no request (padding past `query_start_loc[-1]`) are not written
 by the Triton kernel and are zero in the reference.
 
+Sliding windows and sinks (the local layers of Gemma 3 and GPT-OSS). With `window` w > 0 a row at position p sees
+only the keys p - w < j <= p, its last w positions (Hugging Face's `sliding_window`), and the kernel reads no key
+below the lowest window of its tile: a local layer costs its window, whatever the context. `sinks` ([num_heads],
+GPT-OSS's learned logits) add a column of value sinks[h] to each row's softmax, dropped after it (it has no value
+vector): the output is scaled by 1 / (1 + exp(sinks[h] - lse)), lse the logsumexp of the row's scaled scores. Both
+are static per call (the window a compile-time constant), so a CUDA graph captures them.
+
 Tiling (Triton). The grid is `(num_requests * num_query_tiles, num_kv_heads, num_splits)`. A program owns up to
 BLOCK_Q query rows of one request and all GROUP = num_heads // num_kv_heads query heads of one KV head, flattened
 into BLOCK_M = BLOCK_Q * GROUP (query, head) pairs, so each KV tile is read once for the whole group rather than
 once per query head, and the pairs fill the MMA's rows even at one query row (decode with GQA). BLOCK_M is the next
 power of two of max_query_len * GROUP, at least 16 (the smallest MMA tile) and at most 128 (64 for head_dim > 64, to
 bound the fp32 accumulator's registers). The program walks the KV blocks up to the largest position in its tile with
-an online softmax in fp32 and masks per pair by position.
+an online softmax in fp32 and masks per pair by position; a sink joins the softmax's denominator when the output is
+normalised (by the single split, or by the merge).
 
 Mixed steps (`small_query_len`, `mixed_tiles`). A step that prefills a prompt beside decoding requests has a large
 max_query_len, so every request would get its tiles: 64 decodes of 8 rows beside a 75-token prompt, padded to 640
@@ -24,12 +32,12 @@ tokens, make 64 x 16 tiles of 128 (query, head) pairs, one in sixteen used and t
 static bound, so a CUDA graph captures both.
 
 Split KV. Decode and verify at small batch launch few programs (batch 1 of a 3-KV-head model: 3), and one program
-walking a 2K-token context alone is latency-bound. When the grid is small for the GPU, the context is split evenly
-into `num_splits` chunks (static per call, so a CUDA graph captures it); each split writes an unnormalised partial
-(acc, running max, running sum) and a second small kernel merges them, or (`fused_merge`) the last
-split of each tile to arrive merges them inside the attention kernel, counted in a per-device buffer of arrival
-counters that it leaves at zero: one launch instead of two. Both kernels take only tensors besides static Python
-ints, so the call can be captured in a CUDA graph.
+walking a 2K-token context alone is latency-bound. When the grid is small for the GPU, the keys a tile sees (from
+its lowest window's start, 0 without a window) are split evenly into `num_splits` chunks (static per call, so a CUDA
+graph captures it); each split writes an unnormalised partial (acc, running max, running sum) and a second small
+kernel merges them, or (`fused_merge`) the last split of each tile to arrive merges them inside the attention
+kernel, counted in a per-device buffer of arrival counters that it leaves at zero: one launch instead of two. Both
+kernels take only tensors besides static Python ints, so the call can be captured in a CUDA graph.
 
 Latency, not bandwidth, bounds most engine sizes. Each program loads a tile's block numbers one iteration ahead of
 its keys and values, so a tile costs one global-memory round trip rather than two dependent ones; the merge kernel
@@ -52,6 +60,7 @@ import triton.language as tl
 from peagle.kernels import pdl
 
 _LOG2E = 1.4426950408889634
+_LOG2E_JIT = tl.constexpr(_LOG2E)  # the same, readable inside kernels
 _MAX_SPLITS = 8
 
 
@@ -100,14 +109,14 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 @triton.jit(do_not_specialize=["num_tokens", "num_q_tiles", "small_q", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr,
-    block_tables_ptr, query_start_loc_ptr, positions_ptr, tile_map_ptr,
+    block_tables_ptr, query_start_loc_ptr, positions_ptr, tile_map_ptr, sinks_ptr,
     qk_scale, num_tokens, num_q_tiles, small_q,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, MAP: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, FUSED_MERGE: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, FUSED_MERGE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # programmatic dependent launch (kernels/pdl.py): nothing is touched before the wait
         tl.extra.cuda.gdc_wait()
@@ -121,13 +130,19 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
 
-    kv_len = tl.max(pos, axis=0) + 1  # keys 0 .. largest position in the tile; 0 for an empty tile
+    kv_len = tl.max(pos, axis=0) + 1  # keys .. largest position in the tile; 0 for an empty tile
+    if WINDOW > 0:
+        # Keys below the lowest row's window are never read: a local layer's cost is its window, not the context.
+        lowest = tl.min(tl.where(row_ok, pos, kv_len), axis=0)
+        kv_start = tl.maximum(lowest - WINDOW + 1, 0)
+    else:
+        kv_start = 0
     if NUM_SPLITS == 1:
-        lo = 0
+        lo = kv_start
         hi = kv_len
     else:
-        chunk = tl.cdiv(kv_len, NUM_SPLITS * BLOCK_N) * BLOCK_N
-        lo = split * chunk
+        chunk = tl.cdiv(kv_len - kv_start, NUM_SPLITS * BLOCK_N) * BLOCK_N
+        lo = kv_start + split * chunk
         hi = tl.minimum(lo + chunk, kv_len)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
@@ -150,7 +165,10 @@ def _paged_attention_kernel(
         block = tl.load(block_table + (key + BLOCK_N) // PAGE_SIZE, mask=key + BLOCK_N < hi, other=0)
 
         s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N]
-        s = tl.where((key[None, :] <= pos[:, None]) & key_ok[None, :], s, float("-inf"))
+        visible = (key[None, :] <= pos[:, None]) & key_ok[None, :]
+        if WINDOW > 0:
+            visible &= key[None, :] > pos[:, None] - WINDOW
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A pair may see no key of this tile (its position is below the tile): keep exp2 away from -inf - -inf.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -161,7 +179,7 @@ def _paged_attention_kernel(
         m_i = m_new
 
     if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out = _normalise(acc, m_i, l_i, sinks_ptr, head, row_ok, HAS_SINKS)
         tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
@@ -177,15 +195,27 @@ def _paged_attention_kernel(
             arrival = arrivals_ptr + tl.program_id(0) * tl.num_programs(1) + kv_head
             if tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
                 tl.debug_barrier()
-                _merge_partials(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, head, row_ok,
-                                num_tokens, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, BLOCK_M, NUM_SPLITS, ".cg")
+                _merge_partials(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, sinks_ptr, row, head, row_ok,
+                                num_tokens, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, BLOCK_M, NUM_SPLITS, HAS_SINKS,
+                                ".cg")
                 tl.atomic_xchg(arrival, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _merge_partials(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, head, row_ok, num_tokens,
+def _normalise(acc, m_i, l_i, sinks_ptr, head, row_ok, HAS_SINKS: tl.constexpr):
+    # acc [BLOCK_M, HEAD_DIM] / the softmax's denominator. A sink is one more logit of the row, without a value:
+    # it adds exp(sink - max) to the denominator; sinks are natural logits, the running max is in log2 units.
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * _LOG2E_JIT
+        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)  # a row that saw no key: only the sink, out 0
+        l_i = l_i + tl.exp2(sink - m_safe)
+    return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+
+
+@triton.jit
+def _merge_partials(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, sinks_ptr, row, head, row_ok, num_tokens,
                     stride_ot, stride_oh, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    NUM_SPLITS: tl.constexpr, CACHE: tl.constexpr):
+                    NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr, CACHE: tl.constexpr):
     # The splits' (acc, running max, running sum) of the (row, head) pairs, combined and normalised into out.
     d = tl.arange(0, HEAD_DIM)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -204,18 +234,18 @@ def _merge_partials(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, head
         l_i = l_i * alpha + l_s * beta
         acc = acc * alpha[:, None] + acc_s * beta[:, None]
         m_i = m_new
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = _normalise(acc, m_i, l_i, sinks_ptr, head, row_ok, HAS_SINKS)
     tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_q_tiles", "small_q"])
 def _merge_splits_kernel(
-    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr, tile_map_ptr,
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr, tile_map_ptr, sinks_ptr,
     num_tokens, num_q_tiles, small_q, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, MAP: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Same tiling as the attention kernel, so exactly the rows of requests are read and written.
     if USE_PDL:  # programmatic dependent launch (kernels/pdl.py): nothing is touched before the wait
@@ -223,11 +253,11 @@ def _merge_splits_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     req, row, head, row_ok = _tile_rows(query_start_loc_ptr, tile_map_ptr, tl.program_id(0), num_q_tiles, small_q,
                                         tl.program_id(1), GROUP, BLOCK_M, BLOCK_Q, MAP)
-    _merge_partials(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, head, row_ok, num_tokens,
-                    stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, BLOCK_M, NUM_SPLITS, "")
+    _merge_partials(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, sinks_ptr, row, head, row_ok, num_tokens,
+                    stride_ot, stride_oh, NUM_HEADS, HEAD_DIM, BLOCK_M, NUM_SPLITS, HAS_SINKS, "")
 
 
-def _check_args(q, k_cache, v_cache, block_tables, query_start_loc, positions, max_query_len):
+def _check_args(q, k_cache, v_cache, block_tables, query_start_loc, positions, max_query_len, window, sinks):
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"expected q [T, Hq, D] and caches [num_blocks, block_size, Hkv, D]; got q {tuple(q.shape)}, "
@@ -249,6 +279,12 @@ def _check_args(q, k_cache, v_cache, block_tables, query_start_loc, positions, m
         raise ValueError(f"positions must be [{q.shape[0]}], got {tuple(positions.shape)}")
     if max_query_len < 1:
         raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
+    if not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an int >= 0 (0: full attention), got {window!r}")
+    if sinks is not None and (sinks.shape != (num_heads,) or not sinks.is_floating_point()
+                              or sinks.device != q.device or not sinks.is_contiguous()):
+        raise ValueError(f"sinks must be a contiguous float tensor [{num_heads}] on {q.device}, got "
+                         f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}")
 
 
 def query_tile(max_query_len: int, group: int, head_dim: int) -> tuple[int, int]:
@@ -347,9 +383,12 @@ def paged_attention(
     small_query_len: int | None = None,
     mixed_tiles: bool | None = None,
     tile_maps: dict | None = None,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,  # [num_heads], any float dtype
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Triton paged attention; see the module docstring. `num_splits` overrides the split-KV heuristic;
-    `fused_merge` (default FUSED_MERGE) merges the splits in the attention kernel itself (see `_arrivals`).
+    """Triton paged attention; see the module docstring (`window` and `sinks` too). `num_splits` overrides the
+    split-KV heuristic; `fused_merge` (default FUSED_MERGE) merges the splits in the attention kernel itself (see
+    `_arrivals`).
 
     `small_query_len`: in a mixed step, the most rows a decoding request feeds (K + 1). With `mixed_tiles` (default
     MIXED_TILES) and longer requests present, two launches: the requests of at most that many rows in one small tile
@@ -357,7 +396,7 @@ def paged_attention(
     instead of every request in `max_query_len`'s tiles (64 decodes of 8 rows beside one prompt in a 640-token
     bucket: 16 tiles of 128 pairs each, 15 of them empty, against one of 32 pairs). `tile_maps`: a dict that keeps
     the tile map between calls on the same batch (the layers of one forward)."""
-    _check_args(q, k_cache, v_cache, block_tables, query_start_loc, positions, max_query_len)
+    _check_args(q, k_cache, v_cache, block_tables, query_start_loc, positions, max_query_len, window, sinks)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if head_dim < 16 or head_dim & (head_dim - 1):
@@ -374,7 +413,7 @@ def paged_attention(
     group = num_heads // num_kv_heads
     fused = FUSED_MERGE if fused_merge is None else fused_merge
     launch = functools.partial(_launch, q, k_cache, v_cache, out, block_tables, query_start_loc, positions, scale,
-                               group=group, num_splits=num_splits, fused_merge=fused)
+                               group=group, num_splits=num_splits, fused_merge=fused, window=window, sinks=sinks)
     mixed = small_query_len is not None and (MIXED_TILES if mixed_tiles is None else mixed_tiles)
     if mixed:
         # Short: the rows one small tile holds (at least small_query_len, unless the tile's pair cap binds: then the
@@ -400,14 +439,17 @@ def paged_attention(
 
 
 def _launch(q, k_cache, v_cache, out, block_tables, query_start_loc, positions, scale, num_programs, block_m,
-            block_q, max_query_len, *, group, num_splits, fused_merge, num_q_tiles=1, map_mode=0, small_q=0,
-            tile_map=None):
+            block_q, max_query_len, *, group, num_splits, fused_merge, window, sinks, num_q_tiles=1, map_mode=0,
+            small_q=0, tile_map=None):
     """One attention launch over `num_programs` query tiles (`_tile_rows`' MAP `map_mode`), and the merge of its
     KV splits where they are merged by a second kernel."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    splits = num_splits if num_splits is not None else default_num_splits(q.device, num_programs * num_kv_heads,
-                                                                          max_query_len)
+    splits = num_splits
+    if splits is None:
+        splits = default_num_splits(q.device, num_programs * num_kv_heads, max_query_len)
+        if window:  # a tile sees at most window + block_q - 1 keys: no more splits than their KV tiles
+            splits = min(splits, triton.cdiv(window + block_q - 1, kv_tile(head_dim, 1)["BLOCK_N"]))
     if splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {splits}")
     kv = kv_tile(head_dim, splits)
@@ -421,23 +463,24 @@ def _launch(q, k_cache, v_cache, out, block_tables, query_start_loc, positions, 
     else:  # unused by the single-pass kernel
         part_acc = part_max = part_sum = out
     tile_map = query_start_loc if tile_map is None else tile_map  # unread unless map_mode == 2
+    sinks_arg = out if sinks is None else sinks  # unread without sinks
     consts = dict(NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_Q=block_q,
-                  MAP=map_mode, NUM_SPLITS=splits)
+                  MAP=map_mode, NUM_SPLITS=splits, HAS_SINKS=sinks is not None)
     _paged_attention_kernel[(num_programs, num_kv_heads, splits)](
         q, k_cache, v_cache, out, part_acc, part_max, part_sum, out if arrivals is None else arrivals,
-        block_tables, query_start_loc, positions, tile_map,
+        block_tables, query_start_loc, positions, tile_map, sinks_arg,
         scale * _LOG2E, num_tokens, num_q_tiles, small_q,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        PAGE_SIZE=k_cache.shape[1], BLOCK_N=kv["BLOCK_N"],
+        PAGE_SIZE=k_cache.shape[1], BLOCK_N=kv["BLOCK_N"], WINDOW=window,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_UPCAST=q.device.type != "cuda",
         num_warps=4 if block_m <= 64 else 8, num_stages=kv["num_stages"], FUSED_MERGE=arrivals is not None,
         **consts, **pdl.options(q.device),
     )
     if splits > 1 and arrivals is None:
         _merge_splits_kernel[(num_programs, num_kv_heads)](
-            out, part_acc, part_max, part_sum, query_start_loc, tile_map,
+            out, part_acc, part_max, part_sum, query_start_loc, tile_map, sinks_arg,
             num_tokens, num_q_tiles, small_q, out.stride(0), out.stride(1),
             num_warps=4, **consts, **pdl.options(q.device),
         )
@@ -452,9 +495,12 @@ def paged_attention_ref(
     positions: torch.Tensor,  # [num_tokens] int32/int64
     scale: float,
     max_query_len: int,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,  # [num_heads], any float dtype
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """PyTorch reference of `paged_attention`: one request at a time, fp32 softmax (host-synchronising)."""
-    _check_args(q, k_cache, v_cache, block_tables, query_start_loc, positions, max_query_len)
+    """PyTorch reference of `paged_attention`: one request at a time, fp32 softmax (host-synchronising). Like the
+    kernel, it reads no key below the window of a request's lowest row."""
+    _check_args(q, k_cache, v_cache, block_tables, query_start_loc, positions, max_query_len, window, sinks)
     block_size, num_kv_heads = k_cache.shape[1:3]
     group = q.shape[1] // num_kv_heads
     out = torch.zeros_like(q)
@@ -465,11 +511,20 @@ def paged_attention_ref(
         if end == start:
             continue
         pos = positions[start:end].long()  # [n]
-        keys = torch.arange(int(pos.max()) + 1, device=q.device)  # [kv_len] cache positions
+        lowest = max(int(pos.min()) - window + 1, 0) if window else 0
+        keys = torch.arange(lowest, int(pos.max()) + 1, device=q.device)  # [kv_len] cache positions
         blocks = block_tables[req, keys // block_size].long()
         k = k_cache[blocks, keys % block_size].repeat_interleave(group, dim=1).float()  # [kv_len, Hq, D]
         v = v_cache[blocks, keys % block_size].repeat_interleave(group, dim=1).float()
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale  # [Hq, n, kv_len]
-        scores = scores.masked_fill(keys[None, None, :] > pos[None, :, None], -math.inf)
-        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).to(q.dtype)
+        hidden = keys[None, :] > pos[:, None]  # [n, kv_len]
+        if window:
+            hidden |= keys[None, :] <= pos[:, None] - window
+        scores = scores.masked_fill(hidden, -math.inf)
+        if sinks is not None:  # one more logit per row, its probability dropped: it has no value
+            sink = sinks.float()[:, None, None].expand(-1, end - start, 1)  # [Hq, n, 1]
+            probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        else:
+            probs = scores.softmax(dim=-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out

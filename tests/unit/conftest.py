@@ -62,7 +62,7 @@ _CORPUS = [
     "You are a helpful assistant. What is the capital of France? Paris is the capital of France.",
 ]
 
-FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral", "mistral_swa", "qwen3_moe", "gpt_oss")
+FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral", "mistral_swa", "qwen3_moe", "gpt_oss", "gemma3")
 
 
 def _tokenizer_files(out: Path) -> int:
@@ -149,6 +149,14 @@ def _hf_config(family: str, vocab_size: int, num_layers: int, tie_word_embedding
                                          swiglu_limit=0.5, attention_bias=True,
                                          rope_parameters={**yarn, "rope_theta": 150000.0, "beta_fast": 32.0,
                                                           "beta_slow": 1.0, "truncate": False})
+    if family == "gemma3":
+        # A 6-token window on every layer but the last; the global layers' RoPE linearly scaled; scores scaled by
+        # a query_pre_attn_scalar other than head_dim; final logits soft-capped where they bite.
+        rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
+        return transformers.Gemma3TextConfig(**common, sliding_window=6, query_pre_attn_scalar=24,
+                                             layer_types=["sliding_attention"] * (num_layers - 1) + ["full_attention"],
+                                             final_logit_softcapping=2.0, rope_parameters=rope)
     raise ValueError(f"unknown tiny family {family!r}; choose from {FAMILIES}")
 
 

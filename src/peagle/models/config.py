@@ -10,18 +10,23 @@ from typing import Any
 
 # HF architecture name -> family. The dense families share llama.py and differ in small options; the others have a
 # model file of their own (models/registry.py).
-SUPPORTED_ARCHITECTURES = {
+TEXT_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "GptOssForCausalLM": "gpt_oss",
+    "Gemma3ForCausalLM": "gemma3",
 }
-FAMILY_ARCHITECTURE = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
+# Multimodal checkpoints whose `text_config` describes the text decoder peagle serves (the vision tower is not read).
+MULTIMODAL_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3"}
+SUPPORTED_ARCHITECTURES = {**TEXT_ARCHITECTURES, **MULTIMODAL_ARCHITECTURES}
+FAMILY_ARCHITECTURE = {family: arch for arch, family in TEXT_ARCHITECTURES.items()}
 FAMILY_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                     "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss"}
-ROPE_TYPES = ("default", "llama3", "yarn")
+                     "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss", "gemma3": "gemma3_text"}
+MODEL_TYPE_FAMILY = {model_type: family for family, model_type in FAMILY_MODEL_TYPE.items()}
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -80,6 +85,12 @@ class ModelConfig:
     # GPT-OSS's experts: gate clamped above, up to [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate).
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.702
+    # Gemma: the sliding layers' RoPE base (0: every layer rotates with rope_theta / rope_scaling); attention scores
+    # scaled by query_pre_attn_scalar ** -0.5 (0: head_dim ** -0.5); the final logits soft-capped to
+    # cap * tanh(logits / cap) (0: not capped).
+    sliding_rope_theta: float = 0.0
+    query_pre_attn_scalar: int = 0
+    final_logit_softcapping: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -116,6 +127,9 @@ class ModelConfig:
                                  f"({self.num_experts})")
             if self.moe_intermediate_size <= 0:
                 raise ValueError("a mixture-of-experts config needs a positive moe_intermediate_size")
+        for name in ("sliding_rope_theta", "query_pre_attn_scalar", "final_logit_softcapping"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"config field {name} must be >= 0 (0: unused), got {getattr(self, name)}")
 
     @property
     def architecture(self) -> str:
@@ -154,16 +168,22 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         archs = d.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        text = d.get("text_config") if isinstance(d.get("text_config"), dict) else {}
+        multimodal = arch in MULTIMODAL_ARCHITECTURES
         if arch is None:
             model_type = d.get("model_type")
-            family = model_type if model_type in FAMILY_ARCHITECTURE else None
+            family = MODEL_TYPE_FAMILY.get(model_type)
+            if family is None and text.get("model_type") == "gemma3_text":
+                family, multimodal = "gemma3", True
             if family is None:
                 raise UnsupportedModelError(
                     f"unsupported architecture {archs or model_type!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
                 )
         else:
             family = SUPPORTED_ARCHITECTURES[arch]
-        d = dict(d)
+        d = _text_decoder(d) if multimodal else dict(d)
+        if family == "gemma3":
+            d = _gemma3_dict(d)
         # transformers >= 5 folds rope_theta / rope_scaling into rope_parameters; accept both spellings.
         rope = d.get("rope_parameters") or {}
         rope_theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
@@ -180,6 +200,7 @@ class ModelConfig:
         return cls(
             **_attention_fields(d, family),
             **_moe_fields(d, family),
+            **_gemma_fields(d, family),
             family=family,
             vocab_size=d["vocab_size"],
             hidden_size=hidden,
@@ -195,7 +216,7 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=True if family == "qwen2" else bool(d.get("attention_bias", False)),
             o_bias=False if family == "qwen2" else bool(d.get("attention_bias", False)),
-            qk_norm=family in ("qwen3", "qwen3_moe"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
@@ -203,8 +224,9 @@ class ModelConfig:
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The Hugging Face config.json of a dense family (the drafters' layers and the test models are dense)."""
-        if self.num_experts or self.attention_sinks or self.layer_types:
+        """The Hugging Face config.json of a dense family (the drafters' layers and the test models are dense), or of
+        Gemma 3 (a converted GGUF's)."""
+        if self.num_experts or self.attention_sinks or (self.layer_types and self.family != "gemma3"):
             raise ValueError(f"to_hf_dict writes dense full-attention configs only, not a {self.family} one")
         d: dict[str, Any] = {
             "architectures": [self.architecture],
@@ -231,7 +253,22 @@ class ModelConfig:
         if self.family in ("qwen2", "qwen3", "mistral"):
             d["sliding_window"] = None
             d["use_sliding_window"] = False
+        if self.family == "gemma3":
+            d.update(self._gemma3_hf_fields(d))
         return d
+
+    def _gemma3_hf_fields(self, d: dict[str, Any]) -> dict[str, Any]:
+        # Gemma3TextConfig spells RoPE per layer type; its activation has its own key.
+        full = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": d.pop("rope_theta")}
+        d.pop("rope_scaling")
+        d.pop("hidden_act")
+        sliding = {"rope_type": "default", "rope_theta": self.sliding_rope_theta or self.rope_theta}
+        return {"rope_parameters": {"full_attention": full, "sliding_attention": sliding},
+                "hidden_activation": GEMMA_ACTIVATION, "attention_bias": self.qkv_bias,
+                "query_pre_attn_scalar": self.query_pre_attn_scalar or self.head_dim,
+                "sliding_window": self.sliding_window or None,
+                "layer_types": list(self.layer_types) or ["full_attention"] * self.num_hidden_layers,
+                "final_logit_softcapping": self.final_logit_softcapping or None, "attn_logit_softcapping": None}
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
@@ -252,6 +289,9 @@ def _layer_types(d: dict[str, Any], family: str) -> tuple[str, ...]:
         return tuple(d["layer_types"])
     if family == "gpt_oss":  # sliding first, then alternating, as the released checkpoints
         return tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n))
+    if family == "gemma3":  # every sliding_window_pattern-th layer full, the others sliding (Gemma3TextConfig)
+        pattern = d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6
+        return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n))
     if not d.get("sliding_window") or not d.get("use_sliding_window", family == "mistral"):
         return ()
     first = 0 if family == "mistral" else d.get("max_window_layers", n)  # Qwen: layers from max_window_layers slide
@@ -279,3 +319,60 @@ def _moe_fields(d: dict[str, Any], family: str) -> dict[str, Any]:
                     moe_intermediate_size=d["intermediate_size"], norm_topk_prob=True,
                     swiglu_limit=float(d.get("swiglu_limit", 7.0)), swiglu_alpha=float(d.get("swiglu_alpha", 1.702)))
     return {}
+
+
+def _text_decoder(d: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config's text decoder: its text_config, with what the outer config says of the whole model
+    (special token ids, dtype, tied embeddings, name) where the text_config is silent."""
+    text = dict(d.get("text_config") or {})
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings", "torch_dtype", "dtype",
+                "_name_or_path"):
+        if text.get(key) is None and d.get(key) is not None:
+            text[key] = d[key]
+    return text
+
+
+GEMMA_ACTIVATION = "gelu_pytorch_tanh"
+# Gemma3TextConfig's defaults, which the hub's multimodal configs rely on (their text_config names only what differs).
+_GEMMA3_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
+                        max_position_embeddings=131_072, tie_word_embeddings=True, query_pre_attn_scalar=256,
+                        sliding_window=4096, hidden_activation=GEMMA_ACTIVATION, bos_token_id=2, eos_token_id=1,
+                        pad_token_id=0)
+
+
+def _gemma3_dict(d: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma 3 text config as the other families spell theirs: Gemma3TextConfig's defaults where it is silent, the
+    full-attention layers' RoPE as rope_theta / rope_scaling and the sliding layers' base as sliding_rope_theta;
+    what peagle does not implement refused by name."""
+    d = {**_GEMMA3_DEFAULTS, **d}
+    activation = d.get("hidden_activation") or d.get("hidden_act")
+    if activation != GEMMA_ACTIVATION:
+        raise UnsupportedModelError(f"Gemma 3 with hidden_activation {activation!r} is not supported; only "
+                                    f"{GEMMA_ACTIVATION!r} (GeGLU with tanh-approximated GELU)")
+    if d.get("attn_logit_softcapping"):
+        raise UnsupportedModelError("attention logit soft-capping (attn_logit_softcapping) is not supported")
+    if d.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("use_bidirectional_attention (an embedding model's) is not supported: peagle "
+                                    "serves causal decoders")
+    rope = d.get("rope_parameters") or {}
+    per_type = "full_attention" in rope or "sliding_attention" in rope
+    full = dict(rope.get("full_attention") or {}) if per_type else dict(rope)
+    sliding = dict(rope.get("sliding_attention") or {}) if per_type else {}
+    full = {**(d.pop("rope_scaling", None) or {}), **full}  # older configs: rope_scaling scales the full layers
+    full["rope_theta"] = full.get("rope_theta", d.pop("rope_theta", 1_000_000.0))
+    if sliding.get("rope_type", "default") != "default":
+        raise UnsupportedModelError(f"RoPE scaling on Gemma's sliding layers ({sliding['rope_type']!r}) is not "
+                                    "supported")
+    d.pop("rope_theta", None)
+    d["rope_parameters"] = full
+    d["sliding_rope_theta"] = sliding.get("rope_theta", d.get("rope_local_base_freq", 10_000.0))
+    return d
+
+
+def _gemma_fields(d: dict[str, Any], family: str) -> dict[str, Any]:
+    if family != "gemma3":
+        return {}
+    return dict(sliding_rope_theta=float(d["sliding_rope_theta"]),
+                query_pre_attn_scalar=int(d["query_pre_attn_scalar"]),
+                final_logit_softcapping=float(d.get("final_logit_softcapping") or 0.0))

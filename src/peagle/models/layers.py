@@ -48,8 +48,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv_freq
-    if scaling.get("rope_type", scaling.get("type")) == "yarn":
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "yarn":
         return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
+    if kind == "linear":  # positions divided by `factor` (position interpolation)
+        return inv_freq / scaling["factor"]
     # llama3: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between.
     factor = scaling["factor"]
     low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)

@@ -6,7 +6,7 @@ peagle fuses two groups of HF tensors (concatenated along dim 0, weights and bia
 Every other tensor keeps its HF name without the `model.` prefix; `lm_head` has no prefix on either side and is
 absent from peagle models with tied embeddings. A mixture of experts (`layers.N.mlp`: router, w13, w2, b13, b2) is
 read from each family's layout (`_expert_sources`); quantised tensors are dequantised as they are read
-(models/quantized.py).
+(models/quantized.py). A multimodal checkpoint's text decoder is read under the text-only names (DECODER_PREFIXES).
 """
 
 from __future__ import annotations
@@ -37,6 +37,10 @@ FUSED = {
 }
 # Tensors some checkpoints carry that are recomputed rather than loaded.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# A multimodal checkpoint's text decoder (Gemma3ForConditionalGeneration) is read under a text-only checkpoint's
+# names: prefixes as transformers >= 5 saves them, then as the hub's older checkpoints spell them.
+DECODER_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                    ("language_model.lm_head.", "lm_head."))
 _EXPERT_PARAMS = ("router.weight", "router.bias", "w13", "w2", "b13", "b2")
 
 
@@ -87,11 +91,15 @@ class SafetensorsCheckpoint:
         self.files = self._files()
         self._handles = {}
         self.file_of: dict[str, Path] = {}
+        self._stored: dict[str, str] = {}  # name -> the name in the file, where a decoder prefix was rewritten
         for file in self.files:
             handle = self._open(file)
             self._handles[file] = handle
-            for name in handle.keys():
+            for stored in handle.keys():
+                name = _text_decoder_name(stored)
                 self.file_of[name] = file
+                if name != stored:
+                    self._stored[name] = stored
 
     def _files(self) -> list[Path]:
         index = self.path / INDEX_FILE
@@ -141,7 +149,7 @@ class SafetensorsCheckpoint:
         return self._raw_shape(name)
 
     def _raw_shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handles[self.file_of[name]].get_slice(name).get_shape())
+        return tuple(self._handles[self.file_of[name]].get_slice(self._stored.get(name, name)).get_shape())
 
     def companions(self, name: str) -> list[str]:
         """The stored tensors that make up `name`: itself, or its quantised parts and scales."""
@@ -168,9 +176,16 @@ class SafetensorsCheckpoint:
 
     def _read(self, name: str) -> torch.Tensor:
         try:
-            return self._handles[self.file_of[name]].get_tensor(name)
+            return self._handles[self.file_of[name]].get_tensor(self._stored.get(name, name))
         except SafetensorError as e:
             raise ValueError(f"cannot read tensor {name} from {self.file_of[name]} (corrupted file?): {e}") from None
+
+
+def _text_decoder_name(name: str) -> str:
+    for prefix, plain in DECODER_PREFIXES:
+        if name.startswith(prefix):
+            return plain + name.removeprefix(prefix)
+    return name
 
 
 def _fp8_block(path: Path) -> tuple[int, int] | None:

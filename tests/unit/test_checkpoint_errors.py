@@ -44,9 +44,9 @@ def test_unsupported_architecture_lists_the_supported_ones(checkpoint):
     assert _listing(checkpoint) == before
 
 
-def test_sliding_window_mistral_is_refused(checkpoint):
-    _edit_config(checkpoint, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=4096)
-    with pytest.raises(UnsupportedModelError, match="sliding-window attention"):
+def test_unsupported_rope_scaling_is_refused_by_name(checkpoint):
+    _edit_config(checkpoint, rope_scaling={"rope_type": "longrope", "factor": 4.0})
+    with pytest.raises(UnsupportedModelError, match="unsupported rope_scaling type 'longrope'"):
         load_model(checkpoint)
 
 

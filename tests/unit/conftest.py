@@ -62,7 +62,8 @@ _CORPUS = [
     "You are a helpful assistant. What is the capital of France? Paris is the capital of France.",
 ]
 
-FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral", "mistral_swa", "qwen3_moe", "gpt_oss", "gemma3")
+FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral", "mistral_swa", "qwen3_moe", "gpt_oss", "gemma3",
+            "gemma3_gguf")
 
 
 def _tokenizer_files(out: Path) -> int:
@@ -157,6 +158,12 @@ def _hf_config(family: str, vocab_size: int, num_layers: int, tie_word_embedding
         return transformers.Gemma3TextConfig(**common, sliding_window=6, query_pre_attn_scalar=24,
                                              layer_types=["sliding_attention"] * (num_layers - 1) + ["full_attention"],
                                              final_logit_softcapping=2.0, rope_parameters=rope)
+    if family == "gemma3_gguf":
+        # A Gemma 3 that a GGUF file says all of, read alike by llama.cpp and transformers: every sixth layer
+        # global, no logits capped, and (as in the released models but the 27B) head_dim = query_pre_attn_scalar
+        # = 256, which transformers' GGUF loader assumes; one KV head, as the 270M.
+        common = {**common, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 256}
+        return transformers.Gemma3TextConfig(**common, sliding_window=6, query_pre_attn_scalar=256)
     raise ValueError(f"unknown tiny family {family!r}; choose from {FAMILIES}")
 
 
@@ -211,15 +218,44 @@ _GGUF_LAYER_NAMES = {
 }
 _GGUF_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                       "lm_head.weight": "output.weight"}
-GGUF_ARCH = {"llama": "llama", "llama3": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCH = {"llama": "llama", "llama3": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+             "gemma3_gguf": "gemma3"}
+_GEMMA3_GGUF_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
+                            "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
 
-def _gguf_name(hf_name: str) -> str:
+def _gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind}"
+    names = _GEMMA3_GGUF_LAYER_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
+    return f"blk.{layer}.{names[module]}.{kind}"
+
+
+GEMMA_SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' "
+    "else message['role']) + '\n' + message['content'] + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+
+def _sentencepiece_vocab(size: int) -> tuple[list[str], list[float], list[int]]:
+    """A Gemma-style SentencePiece vocabulary of `size` tokens as a GGUF lists it (tokens, scores, llama.cpp token
+    types): specials, 256 byte-fallback tokens, the corpus's characters, then its most frequent word pieces ("▁" for
+    a space), best first; <unused> control tokens fill the rest."""
+    from collections import Counter
+
+    words = ["▁" + w for text in _CORPUS for w in text.split(" ")]
+    chars = sorted({c for w in words for c in w})
+    pieces = Counter(w[i:j] for w in words for i in range(len(w)) for j in range(i + 2, min(len(w), i + 6) + 1))
+    tokens = [*GEMMA_SPECIAL_TOKENS, *(f"<0x{b:02X}>" for b in range(256)), *chars]
+    tokens += [p for p, _ in pieces.most_common() if p not in tokens][:size - len(tokens)]
+    tokens += [f"<unused{i}>" for i in range(size - len(tokens))]
+    types = [3 if t.startswith("<") and not t.startswith("<0x") else 6 if t.startswith("<0x") else 1 for t in tokens]
+    types[3] = 2  # <unk>
+    return tokens, [-float(i) for i in range(size)], types
 
 
 def _llama_cpp_permute(w, n_head: int):
@@ -255,6 +291,9 @@ def _write_gguf(hf_dir: Path, out: Path, family: str, quantize: bool) -> None:
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     arch = GGUF_ARCH[family]
+    if arch == "gemma3":
+        _write_gemma3_gguf(cfg, hf_dir, out, quantize)
+        return
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name(f"tiny {family}")
     w.add_context_length(cfg["max_position_embeddings"])
@@ -305,6 +344,53 @@ def _write_gguf(hf_dir: Path, out: Path, family: str, quantize: bool) -> None:
     w.close()
 
 
+def _write_gemma3_gguf(cfg: dict, hf_dir: Path, out: Path, quantize: bool) -> None:
+    # llama.cpp's gemma3 layout: no Q/K permutation, every norm weight stored as 1 + w, a SentencePiece vocabulary
+    # with scores and no merges; quantized, the matrices alternate Q8_0 and Q5_0 (the gguf library writes no K-quants).
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    w = gguf.GGUFWriter(str(out), "gemma3")
+    w.add_name("tiny gemma3")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["full_attention"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_sliding_window(cfg["sliding_window"])
+    tokens, scores, types = _sentencepiece_vocab(cfg["vocab_size"])
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_chat_template(GEMMA_CHAT_TEMPLATE)
+    kinds = [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q5_0]
+    for i, (name, tensor) in enumerate(sorted(load_file(str(hf_dir / "model.safetensors")).items())):
+        tensor = np.ascontiguousarray(tensor + 1 if name.endswith("norm.weight") else tensor, dtype=np.float32)
+        if quantize and tensor.ndim == 2:
+            qtype = kinds[i % 2]
+            w.add_tensor(_gguf_name(name, "gemma3"), gguf.quants.quantize(tensor, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(_gguf_name(name, "gemma3"), tensor)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 @pytest.fixture(scope="session")
 def tiny_gguf(tiny_hf_checkpoint, tmp_path_factory):
     """Factory: `tiny_gguf(family="llama", *, quantize=True, tie_word_embeddings=False) -> Path` to a .gguf file.
@@ -312,6 +398,8 @@ def tiny_gguf(tiny_hf_checkpoint, tmp_path_factory):
     The model and tokenizer of `tiny_hf_checkpoint(family, tie_word_embeddings=...)`, in llama.cpp's layout:
     arch llama (for llama, llama3, mistral: Q/K permuted; llama3 adds rope_freqs), qwen2 or qwen3.
     quantize=True stores the matrices alternately as Q8_0 and F16; norms and biases stay F32.
+    "gemma3_gguf" writes arch gemma3 (norms as 1 + w) with a Gemma-style SentencePiece vocabulary of the same size
+    instead of the BPE one, and a Gemma chat template; quantized, its matrices alternate Q8_0 and Q5_0.
     """
     cache: dict[tuple, Path] = {}
 

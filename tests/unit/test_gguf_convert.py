@@ -125,3 +125,93 @@ def test_tensor_names():
     assert hf_tensor_name("output.weight") == "lm_head.weight"
     assert hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
     assert hf_tensor_name("blk.0.ffn_gate_exps.weight") is None
+    assert hf_tensor_name("blk.2.ffn_norm.weight") == "model.layers.2.post_attention_layernorm.weight"
+    assert hf_tensor_name("blk.2.ffn_norm.weight", "gemma3") == "model.layers.2.pre_feedforward_layernorm.weight"
+    assert hf_tensor_name("blk.2.post_ffw_norm.weight", "gemma3") == "model.layers.2.post_feedforward_layernorm.weight"
+
+
+GEMMA_TEXTS = [*TEXTS, "  leading spaces and   runs\n\ttabs", "<start_of_turn>user\nhi<end_of_turn>\n"]
+
+
+def test_gemma3_gguf_logits_and_tokenizer_match_transformers_gguf_loading(tiny_gguf, tmp_path):
+    src = tiny_gguf("gemma3_gguf", quantize=True, tie_word_embeddings=True)
+    out = convert_gguf(src, tmp_path / "ckpt", dtype="fp32")
+    model = load_model(out, dtype="fp32")
+    assert model.config.family == "gemma3" and [model.config.layer_window(i) for i in (0, 5, 7)] == [6, 0, 6]
+    ids = torch.randint(0, model.config.vocab_size, (29,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # 29 tokens: past the 6-token window
+        expected = _hf_from_gguf(src)(ids[None]).logits[0]
+        converted = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(ids[None]).logits[0]
+    torch.testing.assert_close(_logits(model, ids), expected, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(converted, expected, atol=0, rtol=0)  # same weights, same implementation
+
+    ours = load_tokenizer(out)
+    from_gguf = transformers.AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    for text in GEMMA_TEXTS:
+        assert ours.encode(text, add_special_tokens=True) == from_gguf.encode(text), text
+        assert ours.decode(ours.encode(text), skip_special_tokens=False) == text
+    assert ours.encode("hi", add_special_tokens=True)[0] == ours.bos_token_id == 2
+    prompt = ours.apply_chat_template(CONVERSATION)
+    assert prompt == from_gguf.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True)
+    assert prompt.startswith("<bos><start_of_turn>user\n")
+    assert ours.eos_token_ids == [1, 5]  # <eos>, and <end_of_turn>, which ends a chat turn
+
+
+def test_f32_gemma3_gguf_restores_the_original_checkpoint(tiny_gguf, tiny_hf_checkpoint, tmp_path):
+    original = tiny_hf_checkpoint("gemma3_gguf", tie_word_embeddings=True)
+    out = convert_gguf(tiny_gguf("gemma3_gguf", quantize=False, tie_word_embeddings=True), tmp_path / "ckpt",
+                       dtype="fp32")
+    a, b = SafetensorsCheckpoint(original), SafetensorsCheckpoint(out)
+    assert set(a.file_of) == set(b.file_of)
+    for name in a.file_of:  # norms went through 1 + w and back
+        torch.testing.assert_close(a.get(name), b.get(name), atol=1e-7, rtol=0, msg=name)
+    ours, theirs = load_model(out, dtype="fp32"), load_model(original, dtype="fp32")
+    for field in ("family", "layer_types", "sliding_window", "rope_theta", "rope_scaling", "sliding_rope_theta",
+                  "query_pre_attn_scalar", "final_logit_softcapping", "rms_norm_eps", "head_dim", "qk_norm",
+                  "tie_word_embeddings"):
+        assert getattr(ours.config, field) == getattr(theirs.config, field), field
+    ids = torch.randint(0, ours.config.vocab_size, (23,), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(_logits(ours, ids), _logits(theirs, ids), atol=1e-5, rtol=1e-5)
+
+
+def _gemma3_metadata_gguf(path, **keys):
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    for name, value in {"embedding_length": 64, "feed_forward_length": 96, "block_count": 62,
+                        "attention.head_count": 4, "attention.key_length": 256, "attention.sliding_window": 512,
+                        "rope.freq_base": 1e6, **keys}.items():
+        add = w.add_string if isinstance(value, str) else w.add_float32 if isinstance(value, float) else w.add_uint32
+        add(f"gemma3.{name}", value)
+    w.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_gemma3_gguf_config_follows_llama_cpp(tmp_path):
+    from peagle.models.config import UnsupportedModelError
+    from peagle.models.gguf_convert import GGUFFile
+
+    cfg = GGUFFile(_gemma3_metadata_gguf(tmp_path / "a.gguf", **{"rope.scaling.type": "linear",
+                                                                 "rope.scaling.factor": 8.0})).model_config(torch.float32)
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 8.0} and cfg.sliding_rope_theta == 1e4
+    assert cfg.query_pre_attn_scalar == 64 // 4  # the 27B's depth: hidden / heads, as llama.cpp
+    assert [cfg.layer_window(i) for i in range(6)] == [512] * 5 + [0]
+    with pytest.raises(UnsupportedModelError, match="attn_logit_softcapping"):
+        GGUFFile(_gemma3_metadata_gguf(tmp_path / "b.gguf", attn_logit_softcapping=50.0)).model_config(torch.float32)
+
+
+def test_check_gemma_gguf_script_compares_tokenizers_and_logits(repo_script, tiny_gguf, tmp_path):
+    script = repo_script("check_gemma_gguf")
+    src = tiny_gguf("gemma3_gguf", quantize=True, tie_word_embeddings=True)
+    out = convert_gguf(src, tmp_path / "ckpt", dtype="fp32")
+    theirs = transformers.AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    assert all(r["equal"] and r["round_trip"] for r in script.check_tokenizer(load_tokenizer(out), theirs))
+    rows = script.check_logits(load_model(out, dtype="fp32"), _hf_from_gguf(src),
+                               [theirs.encode(text) for text in script.PROMPTS])
+    assert [r["tokens"] for r in rows] == [len(theirs.encode(text)) for text in script.PROMPTS]
+    assert all(r["max_abs_diff"] < 1e-4 and r["argmax_agree"] == 1.0 for r in rows)

@@ -1,12 +1,15 @@
-"""`peagle convert gguf`: a GGUF file (llama, qwen2, qwen3) -> a Hugging Face safetensors checkpoint directory.
+"""`peagle convert gguf`: a GGUF file (llama, qwen2, qwen3, gemma3) -> a Hugging Face safetensors checkpoint directory.
 
 What the conversion undoes or rebuilds:
-- Quantized tensors are dequantized with the `gguf` library, then cast to the requested dtype.
+- Quantized tensors (Q8_0, Q4_K, Q6_K, ...) are dequantized with the `gguf` library, then cast to the requested dtype.
 - llama.cpp's llama converter permutes the rows of attn_q / attn_k per head so that its interleaved-pair RoPE
   equals the rotate-half RoPE of HF weights; the permutation is inverted here (qwen2/qwen3 files are not permuted).
+- llama.cpp's gemma3 converter stores every norm weight as 1 + w (its RMSNorm has no +1); the 1 is taken off again,
+  as transformers' GGUF loader does.
 - config.json comes from the `<arch>.*` metadata (tie_word_embeddings when there is no output.weight; llama3 RoPE
-  scaling recovered from the rope_freqs tensor); tokenizer.json / tokenizer_config.json / generation_config.json
-  from the `tokenizer.*` metadata (byte-level BPE only).
+  scaling recovered from the rope_freqs tensor; Gemma 3's sliding layers as llama.cpp lays them out);
+  tokenizer.json / tokenizer_config.json / generation_config.json from the `tokenizer.*` metadata: byte-level BPE
+  rebuilt here, SentencePiece vocabularies (Gemma's) by transformers' GGUF tokenizer conversion.
 Everything is written into a temporary directory beside OUT_DIR and renamed at the end, so a failure leaves nothing.
 """
 
@@ -32,9 +35,11 @@ from peagle.models.weights import SafetensorsCheckpoint, check_checkpoint, save_
 logger = logging.getLogger(__name__)
 
 # GGUF general.architecture -> peagle family.
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
 # Architectures whose llama.cpp converter permutes Q/K rows for interleaved RoPE.
 PERMUTED_QK = {"llama"}
+# Architectures whose llama.cpp converter adds 1 to every norm weight.
+SHIFTED_NORMS = {"gemma3"}
 
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER_TENSORS = {
@@ -50,6 +55,9 @@ LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 names its four norms a layer after their places.
+ARCH_LAYER_TENSORS = {"gemma3": {**LAYER_TENSORS, "post_attention_norm": "post_attention_layernorm",
+                                 "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}}
 ROPE_FREQS = "rope_freqs.weight"  # llama3 RoPE scaling factors, folded into config.json instead
 _REQUIRED = object()
 
@@ -149,9 +157,6 @@ class GGUFFile:
         theta = _clean_float(self.arch_get("rope.freq_base", 10000.0))
         head_dim = self.arch_get("attention.key_length", None) or self.arch_get("rope.dimension_count", None)
         head_dim = head_dim or hidden // heads
-        scaling_type = self.arch_get("rope.scaling.type", "none")
-        if scaling_type not in ("none", "llama3"):
-            raise UnsupportedModelError(f"{self.path}: unsupported RoPE scaling {scaling_type!r}; supported: llama3")
         d = {
             "architectures": [FAMILY_ARCHITECTURE[GGUF_ARCHITECTURES[self.arch]]],
             "vocab_size": int(self._shape("token_embd.weight")[0]),
@@ -163,7 +168,7 @@ class GGUFFile:
             "head_dim": head_dim,
             "rms_norm_eps": _clean_float(self.arch_get("attention.layer_norm_rms_epsilon", 1e-5)),
             "rope_theta": theta,
-            "rope_scaling": self._llama3_scaling(head_dim, theta),
+            "rope_scaling": self._rope_scaling(head_dim, theta),
             "max_position_embeddings": self.arch_get("context_length", 4096),
             "tie_word_embeddings": "output.weight" not in self.tensors,
             "attention_bias": "blk.0.attn_q.bias" in self.tensors,
@@ -171,12 +176,39 @@ class GGUFFile:
             "eos_token_id": self.get("tokenizer.ggml.eos_token_id", None),
             "torch_dtype": str(dtype).removeprefix("torch."),
         }
+        if self.arch == "gemma3":
+            d.update(self._gemma3_config(d))
         return ModelConfig.from_hf_dict(d)
+
+    def _gemma3_config(self, d: dict[str, Any]) -> dict[str, Any]:
+        """What llama.cpp's gemma3 model takes from elsewhere than the common keys (which it moves from `d`): every
+        sixth layer global, the others sliding with a 10,000 RoPE base (unless the file says), scores scaled by
+        head_dim ** -0.5 except in the 27B (62 layers: hidden / heads), which it recognises by its depth."""
+        n, pattern = d["num_hidden_layers"], self.arch_get("attention.sliding_window_pattern", 6)
+        sliding = pattern if isinstance(pattern, list) else [bool((i + 1) % pattern) for i in range(n)]
+        scalar = d["hidden_size"] // d["num_attention_heads"] if n == 62 else d["head_dim"]
+        full = {"rope_type": "default", **(d.pop("rope_scaling") or {}), "rope_theta": d.pop("rope_theta")}
+        local = {"rope_type": "default", "rope_theta": _clean_float(self.arch_get("rope.freq_base_swa", 10000.0))}
+        return {"rope_parameters": {"full_attention": full, "sliding_attention": local},
+                "sliding_window": self.arch_get("attention.sliding_window"),
+                "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+                "query_pre_attn_scalar": scalar,
+                "final_logit_softcapping": self.arch_get("final_logit_softcapping", None),
+                "attn_logit_softcapping": self.arch_get("attn_logit_softcapping", None)}
 
     def _shape(self, name: str) -> tuple[int, ...]:
         if name not in self.tensors:
             raise ValueError(f"{self.path} has no tensor {name!r}; is it a complete model GGUF?")
         return tuple(reversed([int(n) for n in self.tensors[name].shape]))  # GGUF lists dims innermost first
+
+    def _rope_scaling(self, head_dim: int, theta: float) -> dict[str, Any] | None:
+        scaling_type = self.arch_get("rope.scaling.type", "none")
+        if scaling_type not in ("none", "linear", "llama3"):
+            raise UnsupportedModelError(f"{self.path}: unsupported RoPE scaling {scaling_type!r}; supported: linear, "
+                                        "llama3")
+        if scaling_type == "linear":
+            return {"rope_type": "linear", "factor": _clean_float(self.arch_get("rope.scaling.factor"))}
+        return self._llama3_scaling(head_dim, theta)
 
     def _llama3_scaling(self, head_dim: int, theta: float) -> dict[str, Any] | None:
         """llama.cpp stores llama3 RoPE scaling as per-frequency divisors; recover the config that yields them."""
@@ -205,10 +237,12 @@ class GGUFFile:
         for t in tqdm(self.reader.tensors, desc=f"converting {self.path.name}", unit="tensor", disable=None):
             if t.name == ROPE_FREQS:
                 continue
-            hf_name = hf_tensor_name(t.name)
+            hf_name = hf_tensor_name(t.name, self.arch)
             if hf_name is None:
                 raise ValueError(f"{self.path}: tensor {t.name!r} has no Hugging Face counterpart for {self.arch}")
             weights = torch.from_numpy(_dequantize(t).reshape(self._shape(t.name)))
+            if self.arch in SHIFTED_NORMS and t.name.endswith("norm.weight"):
+                weights = weights - 1
             if self.arch in PERMUTED_QK and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
                 weights = unpermute_qk(weights, cfg.num_attention_heads)
             elif self.arch in PERMUTED_QK and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -219,7 +253,7 @@ class GGUFFile:
 
     def tokenizer(self) -> "TokenizerFiles":
         meta = {key: self.get(key, None) for key in TOKENIZER_KEYS}
-        files = build_tokenizer(meta, self.path)
+        files = build_tokenizer(meta, self.path, self.arch)
         files.tokenizer_config["model_max_length"] = self.arch_get("context_length", 4096)
         return files
 
@@ -229,7 +263,8 @@ TOKENIZER_KEYS = (
     "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
     "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id", "tokenizer.ggml.unknown_token_id",
     "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token",
-    "tokenizer.chat_template",
+    "tokenizer.chat_template", "tokenizer.ggml.scores", "tokenizer.ggml.precompiled_charsmap",
+    "tokenizer.ggml.add_space_prefix",
 )
 
 
@@ -292,42 +327,30 @@ class TokenizerFiles:
         _write_json(out / "generation_config.json", self.generation_config)
 
 
-def build_tokenizer(meta: dict[str, Any], path: Path) -> TokenizerFiles:
+def build_tokenizer(meta: dict[str, Any], path: Path, arch: str = "llama") -> TokenizerFiles:
     """tokenizer.json, tokenizer_config.json and generation_config.json from a GGUF's `tokenizer.*` metadata."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models
-
     kind = meta["tokenizer.ggml.model"]
-    if kind != "gpt2":
-        raise UnsupportedModelError(f"{path}: tokenizer model {kind!r} is not supported; only byte-level BPE (gpt2)")
-    pre_name = meta["tokenizer.ggml.pre"] or "default"
-    if pre_name not in PRE_TOKENIZERS:
-        raise UnsupportedModelError(
-            f"{path}: pre-tokenizer {pre_name!r} is not supported; supported: {sorted(PRE_TOKENIZERS)}"
-        )
-    pre = PRE_TOKENIZERS[pre_name]
     tokens = meta["tokenizer.ggml.tokens"]
-    if not tokens or meta["tokenizer.ggml.merges"] is None:
-        raise ValueError(f"{path} has no tokenizer.ggml.tokens / merges; it carries no usable tokenizer")
-    types = meta["tokenizer.ggml.token_type"] or [1] * len(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    backend = Tokenizer(models.BPE(vocab=_byte_level_vocab(tokens, types, path), merges=merges,
-                                   ignore_merges=pre.ignore_merges))
-    backend.normalizer, backend.pre_tokenizer = pre.build()
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, k in zip(tokens, types) if k == TOKEN_CONTROL])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, k in zip(tokens, types) if k == TOKEN_USER_DEFINED])
+    if not tokens:
+        raise ValueError(f"{path} has no tokenizer.ggml.tokens; it carries no usable tokenizer")
+    if kind == "gpt2":
+        backend, default_bos = _byte_level_backend(meta, path)
+    elif kind == "llama":
+        backend, default_bos = _sentencepiece_backend(meta, path, arch), True  # llama.cpp's default for these
+    else:
+        raise UnsupportedModelError(f"{path}: tokenizer model {kind!r} is not supported; supported: byte-level BPE "
+                                    "(gpt2) and SentencePiece (llama)")
 
     def token(key):
         token_id = meta[f"tokenizer.ggml.{key}"]
         return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
 
     add_bos = meta["tokenizer.ggml.add_bos_token"]
-    add_bos = pre.add_bos if add_bos is None else bool(add_bos)
+    add_bos = default_bos if add_bos is None else bool(add_bos)
     add_eos = bool(meta["tokenizer.ggml.add_eos_token"])
     bos, eos = token("bos_token_id"), token("eos_token_id")
-    backend.post_processor = _post_processor(bos if add_bos else None, eos if add_eos else None, backend)
+    backend.post_processor = _post_processor(bos if add_bos else None, eos if add_eos else None, backend,
+                                             byte_level=kind == "gpt2")
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": bos,
@@ -341,6 +364,8 @@ def build_tokenizer(meta: dict[str, Any], path: Path) -> TokenizerFiles:
     if meta["tokenizer.chat_template"]:
         tokenizer_config["chat_template"] = meta["tokenizer.chat_template"]
     eos_ids = [meta[f"tokenizer.ggml.{k}"] for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    if kind == "llama" and GEMMA_END_OF_TURN in tokens:
+        eos_ids.append(tokens.index(GEMMA_END_OF_TURN))
     eos_ids = list(dict.fromkeys(i for i in eos_ids if i is not None))
     generation_config = {
         "bos_token_id": meta["tokenizer.ggml.bos_token_id"],
@@ -348,6 +373,56 @@ def build_tokenizer(meta: dict[str, Any], path: Path) -> TokenizerFiles:
         "pad_token_id": meta["tokenizer.ggml.padding_token_id"],
     }
     return TokenizerFiles(backend, tokenizer_config, generation_config)
+
+
+# Gemma's chat turns end with this token, which its GGUFs do not name (llama.cpp finds it by its text); the original
+# generation_config.json stops at it as well as at <eos>.
+GEMMA_END_OF_TURN = "<end_of_turn>"
+
+
+def _byte_level_backend(meta: dict[str, Any], path: Path):
+    """Byte-level BPE, split as llama.cpp splits for the file's `tokenizer.ggml.pre`; with whether that pre-tokenizer
+    adds a BOS token when the file does not say."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    pre_name = meta["tokenizer.ggml.pre"] or "default"
+    if pre_name not in PRE_TOKENIZERS:
+        raise UnsupportedModelError(
+            f"{path}: pre-tokenizer {pre_name!r} is not supported; supported: {sorted(PRE_TOKENIZERS)}"
+        )
+    pre = PRE_TOKENIZERS[pre_name]
+    tokens = meta["tokenizer.ggml.tokens"]
+    if meta["tokenizer.ggml.merges"] is None:
+        raise ValueError(f"{path} has no tokenizer.ggml.merges; it carries no usable BPE tokenizer")
+    types = meta["tokenizer.ggml.token_type"] or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    backend = Tokenizer(models.BPE(vocab=_byte_level_vocab(tokens, types, path), merges=merges,
+                                   ignore_merges=pre.ignore_merges))
+    backend.normalizer, backend.pre_tokenizer = pre.build()
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, k in zip(tokens, types) if k == TOKEN_CONTROL])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, k in zip(tokens, types) if k == TOKEN_USER_DEFINED])
+    return backend, pre.add_bos
+
+
+def _sentencepiece_backend(meta: dict[str, Any], path: Path, arch: str):
+    """A SentencePiece vocabulary (tokens and scores, merges recovered from them; Gemma's respelled where its file
+    differs from its tokenizer) as transformers' GGUF loader builds it: the same tokens for the same text."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (GGUF_TOKENIZER_MAPPING,
+                                                                           convert_gguf_tokenizer)
+    except ImportError:  # transformers before the GGUF integration became a package
+        from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+    if meta["tokenizer.ggml.scores"] is None and meta["tokenizer.ggml.merges"] is None:
+        raise ValueError(f"{path} has neither tokenizer.ggml.scores nor merges; its SentencePiece tokenizer cannot be "
+                         "rebuilt")
+    names = GGUF_TOKENIZER_MAPPING["tokenizer"]
+    tokenizer_dict = {names[key.removeprefix("tokenizer.")]: value for key, value in meta.items()
+                      if key.removeprefix("tokenizer.") in names and value is not None}
+    return convert_gguf_tokenizer(arch, tokenizer_dict)[0]
 
 
 def _byte_level_vocab(tokens: list[str], types: list[int], path: Path) -> dict[str, int]:
@@ -365,12 +440,11 @@ def _byte_level_vocab(tokens: list[str], types: list[int], path: Path) -> dict[s
     return vocab
 
 
-def _post_processor(bos: str | None, eos: str | None, backend):
+def _post_processor(bos: str | None, eos: str | None, backend, byte_level: bool):
     from tokenizers import processors
 
-    byte_level = processors.ByteLevel(trim_offsets=False)
     if bos is None and eos is None:
-        return byte_level
+        return processors.ByteLevel(trim_offsets=False) if byte_level else None
     pre, post = ([f"{bos}:0"] if bos else []), ([f"{eos}:0"] if eos else [])
     template = processors.TemplateProcessing(
         single=" ".join([*pre, "$A:0", *post]),
@@ -378,7 +452,7 @@ def _post_processor(bos: str | None, eos: str | None, backend):
                        *[p.replace(":0", ":1") for p in post]]),
         special_tokens=[(t, backend.token_to_id(t)) for t in dict.fromkeys(x for x in (bos, eos) if x)],
     )
-    return processors.Sequence([byte_level, template])
+    return processors.Sequence([processors.ByteLevel(trim_offsets=False), template]) if byte_level else template
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -394,8 +468,8 @@ def bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """GGUF tensor name -> HF name, or None when it has none.
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """GGUF tensor name -> HF name in a file of architecture `arch`, or None when it has none.
 
     e.g. blk.3.ffn_up.weight -> model.layers.3.mlp.up_proj.weight
     """
@@ -403,8 +477,9 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     if stem in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[stem]}.{kind}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}.{kind}"
+    layer_tensors = ARCH_LAYER_TENSORS.get(arch, LAYER_TENSORS)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_tensors:
+        return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{kind}"
     return None
 
 

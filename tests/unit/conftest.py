@@ -63,7 +63,7 @@ _CORPUS = [
 ]
 
 FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral", "mistral_swa", "qwen3_moe", "gpt_oss", "gemma3",
-            "gemma3_gguf")
+            "gemma3_gguf", "gemma4")
 
 
 def _tokenizer_files(out: Path) -> int:
@@ -164,6 +164,14 @@ def _hf_config(family: str, vocab_size: int, num_layers: int, tie_word_embedding
         # = 256, which transformers' GGUF loader assumes; one KV head, as the 270M.
         common = {**common, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 256}
         return transformers.Gemma3TextConfig(**common, sliding_window=6, query_pre_attn_scalar=256)
+    if family == "gemma4":
+        # The Gemma 4 the engine serves: one head_dim and KV-head count for every layer and no KV sharing, with
+        # per-layer inputs, the experts beside the MLP, keys as values in the global layer, proportional RoPE there.
+        return transformers.Gemma4TextConfig(**common, sliding_window=6, global_head_dim=16, attention_k_eq_v=True,
+                                             layer_types=["sliding_attention"] * (num_layers - 1) + ["full_attention"],
+                                             hidden_size_per_layer_input=8, vocab_size_per_layer_input=vocab_size,
+                                             enable_moe_block=True, num_experts=4, top_k_experts=2,
+                                             moe_intermediate_size=24, final_logit_softcapping=5.0)
     raise ValueError(f"unknown tiny family {family!r}; choose from {FAMILIES}")
 
 

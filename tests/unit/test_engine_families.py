@@ -16,7 +16,7 @@ from peagle.models.loader import load_model
 
 # The tiny families' window is 6 tokens: prompts and answers run far past it.
 PROMPTS = [[7, 20, 31, 40, 41, 42, 43, 44, 45], [9, 15], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23], [30]]
-FAMILIES = ["qwen3_moe", "gpt_oss", "mistral_swa", "gemma3"]
+FAMILIES = ["qwen3_moe", "gpt_oss", "mistral_swa", "gemma3", "gemma4"]
 
 
 def make_llm(target, head=None, k=3, parallel=False):

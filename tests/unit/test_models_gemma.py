@@ -143,3 +143,68 @@ def test_multimodal_checkpoint_serves_its_text_decoder(tmp_path):
     torch.testing.assert_close(_logits_and_aux(load_model(tmp_path, dtype="fp32"), ids, ())[0], ref, atol=ATOL,
                                rtol=1e-4)
     assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["Gemma3ForConditionalGeneration"]
+
+
+# Gemma 4: every variant past the 6-token window, on 8 layers of which the last of each kind may share KV states.
+_GEMMA4_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                 "full_attention", "sliding_attention", "full_attention"]
+GEMMA4_VARIANTS = {
+    "global_heads_keys_as_values": dict(global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+                                        hidden_size_per_layer_input=0),
+    "per_layer_inputs_kv_sharing": dict(global_head_dim=32, hidden_size_per_layer_input=8, num_kv_shared_layers=2,
+                                        use_double_wide_mlp=True),
+    "experts": dict(global_head_dim=16, hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4,
+                    top_k_experts=2, moe_intermediate_size=24),
+}
+
+
+def _gemma4_checkpoint(out, seed=0, **variant):
+    config = transformers.Gemma4TextConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=8, layer_types=_GEMMA4_TYPES,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6, max_position_embeddings=128,
+        vocab_size_per_layer_input=300, final_logit_softcapping=5.0, **variant)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))  # norms and scales start at one: move them
+        for i, layer in enumerate(model.model.layers):
+            layer.layer_scalar.fill_(0.8 + 0.05 * i)
+    model.save_pretrained(out)
+    return model
+
+
+@pytest.mark.parametrize("variant", GEMMA4_VARIANTS)
+def test_gemma4_logits_and_aux_match_transformers(tmp_path, variant):
+    hf = _gemma4_checkpoint(tmp_path, **GEMMA4_VARIANTS[variant])
+    model = load_model(tmp_path, dtype="fp32")
+    aux_ids = (1, 4, 7)
+    gen = torch.Generator().manual_seed(3)
+    for length in (1, 29):
+        ids = torch.randint(0, 300, (length,), generator=gen)
+        logits, aux = _logits_and_aux(model, ids, aux_ids)
+        ref_logits, ref_aux = _hf(hf, ids, aux_ids)
+        torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=1e-4)
+        torch.testing.assert_close(aux, ref_aux, atol=ATOL, rtol=1e-4)
+
+
+def test_gemma4_config_is_read(tmp_path):
+    _gemma4_checkpoint(tmp_path, **GEMMA4_VARIANTS["per_layer_inputs_kv_sharing"])
+    cfg = ModelConfig.from_dir(tmp_path)
+    assert (cfg.family, cfg.architecture, cfg.rope_theta, cfg.sliding_rope_theta) == ("gemma4", "Gemma4ForCausalLM",
+                                                                                      1e6, 1e4)
+    assert [cfg.layer_window(i) for i in (0, 2, 7)] == [6, 0, 0] and cfg.final_logit_softcapping == 5.0
+    from peagle.models.gemma4 import Gemma4Layout
+
+    layout = Gemma4Layout.of(cfg)
+    assert layout.head_dims == (16, 16, 32, 16, 16, 32, 16, 32) and layout.kv_sources == (0, 1, 2, 3, 4, 5, 4, 5)
+    assert layout.mlp_sizes[5:] == (96, 192, 192) and layout.per_layer_input_size == 8
+
+
+def test_engine_refuses_what_its_kv_cache_cannot_hold_by_name(tmp_path):
+    from peagle import LLM
+
+    _gemma4_checkpoint(tmp_path, **GEMMA4_VARIANTS["per_layer_inputs_kv_sharing"])
+    with pytest.raises(UnsupportedModelError, match=r"head_dim differing across layers .*global_head_dim.*; "
+                                                    r"KV shared across layers \(num_kv_shared_layers = 2\)"):
+        LLM(model=str(tmp_path), device="cpu", dtype="float32", max_model_len=64)

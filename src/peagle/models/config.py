@@ -18,13 +18,15 @@ TEXT_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "GptOssForCausalLM": "gpt_oss",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma4ForCausalLM": "gemma4",
 }
 # Multimodal checkpoints whose `text_config` describes the text decoder peagle serves (the vision tower is not read).
-MULTIMODAL_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3"}
+MULTIMODAL_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3", "Gemma4ForConditionalGeneration": "gemma4"}
 SUPPORTED_ARCHITECTURES = {**TEXT_ARCHITECTURES, **MULTIMODAL_ARCHITECTURES}
 FAMILY_ARCHITECTURE = {family: arch for arch, family in TEXT_ARCHITECTURES.items()}
 FAMILY_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                     "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss", "gemma3": "gemma3_text"}
+                     "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss", "gemma3": "gemma3_text",
+                     "gemma4": "gemma4_text"}
 MODEL_TYPE_FAMILY = {model_type: family for family, model_type in FAMILY_MODEL_TYPE.items()}
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -173,8 +175,8 @@ class ModelConfig:
         if arch is None:
             model_type = d.get("model_type")
             family = MODEL_TYPE_FAMILY.get(model_type)
-            if family is None and text.get("model_type") == "gemma3_text":
-                family, multimodal = "gemma3", True
+            if family is None and text.get("model_type") in ("gemma3_text", "gemma4_text"):
+                family, multimodal = MODEL_TYPE_FAMILY[text["model_type"]], True
             if family is None:
                 raise UnsupportedModelError(
                     f"unsupported architecture {archs or model_type!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
@@ -184,6 +186,8 @@ class ModelConfig:
         d = _text_decoder(d) if multimodal else dict(d)
         if family == "gemma3":
             d = _gemma3_dict(d)
+        elif family == "gemma4":
+            d = _gemma4_dict(d)
         # transformers >= 5 folds rope_theta / rope_scaling into rope_parameters; accept both spellings.
         rope = d.get("rope_parameters") or {}
         rope_theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
@@ -216,7 +220,7 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=True if family == "qwen2" else bool(d.get("attention_bias", False)),
             o_bias=False if family == "qwen2" else bool(d.get("attention_bias", False)),
-            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "gemma4"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
@@ -318,6 +322,9 @@ def _moe_fields(d: dict[str, Any], family: str) -> dict[str, Any]:
         return dict(num_experts=d["num_local_experts"], num_experts_per_tok=d["num_experts_per_tok"],
                     moe_intermediate_size=d["intermediate_size"], norm_topk_prob=True,
                     swiglu_limit=float(d.get("swiglu_limit", 7.0)), swiglu_alpha=float(d.get("swiglu_alpha", 1.702)))
+    if family == "gemma4" and d.get("enable_moe_block"):  # beside the dense MLP in every layer
+        return dict(num_experts=d["num_experts"], num_experts_per_tok=d["top_k_experts"],
+                    moe_intermediate_size=d["moe_intermediate_size"], norm_topk_prob=True)
     return {}
 
 
@@ -370,8 +377,44 @@ def _gemma3_dict(d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
+_GEMMA4_DEFAULTS = dict(vocab_size=262_144, hidden_size=2304, intermediate_size=9216, num_hidden_layers=30,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
+                        max_position_embeddings=131_072, tie_word_embeddings=True, sliding_window=512,
+                        hidden_activation=GEMMA_ACTIVATION, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+                        hidden_size_per_layer_input=256, vocab_size_per_layer_input=262_144, global_head_dim=512,
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                            "rope_theta": 1_000_000.0}})
+
+
+def _gemma4_dict(d: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma 4 text config with Gemma4TextConfig's defaults where it is silent and its last layer global (as
+    transformers forces it); rope_theta / sliding_rope_theta from the per-layer-type RoPE, which stays in `extra` for
+    models/gemma4.py (the global layers' proportional RoPE), as do its other fields."""
+    d = {**_GEMMA4_DEFAULTS, **{k: v for k, v in d.items() if v is not None}}
+    activation = d.get("hidden_activation")
+    if activation != GEMMA_ACTIVATION:
+        raise UnsupportedModelError(f"Gemma 4 with hidden_activation {activation!r} is not supported; only "
+                                    f"{GEMMA_ACTIVATION!r}")
+    if d.get("use_bidirectional_attention") == "all":
+        raise UnsupportedModelError("use_bidirectional_attention='all' (an embedding model's) is not supported: "
+                                    "peagle serves causal decoders")
+    if d.get("num_kv_shared_layers", 0) >= d["num_hidden_layers"]:
+        raise UnsupportedModelError("a Gemma 4 whose every layer reuses another model's KV states "
+                                    "(num_kv_shared_layers = num_hidden_layers) is not supported")
+    n = d["num_hidden_layers"]
+    types = list(d.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)])
+    types[-1] = "full_attention"
+    d["layer_types"] = types
+    rope = d["rope_parameters"]
+    d["rope_theta"] = rope["full_attention"]["rope_theta"]
+    d["sliding_rope_theta"] = rope["sliding_attention"]["rope_theta"]
+    d["query_pre_attn_scalar"] = 0  # its attention scales scores by 1, which models/gemma4.py carries into q
+    return d
+
+
 def _gemma_fields(d: dict[str, Any], family: str) -> dict[str, Any]:
-    if family != "gemma3":
+    if family not in ("gemma3", "gemma4"):
         return {}
     return dict(sliding_rope_theta=float(d["sliding_rope_theta"]),
                 query_pre_attn_scalar=int(d["query_pre_attn_scalar"]),

@@ -26,15 +26,15 @@ from peagle.models.llama import LlamaModel
 
 
 class GemmaRMSNorm(RMSNorm):
-    """Gemma's norm, x_normed * (1 + w) * scale, with (1 + w) * scale held as the weight so that the shared RMSNorm
-    kernels serve it: the checkpoint's w is folded in as it is loaded and unfolded in `state_dict`. In fp32 this is
-    exact up to rounding; in bf16 the folded weight is rounded once (transformers rounds the product instead).
-    `scale` (q_norm only) carries Gemma's query_pre_attn_scalar into q, so that the attention backends keep their
-    head_dim ** -0.5."""
+    """Gemma's norm, x_normed * (shift + w) * scale (Gemma 3: shift 1; Gemma 4: 0), with (shift + w) * scale held as
+    the weight so that the shared RMSNorm kernels serve it: the checkpoint's w is folded in as it is loaded and
+    unfolded in `state_dict`. In fp32 this is exact up to rounding; in bf16 the folded weight is rounded once
+    (transformers rounds the product instead). `scale` (q_norm only) carries the family's score scale into q, so that
+    the attention backends keep their head_dim ** -0.5."""
 
-    def __init__(self, dim: int, eps: float, scale: float = 1.0):
+    def __init__(self, dim: int, eps: float, scale: float = 1.0, shift: float = 1.0):
         super().__init__(dim, eps)
-        self.scale = scale
+        self.scale, self.shift = scale, shift
         self.register_load_state_dict_pre_hook(_fold)
         self.register_state_dict_post_hook(_unfold)
 
@@ -43,12 +43,12 @@ def _fold(norm: GemmaRMSNorm, state_dict, prefix, *args):
     key = prefix + "weight"
     if key in state_dict:
         w = state_dict[key]
-        state_dict[key] = ((1.0 + w.float()) * norm.scale).to(w.dtype)
+        state_dict[key] = ((norm.shift + w.float()) * norm.scale).to(w.dtype)
 
 
 def _unfold(norm: GemmaRMSNorm, state_dict, prefix, *args):
     w = state_dict[prefix + "weight"]
-    state_dict[prefix + "weight"] = (w.float() / norm.scale - 1.0).to(w.dtype)
+    state_dict[prefix + "weight"] = (w.float() / norm.scale - norm.shift).to(w.dtype)
 
 
 class GemmaAttention(Attention):
@@ -96,11 +96,16 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class ScaledEmbedding(nn.Embedding):
-    """Token embeddings times sqrt(hidden_size), the factor rounded to the weights' dtype first (as transformers)."""
+    """Token embeddings times `scale` (default sqrt(embedding_dim)), the factor rounded to the weights' dtype first
+    (as transformers)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, scale: float | None = None):
+        super().__init__(num_embeddings, embedding_dim)
+        self.scale = embedding_dim ** 0.5 if scale is None else scale
 
     def forward(self, input_ids):
-        # input_ids: [T] -> [T, hidden]
-        return super().forward(input_ids) * _rounded(self.embedding_dim ** 0.5, self.weight.dtype)
+        # input_ids: [T] -> [T, embedding_dim]
+        return super().forward(input_ids) * _rounded(self.scale, self.weight.dtype)
 
 
 @functools.cache
@@ -133,6 +138,9 @@ class Gemma3Model(LlamaModel):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_tokens, hidden] -> [num_tokens, vocab] in fp32
-        logits = super().compute_logits(hidden)
-        cap = self.config.final_logit_softcapping
-        return torch.tanh(logits / cap) * cap if cap else logits
+        return softcap(super().compute_logits(hidden), self.config.final_logit_softcapping)
+
+
+def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(logits / cap); cap 0: the logits unchanged."""
+    return torch.tanh(logits / cap) * cap if cap else logits

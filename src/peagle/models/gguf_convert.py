@@ -413,8 +413,10 @@ def _sentencepiece_backend(meta: dict[str, Any], path: Path, arch: str):
     try:
         from transformers.integrations.gguf.gguf_tokenizer_mapping import (GGUF_TOKENIZER_MAPPING,
                                                                            convert_gguf_tokenizer)
-    except ImportError:  # transformers before the GGUF integration became a package
-        from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    except ImportError:
+        raise UnsupportedModelError(f"{path}: its SentencePiece tokenizer is converted by transformers' GGUF "
+                                    "tokenizer mapping (transformers.integrations.gguf), which this transformers "
+                                    "lacks; upgrade transformers") from None
 
     if meta["tokenizer.ggml.scores"] is None and meta["tokenizer.ggml.merges"] is None:
         raise ValueError(f"{path} has neither tokenizer.ggml.scores nor merges; its SentencePiece tokenizer cannot be "

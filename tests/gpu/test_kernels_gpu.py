@@ -89,6 +89,72 @@ def test_fused_merge_replays_from_a_graph_with_new_inputs():
         torch.testing.assert_close(out.float(), kernels.paged_attention_ref(**new).float(), atol=2e-2, rtol=2e-2)
 
 
+def assert_window_sinks_close(cpu_batch, window, sinks, **options):
+    # Against the reference on the clean cache, the kernel over a cache that is NaN wherever no row may look.
+    poisoned, _ = unit_cases.poison_outside_windows(cpu_batch, window)
+    batch, poisoned = to_cuda(cpu_batch), to_cuda(poisoned)
+    sinks = None if sinks is None else sinks.to(CUDA)
+    expected = kernels.paged_attention_ref(**batch, window=window, sinks=sinks)
+    out = attention.paged_attention(**poisoned, window=window, sinks=sinks, **options)
+    rows = int(batch["query_start_loc"][-1])
+    tol = TOLERANCE[batch["q"].dtype]
+    torch.testing.assert_close(out[:rows].float(), expected[:rows].float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("num_splits,fused_merge", [(1, None), (3, False), (3, True), (None, True)])
+@pytest.mark.parametrize("window,with_sinks", [(0, True), (5, True), (16, False), (1000, True)])
+@pytest.mark.parametrize("case", sorted(unit_cases.ATTENTION_CASES))
+def test_paged_attention_window_sinks_unit_cases(case, window, with_sinks, num_splits, fused_merge):
+    query_lens, context_lens, num_kv_heads, group, head_dim, dtype, shuffle, tail = unit_cases.ATTENTION_CASES[case]
+    batch = unit_cases.make_attention_batch(len(case), query_lens, context_lens, num_kv_heads=num_kv_heads,
+                                            group=group, head_dim=head_dim, dtype=dtype, shuffle=shuffle, tail=tail)
+    sinks = unit_cases.random_sinks(num_kv_heads * group, window) if with_sinks else None
+    assert_window_sinks_close(batch, window, sinks, num_splits=num_splits, fused_merge=fused_merge)
+
+
+@pytest.mark.parametrize("num_requests,query_len,context_len,window,shuffle", [
+    (1, 1, 4096, 128, False),  # a local layer's decode over a long context: the split heuristic sees the window
+    (1, 1, 4096, 512, False),
+    (1, 8, 4096, 128, False),  # verify
+    (32, 8, 2048, 128, False),
+    (8, 16, 1500, 512, True),  # drafter batch at scattered positions: the tile's lowest window bounds the walk
+    (2, 600, 600, 128, False),  # prefill
+])
+@pytest.mark.parametrize("num_splits,fused_merge", [(None, False), (None, True), (8, True)])
+def test_paged_attention_engine_shapes_window_sinks(num_requests, query_len, context_len, window, shuffle,
+                                                    num_splits, fused_merge):
+    batch = unit_cases.make_attention_batch(0, [query_len] * num_requests, [context_len] * num_requests,
+                                            num_kv_heads=3, group=3, head_dim=64, dtype=torch.bfloat16,
+                                            shuffle=shuffle, tail=0)
+    assert_window_sinks_close(batch, window, unit_cases.random_sinks(9, 1), num_splits=num_splits,
+                              fused_merge=fused_merge)
+
+
+def test_window_sinks_replay_from_a_graph_with_new_inputs():
+    """A local layer with sinks, split and merged in the kernel, replayed from one CUDA graph: new inputs and new
+    sink values each time, every replay equal to the reference."""
+    att = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in engine_attention_batch(2, 8, 1500).items()}
+    sinks = unit_cases.random_sinks(9, 0).to(CUDA)
+
+    def call():
+        return attention.paged_attention(**att, num_splits=4, fused_merge=True, window=128, sinks=sinks)
+
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for seed in range(10):
+        new = engine_attention_batch(2, 8, 1500, seed=seed + 3, shuffle=seed % 2 == 1)
+        for name in ("q", "k_cache", "v_cache", "block_tables", "positions"):
+            att[name].copy_(new[name])
+        sinks.copy_(unit_cases.random_sinks(9, seed + 1))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = kernels.paged_attention_ref(**new, window=128, sinks=sinks)
+        torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_paged_attention_head_dim_128_gqa4():
     assert_attention_close(engine_attention_batch(4, 8, 1000, num_kv_heads=8, group=4, head_dim=128))
 

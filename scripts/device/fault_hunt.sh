@@ -2,13 +2,13 @@
 # Trainer faults on the GPU machine: the testbed's two recipes trained side by side, twice each (seeds 0 and 1), on
 # data of the testbed's structure (.fault, from fault_data.py) against a random-weight target of the testbed's shape
 # (.cfg), with a GPU core dump on any device exception (read back with cuda-gdb: the faulting kernel and its
-# instruction); beside them one short run of each recipe under compute-sanitizer memcheck with PyTorch's caching
-# allocator off (every tensor its own allocation, so an access past a tensor is seen). Everything lands in
-# $OUT/fault_hunt.tar.gz; a summary is printed.
+# instruction); after them one short run of each recipe under compute-sanitizer memcheck with PyTorch's caching
+# allocator off (every tensor its own allocation, so an access past a tensor is seen), then the engine's.
+# Everything but weights lands in $OUT/fault_hunt.tar.gz; a summary is printed.
 #   FH_MINUTES   the side-by-side trainers' --time-limit (default 5)
 #   FH_SAN_STEPS the sanitized runs' steps (default 100: the time limit may end them first); FH_SAN=0: no sanitized runs
 #   FH_EXTRA     more `peagle train` arguments for every run (e.g. a candidate fix's switch)
-#   FH_ENGINE=0  no engine pass (scripts/device/engine_sanitize.py under memcheck, beside the trainers)
+#   FH_ENGINE=0  no engine pass (scripts/device/engine_sanitize.py under memcheck, after the trainers)
 set -u
 W=${FH_WORK:-/tmp/fault-hunt}
 OUT=${OUT:-$W/out}
@@ -30,17 +30,6 @@ for f in glob.glob(".cfg/*.json"):
 print("random target written")
 PY
 
-if [ "${FH_ENGINE:-1}" != 0 ]; then  # the engine's serving path under memcheck, beside the trainers
-  for m in eagle3 peagle; do
-    l=$([ $m = eagle3 ] && echo 1 || echo 4)
-    $py -m peagle drafter init --target "$W/target" --method $m --num-layers $l --out "$W/heads/$m" > /dev/null
-  done
-  timeout $(( ${FH_MINUTES:-5} * 60 + 140 )) compute-sanitizer --tool memcheck --print-limit 20 \
-    --log-file "$W/memcheck-engine.log" $py scripts/device/engine_sanitize.py "$W/target" "$W/heads" \
-    > "$W/engine.log" 2>&1 &
-  engine_pid=$!
-fi
-
 common=(--target "$W/target" --data .fault/chat .fault/code --steps 1000000 --max-length 8192 --save-every 500
         --eval-every 500 ${FH_EXTRA:-})
 eagle3=(--method eagle3 --num-layers 1 --k-train 3 --batch-size 1)
@@ -58,17 +47,29 @@ for seed in 0 1; do
     pids+=($!)
   done
 done
+for p in "${pids[@]}"; do wait $p; echo "pid $p exit $?"; done
+# The sanitized runs after the trainers, one at a time: run 32 found that beside them they ran out of memory.
 if [ "${FH_SAN:-1}" != 0 ]; then
   for m in eagle3 peagle; do
     args=("${common[@]}")
     [ $m = eagle3 ] && args+=("${eagle3[@]}") || args+=("${peagle[@]}")
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout $(( minutes * 60 + 140 )) compute-sanitizer --tool memcheck \
       --print-limit 20 --log-file "$W/memcheck-$m.log" $py -m peagle train "${args[@]}" --steps ${FH_SAN_STEPS:-100} \
-      --eval-every 1000 --log-every 5 --out "$W/san-$m" > "$W/san-$m.log" 2>&1 &
-    pids+=($!)
+      --eval-every 1000 --log-every 5 --out "$W/san-$m" > "$W/san-$m.log" 2>&1
+    echo "san-$m exit $?"
   done
 fi
-for p in "${pids[@]}" ${engine_pid:-}; do wait $p; echo "pid $p exit $?"; done
+if [ "${FH_ENGINE:-1}" != 0 ]; then  # the engine's serving path under memcheck
+  for m in eagle3 peagle; do
+    l=$([ $m = eagle3 ] && echo 1 || echo 4)
+    $py -m peagle drafter init --target "$W/target" --method $m --num-layers $l --out "$W/heads/$m" > /dev/null
+  done
+  timeout $(( ${FH_MINUTES:-5} * 60 + 140 )) compute-sanitizer --tool memcheck --print-limit 20 \
+    --log-file "$W/memcheck-engine.log" $py scripts/device/engine_sanitize.py "$W/target" "$W/heads" \
+    > "$W/engine.log" 2>&1
+  echo "engine exit $?"
+fi
+
 grep '^{' "$W/engine.log" 2>/dev/null
 
 echo "== trainers"
@@ -91,5 +92,5 @@ for core in "$W"/core.*; do
 done
 dmesg 2>/dev/null | grep -i xid | tail -5
 (cd "$W" && tar czf "$OUT/fault_hunt.tar.gz" --exclude='*/checkpoints' --exclude='core.*[!t]' --exclude=target \
-  --exclude='*/final' --exclude='*/tensorboard' .) || true
+  --exclude='*/final' --exclude='*/tensorboard' --exclude=heads --exclude='*.pt' .) || true
 ls -la "$OUT"

@@ -168,7 +168,8 @@ def drafter_layer_config(target: ModelConfig, num_layers: int) -> ModelConfig:
         target, family=family, num_hidden_layers=num_layers, tie_word_embeddings=False,
         qkv_bias=False, o_bias=False, qk_norm=family == "qwen3", layer_types=(), sliding_window=0,
         attention_sinks=False, num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, norm_topk_prob=False,
-        dense_layers=(), swiglu_limit=0.0, extra={},
+        dense_layers=(), swiglu_limit=0.0, sliding_rope_theta=0.0, query_pre_attn_scalar=0,
+        final_logit_softcapping=0.0, extra={},
     )
 
 

@@ -67,6 +67,29 @@ def write_target(out: Path, seed: int = 0) -> Path:
     return out
 
 
+def write_moe_target(out: Path, seed: int = 0) -> Path:
+    """A tiny fp32 Qwen3-MoE target of the same tokenizer and attention shape: 4 layers (default aux layers 1, 2, 3),
+    8 experts of 128, top 2, renormalised."""
+    import torch
+    import transformers
+
+    from peagle.bench.smoke_model import EOS, PAD, write_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    vocab_size = write_tokenizer(out, docstrings(TRAIN_MODULES + EVAL_MODULES))
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=FFN, moe_intermediate_size=FFN // 2,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=4, num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=EOS, pad_token_id=PAD, initializer_range=INIT_STD,
+        use_sliding_window=False,
+    )
+    torch.manual_seed(seed)
+    transformers.Qwen3MoeForCausalLM(config).to(torch.float32).save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS, "pad_token_id": PAD}))
+    return out
+
+
 def write_prompts(file: Path, texts: list[str]) -> Path:
     file.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
     return file

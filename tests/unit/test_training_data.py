@@ -83,6 +83,54 @@ def test_regenerate_answers_greedily_and_resumes(tiny_hf_checkpoint, tmp_path):
         regenerate(checkpoint, prompts, out, **{**kwargs, "max_tokens": 5})
 
 
+def test_completions_continue_each_user_turn_as_raw_text(tiny_hf_checkpoint, tmp_path, caplog):
+    """A base model's data: every user turn (up to --max-turns) is a prompt of its own, tokenized as plain text; the
+    target continues it greedily and the loss covers the continuation. A model without a chat template is refused
+    the chat form with --completions named, and so is peagle synthesize."""
+    import logging
+    import shutil
+
+    from peagle.training.synthesize import SynthesisConfig, synthesize
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_hf_checkpoint("llama", num_layers=2), base)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    del config["chat_template"]  # as a base model's: no chat template anywhere
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    prompts = tmp_path / "turns.jsonl"
+    records = [{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "def add(a, b):"},
+                             {"role": "user", "content": "The quick brown fox"}, {"role": "user", "content": "x"}]},
+               {"prompt": "Speculative decoding drafts"}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+    kwargs = dict(max_tokens=4, batch_size=2, dtype="float32", device="cpu", max_model_len=128)
+    with pytest.raises(ValueError, match="no chat template .*--completions"):
+        regenerate(base, prompts, tmp_path / "chat", **kwargs)
+    with pytest.raises(ValueError, match="no chat template .*regenerate --completions"):
+        synthesize(base, tmp_path / "synth.jsonl", SynthesisConfig(count=1), dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match="drop --multi-turn"):
+        regenerate(base, prompts, tmp_path / "both", completions=True, multi_turn=True, **kwargs)
+
+    out = tmp_path / "data"
+    with caplog.at_level(logging.INFO, logger="peagle.training.regenerate"):
+        manifest = regenerate(base, prompts, out, completions=True, max_turns=2, **kwargs)
+    assert "completions: 3 prompts, each user turn of 2 records (at most 2 a record)" in caplog.text
+    assert manifest.source["completions"] is True and manifest.prompts_done == 3
+    tokenizer = load_tokenizer(base)
+    target = load_model(base, dtype="float32")
+    docs = read_documents(out, tokenizer, target.config.vocab_size)
+    texts = ["def add(a, b):", "The quick brown fox", "Speculative decoding drafts"]
+    assert len(docs) == 3
+    for text, doc in zip(texts, docs):
+        prompt = tokenizer.encode(text, add_special_tokens=True)
+        assert doc.token_ids[:len(prompt)].tolist() == prompt
+        assert not doc.loss_mask[:len(prompt)].any() and doc.loss_mask[len(prompt):].all()
+        ids = torch.tensor(prompt)
+        for _ in range(len(doc) - len(prompt)):  # the target's own greedy continuation
+            hidden = target(ids, torch.arange(ids.numel()), DenseAttention()).hidden[-1:]
+            ids = torch.cat([ids, target.compute_logits(hidden).argmax(-1)])
+        assert torch.equal(ids, doc.token_ids)
+
+
 def test_manifest_refuses_foreign_data(tiny_hf_checkpoint, tmp_path):
     checkpoint = tiny_hf_checkpoint("llama", num_layers=2)
     Manifest("feedfacefeedface", 400, "other-model", {}, []).write(tmp_path)

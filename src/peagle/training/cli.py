@@ -14,7 +14,8 @@ from peagle.training.config import OPTIMIZERS, SCHEDULES, TrainConfig
 def register(subparsers) -> None:
     regen = subparsers.add_parser(
         "regenerate", help="answer training prompts with the target (drafter training data)",
-        description="Render each prompt with the target's chat template, let the target answer it greedily through "
+        description="Render each prompt with the target's chat template (--completions: as raw text, for a base "
+                    "model), let the target answer (continue) it greedily through "
                     "the engine, and write prompt + response shards for `peagle train`. Resumable: run the same "
                     "command again to continue. Prompt files that overlap the built-in benchmark sets are refused.",
     )
@@ -27,11 +28,18 @@ def register(subparsers) -> None:
     regen.add_argument("--batch-size", type=int, default=256, help="prompts per shard (default 256)")
     regen.add_argument("--max-num-seqs", type=int, default=512,
                        help="requests the engine runs at once; the batch is refilled in waves (default 512)")
-    regen.add_argument("--limit", type=int, help="use only the first N prompts")
+    regen.add_argument("--limit", type=int,
+                       help="use only the first N prompts (records: conversations, with --multi-turn or --completions)")
     regen.add_argument("--multi-turn", action="store_true",
                        help="answer every user turn in order, each after the target's own earlier answers; one "
                             "document per conversation, loss on the target's tokens only")
-    regen.add_argument("--max-turns", type=int, help="with --multi-turn: answer at most N turns per conversation")
+    regen.add_argument("--max-turns", type=int,
+                       help="with --multi-turn: answer at most N turns per conversation; with --completions: at "
+                            "most N user turns of each record become prompts")
+    regen.add_argument("--completions", action="store_true",
+                       help="a base model (no chat template, e.g. Gemma 3 270M): continue each user turn of a record "
+                            "as raw text, a prompt of its own (with the tokenizer's BOS), instead of answering a chat; "
+                            "the loss on the continuation. Not with --multi-turn")
     regen.add_argument("--exclude-overlap", action="store_true",
                        help="drop prompts that overlap a benchmark set instead of refusing the file")
     regen.add_argument("--eval-set", action="store_true",
@@ -246,6 +254,7 @@ def _regenerate(args: argparse.Namespace) -> int:
         max_turns=args.max_turns, exclude_overlap=args.exclude_overlap, part=args.part,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         async_scheduling=args.async_scheduling, prefill_cuda_graphs=args.prefill_cuda_graphs, eval_set=args.eval_set,
+        completions=args.completions,
     )
     docs = sum(s["num_documents"] for s in manifest.shards)
     tokens = sum(s["num_tokens"] for s in manifest.shards)

@@ -6,7 +6,10 @@ a truncated file is read up to its last complete record, and only the train spli
 peagle.datasets). Single-turn (the default): each prompt's messages up to its last user turn are the context
 and the target writes one answer; ShareGPT gives its first human turn. Multi-turn (`multi_turn=True`): every user
 turn is answered in order, each in the context of the target's OWN earlier answers (the recorded ones are dropped),
-and the whole chat is one document whose loss mask covers exactly the target-written tokens.
+and the whole chat is one document whose loss mask covers exactly the target-written tokens. Completions
+(`completions=True`, for a base model, which has no chat template and answers no chat): each user turn of a record
+(at most `max_turns` of them) is a prompt of its own, raw text that the target continues; one document per prompt,
+the loss on the continuation.
 
 Throughput: all prompts stream through one engine whose batch is kept full (`Feeder`): requests are added in waves
 whenever the batch falls below 7/8 of `max_num_seqs`, so prompt prefills bunch into few eager steps while the rest
@@ -363,6 +366,7 @@ def regenerate(
     async_scheduling: bool = True,
     prefill_cuda_graphs: bool = True,
     eval_set: bool = False,
+    completions: bool = False,
 ) -> Manifest:
     """Answers the prompts with the target and writes shards + manifest to `out`; resumes a previous run there.
 
@@ -374,6 +378,10 @@ def regenerate(
     `eval_set=True` writes an evaluation set for `peagle train --eval-data`: ShareGPT's held-out prompts are
     allowed (benchmark prompts are not), and the manifest says `evaluation_only`, which `peagle train --data`
     refuses.
+
+    `completions=True` continues raw text instead of answering chats (a base model's data: it has no chat template):
+    each user turn of a record, up to `max_turns` of them, is a prompt of its own, tokenized as the model's tokenizer
+    does plain text (its BOS included).
     """
     if max_tokens < 1 or batch_size < 1 or max_num_seqs < 1:
         raise ValueError(f"--max-tokens, --batch-size and --max-num-seqs must be positive, got {max_tokens}, "
@@ -382,9 +390,15 @@ def regenerate(
         raise ValueError(f"--max-turns must be positive, got {max_turns}")
     if part is not None and not 0 <= part[0] < part[1]:
         raise ValueError(f"--part I/N needs 0 <= I < N, got {part[0]}/{part[1]}")
+    if completions and multi_turn:
+        raise ValueError("--completions continues each user turn as raw text, a prompt of its own: there is no chat "
+                         "to answer turn by turn; drop --multi-turn")
     model, out = Path(model), Path(out)
     tokenizer = load_tokenizer(model)
-    records = read_records(prompts, multi_turn)
+    if not completions and not tokenizer.chat_template:
+        raise ValueError(f"{model} has no chat template (a base model?): give --completions to let it continue the "
+                         "prompts as raw text")
+    records = read_records(prompts, multi_turn or completions)
     keep = BenchmarkGuard.builtin().check(
         [(rid, [m["content"] for m in messages if m["role"] == "user"]) for rid, messages in records],
         str(prompts), drop=exclude_overlap, allow_held_out=eval_set)
@@ -394,6 +408,13 @@ def regenerate(
         source["evaluation_only"] = True
     if multi_turn:
         source.update(multi_turn=True, max_turns=max_turns)
+    if completions:
+        texts = completion_prompts(conversations, max_turns)
+        source.update(completions=True, max_turns=max_turns)
+        logger.info("completions: %d prompts, each user turn of %d records (at most %s a record), continued as raw "
+                    "text without a chat template; the loss on the continuation", len(texts), len(conversations),
+                    max_turns or "all")
+        conversations = texts
     if part is not None:
         i, n = part
         conversations = conversations[i * len(conversations) // n:(i + 1) * len(conversations) // n]
@@ -411,7 +432,7 @@ def regenerate(
     progress = tqdm(total=len(conversations), initial=start, desc="regenerating", unit=" prompts",
                     disable=None)
     writer = _ShardWriter(out, manifest, start, len(conversations), batch_size, progress)
-    job = _Regeneration(tokenizer, writer, max_tokens, max_model_len, max_turns)
+    job = _Regeneration(tokenizer, writer, max_tokens, max_model_len, max_turns, completions)
     began = time.perf_counter()
     with stop_on_sigterm() as stopped:
         try:
@@ -429,6 +450,16 @@ def regenerate(
                 job.answers / seconds, job.answer_tokens / seconds,
                 100 * job.repeated_tokens / max(job.answer_tokens, 1))
     return manifest
+
+
+def completion_prompts(conversations: list[list[Message]], max_turns: int | None = None) -> list[list[Message]]:
+    """Each user turn (the first `max_turns` of a conversation) as a prompt of its own; system turns dropped.
+
+    >>> completion_prompts([[{"role": "system", "content": "s"}, {"role": "user", "content": "a"},
+    ...                      {"role": "user", "content": "b"}]], max_turns=1)
+    [[{'role': 'user', 'content': 'a'}]]
+    """
+    return [[turn] for messages in conversations for turn in [m for m in messages if m["role"] == "user"][:max_turns]]
 
 
 def repeated_ngrams(ids: Sequence[int], n: int = 8) -> list[bool]:
@@ -462,10 +493,11 @@ def stop_on_sigterm() -> Iterator[threading.Event]:
 
 class _Regeneration:
     def __init__(self, tokenizer: Tokenizer, writer: _ShardWriter, max_tokens: int, max_model_len: int,
-                 max_turns: int | None):
+                 max_turns: int | None, completions: bool = False):
         from peagle import SamplingParams
 
         self.turns = ChatTurns(tokenizer)
+        self.completions = completions  # prompts are raw text (a user turn's content), with the tokenizer's BOS
         self.writer = writer
         self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         self.room = max_model_len - max_tokens  # the longest prompt that leaves room for a full answer
@@ -493,9 +525,13 @@ class _Regeneration:
                     chats.append(_Chat(system + users[:1], list(later)))
                 else:
                     chats.append(_Chat(list(messages), []))
-            texts = [tokenizer.apply_chat_template(c.messages) for c in chats]
-            # One call tokenises the whole shard's prompts on the tokenizer's own threads.
-            encoded = tokenizer.backend.encode_batch(texts, add_special_tokens=False)
+            if self.completions:
+                texts = [c.messages[-1]["content"] for c in chats]
+            else:
+                texts = [tokenizer.apply_chat_template(c.messages) for c in chats]
+            # One call tokenises the whole shard's prompts on the tokenizer's own threads; a chat template writes
+            # its special tokens itself, raw text gets the tokenizer's (a BOS).
+            encoded = tokenizer.backend.encode_batch(texts, add_special_tokens=self.completions)
             for i, (chat, enc) in enumerate(zip(chats, encoded), first):
                 if len(enc.ids) > self.room:
                     self.too_long += 1

@@ -146,6 +146,9 @@ def synthesize(model: str | Path, out: str | Path, cfg: SynthesisConfig, *, dtyp
 
     model, out = Path(model), Path(out)
     tokenizer = load_tokenizer(model)
+    if not tokenizer.chat_template:
+        raise ValueError(f"{model} has no chat template (a base model?): there is no user turn to sample; continue "
+                         "text prompts with `peagle regenerate --completions` instead")
     prefix = tokenizer.encode(user_prefix(tokenizer, cfg.system))
     markup = tuple(t.content for t in tokenizer.backend.get_added_tokens_decoder().values())
     keep = PromptFilter(cfg, BenchmarkGuard.builtin(), markup)

@@ -24,6 +24,9 @@ its docstring, write tests for it, make it more readable). Files of the benchmar
 test files, are left out; prompts that overlap a benchmark set anyway are dropped.
 
     python scripts/build_longcode.py --train --short --count 20000 --out code_short_train.jsonl.gz
+
+With --completions beside --short, each prompt is a function's signature and docstring alone (a STUB, the shape of
+HumanEval's prompts): raw code for a base model, which has no chat to be asked in, to continue with the body.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ SHORT_TEMPLATES = {
     "tests": "Write unit tests with pytest for this function:\n```python\n{code}```",
     "refactor": "Make this Python function more readable without changing what it does:\n```python\n{code}```",
 }
+STUB = "stub"  # the kind of a --completions prompt: the signature and docstring alone, for a base model to continue
 
 
 def load_counter(tokenizer: str | None):
@@ -158,6 +162,9 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=20000, help="with --short: prompts to write at most")
     parser.add_argument("--roots", type=Path, nargs="+",
                         help="with --short: source trees to read (default: the stdlib and site-packages)")
+    parser.add_argument("--completions", action="store_true",
+                        help="with --short: each prompt a function's signature and docstring alone, raw code for a "
+                             "base model to continue (HumanEval's shape, never its problems)")
     args = parser.parse_args()
 
     count, how = load_counter(args.tokenizer)
@@ -195,7 +202,7 @@ def _short_functions(path: Path, source: str) -> list[ast.AST]:
 
 def short_prompt(module: str, source: str, node: ast.AST, kind: str | None = None) -> dict | None:
     """One short request about function `node` of `source`; the kind (SHORT_TEMPLATES) is fixed by a hash of its
-    name unless given."""
+    name unless given. Kind STUB: the function's signature and docstring alone, raw code to continue."""
     code = textwrap.dedent(ast.get_source_segment(source, node) or "").rstrip("\n") + "\n"
     if not code.strip() or len(code) > SHORT_MAX_CHARS or "\t" in code:
         return None
@@ -214,13 +221,16 @@ def short_prompt(module: str, source: str, node: ast.AST, kind: str | None = Non
     kind = kind or kinds[int(_stable(f"{module}:{node.name}")[:8], 16) % len(kinds)]
     if kind == "implement" and (len(summary) < 20 or len(signature) > 200 or signature.startswith(("(self", "(cls"))):
         kind = "complete"
+    if kind == STUB:
+        return {"id": f"code-{module}:{node.name}:{kind}", "prompt": stub}
     prompt = SHORT_TEMPLATES[kind].format(code=code, stub=stub, bare=bare, name=node.name, summary=summary,
                                           signature=" ".join(signature.split()))
     return {"id": f"code-{module}:{node.name}:{kind}", "prompt": prompt}
 
 
-def _short_file_records(root: Path, path: Path) -> list[dict]:
-    """The short requests of one file (none when it does not parse, is too large or is not UTF-8)."""
+def _short_file_records(root: Path, path: Path, kind: str | None = None) -> list[dict]:
+    """The short requests of one file (none when it does not parse, is too large or is not UTF-8); `kind`: of
+    short_prompt."""
     rel = path.relative_to(root)
     try:
         if path.stat().st_size > 400_000:
@@ -230,12 +240,14 @@ def _short_file_records(root: Path, path: Path) -> list[dict]:
     except (UnicodeDecodeError, SyntaxError, ValueError, OSError, RecursionError):
         return []
     module = rel.with_suffix("").as_posix().replace("/", ".")
-    return [r for r in (short_prompt(module, source, node) for node in nodes) if r]
+    return [r for r in (short_prompt(module, source, node, kind) for node in nodes) if r]
 
 
-def short_candidates(roots: list[Path], held_out: set[str], workers: int | None = None) -> list[dict]:
+def short_candidates(roots: list[Path], held_out: set[str], workers: int | None = None,
+                     kind: str | None = None) -> list[dict]:
     """Every short request of the roots' files, in a fixed order (root, then path) whatever the number of worker
-    processes that parse them (site-packages holds tens of thousands of files: one process takes minutes)."""
+    processes that parse them (site-packages holds tens of thousands of files: one process takes minutes); `kind`:
+    of short_prompt (None: each function's own)."""
     files = []
     for root in roots:
         for path in sorted(root.rglob("*.py")):
@@ -246,9 +258,9 @@ def short_candidates(roots: list[Path], held_out: set[str], workers: int | None 
     workers = workers or min(32, os.cpu_count() or 1)
     if workers > 1 and len(files) > 256:
         with ProcessPoolExecutor(workers) as pool:
-            per_file = list(pool.map(_short_file_records, *zip(*files), chunksize=64))
+            per_file = list(pool.map(_short_file_records, *zip(*files), [kind] * len(files), chunksize=64))
     else:
-        per_file = [_short_file_records(root, path) for root, path in files]
+        per_file = [_short_file_records(root, path, kind) for root, path in files]
     records, seen = [], set()
     for found in per_file:
         for record in found:
@@ -263,7 +275,7 @@ def write_short_train(args, held_out: set[str]) -> None:
     from peagle.training.data_sources import BenchmarkGuard, write_jsonl
 
     roots = args.roots or [args.stdlib, Path(sysconfig.get_paths()["purelib"])]
-    records = short_candidates([r for r in roots if r.is_dir()], held_out)
+    records = short_candidates([r for r in roots if r.is_dir()], held_out, kind=STUB if args.completions else None)
     guard = BenchmarkGuard.builtin()
     keep = guard.check([(None, [r["prompt"]]) for r in records], "code prompts", drop=True)
     records = sorted((records[i] for i in keep), key=lambda r: _stable(r["id"]))[:args.count]

@@ -268,6 +268,9 @@ def test_short_code_prompts_ask_about_installed_functions_but_not_benchmark_pack
                                     "Multiply every value by factor and return the new list.")
     assert "Multiply" not in prompts["docstring"] and "out.append(v * factor)" in prompts["docstring"]
     assert all(code in prompts[k] for k in ("explain", "tests", "refactor"))
+    # --completions: the signature and docstring alone, raw code for a base model to continue (HumanEval's shape)
+    (stub,) = build.short_candidates([root], held_out={"pkg/held.py"}, kind=build.STUB)
+    assert stub == {"id": "code-pkg.util:scale:stub", "prompt": code[:code.index("    out = []")]}
 
 
 def test_short_code_prompts_are_the_same_from_worker_processes_as_from_one(tmp_path, repo_script):

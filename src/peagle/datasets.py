@@ -5,7 +5,9 @@ its data against the benchmark sets, so this module sits below both and imports 
 
 Every loader returns `Prompt`s: an id and a chat (a tuple of {"role", "content"} messages ending with a user turn),
 so that the in-process engine (chat template applied by our tokenizer), a server's /v1/chat/completions and the
-Hugging Face baselines all see the same conversation.
+Hugging Face baselines all see the same conversation. For a base model, which has no chat template,
+`load_prompts(..., completions=True)` gives each prompt as one text to continue (`Prompt.text`): HumanEval's
+problems as their code alone, the other sets' first turns as they are; a chat of several messages is refused.
 
 Sources:
 - mtbench: the 80 MT-Bench questions (FastChat, Apache-2.0), first turns only; vendored in peagle/data/.
@@ -68,6 +70,15 @@ class Prompt:
     def to_json(self) -> dict:
         return {"id": self.id, "messages": list(self.messages)}
 
+    @property
+    def text(self) -> str:
+        """The prompt as one text for a base model to continue (a completion): its only message's content."""
+        if len(self.messages) != 1:
+            roles = ", ".join(m["role"] for m in self.messages)
+            raise ValueError(f"prompt {self.id!r} is a chat of {len(self.messages)} messages ({roles}): a completion "
+                             "continues one text; give single-turn prompts, or leave out --completions")
+        return self.messages[0]["content"]
+
 
 def default_cache_dir() -> Path:
     """Where `peagle testbed` keeps downloads and artifacts: $PEAGLE_CACHE, else ~/.cache/peagle/testbed."""
@@ -75,11 +86,14 @@ def default_cache_dir() -> Path:
 
 
 def load_prompts(name: str, limit: int | None = None, split: str = "test",
-                 cache_dir: Path | None = None) -> list[Prompt]:
+                 cache_dir: Path | None = None, completions: bool = False) -> list[Prompt]:
     """Prompts of a built-in dataset (`BUILTIN_DATASETS`) or of a JSONL file given by path.
 
     `split` only matters for sharegpt ("test" is the held-out part, "train" the rest); the other built-in sets are
     benchmark-only and refuse split="train" so that no drafter is ever trained on them by mistake.
+    `completions`: prompts for a base model to continue, one text each (`Prompt.text`): HumanEval's problems as their
+    code alone (imports, signature and docstring: the body is the continuation), MT-Bench's questions and the other
+    sets' first turns as they are; a file holding a chat of several messages is refused.
     """
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; choose one of {SPLITS}")
@@ -88,11 +102,14 @@ def load_prompts(name: str, limit: int | None = None, split: str = "test",
     if name in BUILTIN_DATASETS:
         if name != "sharegpt" and split != "test":
             raise ValueError(f"{name} is a benchmark set with no train split; train on sharegpt's train split")
-        prompts = _BUILTIN[name](split, cache_dir or default_cache_dir())
+        load = load_humaneval_code if completions and name == "humaneval" else _BUILTIN[name]
+        prompts = load(split, cache_dir or default_cache_dir())
     elif name.endswith(".jsonl") or Path(name).is_file():
         prompts = load_jsonl_prompts(Path(name))
     else:
         raise ValueError(f"unknown dataset {name!r}: use one of {BUILTIN_DATASETS} or a path to a .jsonl file")
+    if completions:
+        prompts = [Prompt.user(p.id, p.text) for p in prompts]  # one text each: a chat raises
     return prompts[:limit]
 
 
@@ -124,6 +141,12 @@ def load_humaneval(split: str = "test", cache_dir: Path | None = None) -> list[P
     with data_file("HumanEval.jsonl.gz").open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as f:
         records = [r for _, r in _read_jsonl_lines(f, "HumanEval.jsonl.gz")]
     return [Prompt.user(r["task_id"], HUMANEVAL_TEMPLATE.format(prompt=r["prompt"])) for r in records]
+
+
+def load_humaneval_code(split: str = "test", cache_dir: Path | None = None) -> list[Prompt]:
+    """HumanEval as completions: each problem's code as it is, for a base model to continue with the body."""
+    with data_file("HumanEval.jsonl.gz").open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as f:
+        return [Prompt.user(r["task_id"], r["prompt"]) for _, r in _read_jsonl_lines(f, "HumanEval.jsonl.gz")]
 
 
 def load_longcode(split: str = "test", cache_dir: Path | None = None) -> list[Prompt]:

@@ -311,6 +311,29 @@ def test_bench_command_line_builds_the_config():
     assert config.groups() == [("none", None, None), ("peagle", 5, None), ("peagle", 7, None)]
 
 
+def test_completions_encode_each_prompt_as_plain_text(tiny_hf_checkpoint):
+    """--completions (a base model): prompts are continued as raw text with the tokenizer's own specials, HumanEval
+    as its code alone; the flag reaches the config, its note and results.json; a server is refused (chat only)."""
+    from peagle.bench.cli import sweep_config_from_args
+    from peagle.bench.sweep import load_datasets, prompt_encoder
+    from peagle.cli import build_parser
+    from peagle.models.loader import load_tokenizer
+
+    args = build_parser().parse_args(["bench", "--model", "m", "--methods", "none", "--completions",
+                                      "--datasets", "humaneval", "--num-prompts", "2", "--concurrency", "1"])
+    config = sweep_config_from_args(args)
+    assert config.completions and config.to_json()["completions"] is True and "COMPLETIONS" in config.note
+    (code,) = load_datasets(config).values()
+    assert code[0].text.startswith("from typing import List") and "```" not in code[0].text
+    tokenizer = load_tokenizer(tiny_hf_checkpoint("llama", num_layers=1))
+    assert prompt_encoder(tokenizer, completions=True)(code[0]) == tokenizer.encode(code[0].text,
+                                                                                  add_special_tokens=True)
+    chat = Prompt.user("q", "What is 2 + 2?")
+    assert prompt_encoder(tokenizer)(chat) == tokenizer.encode_chat(list(chat.messages))
+    with pytest.raises(ValueError, match="--completions runs in process"):
+        SweepConfig(url="http://x", methods=("none",), completions=True)
+
+
 def test_min_waves_reuses_prompts_when_the_dataset_runs_out():
     config = SweepConfig(model="unused", methods=("none",), concurrency=(1, 4, 8), datasets=("mtbench",),
                          num_prompts=3, max_tokens=4, min_waves=3)

@@ -31,6 +31,22 @@ def test_humaneval_has_164_wrapped_problems():
     assert HUMANEVAL_TEMPLATE.format(prompt="x\n") == "Complete the following Python function:\n```python\nx\n```"
 
 
+def test_completions_give_one_text_each_and_humaneval_as_its_code(tmp_path):
+    """For a base model: HumanEval's problems unwrapped (the body is the continuation), MT-Bench's questions as they
+    are; a chat of several messages is refused."""
+    code = load_prompts("humaneval", completions=True, limit=3)
+    assert code[0].id == "HumanEval/0" and code[0].text.startswith("from typing import List\n\n\ndef has_close_")
+    assert code[0].text.endswith('"""\n') and "```" not in code[0].text and "Complete the" not in code[0].text
+    assert [p.text for p in load_prompts("mtbench", completions=True, limit=2)] == [
+        p.messages[0]["content"] for p in load_prompts("mtbench", limit=2)]
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "system", "content": "be brief"},
+                                             {"role": "user", "content": "hi"}]}) + "\n")
+    assert load_prompts(str(path))[0].messages[-1]["content"] == "hi"
+    with pytest.raises(ValueError, match=r"chat of 2 messages \(system, user\).*leave out --completions"):
+        load_prompts(str(path), completions=True)
+
+
 def test_longcode_prompt_lengths_in_range():
     records = longcode_records()
     assert len(records) == 32

@@ -86,6 +86,10 @@ def _register_bench(subparsers) -> None:
     sweep.add_argument("--max-tokens", type=int, default=256, help="output tokens per request (default 256)")
     sweep.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     sweep.add_argument("--cache-dir", help="testbed cache holding ShareGPT (default: peagle testbed's)")
+    sweep.add_argument("--completions", action="store_true",
+                       help="a base model (no chat template): each prompt is one text it continues, without a chat "
+                            "template (HumanEval as its code alone, the body to write; MT-Bench's questions as raw "
+                            "text); a chat of several messages is refused; in process only")
     engine = p.add_argument_group("in-process engine")
     engine.add_argument("--dtype", default="bfloat16")
     engine.add_argument("--device", help="cuda or cpu (default: cuda when available)")
@@ -170,7 +174,7 @@ def sweep_config_from_args(args: argparse.Namespace):
         methods=args.methods, ks=args.k, concurrency=args.concurrency, datasets=args.datasets,
         num_prompts=args.num_prompts, min_waves=args.min_waves, min_seconds=args.min_seconds,
         temperatures=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
-        cache_dir=args.cache_dir, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        cache_dir=args.cache_dir, completions=args.completions, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         llm_options=dict(args.llm_option), served_model=args.served_model, api_key=args.api_key,
         hf_baselines=args.hf_baselines, hf_num_prompts=args.hf_num_prompts, hf_batch_sizes=args.hf_batch_sizes,
@@ -197,6 +201,8 @@ def _note(args: argparse.Namespace) -> str | None:
     if args.synthetic_acceptance:
         rates = ", ".join(f"{r:g}" for r in args.synthetic_acceptance)
         parts.append(f"SYNTHETIC ACCEPTANCE ({rates}): drafts accepted by dice, not by the target")
+    if args.completions:
+        parts.append("COMPLETIONS: prompts continued as raw text, no chat template (HumanEval as its code alone)")
     return "; ".join(parts) or None
 
 

@@ -50,6 +50,8 @@ class SweepConfig:
     max_tokens: int = 256
     ignore_eos: bool = False
     cache_dir: str | None = None  # testbed cache holding ShareGPT (for the sharegpt dataset)
+    # A base model's prompts: each one text continued as it is (HumanEval as its code alone), no chat template.
+    completions: bool = False
     # In-process engine options, passed to LLM(...); `llm_options` carries any further keyword (extension point).
     dtype: str = "bfloat16"
     device: str | None = None
@@ -128,6 +130,8 @@ class SweepConfig:
         if not self.datasets:
             raise ValueError("give at least one dataset")
         if self.url:
+            if self.completions:
+                raise ValueError("--completions runs in process (the HTTP runner sends chat requests): give --model")
             speculative = [m for m in self.methods if m != "none"]
             if len(self.methods) != 1 or (len(self.ks) > 1 and speculative):
                 raise ValueError("against --url the server fixes method and K: give one --methods label "
@@ -214,7 +218,16 @@ def dataset_label(name: str) -> str:
 def load_datasets(config: SweepConfig) -> dict[str, list[Prompt]]:
     cache = Path(config.cache_dir) if config.cache_dir else None
     limit = max(points_prompts(config.num_prompts, c, config.min_waves) for c in config.concurrency)
-    return {dataset_label(name): load_prompts(name, limit=limit, cache_dir=cache) for name in config.datasets}
+    return {dataset_label(name): load_prompts(name, limit=limit, cache_dir=cache, completions=config.completions)
+            for name in config.datasets}
+
+
+def prompt_encoder(tokenizer, completions: bool = False) -> Callable[[Prompt], list[int]]:
+    """A prompt's token ids: its chat through the chat template, or (completions, a base model) its text as plain
+    text, with the tokenizer's BOS."""
+    if completions:
+        return lambda p: tokenizer.encode(p.text, add_special_tokens=True)
+    return lambda p: tokenizer.encode_chat(list(p.messages))
 
 
 def points_prompts(num_prompts: int, concurrency: int, min_waves: int = 1) -> int:
@@ -323,7 +336,7 @@ def open_engine_runner(config: SweepConfig, method: str, k: int | None,
     def params(temperature: float, max_tokens: int) -> SamplingParams:
         return SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=config.ignore_eos)
 
-    runner = EngineRunner(llm.engine, lambda p: tokenizer.encode_chat(list(p.messages)), params, config.max_tokens)
+    runner = EngineRunner(llm.engine, prompt_encoder(tokenizer, config.completions), params, config.max_tokens)
     del llm
     try:
         yield runner
@@ -354,12 +367,12 @@ def run_hf_baselines(config: SweepConfig, prompts: dict[str, list[Prompt]], sink
     from peagle.bench.hf_baseline import HfBaseline
     from peagle.models.loader import load_tokenizer
 
-    tokenizer = load_tokenizer(config.model)
+    encode = prompt_encoder(load_tokenizer(config.model), config.completions)
     baseline = HfBaseline(config.model, dtype=config.dtype, device=config.device, max_tokens=config.max_tokens,
                           ignore_eos=config.ignore_eos, min_seconds=config.min_seconds)
     try:
         for dataset, dataset_prompts in prompts.items():
-            token_ids = [tokenizer.encode_chat(list(p.messages)) for p in dataset_prompts]
+            token_ids = [encode(p) for p in dataset_prompts]
             for method, batch, m in baseline.run_all(token_ids, config.hf_num_prompts, config.hf_batch_sizes,
                                                      config.hf_methods):
                 point = make_point(dataset, method, None, batch, m)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import socket
 
 import pytest
 import uvicorn
@@ -12,6 +13,7 @@ from fastapi.testclient import TestClient
 from server_fixtures import make_head
 
 from peagle.cli import main
+from peagle.server import cli as server_cli, launcher
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +29,27 @@ def head(target_dir, tmp_path_factory):
 @pytest.fixture
 def served(monkeypatch):
     """Captures what `peagle serve` would run instead of starting a server."""
-    runs = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: runs.append((app, kw)))
+    runs, bound = [], {}
+
+    def bind(host, port):
+        bound.update(host=host, port=port)
+        return socket.create_server(("127.0.0.1", 0))
+
+    def run(server, sockets=None):
+        c = server.config
+        runs.append((c.app, {**bound, "root_path": c.root_path, "log_level": c.log_level, "access_log": c.access_log,
+                             "ssl_keyfile": c.ssl_keyfile, "ssl_certfile": c.ssl_certfile}))
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    monkeypatch.setattr(launcher, "bind_socket", bind)
+    register = server_cli.register
+
+    def in_process(subparsers):  # the engine thread: these tests read the app's engine and start no process
+        p = register(subparsers)
+        p.set_defaults(engine_thread=True)
+        return p
+
+    monkeypatch.setattr(server_cli, "register", in_process)
     for var in ("PEAGLE_SPECULATIVE_CONFIG", "SM_VLLM_SPECULATIVE_CONFIG", "PEAGLE_API_KEY"):
         monkeypatch.delenv(var, raising=False)
     return runs

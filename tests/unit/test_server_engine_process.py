@@ -75,7 +75,7 @@ def test_the_engine_process_serves_what_the_engine_thread_serves(target_dir, hea
     h = head if with_head else None
     with serve(create_app(make_engine(target_dir, h, "peagle" if h else "none"), "tiny")) as url:
         expected = _requests(url)
-    engine = EngineProcess.start(_config(target_dir, h))
+    engine, _ = EngineProcess.start(_config(target_dir, h))
     assert engine.process.pid != os.getpid() and engine.process.is_alive()
     assert engine.k == (K if h else 0)
     app = create_app(engine, "tiny")
@@ -92,7 +92,7 @@ def test_the_engine_process_serves_what_the_engine_thread_serves(target_dir, hea
 
 
 def test_many_clients_and_clients_that_leave_free_every_block(target_dir):
-    engine = EngineProcess.start(_config(target_dir, max_num_seqs=4))
+    engine, _ = EngineProcess.start(_config(target_dir, max_num_seqs=4))
     app = create_app(engine, "tiny", max_queue=64)
     with serve(app) as url:
         async def one(client: openai.AsyncOpenAI, i: int, leave: bool):
@@ -125,7 +125,7 @@ def test_many_clients_and_clients_that_leave_free_every_block(target_dir):
 
 
 def test_a_dead_engine_process_fails_health_and_requests(target_dir):
-    engine = EngineProcess.start(_config(target_dir))
+    engine, _ = EngineProcess.start(_config(target_dir))
     app = create_app(engine, "tiny")
     with serve(app) as url:
         chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
@@ -146,7 +146,8 @@ def test_an_engine_that_cannot_start_reports_the_childs_error(tmp_path, target_d
         EngineProcess.start(config, timeout_s=120)
 
 
-def test_serve_has_the_option():
-    args = build_parser().parse_args(["serve", "m", "--engine-process"])
-    assert args.engine_process is True
-    assert build_parser().parse_args(["serve", "m"]).engine_process is False
+def test_the_engine_process_is_the_default():
+    args = build_parser().parse_args(["serve", "m"])
+    assert (args.engine_thread, args.api_server_count) == (False, 1)
+    assert build_parser().parse_args(["serve", "m", "--engine-thread"]).engine_thread is True
+    assert build_parser().parse_args(["serve", "m", "--engine-process"]).engine_thread is False

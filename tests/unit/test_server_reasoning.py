@@ -238,7 +238,7 @@ def test_the_engine_process_starts_the_grammar_after_the_thinking(servers, targe
 
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
     want = chat(servers["qwen3"], response_format=fmt, max_tokens=80)
-    engine = EngineProcess.start(EngineConfig(model=str(target), device="cpu", dtype="float32", max_model_len=256,
+    engine, _ = EngineProcess.start(EngineConfig(model=str(target), device="cpu", dtype="float32", max_model_len=256,
                                               max_num_seqs=8, num_kv_blocks=128))
     with serve(create_app(engine, "tiny", reasoning_parser="qwen3")) as url:
         got = chat(url, response_format=fmt, max_tokens=80)

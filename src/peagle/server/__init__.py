@@ -2,9 +2,10 @@
 
 `create_app` is imported on first use, so that the other commands run where the web stack is not installed."""
 
-__all__ = ["DEFAULT_MAX_QUEUE", "create_app"]
+__all__ = ["DEFAULT_MAX_QUEUE", "DEFAULT_MAX_REQUEST_BYTES", "create_app"]
 
 DEFAULT_MAX_QUEUE = 256  # requests accepted beyond --max-num-seqs before 503
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # larger bodies answer 413 unread
 
 
 def __getattr__(name):

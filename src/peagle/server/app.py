@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
-from peagle.server import DEFAULT_MAX_QUEUE
+from peagle.server import DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES
 from peagle.server.async_engine import AsyncEngine, RequestFailed
 from peagle.server.protocol import ApiError, DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, parse_request
 from peagle.server.serving import ClientGone, Serving
@@ -24,7 +24,8 @@ def create_app(engine, served_model_name: str | list[str], api_key: str | None =
                max_queue: int = DEFAULT_MAX_QUEUE, trust_request_chat_template: bool = False,
                sampling_defaults: dict | None = None, log_stats_interval_s: float | None = None,
                request_id_headers: bool = False, reasoning_parser: str | None = None, log_requests: bool = False,
-               max_log_len: int | None = None, stream_interval: int = 1) -> FastAPI:
+               max_log_len: int | None = None, stream_interval: int = 1,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """An app serving `engine` (an LLMEngine, or an EngineProcess: the engine in a child process) as `served_model_name` (several names: requests may name any, responses
     name the first, as vLLM's --served-model-name).
 
@@ -39,7 +40,7 @@ def create_app(engine, served_model_name: str | list[str], api_key: str | None =
     carry the model's thinking apart from its answer (`peagle.server.reasoning`). With `log_requests` (vLLM's
     --enable-log-requests) each request is logged at INFO as it arrives, its prompt cut to `max_log_len` characters.
     `stream_interval` (vLLM's --stream-interval): after a request's first output, its tokens go to the client once
-    that many have gathered, and when it finishes.
+    that many have gathered, and when it finishes. A request body over `max_request_bytes` answers 413 unread.
     """
     if max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
@@ -48,7 +49,7 @@ def create_app(engine, served_model_name: str | list[str], api_key: str | None =
         raise ValueError("served_model_name must be a non-empty string or a list of them")
     engine_cls = AsyncEngine
     if getattr(engine, "remote", False):  # an EngineProcess: the engine runs in a child process
-        from peagle.server.engine_process import ProcessAsyncEngine as engine_cls
+        from peagle.server.engine_client import ProcessAsyncEngine as engine_cls
     async_engine = engine_cls(engine, model_name=names[0], log_stats_interval_s=log_stats_interval_s,
                               stream_interval=stream_interval)
     serving = Serving(async_engine, names, engine.config.max_num_seqs + max_queue,
@@ -64,6 +65,7 @@ def create_app(engine, served_model_name: str | list[str], api_key: str | None =
             async_engine.shutdown()
 
     app = FastAPI(title="peagle", lifespan=lifespan)
+    app.add_middleware(_BodyLimit, max_bytes=max_request_bytes)
     app.state.async_engine = async_engine
     app.state.serving = serving
     _add_error_handlers(app)
@@ -236,3 +238,50 @@ def _add_error_handlers(app: FastAPI):
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(ClientGone, client_gone)
     app.add_exception_handler(Exception, internal_error)
+
+
+class _BodyLimit:
+    """413 for a request body over `max_bytes`: by its Content-Length before any of it is read, or as a chunked body
+    grows past it (the handler then sees the client as gone)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                if not value.isdigit() or int(value) > self.max_bytes:
+                    return await self._refuse(send)
+                return await self.app(scope, receive, send)
+        seen, started, refused = 0, False, False
+
+        async def limited_receive():
+            nonlocal seen, refused
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    if not started and not refused:
+                        refused = True
+                        await self._refuse(send)
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def tracking_send(message):
+            nonlocal started
+            if refused:  # the app answering a body it never got whole: the 413 went out instead
+                return
+            started = True
+            await send(message)
+
+        return await self.app(scope, limited_receive, tracking_send)
+
+    async def _refuse(self, send):
+        body = json.dumps(ApiError(413, f"the request body is larger than this server takes ({self.max_bytes} "
+                                        f"bytes; --max-request-bytes)").body()).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 import queue
 import threading
@@ -210,6 +209,13 @@ class AsyncEngine:
 
     def _handle_outputs(self, outputs: list[StepOutput]):
         """One step's outputs: metrics, the stream interval's holding back, delivery to the event loop."""
+        deliveries = self._deliveries(outputs)
+        if deliveries:
+            self._loop.call_soon_threadsafe(_deliver, deliveries)
+
+    def _deliveries(self, outputs: list[StepOutput]) -> list[tuple[RequestStream, StepOutput]]:
+        """The metrics of one step's outputs, and what goes to the streams now (the stream interval holds the
+        rest back)."""
         now = time.monotonic()
         deliveries = []
         num_tokens, intervals = 0, []  # the step's tokens, and (interval, tokens) per request that had some before
@@ -233,8 +239,7 @@ class AsyncEngine:
             stream.sent_any = stream.sent_any or bool(out.new_token_ids)  # the first tokens are never held
             deliveries.append((stream, out))
         self.metrics.on_step_tokens(num_tokens, intervals)
-        if deliveries:
-            self._loop.call_soon_threadsafe(_deliver, deliveries)
+        return deliveries
 
     def _fail_all(self, message: str):
         streams, self._streams = self._streams, {}
@@ -264,11 +269,13 @@ class AsyncEngine:
 
 
 def _joined(first: StepOutput, then: StepOutput) -> StepOutput:
-    """Two consecutive outputs of one request as one: the tokens (and logprobs) of both, the second's finish."""
+    """Two consecutive outputs of one request as one: the tokens (and logprobs) of both, the second's finish. Either
+    may be a StepOutput or its wire struct (engine_wire.Output)."""
     logprobs = None
     if first.logprobs is not None or then.logprobs is not None:
         logprobs = (first.logprobs or []) + (then.logprobs or [])
-    return dataclasses.replace(then, new_token_ids=first.new_token_ids + then.new_token_ids, logprobs=logprobs)
+    return StepOutput(then.request_id, first.new_token_ids + then.new_token_ids, then.finished, then.finish_reason,
+                      then.error, then.metrics, logprobs)
 
 
 def _settle(future: asyncio.Future, error: Exception | None):

@@ -7,7 +7,7 @@ import logging
 import os
 from pathlib import Path
 
-from peagle.server import DEFAULT_MAX_QUEUE
+from peagle.server import DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -150,10 +150,24 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="after a request's first tokens, send its tokens once N have gathered (and when it ends): "
                         "fewer, larger chunks, so that a busy server spends less time writing them (vLLM's name; "
                         "default 1: every engine step's tokens as they come)")
-    p.add_argument("--engine-process", action="store_true",
-                   help="run the engine in a process of its own, so that the server's Python (HTTP, detokenising, "
-                        "streaming) and the engine's host loop stop sharing one GIL; requests and outputs travel "
-                        "through a pipe (off by default until measured on a GPU against the engine thread)")
+    procs = p.add_argument_group("processes (vLLM's arrangement)")
+    procs.add_argument("--engine-thread", action="store_true",
+                       help="run the engine in a thread of the API server instead of a process of its own (for "
+                            "debugging: the server's Python and the engine's host loop then share one GIL)")
+    procs.add_argument("--engine-process", action="store_true",
+                       help="the engine in a process of its own: the default (accepted so that older command lines "
+                            "run)")
+    procs.add_argument("--api-server-count", "-asc", type=int, default=1, metavar="N",
+                       help="API server processes accepting on one socket, all talking to the one engine process, "
+                            "for when one core cannot keep up with the HTTP and streaming work (vLLM's name; default "
+                            "1). With N > 1 /metrics sums every server's counters, and the periodic stats lines are "
+                            "off")
+    procs.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="on SIGTERM (or Ctrl-C), stop accepting and let the requests in flight finish for up to "
+                            "this long, then cancel the rest and exit 0 (default 30)")
+    procs.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
+                       help="larger request bodies answer 413 before they are parsed (default "
+                            f"{DEFAULT_MAX_REQUEST_BYTES // (1 << 20)} MiB)")
     p.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic stats lines (by default every 10 s while requests run, as vLLM: prompt and "
                         "generation throughput, running and waiting requests, KV-cache usage, and the acceptance of "
@@ -251,13 +265,11 @@ def _positional_given(actions: dict, args: list[str]) -> bool:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from peagle.engine.config import EngineConfig, SpeculativeConfig
     from peagle.engine.llm import check_max_model_len, resolve_dtype
-    from peagle.engine.llm_engine import LLMEngine
     from peagle.engine.sampling_params import model_sampling_defaults
     from peagle.models.loader import load_tokenizer
+    from peagle.server.launcher import launch
     from peagle.server.reasoning import REASONING_PARSERS
     from peagle.models.tokenizer import load_chat_template
 
@@ -275,6 +287,15 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, the format peagle parses)")
     if args.enable_log_requests and args.disable_log_requests:
         raise ValueError("--enable-log-requests and --disable-log-requests contradict each other: give one")
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    if args.engine_thread and (args.engine_process or args.api_server_count > 1):
+        raise ValueError("--engine-thread runs the engine inside the one API server: it goes with neither "
+                         "--engine-process nor --api-server-count > 1")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 (seconds), got {args.shutdown_timeout}")
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if args.stream_interval < 1:
         raise ValueError(f"--stream-interval must be >= 1 (tokens), got {args.stream_interval}")
     if args.max_log_len is not None and args.max_log_len < 0:
@@ -304,57 +325,7 @@ def _serve(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None  # before the model loads
     if args.reasoning_parser and (tokenizer or (Path(args.model) / "tokenizer.json").is_file()):
         REASONING_PARSERS[args.reasoning_parser].end_token_id(tokenizer or load_tokenizer(args.model))
-    if args.engine_process:
-        from peagle.server.engine_process import EngineProcess
-
-        engine = EngineProcess.start(config, tokenizer=args.tokenizer)  # the child loads the tokenizer too
-    else:
-        engine = LLMEngine(config)
-        if tokenizer is not None:
-            engine.use_tokenizer(tokenizer)
-    try:
-        app = _app(args, engine, template, defaults)
-    except BaseException:
-        if args.engine_process:
-            engine.close()
-        raise
-    scheme = "https" if args.ssl_certfile else "http"
-    logger.info("serving %s as %s at %s://%s:%d%s/v1 (speculation: %s%s)", args.model,
-                " / ".join(map(repr, args.served_model_name or [args.model])), scheme, args.host, args.port,
-                args.root_path, spec or "off", "; the engine in a process of its own" if args.engine_process else "")
-    uvicorn.run(app, host=args.host, port=args.port,
-                log_level=args.uvicorn_log_level or logging.getLogger().getEffectiveLevel(),
-                access_log=not args.disable_uvicorn_access_log, root_path=args.root_path,
-                ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
-    return 0
-
-
-def _app(args: argparse.Namespace, engine, template, defaults):
-    """The app of `peagle serve` for a built engine (an LLMEngine or an EngineProcess)."""
-    from fastapi.middleware.cors import CORSMiddleware
-
-    from peagle.server.app import create_app
-    from peagle.server.tool_calls import template_supports_tools
-
-    if template is not None:
-        engine.tokenizer.chat_template = template
-    if args.tool_call_parser and not template_supports_tools(engine.tokenizer and engine.tokenizer.chat_template):
-        raise ValueError("--tool-call-parser hermes: this model's chat template does not render tools in the Hermes "
-                         "<tool_call> format (give one that does with --chat-template)")
-    names = args.served_model_name or [args.model]
-    api_key = args.api_key or os.environ.get("PEAGLE_API_KEY") or None
-    app = create_app(engine, names, api_key=api_key, max_queue=args.max_queue,
-                     trust_request_chat_template=args.trust_request_chat_template, sampling_defaults=defaults,
-                     log_stats_interval_s=None if args.disable_log_stats else STATS_INTERVAL_S,
-                     request_id_headers=args.enable_request_id_headers, reasoning_parser=args.reasoning_parser,
-                     log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
-                     stream_interval=args.stream_interval)
-    app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_credentials=args.allow_credentials,
-                       allow_methods=args.allowed_methods, allow_headers=args.allowed_headers)
-    if defaults:
-        logger.info("default sampling parameters from the model's generation config: %s (requests that give a field "
-                    "override it; --generation-config vllm ignores them)", defaults)
-    return app
+    return launch(args, config, template, defaults, tokenizer=tokenizer)
 
 
 def _json_list(text: str) -> list[str]:

@@ -1,31 +1,30 @@
-"""The engine in a process of its own (`peagle serve --engine-process`): the server's Python and the engine's host loop
-stop sharing one GIL.
+"""The engine in a process of its own (the default of `peagle serve`, as vLLM runs its engine core): the API
+servers' Python (HTTP, detokenising, streaming) and the engine's host loop stop sharing one GIL.
 
-`EngineProcess.start(config)` spawns a child that builds the `LLMEngine` and runs it: it takes commands (add, abort,
-shutdown) from a pipe between steps and sends every step's outputs back with the engine's stats. The parent holds an
+`EngineProcess.start(config, num_api_servers=N)` spawns a child that builds the engine and runs `EngineLoop`: between
+steps it reads commands (add, abort) from one Unix socket per API server, and after each step it sends each API
+server one message with all of that server's outputs and the engine's stats (`engine_wire`). The parent holds an
 `EngineProcess`, which answers what the server reads of an engine (tokenizer, EOS ids, max_model_len, config,
-model_config, K, stats) without loading the weights, and `ProcessAsyncEngine` (an `AsyncEngine`) in place of the
-engine thread: its thread relays commands to the child and the child's outputs to the event loop, with the same
-metrics, stream interval and failure handling as the in-process thread.
+model_config, K, stats) without loading the weights; `engine_client.ProcessAsyncEngine` drives it from the event
+loop.
 
-Requests travel pickled. A structured-output grammar compiled in the server (for its tokenizer, possibly to start
-after the reasoning's end) travels as its request and start, and the child compiles it again for its own tokenizer.
-If a step raises, the child aborts every request it holds and reports the failure (the server answers 500 for
-them) and keeps serving; if the child dies, every request in flight fails, /health answers 503 and new requests
-are refused.
+Lifetimes follow the sockets: an API server that goes away (its socket closes) has its requests aborted, and the
+engine process exits once every API server has gone. It ignores SIGINT and SIGTERM (the API servers drain first and
+then close their sockets). If a step raises, the engine aborts every request it holds, reports the failure (the
+servers answer 500 for those requests) and goes on. A structured-output grammar compiled in a server (for its
+tokenizer, possibly to start after the reasoning's end) travels as its request and start, and the child compiles it
+again for its own tokenizer.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing
-import queue
+import select
 import socket
-import threading
-from multiprocessing.connection import Connection, wait
+import time
 
-from peagle.server.async_engine import AsyncEngine, RequestFailed, RequestStream, _deliver, _settle
+from peagle.server import engine_wire as wire
 
 logger = logging.getLogger(__name__)
 
@@ -37,14 +36,16 @@ class EngineProcessError(RuntimeError):
 
 
 class EngineProcess:
-    """The parent's handle on an engine running in a child process. Build it with `start`."""
+    """An API server's handle on the engine process: `sock` reaches it; `process` is set in the process that
+    started it (the one that stops it)."""
 
     remote = True  # create_app drives it with ProcessAsyncEngine
 
-    def __init__(self, process, conn: Connection, config, info: dict):
+    def __init__(self, sock: socket.socket, config, info: dict, process=None):
+        self.sock = sock
         self.process = process
-        self.conn = conn
         self.config = config
+        self.info = info
         self.tokenizer = info["tokenizer"]
         self.eos_token_ids = info["eos_token_ids"]
         self.max_model_len = info["max_model_len"]
@@ -53,33 +54,39 @@ class EngineProcess:
         self.last_stats = info["stats"]
 
     @classmethod
-    def start(cls, config, tokenizer: str | None = None, timeout_s: float = READY_TIMEOUT_S) -> "EngineProcess":
+    def start(cls, config, tokenizer: str | None = None, timeout_s: float = READY_TIMEOUT_S,
+              engine_factory=None, num_api_servers: int = 1) -> tuple["EngineProcess", list[socket.socket]]:
         """Spawns the engine process for `config` (an EngineConfig; `tokenizer`: another directory's tokenizer, as
-        LLMEngine.use_tokenizer) and waits until its engine is built. If it fails: ValueError with the child's
-        error where that was a ValueError or a missing file (bad input), else EngineProcessError."""
+        LLMEngine.use_tokenizer; `engine_factory`: what builds the engine from the config, LLMEngine by default)
+        and waits until its engine is built. Returns the handle for the first API server and the sockets of the
+        others. If it fails: ValueError with the child's error where that was a ValueError or a missing file (bad
+        input), else EngineProcessError."""
+        if num_api_servers < 1:
+            raise ValueError(f"num_api_servers must be >= 1, got {num_api_servers}")
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
-        parent, child = ctx.Pipe()
-        process = ctx.Process(target=_child_main, args=(child, config, tokenizer), name="peagle-engine",
-                              daemon=True)
+        pairs = [socket.socketpair() for _ in range(num_api_servers)]
+        process = ctx.Process(target=_child_main, args=([c for _, c in pairs], config, tokenizer, engine_factory),
+                              name="peagle-engine", daemon=False)
         process.start()
-        child.close()
+        for _, child_end in pairs:
+            child_end.close()  # the child's copies only, so that its death reads as EOF here
+        ours = [p for p, _ in pairs]
         try:
-            if not parent.poll(timeout_s):
-                raise EngineProcessError(f"the engine process did not become ready in {timeout_s:g} s")
-            kind, payload = parent.recv()
-        except EOFError:
-            process.join(5)
-            raise EngineProcessError(f"the engine process exited while starting (exit code {process.exitcode})") \
-                from None
+            kind, payload = _handshake(ours[0], process, timeout_s)
         except BaseException:
             process.kill()
+            process.join(5)
+            for s in ours:
+                s.close()
             raise
         if kind != "ready":
             process.join(5)
+            for s in ours:
+                s.close()
             message, bad_input = payload
             # a bad model directory or option: the ValueError the engine thread would have raised, for a clean message
             raise (ValueError if bad_input else EngineProcessError)(f"the engine process failed to start: {message}")
-        return cls(process, parent, config, payload)
+        return cls(ours[0], config, payload, process), ours[1:]
 
     def stats(self):
         return self.last_stats
@@ -88,257 +95,185 @@ class EngineProcess:
         return self.last_stats.num_running + self.last_stats.num_waiting > 0
 
     def close(self, timeout_s: float = 30.0):
-        """Asks the child to stop, waits for it, kills it if it does not."""
+        """Closes this server's socket; where this process started the engine, waits for it to exit (it does once
+        every server's socket is closed) and kills it if it does not."""
         try:
-            self.conn.send(("shutdown",))
-        except (OSError, ValueError):
+            self.sock.close()
+        except OSError:
             pass
+        if self.process is None:
+            return
         self.process.join(timeout_s)
         if self.process.is_alive():
+            logger.warning("the engine process did not exit in %g s; killing it", timeout_s)
             self.process.kill()
             self.process.join(5)
-        self.conn.close()
 
 
-class ProcessAsyncEngine(AsyncEngine):
-    """AsyncEngine for an EngineProcess: its thread relays commands to the child and outputs back."""
-
-    def __init__(self, engine: EngineProcess, *args, **kwargs):
-        super().__init__(engine, *args, **kwargs)
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._pending: dict[str, tuple[RequestStream, bool]] = {}  # sent to the child, not yet taken: (stream, aborted)
-        # Messages to the child go out from a thread of their own, so that the relay thread never blocks on a full
-        # pipe while the child blocks sending it outputs (a burst of long prompts under load would deadlock both).
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._sender: threading.Thread | None = None
-
-    def start(self):
-        super().start()
-        self._sender = threading.Thread(target=self._send_loop, name="peagle-engine-send", daemon=True)
-        self._sender.start()
-
-    def _post(self, message):
-        self._outbox.put(message)
-
-    def _send_loop(self):
-        while (message := self._outbox.get()) is not None:
-            try:
-                self.engine.conn.send(message)
-            except (OSError, ValueError):  # the child is gone: the relay thread sees its pipe close
-                return
-
-    def shutdown(self, timeout: float | None = 30.0):
-        """Stops the relay thread (requests still inside fail with RequestFailed), then the engine process."""
-        if self._thread is None:
-            return
-        self._send(None)
-        self._thread.join(timeout)
-        self._outbox.put(None)
-        if self._sender is not None:
-            self._sender.join(timeout)
-        self.engine.close()
-
-    def _send(self, command):
-        self._commands.put(command)
-        try:
-            self._wake_w.send(b"x")  # the relay thread waits on the child's pipe and on this socket
-        except OSError:  # the thread is gone; nothing to wake
-            pass
-
-    # ---- relay thread ----------------------------------------------------------------------------------------
-
-    def _run(self):
-        conn = self.engine.conn
-        try:
-            while True:
-                stats_due = None if self.stat_logger is None else self.stat_logger.pending_s()
-                ready = wait([conn, self._wake_r], timeout=stats_due)
-                if not ready:  # idle, and the drained burst's stats line is due
-                    self._set_stats(self.engine.last_stats)
-                    continue
-                if self._wake_r in ready:
-                    try:
-                        while self._wake_r.recv(4096):
-                            pass
-                    except BlockingIOError:
-                        pass
-                if not self._relay_commands():
-                    return
-                while conn.poll():
-                    self._on_message(conn.recv())
-        except (EOFError, OSError) as e:
-            logger.error("the engine process ended (exit code %s): %s", self.engine.process.exitcode, e)
-            self._fail_pending("the engine process ended")
-            self._fail_all("the engine process ended while running this request")
-
-    def _relay_commands(self) -> bool:
-        """Sends the queued commands to the child; False after a shutdown."""
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return True
-            if command is None:
-                self._fail_pending("the server is shutting down")
-                self._fail_all("the server is shutting down")
-                return False
-            try:
-                command()
-            except Exception:
-                logger.exception("engine command failed")
-
-    def _add(self, stream: RequestStream, prompt_token_ids: list[int], params):
-        starts_after = None
-        if params.compiled_grammar is not None:  # compiled for the server's tokenizer: the child compiles its own
-            starts_after = params.compiled_grammar.starts_after
-            params = dataclasses.replace(params, compiled_grammar=None)
-        self._pending[stream.request_id] = (stream, False)
-        self._post(("add", stream.request_id, prompt_token_ids, params, starts_after))
-
-    def _abort(self, request_id: str):
-        if request_id in self._pending:
-            self._pending[request_id] = (self._pending[request_id][0], True)
-            self._post(("abort", request_id))
-            return
-        if self._streams.pop(request_id, None) is None:
-            return
-        self._post(("abort", request_id))
-        self.metrics.on_finished("abort", None)
-
-    def _on_message(self, message):
-        kind = message[0]
-        if kind == "added":
-            _, request_id, error, prompt_logprobs, num_prompt_tokens = message
-            stream, aborted = self._pending.pop(request_id)
-            if error is not None:
-                self._loop.call_soon_threadsafe(_settle, stream.accepted, error)
-                return
-            if aborted:  # the abort that followed reached the child after the add
-                self._loop.call_soon_threadsafe(_settle, stream.accepted, RequestFailed("aborted"))
-                return
-            stream.prompt_logprobs = prompt_logprobs
-            self._streams[request_id] = stream
-            self.metrics.on_prompt(num_prompt_tokens)
-            self._loop.call_soon_threadsafe(_settle, stream.accepted, None)
-        elif kind == "step":
-            _, outputs, stats = message
-            self._handle_outputs(outputs)
-            self._set_stats(stats)
-        elif kind == "failed":
-            _, error, stats = message
-            logger.error("engine step failed in the engine process; failing its %d requests: %s",
-                         len(self._streams), error)
-            self._fail_all(f"the engine failed while running this request: {error}")
-            self._set_stats(stats)
-        elif kind == "stats":
-            self._set_stats(message[1])
-        else:
-            logger.error("unknown message from the engine process: %r", kind)
-
-    def _fail_all(self, message: str):
-        # the child has aborted its requests already (a failed step, a shutdown) or is gone
-        streams, self._streams = self._streams, {}
-        for _ in streams:
-            self.metrics.on_finished("error", None)
-        if streams:
-            self._loop.call_soon_threadsafe(_deliver, [(s, RequestFailed(message)) for s in streams.values()])
-
-    def _fail_pending(self, message: str):
-        pending, self._pending = self._pending, {}
-        for stream, _ in pending.values():
-            self._loop.call_soon_threadsafe(_settle, stream.accepted, RequestFailed(message))
-
-    def _set_stats(self, stats):
-        self.engine.last_stats = stats
-        super()._set_stats(stats)
+def _handshake(sock: socket.socket, process, timeout_s: float) -> tuple[str, object]:
+    """The child's first frame (ready, or its start-up error), waited for up to `timeout_s`."""
+    frames, deadline = wire.FrameBuffer(), time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise EngineProcessError(f"the engine process did not become ready in {timeout_s:g} s")
+        if not select.select([sock], [], [], min(left, 1.0))[0]:
+            if not process.is_alive():
+                raise EngineProcessError(f"the engine process exited while starting (exit code {process.exitcode})")
+            continue
+        data = sock.recv(1 << 20)
+        if not data:
+            process.join(5)
+            raise EngineProcessError(f"the engine process exited while starting (exit code {process.exitcode})")
+        got = frames.feed(data)
+        if got:
+            return wire.decode_command(got[0])
 
 
 # ---- the child ---------------------------------------------------------------------------------------------------
 
-def _child_main(conn: Connection, config, tokenizer: str | None):
+def _child_main(socks: list[socket.socket], config, tokenizer: str | None, engine_factory):
     import signal
 
-    from peagle.engine.llm_engine import LLMEngine
-
-    # Ctrl-C reaches the whole process group: the server shuts down and then stops this process itself (a server
-    # that dies leaves this one a closed pipe, and it exits)
+    # Ctrl-C and a SIGTERM to the process group reach this process too: the servers drain first, then close their
+    # sockets, and this process exits then (or is killed by the one that started it, after its deadline)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        engine = LLMEngine(config)
+        if engine_factory is None:
+            from peagle.engine.llm_engine import LLMEngine as engine_factory
+        engine = engine_factory(config)
         if tokenizer is not None:
             from peagle.models.loader import load_tokenizer
 
             engine.use_tokenizer(load_tokenizer(tokenizer))
         info = {"tokenizer": engine.tokenizer, "eos_token_ids": engine.eos_token_ids,
                 "max_model_len": engine.max_model_len, "model_config": engine.model_config, "k": engine.k,
-                "stats": engine.stats()}
+                "stats": wire.stats_of(engine.stats())}
     except BaseException as e:
-        conn.send(("error", (f"{type(e).__name__}: {e}", isinstance(e, (ValueError, FileNotFoundError)))))
-        conn.close()
+        socks[0].sendall(wire.command_frame(("error", (f"{type(e).__name__}: {e}",
+                                                       isinstance(e, (ValueError, FileNotFoundError))))))
         return
-    conn.send(("ready", info))
-    live: set[str] = set()
-    try:
-        while True:
-            messages = [] if engine.has_unfinished_requests() else [conn.recv()]
-            while conn.poll():
-                messages.append(conn.recv())
-            for message in messages:
-                if message[0] == "shutdown":
-                    for request_id in live:
-                        engine.abort_request(request_id)
-                    return
-                _child_command(engine, conn, live, message)
-            if engine.has_unfinished_requests():
-                try:
-                    outputs = engine.step()
-                except Exception as e:
-                    logging.getLogger(__name__).exception("engine step failed")
-                    for request_id in live:
-                        engine.abort_request(request_id)
-                    live.clear()
-                    conn.send(("failed", f"{type(e).__name__}: {e}", engine.stats()))
-                    continue
-                for out in outputs:
-                    if out.finished:
-                        live.discard(out.request_id)
-                conn.send(("step", outputs, engine.stats()))
+    socks[0].sendall(wire.command_frame(("ready", info)))
+    EngineLoop(engine, socks).run()
+
+
+class _Client:
+    """One API server: its socket, the frames it has half sent, and its requests inside the engine."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.frames = wire.FrameBuffer()
+        self.live: set[str] = set()
+        self.outputs: list[wire.Output] = []  # this step's
+
+
+class EngineLoop:
+    """The engine process's loop: commands from every API server between steps, one message per server per step."""
+
+    def __init__(self, engine, socks: list[socket.socket]):
+        self.engine = engine
+        self.clients = {s.fileno(): _Client(s) for s in socks}
+        self.owner: dict[str, _Client] = {}  # request id: the server that sent it
+        self.poller = select.poll()
+        for fd in self.clients:
+            self.poller.register(fd, select.POLLIN)
+
+    def run(self):
+        while self.clients:
+            busy = self.engine.has_unfinished_requests()
+            for fd, _ in self.poller.poll(0 if busy else None):
+                self._read(self.clients.get(fd))
+            if self.engine.has_unfinished_requests():
+                self._step()
+            elif self.clients:
+                self._broadcast(wire.Idle(wire.stats_of(self.engine.stats())))
+
+    def _read(self, client: _Client | None):
+        if client is None:
+            return
+        try:
+            data = client.sock.recv(1 << 20)
+        except OSError:
+            data = b""
+        if not data:  # the server went away: its requests go with it
+            self._drop(client)
+            return
+        for payload in client.frames.feed(data):
+            command = wire.decode_command(payload)
+            if command[0] == "add":
+                self._add(client, *command[1:])
+            elif command[0] == "abort":
+                self._abort(command[1])
             else:
-                conn.send(("stats", engine.stats()))
-    except (EOFError, OSError):  # the server went away
-        return
+                logger.error("unknown command %r", command[0])
 
+    def _drop(self, client: _Client):
+        for request_id in client.live:
+            self.engine.abort_request(request_id)
+            self.owner.pop(request_id, None)
+        fd = client.sock.fileno()
+        self.poller.unregister(fd)
+        del self.clients[fd]
+        client.sock.close()
 
-def _child_command(engine, conn: Connection, live: set[str], message):
-    kind = message[0]
-    if kind == "abort":
-        if message[1] in live:
-            live.discard(message[1])
-            engine.abort_request(message[1])
-        return
-    if kind != "add":
-        raise ValueError(f"unknown command {kind!r}")
-    _, request_id, prompt_token_ids, params, starts_after = message
-    try:
-        if params.structured_outputs is not None and starts_after is not None:
-            from peagle.engine.structured_output import with_grammar
+    def _add(self, client: _Client, request_id: str, prompt_token_ids: list[int], params, starts_after):
+        try:
+            if params.structured_outputs is not None and starts_after is not None:
+                from peagle.engine.structured_output import with_grammar
 
-            params = with_grammar(params, engine.tokenizer, engine.model_config.vocab_size, starts_after)
-        seq = engine.add_request(request_id, prompt_token_ids, params)
-    except Exception as e:  # ValueError: the request's fault (400); anything else reaches the caller as 500
-        conn.send(("added", request_id, _picklable(e), None, 0))
-        return
-    live.add(request_id)
-    conn.send(("added", request_id, None, seq.prompt_logprobs, len(prompt_token_ids)))
+                params = with_grammar(params, self.engine.tokenizer, self.engine.model_config.vocab_size,
+                                      starts_after)
+            seq = self.engine.add_request(request_id, prompt_token_ids, params)
+        except Exception as e:  # ValueError: the request's fault (400); anything else reaches the caller as 500
+            bad = isinstance(e, ValueError)
+            self._send(client, wire.Added(request_id, str(e) if bad else f"{type(e).__name__}: {e}", bad))
+            return
+        client.live.add(request_id)
+        self.owner[request_id] = client
+        self._send(client, wire.Added(request_id, None, False, seq.prompt_logprobs, len(prompt_token_ids)))
 
+    def _abort(self, request_id: str):
+        client = self.owner.pop(request_id, None)
+        if client is not None:
+            client.live.discard(request_id)
+            self.engine.abort_request(request_id)
 
-def _picklable(error: Exception) -> Exception:
-    import pickle
+    def _step(self):
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            logger.exception("engine step failed")
+            for request_id in self.owner:
+                self.engine.abort_request(request_id)
+            self.owner.clear()
+            for client in self.clients.values():
+                client.live.clear()
+            self._broadcast(wire.Failed(f"{type(e).__name__}: {e}", wire.stats_of(self.engine.stats())))
+            return
+        touched = []
+        for out in outputs:
+            client = self.owner.get(out.request_id)
+            if client is None:  # aborted meanwhile
+                continue
+            if out.finished:
+                del self.owner[out.request_id]
+                client.live.discard(out.request_id)
+            if not client.outputs:
+                touched.append(client)
+            client.outputs.append(wire.output_of(out))
+        stats = wire.stats_of(self.engine.stats())
+        for client in touched:
+            outs, client.outputs = client.outputs, []
+            self._send(client, wire.Step(outs, stats))
 
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:
-        return (ValueError if isinstance(error, ValueError) else RuntimeError)(f"{type(error).__name__}: {error}")
+    def _broadcast(self, message):
+        for client in list(self.clients.values()):
+            self._send(client, message)
+
+    def _send(self, client: _Client, message):
+        try:
+            client.sock.sendall(wire.engine_frame(message))
+        except OSError:  # the server went away; its socket reads as closed next
+            pass

@@ -1,16 +1,24 @@
-"""Prometheus metrics under `peagle_` and under vLLM's own `vllm:` names, in a registry owned by one server."""
+"""Prometheus metrics under `peagle_` and under vLLM's own `vllm:` names, in a registry owned by one server.
+
+With several API server processes (`--api-server-count`), prometheus-client's multiprocess mode
+(PROMETHEUS_MULTIPROC_DIR, set by the supervisor before the servers start): each process writes its values to files
+there, and a scrape of any server sums every server's counters and histograms; the engine's gauges are the most
+recently written.
+"""
 
 from __future__ import annotations
 
 import bisect
 import logging
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from peagle.engine.outputs import RequestMetrics
 
@@ -64,16 +72,37 @@ class _StepHistogram:
     inter-token interval): one bisect and two additions where prometheus-client's Histogram pair would take two
     locked observations per token. Exported by `collect` as two metric families, as a Histogram would be."""
 
-    def __init__(self, name: str, doc: str, buckets: tuple[float, ...], registry, model_name: str):
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...], registry, model_name: str,
+                 multiprocess: bool = False):
         self._names, self._doc, self._model_name = (f"peagle_{name}", f"vllm:{name}"), doc, model_name
         self._bounds = [*buckets, float("inf")]
         self._counts = [0] * len(self._bounds)
         self._sum = 0.0
         self._lock = threading.Lock()  # the engine thread observes, a scrape collects
-        registry.register(self)
+        self._shared = None  # multiprocess mode: per twin, (bucket values, sum value) in the shared files
+        if multiprocess:
+            self._shared = [self._shared_values(n, labels) for n, labels in
+                            ((self._names[0], {}), (self._names[1], {"model_name": model_name}))]
+        else:
+            registry.register(self)
+
+    def _shared_values(self, name: str, labels: dict):
+        """The values a prometheus-client Histogram would keep in multiprocess mode, so that the multiprocess
+        collector sums them with every other server's."""
+        from prometheus_client import values
+
+        names, label_values = tuple(labels), tuple(labels.values())
+        buckets = [values.ValueClass("histogram", name, name + "_bucket", names + ("le",),
+                                     label_values + (floatToGoString(b),), self._doc) for b in self._bounds]
+        return buckets, values.ValueClass("histogram", name, name + "_sum", names, label_values, self._doc)
 
     def observe(self, value: float, count: int = 1):
         i = bisect.bisect_left(self._bounds, value)  # the first bucket whose upper bound holds the value
+        if self._shared is not None:
+            for buckets, total in self._shared:
+                buckets[i].inc(count)
+                total.inc(value * count)
+            return
         with self._lock:
             self._counts[i] += count
             self._sum += value * count
@@ -104,6 +133,7 @@ class ServerMetrics:
 
     def __init__(self, num_speculative_tokens: int = 0, model_name: str = "", prefix_caching: bool = False):
         self.registry = CollectorRegistry(auto_describe=True)
+        self.multiprocess = "PROMETHEUS_MULTIPROC_DIR" in os.environ  # several API servers
 
         def twin(kind, name, doc, labels=(), **kw):
             return _Twin(kind, name, doc, self.registry, model_name, labels, **kw)
@@ -121,12 +151,16 @@ class ServerMetrics:
         self.ttft = twin(Histogram, "time_to_first_token_seconds", "Time from arrival to the first output token.",
                          buckets=TTFT_BUCKETS)
         self.itl = _StepHistogram("inter_token_latency_seconds", "Time per output token after the first (a step's "
-                                  "interval shared by its tokens).", ITL_BUCKETS, self.registry, model_name)
+                                  "interval shared by its tokens).", ITL_BUCKETS, self.registry, model_name,
+                                  self.multiprocess)
         self.e2e = twin(Histogram, "e2e_request_latency_seconds", "Time from arrival to the last output token.",
                         buckets=E2E_BUCKETS)
-        self.num_running = twin(Gauge, "num_requests_running", "Requests in the running batch.")
-        self.num_waiting = twin(Gauge, "num_requests_waiting", "Requests waiting for admission.")
-        self.kv_usage = twin(Gauge, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).")
+        self.num_running = twin(Gauge, "num_requests_running", "Requests in the running batch.",
+                                 multiprocess_mode="mostrecent")
+        self.num_waiting = twin(Gauge, "num_requests_waiting", "Requests waiting for admission.",
+                                 multiprocess_mode="mostrecent")
+        self.kv_usage = twin(Gauge, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
+                                 multiprocess_mode="mostrecent")
         # vLLM's prefix-cache counters (tokens), with --enable-prefix-caching only: hit rate = hits / queries.
         self.prefix_cache_queries = self.prefix_cache_hits = None
         if prefix_caching:
@@ -188,7 +222,13 @@ class ServerMetrics:
         self.kv_usage.set(kv_usage)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry)
 
 
 @dataclass

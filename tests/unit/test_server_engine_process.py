@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
 
 import httpx
 import openai
@@ -151,3 +158,185 @@ def test_the_engine_process_is_the_default():
     assert (args.engine_thread, args.api_server_count) == (False, 1)
     assert build_parser().parse_args(["serve", "m", "--engine-thread"]).engine_thread is True
     assert build_parser().parse_args(["serve", "m", "--engine-process"]).engine_thread is False
+
+
+# ---- faults, with the stand-in engine (peagle.server.stand_in) ------------------------------------------------------
+
+_LAUNCH = """
+import sys
+from peagle.cli import build_parser
+from peagle.server.launcher import launch
+from peagle.server.stand_in import StandInConfig, StandInEngine
+tokenizer, step_s = sys.argv[1], float(sys.argv[2])
+args = build_parser().parse_args(["--log-level", "warning", "serve", "stand-in", "--disable-uvicorn-access-log",
+                                  *sys.argv[3:]])
+sys.exit(launch(args, StandInConfig(tokenizer=tokenizer, step_s=step_s, tokens_per_step=1),
+                engine_factory=StandInEngine))
+"""
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tiny_hf_checkpoint):
+    return tiny_hf_checkpoint("llama", num_layers=2)
+
+
+@contextmanager
+def launched(tokenizer_dir, *options: str, step_s: float = 0.01):
+    """`peagle serve`'s launcher over the stand-in engine in a subprocess; yields (process, base URL)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-c", _LAUNCH, str(tokenizer_dir), str(step_s), "--port", str(port),
+                             *options])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: proc.poll() is not None or _up(url), what="the server to start", timeout_s=120)
+        assert proc.poll() is None, "the server exited while starting"
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    """The processes `multiprocessing` spawned from `pid` (the engine, the API servers), not its resource tracker."""
+    kids = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        kids += [int(k) for k in open(f"/proc/{pid}/task/{task}/children").read().split()]
+    return [k for k in kids if b"spawn_main" in open(f"/proc/{k}/cmdline", "rb").read()]
+
+
+def _stream(url: str, max_tokens: int, out: list, i: int):
+    """A streaming chat request run in a thread: its SSE lines land in out[i]."""
+    body = {"model": "stand-in", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": max_tokens,
+            "stream": True, "stream_options": {"include_usage": True}}
+    lines = out[i] = []
+    try:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+            lines.append(r.status_code)
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+    except httpx.HTTPError as e:
+        lines.append(type(e).__name__)
+
+
+def _streams(url: str, n: int, max_tokens: int) -> tuple[list[threading.Thread], list]:
+    out: list = [None] * n
+    threads = [threading.Thread(target=_stream, args=(url, max_tokens, out, i), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: all(o is not None and len(o) >= 3 for o in out), what="every stream's first tokens")
+    return threads, out
+
+
+def test_a_killed_engine_process_ends_every_stream_with_an_error_and_the_server_exits_1(tokenizer_dir):
+    with launched(tokenizer_dir) as (proc, url):
+        threads, out = _streams(url, 4, max_tokens=60_000)
+        engine, = _children(proc.pid)
+        os.kill(engine, signal.SIGKILL)
+        t0 = time.monotonic()
+        for t in threads:
+            t.join(10)
+        assert time.monotonic() - t0 < 10 and not any(t.is_alive() for t in threads)
+        for lines in out:
+            assert lines[0] == 200 and lines[-1] == "data: [DONE]"
+            error = json.loads(lines[-2][len("data: "):])["error"]
+            assert error["type"] == "server_error" and "engine process ended" in error["message"]
+        assert proc.wait(30) == 1
+
+
+def test_sigterm_drains_the_requests_in_flight_then_exits_0(tokenizer_dir):
+    with launched(tokenizer_dir, "--shutdown-timeout", "20") as (proc, url):
+        engine, = _children(proc.pid)
+        threads, out = _streams(url, 3, max_tokens=100)  # about a second each
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(30)
+        for lines in out:  # every answer whole
+            usage = json.loads(lines[-2][len("data: "):])["usage"]
+            assert lines[-1] == "data: [DONE]" and usage["completion_tokens"] == 100
+        assert proc.wait(30) == 0
+        wait_until(lambda: not os.path.exists(f"/proc/{engine}") or b"Z" in open(f"/proc/{engine}/stat", "rb")
+                   .read().split(b")")[1][:3], what="the engine process to exit")
+
+
+def test_sigterm_cuts_what_outlasts_the_shutdown_timeout(tokenizer_dir):
+    with launched(tokenizer_dir, "--shutdown-timeout", "1") as (proc, url):
+        threads, out = _streams(url, 2, max_tokens=60_000)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0 and time.monotonic() - t0 < 15
+        for t in threads:
+            t.join(10)
+        assert all("data: [DONE]" not in lines for lines in out)  # cut off, not finished
+
+
+def test_two_api_servers_share_the_engine_and_agree_on_metrics(tokenizer_dir):
+    with launched(tokenizer_dir, "--api-server-count", "2") as (proc, url):
+        assert len(_children(proc.pid)) == 3  # the engine and two API servers
+        chat = {"model": "stand-in", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5}
+        for _ in range(8):  # new connections: either server may take each
+            with httpx.Client() as client:
+                assert client.post(url + "/v1/chat/completions", json=chat).json()["usage"]["completion_tokens"] == 5
+        scrapes = []
+        for _ in range(6):
+            with httpx.Client() as client:
+                samples = metric_samples(client.get(url + "/metrics").text)
+            scrapes.append((samples[("peagle_request_success_total", (("finished_reason", "length"),))],
+                            samples[("peagle_generation_tokens_total", ())],
+                            samples[("vllm:generation_tokens_total", (("model_name", "stand-in"),))]))
+        assert set(scrapes) == {(8, 40, 40)}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+
+
+def test_clients_that_leave_are_aborted_in_the_engine_process_and_free_their_blocks(tokenizer_dir):
+    from peagle.server.stand_in import StandInConfig, StandInEngine
+
+    engine, _ = EngineProcess.start(StandInConfig(tokenizer=str(tokenizer_dir), step_s=0.005, tokens_per_step=1),
+                                    engine_factory=StandInEngine)
+    app = create_app(engine, "m")
+    with serve(app) as url:
+        body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 60_000, "stream": True}
+        for _ in range(6):
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                next(r.iter_lines())  # one chunk, then the client goes
+        wait_until(lambda: app.state.async_engine.stats.num_running == 0, what="the aborts to reach the engine")
+        assert app.state.async_engine.stats.kv_blocks_used == 0 and app.state.serving.num_in_flight == 0
+        samples = metric_samples(httpx.get(url + "/metrics").text)
+        assert samples[("peagle_request_success_total", (("finished_reason", "abort"),))] == 6
+
+
+def test_garbage_never_reaches_the_engine(tokenizer_dir):
+    from peagle.server.stand_in import StandInConfig, StandInEngine
+
+    engine = StandInEngine(StandInConfig(tokenizer=str(tokenizer_dir)))
+    app = create_app(engine, "m", max_request_bytes=4096)
+    with serve(app) as url:
+        post = url + "/v1/chat/completions"
+        assert httpx.post(post, content=b"{not json").status_code == 400
+        assert httpx.post(post, content=b"\xff\xfe").status_code == 400
+        assert httpx.post(post, json=[1, 2]).status_code == 400
+        assert httpx.post(post, json={"model": "m", "messages": "hello"}).status_code == 400
+        assert httpx.post(post, json={"model": "m", "messages": [{"role": "user", "content": "Hi"}],
+                                      "max_tokens": "many"}).status_code == 400
+        big = {"model": "m", "messages": [{"role": "user", "content": "x" * 10_000}]}
+        r = httpx.post(post, json=big)
+        assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
+        chunked = httpx.post(post, content=iter([b'{"model": "m", "messages": [', b" " * 8192, b"]}"]))
+        assert chunked.status_code == 413
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"mo")
+        assert httpx.get(url + "/health").status_code == 200
+        assert engine.num_added == 0
+        ok = httpx.post(post, json={"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+        assert ok.status_code == 200 and engine.num_added == 1

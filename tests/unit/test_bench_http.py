@@ -119,6 +119,7 @@ def test_http_runner_measures_streams_and_counter_deltas(fake_server):
     assert m.acceptance_length == pytest.approx(1 + ACCEPTED_PER_ROUND)
     assert m.draft_acceptance_rate == pytest.approx(1 / 3)
     assert m.ttft_p50_ms > 0 and m.itl_p50_ms > 0
+    assert 0 < m.client_cpu_per_s < 4  # the client's own CPU s/s, beside its rows
     # Warm-up: the first 2 prompts at once, then all 5 staggered (8 + i mod 2 tokens), then the point.
     warmup, staggered, measured = state["requests"][:2], state["requests"][2:7], state["requests"][7:]
     assert all(r["max_tokens"] == 8 for r in warmup) and all(r["max_tokens"] == 64 for r in measured)

@@ -6,17 +6,22 @@ Acceptance comes from the server's Prometheus counters at GET /metrics, read bef
 `peagle_spec_decode_num_accepted_tokens_per_pos_total{position="i"}` (0-based). The server must run only this
 benchmark's requests during a point. A stream does not say how many tokens each chunk holds, so each chunk is taken
 to hold the request's average (usage.completion_tokens / content chunks) when computing inter-token latency.
+
+The client is one Python process: its CPU use over the point (user + system over wall) is reported beside the point
+as client_cpu_per_s, with a warning from 0.9, where the client rather than the server may have set the rate.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
 from typing import Any, Callable, Sequence
 
 from peagle.datasets import Prompt
+from peagle.bench.report import CLIENT_CPU_LIMIT
 from peagle.bench.measurement import WARMUP_MAX_TOKENS, Measurement, RequestPlan, RequestTrace, SpecCounts, summarize
 
 logger = logging.getLogger(__name__)
@@ -85,12 +90,17 @@ class HttpRunner:
                 await self._run_all(client, model, prompts, concurrency,
                                     lambda i: min(self.max_tokens, WARMUP_MAX_TOKENS + i % concurrency), temperature)
             before = await self._counters(client)
-            start = time.perf_counter()
+            start, cpu0 = time.perf_counter(), time.process_time()
             traces = await self._run_all(client, model, prompts, concurrency, self.max_tokens, temperature,
                                          min_seconds)
-            wall = time.perf_counter() - start
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
             spec = counter_delta(before, await self._counters(client))
-        return summarize(traces, wall, spec)
+        measured = dataclasses.replace(summarize(traces, wall, spec), client_cpu_per_s=cpu / wall if wall > 0 else None)
+        if measured.client_cpu_per_s is not None and measured.client_cpu_per_s >= CLIENT_CPU_LIMIT:
+            logger.warning("the benchmark client used %.2f CPU-s/s at concurrency %d (a whole core is 1.0): it, not "
+                           "the server, may have set this rate; scripts/server_overhead.py's raw-socket clients "
+                           "(--client-processes) load a server more cheaply", measured.client_cpu_per_s, concurrency)
+        return measured
 
     async def _first_model(self, client) -> str:
         resp = await client.get(f"{self.url}/v1/models")

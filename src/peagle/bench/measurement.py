@@ -101,6 +101,7 @@ class Measurement:
     ttft_p99_ms: float | None
     itl_p50_ms: float | None
     itl_p99_ms: float | None
+    client_cpu_per_s: float | None = None  # against a server: the benchmark process's CPU s/s (1.0: a whole core)
 
 
 def percentile_ms(values_s: list[float], q: float) -> float | None:

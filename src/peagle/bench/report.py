@@ -56,6 +56,7 @@ POINT_KEYS = ("dataset", "method", "k", "adaptive", "temperature", "concurrency"
 ENVIRONMENT_KEYS = ("python", "platform", "peagle", "torch", "cuda", "gpu", "transformers", "git_commit", "git_dirty")
 ENGINE_METHODS = ("none", "eagle3", "peagle")
 HF_METHODS = ("hf_eager", "hf_static_compile", "hf_prompt_lookup")
+CLIENT_CPU_LIMIT = 0.9  # a server benchmark's client CPU s/s from which it may have set the rate
 METHOD_LABELS = {
     "none": "no speculation", "eagle3": "EAGLE-3", "peagle": "P-EAGLE", "hf_eager": "HF eager",
     "hf_static_compile": "HF static cache + compile", "hf_prompt_lookup": "HF prompt lookup",
@@ -68,6 +69,8 @@ def make_point(dataset: str, method: str, k: int | None, concurrency: int, m: Me
              "concurrency": concurrency}
     point.update({key: getattr(m, key) for key in MEASURED_KEYS})
     point.update(flags=[], remeasured=None)
+    if m.client_cpu_per_s is not None:  # against a server (peagle.bench.http_runner)
+        point["client_cpu_per_s"] = m.client_cpu_per_s
     return point
 
 
@@ -386,7 +389,8 @@ def _full_table(points: list[dict], dataset: str) -> list[str]:
     if len(keys) < 2:
         return []
     cell = {(variant(p), p["k"], p["concurrency"]): p for p in mine}
-    rows = [f"Every row and K ({dataset}): tokens/s (acceptance length); ! still flagged, r re-measured once:", "",
+    rows = [f"Every row and K ({dataset}): tokens/s (acceptance length); ! still flagged, r re-measured once, c the "
+            f"benchmark client neared a whole core (it may have set the rate):", "",
             _row(["row", "K", *(f"c={c}" for c in cs)]), _row(["---"] * (len(cs) + 2))]
     for v, k in keys:
         cells = []
@@ -396,7 +400,8 @@ def _full_table(points: list[dict], dataset: str) -> list[str]:
                 cells.append("-")
                 continue
             al = f" ({p['acceptance_length']:.2f})" if p["acceptance_length"] is not None else ""
-            marks = ("!" if p.get("flags") else "") + ("r" if p.get("remeasured") else "")
+            client_bound = (p.get("client_cpu_per_s") or 0.0) >= CLIENT_CPU_LIMIT
+            marks = ("!" if p.get("flags") else "") + ("r" if p.get("remeasured") else "") + ("c" if client_bound else "")
             cells.append(f"{p['tokens_per_s']:.0f}{al}{' ' + marks if marks else ''}")
         rows.append(_row([variant_label(v), "-" if k is None else str(k), *cells]))
     return rows + [""]

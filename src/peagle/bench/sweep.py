@@ -285,8 +285,9 @@ def _measure_row(config: SweepConfig, open_runner: OpenRunner, row: tuple[str, i
             measured = runner.measure(point_prompts(prompts[dataset], config.num_prompts, c, config.min_waves), c,
                                       temperature=temperature, min_seconds=config.min_seconds)
             point = make_point(dataset, method, k, c, measured, temperature=temperature, adaptive=policy)
-            logger.info("%s K=%s%s %s t=%g c=%d: %.1f tok/s, AL %s", method, k, " adaptive" if policy else "",
-                        dataset, temperature, c, point["tokens_per_s"], point["acceptance_length"])
+            client = "" if measured.client_cpu_per_s is None else f", client CPU {measured.client_cpu_per_s:.2f} s/s"
+            logger.info("%s K=%s%s %s t=%g c=%d: %.1f tok/s, AL %s%s", method, k, " adaptive" if policy else "",
+                        dataset, temperature, c, point["tokens_per_s"], point["acceptance_length"], client)
             return point
 
         for temperature in config.temperatures:

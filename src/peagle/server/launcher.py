@@ -186,6 +186,7 @@ def _supervise(args, engine, others, template, defaults, listener: socket.socket
         for p in servers:
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
+                logger.error("API server %s did not stop by the shutdown deadline; killing it", p.name)
                 p.kill()
                 p.join(5)
         engine.close()  # the engine exits once every server's socket is closed
@@ -201,15 +202,13 @@ def _supervise(args, engine, others, template, defaults, listener: socket.socket
 
 
 def _watch(servers, engine_process, stopping: threading.Event) -> int:
-    """Waits until every server has exited after a stop (0), or one server or the engine ended unasked (1)."""
+    """Waits for a stop (0) or for a server or the engine to end unasked (1)."""
     from multiprocessing.connection import wait
 
-    while True:
+    while not stopping.is_set():
         wait([p.sentinel for p in servers] + [engine_process.sentinel], timeout=0.5)
-        if all(not p.is_alive() for p in servers):
-            return 0 if stopping.is_set() and all(p.exitcode == 0 for p in servers) else EXIT_ENGINE_DEAD
         if stopping.is_set():
-            continue
+            break
         for p in servers:
             if not p.is_alive():
                 logger.error("API server %s exited (status %s); stopping the others", p.name, p.exitcode)
@@ -217,6 +216,7 @@ def _watch(servers, engine_process, stopping: threading.Event) -> int:
         if not engine_process.is_alive():
             logger.error("the engine process ended (exit code %s); stopping the API servers", engine_process.exitcode)
             return EXIT_ENGINE_DEAD
+    return 0
 
 
 def _api_server_main(args, index: int, sock, config, info: dict, template, defaults, listener) -> None:

@@ -1,14 +1,17 @@
 """What the HTTP server costs per streamed token, apart from the model: `peagle serve`'s app over a stand-in engine
-whose steps take --step-ms (the GIL released, as while a GPU runs) and give every running request
---tokens-per-step tokens, driven by raw-socket streaming chat clients (cheap to run, so the server is what is
-measured). Reports output tokens/s through HTTP, chunks/s, and the server process's CPU time per token.
+(peagle.server.stand_in: steps of --step-ms with the GIL released, as while a GPU runs, giving every running request
+--tokens-per-step tokens), driven by raw-socket streaming chat clients (cheap to run, so the server is what is
+measured). Reports output tokens/s through HTTP, chunks/s, and the CPU time of the server's processes, of the engine
+process and of the clients (a warning when the clients neared their cores: then they set the rate).
 
     python scripts/server_overhead.py --tokenizer TOKENIZER_DIR --concurrency 64 --seconds 15
     python scripts/server_overhead.py --tokenizer DIR --src old=OLD_TREE/src --src new=src   # side by side
+    python scripts/server_overhead.py --tokenizer DIR --engine thread,process,process2 --client-processes 2
 
 Each --src ([LABEL=]a source tree's `src` folder, default this checkout's) runs the server in a subprocess of its
-own, one after the other, --repeat times in alternation; each --stream-interval value is a row. A table is printed, then
-one JSON line. Linux only (the server's CPU time is read from /proc).
+own, one after the other, --repeat times in alternation; each --stream-interval value and --engine mode is a row
+(thread: the engine in the server's process; process: the engine process, as `peagle serve` runs by default;
+processN: N API servers). A table is printed, then one JSON line. Linux only (CPU times are read from /proc).
 """
 
 from __future__ import annotations
@@ -27,21 +30,48 @@ import time
 from pathlib import Path
 
 _SERVER = r'''
-import os, sys, time, types
+import sys
 import uvicorn
-from peagle.engine.llm_engine import EngineStats
-from peagle.engine.outputs import RequestMetrics, StepOutput
-from peagle.models.loader import load_tokenizer
 from peagle.server import create_app
 
 tokenizer_dir, port, step_s, per, interval = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 loop, http = sys.argv[6].split("+")
+engine_mode = sys.argv[7]
+try:
+    from peagle.server.stand_in import StandInConfig, StandInEngine
+except ImportError:  # a tree from before the stand-in had a module: its engine thread only
+    StandInConfig = StandInEngine = None
+    exec(sys.argv[8])  # _OLD_STAND_IN
+
+if engine_mode == "thread":  # create_app in this process, so that --server's loop and parser apply
+    engine = (OldStandIn(tokenizer_dir, step_s, per) if StandInConfig is None else
+              StandInEngine(StandInConfig(tokenizer=tokenizer_dir, step_s=step_s, tokens_per_step=per)))
+    app = create_app(engine, "m", log_stats_interval_s=None,  # an older tree's app may lack stream_interval
+                     **({"stream_interval": interval} if interval != 1 else {}))
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, loop=loop, http=http)
+    sys.exit(0)
+from peagle.cli import build_parser
+from peagle.server.launcher import launch
+
+servers = "1" if engine_mode == "process" else engine_mode.removeprefix("process")
+args = build_parser().parse_args(["--log-level", "warning", "serve", "m", "--port", str(port), "--disable-log-stats",
+                                  "--disable-uvicorn-access-log", "--stream-interval", str(interval),
+                                  "--api-server-count", servers])
+sys.exit(launch(args, StandInConfig(tokenizer=tokenizer_dir, step_s=step_s, tokens_per_step=per),
+                engine_factory=StandInEngine))
+'''
+
+# The stand-in engine as trees before peagle.server.stand_in defined it in the script (their engine thread only).
+_OLD_STAND_IN = r'''
+import time, types
+from peagle.engine.llm_engine import EngineStats
+from peagle.engine.outputs import RequestMetrics, StepOutput
+from peagle.models.loader import load_tokenizer
 
 
-class StandInEngine:
-    """Steps of step_s seconds giving every request `per` tokens of a fixed text, until its max_tokens."""
-
-    def __init__(self):
+class OldStandIn:
+    def __init__(self, tokenizer_dir, step_s, per):
+        self.step_s, self.per = step_s, per
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.max_model_len = 1 << 16
@@ -67,7 +97,8 @@ class StandInEngine:
         return EngineStats(len(self.requests), 0, len(self.requests), 1 << 20)
 
     def step(self):
-        time.sleep(step_s)
+        time.sleep(self.step_s)
+        per = self.per
         outputs, n_text = [], len(self.text_ids) - per
         for request_id, state in list(self.requests.items()):
             n = min(per, state[0] - state[1])
@@ -80,11 +111,6 @@ class StandInEngine:
             if done:
                 del self.requests[request_id]
         return outputs
-
-
-app = create_app(StandInEngine(), "m", log_stats_interval_s=None,  # an older tree's app may lack stream_interval
-                 **({"stream_interval": interval} if interval != 1 else {}))
-uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, loop=loop, http=http)
 '''
 
 _USAGE = re.compile(rb'"completion_tokens":(\d+)')
@@ -147,20 +173,63 @@ async def _clients(port: int, concurrency: int, seconds: float, max_tokens: int)
     return totals[0], totals[1], time.monotonic() - start
 
 
-def measure(src: str, tokenizer: str, interval: int, impl: str, args) -> dict:
+def _spawned(pid: int) -> list[int]:
+    """The processes `multiprocessing` spawned from `pid` (the engine, API servers), oldest first."""
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids += [int(k) for k in (task / "children").read_text().split()]
+    kids = [k for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+    return sorted(kids, key=lambda k: int(Path(f"/proc/{k}/stat").read_text().rsplit(")", 1)[1].split()[19]))
+
+
+def _client_process(port: int, concurrency: int, seconds: float, max_tokens: int) -> tuple[int, int, float, float]:
+    cpu0 = time.process_time()
+    tokens, chunks, wall = asyncio.run(_clients(port, concurrency, seconds, max_tokens))
+    return tokens, chunks, wall, time.process_time() - cpu0
+
+
+def run_clients(port: int, concurrency: int, seconds: float, max_tokens: int, processes: int = 1) -> dict:
+    """`concurrency` raw-socket streaming clients split over `processes` processes: tokens, chunks, wall seconds and
+    the clients' CPU seconds (user + system, all processes)."""
+    if processes == 1:
+        tokens, chunks, wall, cpu = _client_process(port, concurrency, seconds, max_tokens)
+    else:
+        import concurrent.futures
+
+        shares = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
+        with concurrent.futures.ProcessPoolExecutor(processes) as pool:
+            parts = list(pool.map(_client_process, [port] * processes, shares, [seconds] * processes,
+                                  [max_tokens] * processes))
+        tokens, chunks = sum(p[0] for p in parts), sum(p[1] for p in parts)
+        wall, cpu = max(p[2] for p in parts), sum(p[3] for p in parts)
+    return {"tokens": tokens, "chunks": chunks, "wall": wall, "client_cpu": cpu}
+
+
+def measure(src: str, tokenizer: str, interval: int, impl: str, engine: str, args) -> dict:
+    """One row: a server from `src` over the stand-in engine (`engine`: thread, process, or processN for N API
+    servers), its clients' rate, and the CPU of the server processes, the engine process and the clients."""
     label, _, path = src.rpartition("=")
     server, port = start_server([sys.executable, "-c", _SERVER, tokenizer, "{port}", str(args.step_ms / 1000),
-                                 str(args.tokens_per_step), str(interval), impl], path, 60)
+                                 str(args.tokens_per_step), str(interval), impl, engine, _OLD_STAND_IN], path, 120)
     try:
-        asyncio.run(_clients(port, args.concurrency, 1.0, args.max_tokens))  # warm-up
-        cpu0 = _cpu_seconds(server.pid)
-        tokens, chunks, wall = asyncio.run(_clients(port, args.concurrency, args.seconds, args.max_tokens))
-        cpu = _cpu_seconds(server.pid) - cpu0
+        run_clients(port, args.concurrency, 1.0, args.max_tokens)  # warm-up
+        kids = _spawned(server.pid)
+        engine_pid = kids[0] if kids else None  # spawned before the API servers
+        pids = [server.pid, *kids]
+        cpu0 = {pid: _cpu_seconds(pid) for pid in pids}
+        got = run_clients(port, args.concurrency, args.seconds, args.max_tokens, args.client_processes)
+        cpu = {pid: _cpu_seconds(pid) - cpu0[pid] for pid in pids}
     finally:
         server.terminate()
-        server.wait(30)
-    return {"src": label or path, "stream_interval": interval, "server": impl, "tokens_per_s": tokens / wall, "chunks_per_s": chunks / wall,
-            "server_cpu_per_s": cpu / wall, "server_cpu_us_per_token": 1e6 * cpu / max(tokens, 1), "seconds": wall}
+        server.wait(60)
+    wall, tokens = got["wall"], got["tokens"]
+    server_cpu = sum(c for pid, c in cpu.items() if pid != engine_pid)
+    engine_cpu = cpu.get(engine_pid, 0.0)
+    return {"src": label or path, "stream_interval": interval, "server": impl, "engine": engine,
+            "concurrency": args.concurrency, "tokens_per_s": tokens / wall, "chunks_per_s": got["chunks"] / wall,
+            "server_cpu_per_s": server_cpu / wall, "server_cpu_us_per_token": 1e6 * server_cpu / max(tokens, 1),
+            "engine_cpu_per_s": engine_cpu / wall, "client_cpu_per_s": got["client_cpu"] / wall,
+            "client_processes": args.client_processes, "seconds": wall}
 
 
 def main(argv=None) -> int:
@@ -176,27 +245,49 @@ def main(argv=None) -> int:
                    help="tokens per request per step (default 3: a speculative round)")
     p.add_argument("--stream-interval", default="1", help="comma-separated values, each a row (default 1)")
     p.add_argument("--server", default="auto+auto",
-                   help="uvicorn's event loop and HTTP implementation, LOOP+HTTP, comma-separated rows (e.g. "
-                        "asyncio+h11,uvloop+httptools; default auto+auto: uvloop and httptools when installed)")
+                   help="uvicorn's event loop and HTTP implementation for the engine thread, LOOP+HTTP, "
+                        "comma-separated rows (e.g. asyncio+h11,uvloop+httptools; default auto+auto: uvloop and "
+                        "httptools when installed); the engine process's servers run `peagle serve`'s own")
+    p.add_argument("--engine", default="thread",
+                   help="comma-separated rows: thread (the engine in the server's process), process (the engine "
+                        "process, one API server), processN (N API servers); trees from before the engine process "
+                        "was the default take thread only (default thread)")
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="processes the clients are split over, so that they are not the limit (default 1)")
     p.add_argument("--repeat", type=int, default=1, help="passes over the sources, alternating (default 1)")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
     srcs = args.src or [f"this tree={Path(__file__).resolve().parents[1] / 'src'}"]
     intervals = [int(v) for v in args.stream_interval.split(",")]
-    impls = args.server.split(",")
+    impls, engines = args.server.split(","), args.engine.split(",")
+    for e in engines:
+        if e != "thread" and not (e.startswith("process") and (e == "process" or e[7:].isdigit())):
+            p.error(f"--engine: thread, process or processN, got {e!r}")
     rows = []
     for _ in range(args.repeat):
-        for interval, impl, src in itertools.product(intervals, impls, srcs):
-            rows.append(measure(src, args.tokenizer, interval, impl, args))
+        for interval, impl, engine, src in itertools.product(intervals, impls, engines, srcs):
+            if engine != "thread" and impl != impls[0]:
+                continue  # the engine process's servers take no --server choice: one row
+            rows.append(measure(src, args.tokenizer, interval, impl, engine, args))
             r = rows[-1]
-            print(f"{r['src']:<16} {impl:<18} interval {interval:>3}: {r['tokens_per_s']:>9,.0f} tok/s "
-                  f"{r['chunks_per_s']:>8,.0f} chunks/s  server CPU {r['server_cpu_per_s']:.2f} s/s, "
-                  f"{r['server_cpu_us_per_token']:.1f} us/token", flush=True)
+            print(f"{r['src']:<16} {engine:<8} {impl:<18} interval {interval:>3}: {r['tokens_per_s']:>9,.0f} tok/s "
+                  f"{r['chunks_per_s']:>8,.0f} chunks/s  server CPU {r['server_cpu_per_s']:.2f} s/s "
+                  f"({r['server_cpu_us_per_token']:.1f} us/token), engine process {r['engine_cpu_per_s']:.2f} s/s, "
+                  f"clients {r['client_cpu_per_s']:.2f} s/s", flush=True)
+            if r["client_cpu_per_s"] > 0.9 * args.client_processes:
+                print(f"  warning: the clients used {r['client_cpu_per_s']:.2f} CPU-s/s over "
+                      f"{args.client_processes} process(es): they, not the server, may have set this rate "
+                      "(raise --client-processes)", flush=True)
     summary = {}
-    for label, interval, impl in itertools.product(dict.fromkeys(r["src"] for r in rows), intervals, impls):
-        mine = [r for r in rows if (r["src"], r["stream_interval"], r["server"]) == (label, interval, impl)]
-        summary[f"{label}|{interval}|{impl}"] = {k: statistics.median(r[k] for r in mine) for k in
-                                                 ("tokens_per_s", "chunks_per_s", "server_cpu_us_per_token")}
+    for label, interval, impl, engine in itertools.product(dict.fromkeys(r["src"] for r in rows), intervals, impls,
+                                                           engines):
+        mine = [r for r in rows if (r["src"], r["stream_interval"], r["server"], r["engine"]) ==
+                (label, interval, impl, engine)]
+        if mine:
+            summary[f"{label}|{interval}|{impl}|{engine}"] = {
+                k: statistics.median(r[k] for r in mine) for k in
+                ("tokens_per_s", "chunks_per_s", "server_cpu_us_per_token", "server_cpu_per_s", "engine_cpu_per_s",
+                 "client_cpu_per_s")}
     result = {"config": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows, "median": summary}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

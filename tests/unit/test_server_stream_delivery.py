@@ -123,3 +123,12 @@ def test_a_server_with_a_stream_interval_sends_the_same_text_in_fewer_chunks(tar
             assert chunks[-1]["choices"][0]["finish_reason"] == "length"
             assert len(chunks) <= most_chunks + 1  # + the finish chunk
         assert len(_stream_chunks(held, body)) < len(_stream_chunks(every, body))
+
+
+def test_text_events_are_the_chunks_pydantic_renders():
+    from peagle.server.protocol import ChatFormat, CompletionFormat
+
+    for fmt in (ChatFormat("m"), ChatFormat("m", "caller-id", reasoning=True), CompletionFormat("m")):
+        for text in ["Hello", 'a "quote" and a \\ backslash', "controls \x00\x1f\n\t", "é 中文 \u2028 😀", "</script>"]:
+            for index in (0, 3):
+                assert fmt.text_event(text, index) == f"data: {fmt.chunk(text, index=index).model_dump_json()}\n\n"

@@ -14,6 +14,7 @@ import time
 import uuid
 from typing import Any, Literal, TypeVar
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from peagle.engine.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
@@ -626,6 +627,27 @@ def _bytes(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
+_TEXT = "peagle-text-slot"  # stands for a chunk's text in TextEvents' templates
+
+
+class TextEvents:
+    """The SSE events of stream chunks that carry only text (the common one, a chunk per step): the format's own
+    chunk, rendered by pydantic once per choice index with a placeholder, then the text encoded by msgspec into it,
+    so that each chunk costs one string encoding rather than building and dumping pydantic models."""
+
+    def __init__(self, fmt):
+        self._fmt = fmt
+        self._templates: dict[int, tuple[str, str]] = {}
+
+    def __call__(self, text: str, index: int) -> str:
+        template = self._templates.get(index)
+        if template is None:
+            rendered = f"data: {self._fmt.chunk(_TEXT, index=index).model_dump_json()}\n\n"
+            head, _, tail = rendered.partition(f'"{_TEXT}"')
+            template = self._templates[index] = (head, tail)
+        return template[0] + msgspec.json.encode(text).decode() + template[1]
+
+
 class ChatFormat:
     """Builds /v1/chat/completions bodies and stream chunks for one request (`request_id`: the caller's, as the id's
     tail; else a random one). With `reasoning` (a reasoning parser split the output) an empty answer is null."""
@@ -636,6 +658,7 @@ class ChatFormat:
         self.id = f"chatcmpl-{request_id}" if request_id else new_id("chatcmpl")
         self.model = model
         self.created = int(time.time())
+        self.text_event = TextEvents(self)
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
@@ -686,6 +709,7 @@ class CompletionFormat:
         self.id = f"cmpl-{request_id}" if request_id else new_id("cmpl")
         self.model = model
         self.created = int(time.time())
+        self.text_event = TextEvents(self)
 
     def _body(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)

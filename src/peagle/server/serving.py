@@ -370,7 +370,9 @@ class Serving:
                 offset = c.echo_chars + len(c.text.text)  # text_offset counts the echoed prompt's tokens first
                 delta, logprobs = c.feed(out)
                 thought = c.take_reasoning()
-                if delta or logprobs or thought:
+                if delta and logprobs is None and not thought:
+                    events.append(fmt.text_event(delta, index))
+                elif delta or logprobs or thought:
                     extra = {"offset": offset} if isinstance(fmt, CompletionFormat) else {"reasoning": thought}
                     events.append(_sse(fmt.chunk(delta, index=index, logprobs=logprobs, **extra)))
                 if out.finished and c.tool_calls:

@@ -205,6 +205,35 @@ def run_clients(port: int, concurrency: int, seconds: float, max_tokens: int, pr
     return {"tokens": tokens, "chunks": chunks, "wall": wall, "client_cpu": cpu}
 
 
+def _py_spy(pid: int, out: Path, seconds: float) -> subprocess.Popen:
+    """py-spy sampling `pid` for `seconds` into `out` (collapsed stacks: "frame;frame;... count" lines)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(["py-spy", "record", "--format", "raw", "--nonblocking", "-r", "200", "-d",
+                             str(max(1, int(seconds) - 1)), "-o", str(out), "-p", str(pid)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def profile_summary(path: Path, top: int = 25) -> list[tuple[str, float, float]]:
+    """The `top` functions of a py-spy raw profile by inclusive share of the samples: (function, inclusive, self),
+    shares of all samples (idle waits included)."""
+    inclusive: dict[str, int] = {}
+    own: dict[str, int] = {}
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        n = int(count)
+        total += n
+        frames = [f.split(" (")[0] + " (" + f.split(" (")[1].split(":")[0].rsplit("/", 1)[-1] + ")"
+                  if " (" in f else f for f in stack.split(";")]
+        for f in set(frames):
+            inclusive[f] = inclusive.get(f, 0) + n
+        own[frames[-1]] = own.get(frames[-1], 0) + n
+    ranked = sorted(inclusive, key=inclusive.get, reverse=True)[:top]
+    return [(f, inclusive[f] / max(total, 1), own.get(f, 0) / max(total, 1)) for f in ranked]
+
+
 def measure(src: str, tokenizer: str, interval: int, impl: str, engine: str, args) -> dict:
     """One row: a server from `src` over the stand-in engine (`engine`: thread, process, or processN for N API
     servers), its clients' rate, and the CPU of the server processes, the engine process and the clients."""
@@ -217,8 +246,14 @@ def measure(src: str, tokenizer: str, interval: int, impl: str, engine: str, arg
         engine_pid = kids[0] if kids else None  # spawned before the API servers
         pids = [server.pid, *kids]
         cpu0 = {pid: _cpu_seconds(pid) for pid in pids}
+        spies = [] if not args.py_spy else [
+            _py_spy(pid, Path(args.py_spy) / f"{label or 'tree'}-{engine}-i{interval}-"
+                                              f"{'engine' if pid == engine_pid else 'server'}-{pid}.txt",
+                    args.seconds) for pid in pids]
         got = run_clients(port, args.concurrency, args.seconds, args.max_tokens, args.client_processes)
         cpu = {pid: _cpu_seconds(pid) - cpu0[pid] for pid in pids}
+        for spy in spies:
+            spy.wait(60)
     finally:
         server.terminate()
         server.wait(60)
@@ -234,7 +269,7 @@ def measure(src: str, tokenizer: str, interval: int, impl: str, engine: str, arg
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokenizer", required=True, help="a directory with tokenizer.json (the text's tokens)")
+    p.add_argument("--tokenizer", help="a directory with tokenizer.json (the text's tokens); required to measure")
     p.add_argument("--src", action="append", metavar="[LABEL=]DIR",
                    help="a source tree's src folder, labelled (repeatable; default: this checkout's)")
     p.add_argument("--concurrency", type=int, default=64, help="streaming clients at once (default 64)")
@@ -254,9 +289,19 @@ def main(argv=None) -> int:
                         "was the default take thread only (default thread)")
     p.add_argument("--client-processes", type=int, default=1,
                    help="processes the clients are split over, so that they are not the limit (default 1)")
+    p.add_argument("--py-spy", metavar="DIR",
+                   help="sample every server and engine process with py-spy over each measured window into DIR "
+                        "(collapsed stacks; `python scripts/server_overhead.py --summarize FILE` ranks them)")
+    p.add_argument("--summarize", metavar="FILE", help="print a py-spy profile's top functions and exit")
     p.add_argument("--repeat", type=int, default=1, help="passes over the sources, alternating (default 1)")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
+    if args.summarize:
+        for name, inclusive, own in profile_summary(Path(args.summarize)):
+            print(f"{100 * inclusive:6.1f}% {100 * own:6.1f}%  {name}")
+        return 0
+    if not args.tokenizer:
+        p.error("--tokenizer is required")
     srcs = args.src or [f"this tree={Path(__file__).resolve().parents[1] / 'src'}"]
     intervals = [int(v) for v in args.stream_interval.split(",")]
     impls, engines = args.server.split(","), args.engine.split(",")

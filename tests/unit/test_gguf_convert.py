@@ -157,6 +157,38 @@ def test_gemma3_gguf_logits_and_tokenizer_match_transformers_gguf_loading(tiny_g
     assert ours.eos_token_ids == [1, 5]  # <eos>, and <end_of_turn>, which ends a chat turn
 
 
+def test_gemma3_tokenizer_is_built_here_as_transformers_builds_it(tiny_gguf, tmp_path, monkeypatch):
+    """Gemma's tokenizer is rebuilt here, not by transformers (5.17's GGUF code builds another one from the same
+    file): the backend transformers' GGUF tokenizer code builds, to the byte, and a conversion that runs with
+    transformers' GGUF modules unimportable."""
+    import json
+    import sys
+
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+    from peagle.models.gguf_convert import TOKENIZER_KEYS, GGUFFile, _gemma_backend
+
+    src = tiny_gguf("gemma3_gguf", quantize=True, tie_word_embeddings=True)
+    gguf = GGUFFile(src)
+    meta = {key: gguf.get(key, None) for key in TOKENIZER_KEYS}
+    names = GGUF_TOKENIZER_MAPPING["tokenizer"]
+    fields = {names[k.removeprefix("tokenizer.")]: v for k, v in meta.items()
+              if k.removeprefix("tokenizer.") in names and v is not None}
+    ours = json.loads(_gemma_backend(meta).to_str())
+    theirs = json.loads(convert_gguf_tokenizer("gemma3", fields)[0].to_str())
+    # but the post-processor (set after, for BOS) and the <mask> transformers invents past the vocabulary's 400 rows
+    assert [t["content"] for t in theirs["added_tokens"] if t["id"] >= len(meta["tokenizer.ggml.tokens"])] == ["<mask>"]
+    theirs["added_tokens"] = [t for t in theirs["added_tokens"] if t["id"] < len(meta["tokenizer.ggml.tokens"])]
+    assert {**ours, "post_processor": None} == {**theirs, "post_processor": None}
+
+    with_transformers = convert_gguf(src, tmp_path / "a", dtype="fp32")
+    for name in ("transformers.integrations.gguf", "transformers.integrations.gguf.gguf_tokenizer_mapping",
+                 "transformers.integrations.ggml"):
+        monkeypatch.setitem(sys.modules, name, None)  # importing it raises ImportError
+    without = convert_gguf(src, tmp_path / "b", dtype="fp32")
+    assert (without / "tokenizer.json").read_bytes() == (with_transformers / "tokenizer.json").read_bytes()
+
+
 def test_f32_gemma3_gguf_restores_the_original_checkpoint(tiny_gguf, tiny_hf_checkpoint, tmp_path):
     original = tiny_hf_checkpoint("gemma3_gguf", tie_word_embeddings=True)
     out = convert_gguf(tiny_gguf("gemma3_gguf", quantize=False, tie_word_embeddings=True), tmp_path / "ckpt",

@@ -13,8 +13,8 @@ tokenizer_config.json (with the chat template) and generation_config.json.
 Quantized tensors are dequantized and stored in --dtype; llama.cpp's Q/K row permutation is undone.
 Supported architectures: llama (Llama 2/3/3.1/3.2, SmolLM2, Mistral dense), qwen2, qwen3 with a
 byte-level BPE tokenizer, and gemma3 (Gemma 3 text, e.g. gemma-3-270m) with its SentencePiece tokenizer,
-converted by transformers' GGUF tokenizer converter. Dequantizing cannot restore the original weights: the result computes what the
-GGUF computes (up to rounding to --dtype), not what the unquantized model did.
+rebuilt as transformers' GGUF loader builds it. Dequantizing cannot restore the original weights: the
+result computes what the GGUF computes (up to rounding to --dtype), not what the unquantized model did.
 
 The output is written to a temporary directory beside OUT_DIR and renamed when complete, so an
 interrupted or failed conversion leaves nothing behind. An existing non-empty OUT_DIR is refused

@@ -9,7 +9,8 @@ What the conversion undoes or rebuilds:
 - config.json comes from the `<arch>.*` metadata (tie_word_embeddings when there is no output.weight; llama3 RoPE
   scaling recovered from the rope_freqs tensor; Gemma 3's sliding layers as llama.cpp lays them out);
   tokenizer.json / tokenizer_config.json / generation_config.json from the `tokenizer.*` metadata: byte-level BPE
-  rebuilt here, SentencePiece vocabularies (Gemma's) by transformers' GGUF tokenizer conversion.
+  and Gemma's SentencePiece vocabulary rebuilt here (Gemma's as transformers 5.25 builds it: 5.17 builds another
+  tokenizer from the same file), other SentencePiece vocabularies by transformers' GGUF tokenizer conversion.
 Everything is written into a temporary directory beside OUT_DIR and renamed at the end, so a failure leaves nothing.
 """
 
@@ -408,8 +409,10 @@ def _byte_level_backend(meta: dict[str, Any], path: Path):
 
 
 def _sentencepiece_backend(meta: dict[str, Any], path: Path, arch: str):
-    """A SentencePiece vocabulary (tokens and scores, merges recovered from them; Gemma's respelled where its file
-    differs from its tokenizer) as transformers' GGUF loader builds it: the same tokens for the same text."""
+    """A SentencePiece vocabulary (tokens and scores, merges recovered from them) as transformers' GGUF loader builds
+    it: the same tokens for the same text. Gemma's is built here (`_gemma_backend`)."""
+    if arch == "gemma3":
+        return _gemma_backend(meta)
     try:
         from transformers.integrations.gguf.gguf_tokenizer_mapping import (GGUF_TOKENIZER_MAPPING,
                                                                            convert_gguf_tokenizer)
@@ -425,6 +428,51 @@ def _sentencepiece_backend(meta: dict[str, Any], path: Path, arch: str):
     tokenizer_dict = {names[key.removeprefix("tokenizer.")]: value for key, value in meta.items()
                       if key.removeprefix("tokenizer.") in names and value is not None}
     return convert_gguf_tokenizer(arch, tokenizer_dict)[0]
+
+
+def _gemma_backend(meta: dict[str, Any]):
+    """Gemma's SentencePiece vocabulary as transformers' GGUF loader builds it since its GemmaTokenizer became a BPE
+    (5.25 checked; 5.17 builds another tokenizer from the same file, so it is built here, not by transformers): a BPE
+    with byte fallback over the vocabulary, spaces written as "▁", its tokens of spaces alone respelled so (the file
+    stores them as spaces), merges recovered from the vocabulary (`merges_in_list_order`), control tokens and
+    <unk>, <bos>, <eos>, <pad>, <mask> special, user-defined ones matched whole."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    spelled = meta["tokenizer.ggml.tokens"]
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in spelled]
+    types = meta["tokenizer.ggml.token_type"] or [1] * len(tokens)
+    vocab = {token: i for i, token in enumerate(tokens)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges_in_list_order(vocab), fuse_unk=True, unk_token="<unk>",
+                                   byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    # special: the control tokens and those GemmaTokenizer names (one it names that the vocabulary lacks, as a tiny
+    # test vocabulary's <mask>, transformers appends past the model's rows; not here)
+    named = {"<unk>", "<bos>", "<eos>", "<pad>", "<mask>"}
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, k in zip(tokens, types) if k == TOKEN_CONTROL or t in named])
+    # user-defined tokens matched whole, but not the respelled ones (transformers looks up the file's spelling)
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, s, k in zip(tokens, spelled, types) if k == TOKEN_USER_DEFINED and t == s])
+    return backend
+
+
+def merges_in_list_order(vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """BPE merges recovered from a vocabulary that lists none: every split of a token into two tokens, ranked by the
+    token's place in the list (Gemma's scores do not follow its merge order; its list does), then by the longer
+    pieces first; one token's splits in the order of their pieces' ids. As transformers' `generate_merges` with the
+    negated list positions for scores.
+
+    >>> merges_in_list_order({"a": 0, "b": 1, "ab": 2, "c": 3, "abc": 4, "bc": 5})
+    [('a', 'b'), ('ab', 'c'), ('a', 'bc'), ('b', 'c')]
+    """
+    ranked = []
+    for token, place in vocab.items():
+        splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        ranked += [(left, right, -place) for left, right in sorted(splits, key=lambda m: (vocab[m[0]], vocab[m[1]]))]
+    ranked.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in ranked]
 
 
 def _byte_level_vocab(tokens: list[str], types: list[int], path: Path) -> dict[str, int]:

@@ -73,7 +73,8 @@ def test_help_explains_every_option(capsys):
                    "--disable-uvicorn-access-log", "--disable-log-stats", "--enable-request-id-headers",
                    "--reasoning-parser", "--tensor-parallel-size", "--pipeline-parallel-size", "--trust-remote-code",
                    "--tool-call-parser", "--enable-auto-tool-choice", "--enable-log-requests", "--disable-log-requests",
-                   "--max-log-len", "--kv-cache-dtype", "--block-size", "--stream-interval"):
+                   "--max-log-len", "--kv-cache-dtype", "--block-size", "--stream-interval", "--engine-thread",
+                   "--api-server-count", "--shutdown-timeout", "--max-request-bytes"):
         assert option in text
 
 
@@ -126,6 +127,16 @@ def test_enable_prefix_caching_reaches_the_engine(target_dir, served):
     (on, _), (off, _) = served
     assert on.state.async_engine.engine.scheduler.block_manager.enable_prefix_caching is True
     assert off.state.async_engine.engine.scheduler.block_manager.enable_prefix_caching is False
+
+
+def test_draft_confidence_cutoff_reaches_the_engine_and_a_bad_one_stops_start_up(target_dir, head, served, capsys):
+    spec = json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
+    assert main(_argv(target_dir, "--speculative-config", spec, "--draft-confidence-cutoff", "0.25")) == 0
+    engine = served[0][0].state.async_engine.engine
+    assert engine.config.draft_confidence_cutoff == 0.25 and engine.planner.cutoff(8) == 0.25
+    assert main(_argv(target_dir, "--speculative-config", spec, "--draft-confidence-cutoff", "1.5")) != 0
+    assert "draft_confidence_cutoff must be a number in [0, 1]" in capsys.readouterr().err
+    assert len(served) == 1
 
 
 def test_chat_template_kwargs_reach_the_template(target_dir, served):
@@ -399,3 +410,13 @@ def test_a_vllm_command_line_runs_unchanged_and_what_peagle_lacks_stops_it(targe
         with pytest.raises(SystemExit):
             main(_argv(target_dir, *extra))
     assert len(served) == 1
+
+
+def test_process_options_are_checked_before_anything_loads(target_dir, served, capsys):
+    for options, message in ((["--engine-thread", "--api-server-count", "2"], "--engine-thread runs the engine inside"),
+                             (["--api-server-count", "0"], "--api-server-count must be >= 1"),
+                             (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
+                             (["--max-request-bytes", "0"], "--max-request-bytes must be >= 1")):
+        assert main(_argv(target_dir, *options)) == 1
+        assert message in capsys.readouterr().err
+    assert not served

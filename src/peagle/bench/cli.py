@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -16,6 +17,7 @@ examples:
   peagle bench --model M --methods none,peagle --k 7 --concurrency 1,8,64 --datasets humaneval,longcode
   peagle bench --url http://127.0.0.1:8000 --methods peagle --k 7     # a running server (its own method and K)
   peagle bench --model M --draft-peagle P --methods none,peagle --k 3,5,7,11 --calibrate  # writes P/adaptive.json
+  peagle bench --model M --draft-eagle3 E --draft-peagle P --k 7 --vllm-baselines  # vLLM's rows beside peagle's
 
 Writes results.json (schema: docs/BENCH_SCHEMA.md), results.md and PNG plots into --out, prints the markdown
 table, and prints one JSON line last (file paths and headline speed-ups) for scripts.
@@ -53,8 +55,9 @@ def register(subparsers) -> None:
 def _register_bench(subparsers) -> None:
     p = subparsers.add_parser(
         "bench", help="sweep methods x K x concurrency x datasets; JSON, markdown table and plots",
-        description="Benchmark no speculation, EAGLE-3 and P-EAGLE (and optionally Hugging Face baselines) on the "
-                    "same prompts: output tokens/s, acceptance length, per-position acceptance, TTFT and ITL.",
+        description="Benchmark no speculation, EAGLE-3 and P-EAGLE (and optionally vLLM and Hugging Face "
+                    "baselines) on the same prompts: output tokens/s, acceptance length, per-position acceptance, "
+                    "TTFT and ITL.",
         epilog=BENCH_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     target = p.add_argument_group("what to benchmark")
     target.add_argument("--model", help="target checkpoint directory (in-process engine; HF baselines)")
@@ -135,9 +138,26 @@ def _register_bench(subparsers) -> None:
     hf.add_argument("--hf-batch-sizes", type=_ints, default=(1, 16, 64), help="HF eager batch sizes (default 1,16,64)")
     hf.add_argument("--hf-methods", type=_names, default=HF_METHODS,
                     help=f"which HF baselines to run, a comma list of {', '.join(HF_METHODS)} (default: all)")
+    vllm = p.add_argument_group("vLLM on the same GPU, prompts and settings")
+    vllm.add_argument("--vllm-baselines", action="store_true",
+                      help="also measure every fixed-K row (none, eagle3, peagle at each K) with vLLM's LLM, a child "
+                           "process a row, on the same prompt token ids, concurrencies, temperatures and max tokens: "
+                           "rows vllm_none, vllm_eagle3, vllm_peagle beside peagle's (docs/BENCHMARKING.md)")
+    vllm.add_argument("--vllm-python", metavar="PYTHON",
+                      help="the interpreter that runs vLLM (default: this one; peagle's source tree goes on its "
+                           "path, or it must have peagle installed)")
+    vllm.add_argument("--vllm-path", type=_paths, default=(), metavar="DIR[:DIR...]",
+                      help="directories put first on the vLLM child's PYTHONPATH only, e.g. the --target of vLLM's "
+                           "staged wheels (/tmp/vllm-site on the GPU machine)")
+    vllm.add_argument("--vllm-option", type=_llm_option, action="append", default=[], metavar="KEY=VALUE",
+                      help="a further vLLM LLM(...) keyword, VALUE as JSON (repeatable; recorded in the results)")
     p.add_argument("--out", type=Path, help="output directory (default: runs/bench-<UTC time>)")
     p.add_argument("--note", help="a line shown above the results table and kept in results.json")
     p.set_defaults(func=run_bench)
+
+
+def _paths(text: str) -> tuple[str, ...]:
+    return tuple(x for x in text.split(os.pathsep) if x)
 
 
 def _adaptive(text: str) -> tuple[tuple[tuple[int, int], ...], int | None] | str:
@@ -179,7 +199,8 @@ def sweep_config_from_args(args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         llm_options=dict(args.llm_option), served_model=args.served_model, api_key=args.api_key,
         hf_baselines=args.hf_baselines, hf_num_prompts=args.hf_num_prompts, hf_batch_sizes=args.hf_batch_sizes,
-        hf_methods=args.hf_methods,
+        hf_methods=args.hf_methods, vllm_baselines=args.vllm_baselines, vllm_python=args.vllm_python,
+        vllm_path=args.vllm_path, vllm_options=dict(args.vllm_option),
         note=_note(args), tokenizer=args.tokenizer, load_format=args.load_format,
         synthetic_acceptance=args.synthetic_acceptance,
         adaptive=policy[0], adaptive_above=policy[1], adaptive_head=args.adaptive == "head",

@@ -1,5 +1,5 @@
-"""PNG plots of a results file: throughput vs concurrency, P-EAGLE / EAGLE-3 speed-up, acceptance length vs K, and
-acceptance by draft position.
+"""PNG plots of a results file: throughput vs concurrency, P-EAGLE / EAGLE-3 speed-up, acceptance length vs K,
+acceptance by draft position, and peagle over vLLM at the same method and K (with --vllm-baselines).
 
 Small figures (500x320 px) so that they can be committed next to BENCHMARKS.md. Greedy plots carry plain names;
 those of a sampling temperature T end in _tT (throughput_mtbench_t0.7.png); the speed-up plot holds both.
@@ -13,6 +13,8 @@ from typing import Any
 
 from peagle.bench.report import (
     ENGINE_METHODS,
+    VLLM_METHODS,
+    against_vllm,
     best_points,
     datasets_of,
     speedups,
@@ -24,10 +26,11 @@ from peagle.bench.report import (
 
 FIGSIZE = (5.0, 3.2)
 DPI = 100
-MARKERS = {"none": "o", "eagle3": "s", "peagle": "^", "hf_eager": "x", "hf_static_compile": "+",
-           "hf_prompt_lookup": "1"}
-COLORS = {"none": "C0", "eagle3": "C1", "peagle": "C2", "hf_eager": "C3", "hf_static_compile": "C4",
-          "hf_prompt_lookup": "C5"}
+# vLLM's rows take their peagle row's marker and colour, drawn hollow and dotted.
+MARKERS = {"none": "o", "eagle3": "s", "peagle": "^", "vllm_none": "o", "vllm_eagle3": "s", "vllm_peagle": "^",
+           "hf_eager": "x", "hf_static_compile": "+", "hf_prompt_lookup": "1"}
+COLORS = {"none": "C0", "eagle3": "C1", "peagle": "C2", "vllm_none": "C0", "vllm_eagle3": "C1", "vllm_peagle": "C2",
+          "hf_eager": "C3", "hf_static_compile": "C4", "hf_prompt_lookup": "C5"}
 LINESTYLES = ("-", "--", ":", "-.")  # one per dataset where datasets share a figure
 
 
@@ -53,6 +56,8 @@ def _style(v: str) -> dict:
     method, _, policy = v.partition("@")
     if policy:
         return {"linestyle": "--", "marker": "*", "color": COLORS[method]}
+    if method in VLLM_METHODS:
+        return {"linestyle": ":", "marker": MARKERS[method], "color": COLORS[method], "markerfacecolor": "none"}
     return {"linestyle": "-" if method in ENGINE_METHODS else "none",  # baselines: markers at their batch sizes only
             "marker": MARKERS[method], "color": COLORS[method]}
 
@@ -104,11 +109,12 @@ def _fixed_k_series(points: list[dict], temperature: float, has) -> list[tuple[s
             and p.get("temperature", 0.0) == temperature]
     groups = []
     for dataset, linestyle in zip(datasets_of(spec), itertools.cycle(LINESTYLES)):
-        for method in ENGINE_METHODS:
+        for method in (*ENGINE_METHODS, *VLLM_METHODS):
             mine = [p for p in spec if p["dataset"] == dataset and p["method"] == method]
             if mine:
+                hollow = {"markerfacecolor": "none"} if method in VLLM_METHODS else {}
                 groups.append((dataset, method, mine, dict(linestyle=linestyle, marker=MARKERS[method],
-                                                           color=COLORS[method])))
+                                                           color=COLORS[method], **hollow)))
     return groups
 
 
@@ -166,6 +172,32 @@ def plot_per_position(points: list[dict], path: Path, temperature: float = 0.0) 
     return _save(plt, fig, path)
 
 
+def plot_against_vllm(points: list[dict], path: Path) -> Path | None:
+    """peagle's tokens/s over vLLM's at the same method and K, against concurrency: one line per row, dataset and
+    temperature (the dotted line at 1: as fast as vLLM)."""
+    curves: dict[tuple, list[tuple[int, float]]] = {}
+    for dataset in datasets_of(points):
+        for mine, theirs in against_vllm(points, dataset):
+            if theirs["tokens_per_s"] > 0:
+                key = (mine["method"], mine["k"], dataset, mine.get("temperature", 0.0))
+                curves.setdefault(key, []).append((mine["concurrency"], mine["tokens_per_s"] / theirs["tokens_per_s"]))
+    if not curves:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=FIGSIZE)
+    datasets = list(dict.fromkeys(key[2] for key in curves))
+    for (method, k, dataset, t), curve in curves.items():
+        label = f"{variant_label(method)}{'' if k is None else f' K={k}'}, {dataset}" + ("" if t == 0 else f", T={t:g}")
+        ax.plot(*zip(*sorted(curve)), marker=MARKERS[method], color=COLORS[method], label=label,
+                linestyle=LINESTYLES[datasets.index(dataset) % len(LINESTYLES)])
+    ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
+    _log2_concurrency_axis(ax, sorted({c for curve in curves.values() for c, _ in curve}))
+    ax.set_ylabel("peagle / vLLM tokens/s (x)")
+    ax.set_title("peagle over vLLM, same method and K", fontsize=10)
+    ax.legend(fontsize=6)
+    return _save(plt, fig, path)
+
+
 def _save(plt, fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
@@ -185,4 +217,5 @@ def plot_all(results: dict[str, Any], out_dir: Path) -> list[Path]:
         written.append(plot_acceptance_vs_k(mine, out_dir / f"acceptance_vs_k{suffix}.png", t))
         written.append(plot_per_position(mine, out_dir / f"acceptance_by_position{suffix}.png", t))
     written.append(plot_speedup(points, out_dir / "speedup_peagle_vs_eagle3.png"))
+    written.append(plot_against_vllm(points, out_dir / "peagle_vs_vllm.png"))
     return [p for p in written if p is not None]

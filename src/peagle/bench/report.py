@@ -19,8 +19,11 @@ results.json (schema_version 2; docs/BENCH_SCHEMA.md says the same with examples
       ]
     }
 
-`method` is none | eagle3 | peagle (the engine) or hf_eager | hf_static_compile | hf_prompt_lookup (Hugging Face
-transformers baselines, where `concurrency` is the generate batch size). `k` is null for methods without a K;
+`method` is none | eagle3 | peagle (the engine), vllm_none | vllm_eagle3 | vllm_peagle (vLLM's LLM on the same
+rows, --vllm-baselines: such a point adds "engine": "vllm" and "vllm_version", and results["vllm"] records vLLM's
+version, interpreter and path and, per row, its LLM arguments, start-up seconds and any error) or hf_eager |
+hf_static_compile | hf_prompt_lookup (Hugging Face transformers baselines, where `concurrency` is the generate batch
+size). `k` is null for methods without a K;
 `adaptive` is the policy of an adaptive row (null for a fixed K); acceptance fields are null / [] where there is no
 speculation; latency fields are null where not measured (HF). `flags` are the hygiene checks that still stand after
 one re-measurement (peagle.bench.hygiene); `remeasured` keeps the first measurement of a re-measured point.
@@ -55,10 +58,12 @@ POINT_KEYS = ("dataset", "method", "k", "adaptive", "temperature", "concurrency"
               "remeasured")
 ENVIRONMENT_KEYS = ("python", "platform", "peagle", "torch", "cuda", "gpu", "transformers", "git_commit", "git_dirty")
 ENGINE_METHODS = ("none", "eagle3", "peagle")
+VLLM_METHODS = tuple(f"vllm_{m}" for m in ENGINE_METHODS)  # vLLM's LLM on the same rows (bench.vllm_baseline)
 HF_METHODS = ("hf_eager", "hf_static_compile", "hf_prompt_lookup")
 CLIENT_CPU_LIMIT = 0.9  # a server benchmark's client CPU s/s from which it may have set the rate
 METHOD_LABELS = {
-    "none": "no speculation", "eagle3": "EAGLE-3", "peagle": "P-EAGLE", "hf_eager": "HF eager",
+    "none": "no speculation", "eagle3": "EAGLE-3", "peagle": "P-EAGLE", "vllm_none": "vLLM no speculation",
+    "vllm_eagle3": "vLLM EAGLE-3", "vllm_peagle": "vLLM P-EAGLE", "hf_eager": "HF eager",
     "hf_static_compile": "HF static cache + compile", "hf_prompt_lookup": "HF prompt lookup",
 }
 
@@ -85,9 +90,10 @@ def variant_label(v: str) -> str:
 
 
 def variants_of(points: Iterable[dict]) -> list[str]:
-    """Rows in display order: no speculation, EAGLE-3, P-EAGLE, the adaptive rows, then the HF baselines."""
+    """Rows in display order: no speculation, EAGLE-3, P-EAGLE, the adaptive rows, vLLM's rows, then the HF
+    baselines."""
     seen = list(dict.fromkeys(variant(p) for p in points))
-    order = {m: i for i, m in enumerate((*ENGINE_METHODS, "@", *HF_METHODS))}
+    order = {m: i for i, m in enumerate((*ENGINE_METHODS, "@", *VLLM_METHODS, *HF_METHODS))}
     return sorted(seen, key=lambda v: order["@"] if "@" in v else order[v])
 
 
@@ -204,8 +210,12 @@ def merge_results(runs: list[dict[str, Any]]) -> dict[str, Any]:
     points: dict[tuple, dict] = {}
     for p in (p for r in runs for p in r["points"]):
         points.setdefault((p["dataset"], variant(p), p["k"], p["temperature"], p["concurrency"]), p)
-    return {**first, "command": " && ".join(r.get("command", "") for r in runs), "config": config,
-            "points": list(points.values())}
+    merged = {**first, "command": " && ".join(r.get("command", "") for r in runs), "config": config,
+              "points": list(points.values())}
+    vllm = [r["vllm"] for r in runs if r.get("vllm")]
+    if vllm:  # each run's vLLM rows, under the first run's vLLM
+        merged["vllm"] = {**vllm[0], "rows": [row for v in vllm for row in v.get("rows", [])]}
+    return merged
 
 
 # ---- summaries -------------------------------------------------------------------------------------------------
@@ -243,7 +253,8 @@ def speedups(points: Iterable[dict], dataset: str, numerator: str, denominator: 
     return out
 
 
-SPEEDUP_PAIRS = (("peagle", "eagle3"), ("peagle", "none"), ("eagle3", "none"))
+SPEEDUP_PAIRS = (("peagle", "eagle3"), ("peagle", "none"), ("eagle3", "none"), ("peagle", "vllm_peagle"),
+                 ("eagle3", "vllm_eagle3"), ("none", "vllm_none"))
 
 
 def speedup_pairs(variants: Iterable[str]) -> list[tuple[str, str]]:
@@ -263,14 +274,14 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [f"# peagle bench: {results.get('environment', {}).get('gpu') or 'CPU'}", ""]
     if cfg.get("note"):
         lines += [f"**{cfg['note']}**", ""]
-    lines += [f"`{results.get('command', '')}`", "", _length_line(cfg), ""]
+    lines += [f"`{results.get('command', '')}`", "", _length_line(cfg), ""] + _vllm_refusals(results)
     swept = sorted({p["k"] for p in points if p["method"] in ("eagle3", "peagle") and p["k"] and not p.get("adaptive")})
     for t in temperatures_of(points):
         mine = [p for p in points if p.get("temperature", 0.0) == t]
         lines += [f"## {temperature_title(t).capitalize()}", ""]
         for dataset in datasets_of(mine):
             lines += (_engine_table(mine, dataset, t, swept) + _full_table(mine, dataset)
-                      + _hf_table(mine, dataset, t) + _acceptance_table(mine, dataset))
+                      + _vllm_table(mine, dataset) + _hf_table(mine, dataset, t) + _acceptance_table(mine, dataset))
         lines += _seeds_section(mine, t, swept)
     return "\n".join(lines + _hygiene_section(points))
 
@@ -414,6 +425,56 @@ def _throughput_cell(p: dict | None) -> str:
         return f"{p['tokens_per_s']:.1f}"
     al = f", AL {p['acceptance_length']:.2f}" if p["acceptance_length"] is not None else ""
     return f"{p['tokens_per_s']:.1f} (K={p['k']}{al})"
+
+
+def against_vllm(points: Iterable[dict], dataset: str) -> list[tuple[dict, dict]]:
+    """(peagle's point, vLLM's point) for each vLLM point of `dataset` that peagle measured at the same method, K,
+    temperature and concurrency (fixed-K rows), in temperature, method, K and concurrency order."""
+    ours = {(p["method"], p["k"], p.get("temperature", 0.0), p["concurrency"]): p for p in points
+            if p["dataset"] == dataset and p["method"] in ENGINE_METHODS and not p.get("adaptive") and p["num_prompts"]}
+    pairs = []
+    for p in points:
+        if p["dataset"] == dataset and p["method"] in VLLM_METHODS and p["num_prompts"]:
+            mine = ours.get((p["method"].removeprefix("vllm_"), p["k"], p.get("temperature", 0.0), p["concurrency"]))
+            if mine:
+                pairs.append((mine, p))
+    return sorted(pairs, key=lambda mv: (mv[1].get("temperature", 0.0), VLLM_METHODS.index(mv[1]["method"]),
+                                         mv[1]["k"] or 0, mv[1]["concurrency"]))
+
+
+def _vllm_table(points: list[dict], dataset: str) -> list[str]:
+    """peagle against vLLM at the same method, K and concurrency: tokens/s, acceptance length, draft 1's and the last
+    draft's acceptance."""
+    pairs = against_vllm(points, dataset)
+    if not pairs:
+        return []
+    versions = sorted({str(v.get("vllm_version")) for _, v in pairs})
+    rows = [f"peagle against vLLM {', '.join(versions)} on the same prompts ({dataset}; same method, K and "
+            "concurrency; AL: acceptance length, pos 1 / pos K: rounds accepting draft 1 / draft K):", "",
+            _row(["row", "K", "c", "peagle tok/s", "vLLM tok/s", "peagle / vLLM", "peagle AL", "vLLM AL",
+                  "vLLM AL / peagle AL", "pos 1 / pos K, peagle", "pos 1 / pos K, vLLM"]), _row(["---"] * 11)]
+    for mine, theirs in pairs:
+        ratio = f"{mine['tokens_per_s'] / theirs['tokens_per_s']:.2f}x" if theirs["tokens_per_s"] > 0 else "-"
+        al = [x["acceptance_length"] for x in (mine, theirs)]
+        al_ratio = f"{al[1] / al[0]:.3f}" if None not in al and al[0] > 0 else "-"
+        rows.append(_row([METHOD_LABELS[mine["method"]], "-" if mine["k"] is None else str(mine["k"]),
+                          str(mine["concurrency"]), f"{mine['tokens_per_s']:.1f}", f"{theirs['tokens_per_s']:.1f}",
+                          ratio, *(f"{a:.2f}" if a is not None else "-" for a in al), al_ratio,
+                          _ends(mine), _ends(theirs)]))
+    return rows + [""]
+
+
+def _ends(p: dict) -> str:
+    rates = p.get("per_position_acceptance") or []
+    return f"{rates[0]:.2f} / {rates[-1]:.2f}" if rates else "-"
+
+
+def _vllm_refusals(results: dict[str, Any]) -> list[str]:
+    """A line for each vLLM row that did not run to its end (vLLM refused the head or the settings, or it died)."""
+    failed = [r for r in (results.get("vllm") or {}).get("rows", []) if r.get("error")]
+    lines = [f"- {METHOD_LABELS['vllm_' + r['method']]}{'' if r['k'] is None else ' K=' + str(r['k'])}: "
+             f"{r['error']} (log: {r.get('log', '-')})" for r in failed]
+    return ["vLLM rows that did not finish:", "", *lines, ""] if lines else []
 
 
 def _hf_table(points: list[dict], dataset: str, temperature: float) -> list[str]:

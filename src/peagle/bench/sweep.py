@@ -6,7 +6,8 @@ and K are measured and the labels given here only name them in the results. Ever
 waves of its concurrency and at least `min_seconds`; when a row is done, its points that look wrong next to their
 neighbours (peagle.bench.hygiene) are re-measured once with the same engine. With `calibrate`, the fixed-K rows
 decide each head's adaptive policy (peagle.bench.calibration), which is written beside the head and measured as a
-row of its own. Hugging Face baselines run last, greedy, on the same prompts.
+row of its own. With `vllm_baselines`, vLLM's LLM then measures each fixed-K row again on the same prompt token ids, a
+child process a row (peagle.bench.vllm_baseline). Hugging Face baselines run last, greedy, on the same prompts.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from peagle.bench.hf_baseline import HF_METHODS
 from peagle.bench.hygiene import HygieneRules, settle
 from peagle.bench.measurement import Measurement
 from peagle.bench.report import ENGINE_METHODS, ResultsWriter, make_point, markdown
+from peagle.bench.vllm_baseline import run_vllm_baselines, vllm_version
 from peagle.drafters.policy import POLICY_FILE, policy_path, policy_text, read_policy
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,13 @@ class SweepConfig:
     hf_batch_sizes: tuple[int, ...] = (1, 16, 64)
     # which of them (peagle.bench.hf_baseline.HF_METHODS): eager (at hf_batch_sizes), prompt_lookup, static_compile
     hf_methods: tuple[str, ...] = HF_METHODS
+    # vLLM's LLM on the same rows and prompts (peagle.bench.vllm_baseline), a child process a row: run by
+    # `vllm_python` (default: this interpreter) with `vllm_path` first on its PYTHONPATH; `vllm_options`: further
+    # LLM(...) keywords.
+    vllm_baselines: bool = False
+    vllm_python: str | None = None
+    vllm_path: tuple[str, ...] = ()
+    vllm_options: dict[str, Any] = field(default_factory=dict)
     # Shown above the results table and kept in results.json (e.g. "smoke scale: not a benchmark").
     note: str | None = None
     # Real-size runs without weights: random weights from config.json, prompts tokenized with another tokenizer,
@@ -129,6 +138,8 @@ class SweepConfig:
             raise ValueError("the Hugging Face baselines need real weights: drop --hf-baselines with --load-format dummy")
         if not self.datasets:
             raise ValueError("give at least one dataset")
+        if self.vllm_baselines:
+            self._check_vllm()
         if self.url:
             if self.completions:
                 raise ValueError("--completions runs in process (the HTTP runner sends chat requests): give --model")
@@ -142,6 +153,22 @@ class SweepConfig:
         for method, draft in (("eagle3", self.draft_eagle3), ("peagle", self.draft_peagle)):
             if method in self.methods and not draft:
                 raise ValueError(f"method {method} needs --draft-{method} DIR (a drafter checkpoint)")
+
+    def _check_vllm(self) -> None:
+        """The settings the vLLM rows cannot reproduce, refused by name (peagle.bench.vllm_baseline)."""
+        from peagle.bench.vllm_baseline import check_options
+
+        if self.url:
+            raise ValueError("--vllm-baselines runs vLLM beside the in-process engine, on the same GPU: drop --url")
+        for method in self.speculative_methods:
+            if self.draft(method) == "dummy":
+                raise ValueError(f"--vllm-baselines: vLLM loads its heads from directories; --draft-{method} dummy "
+                                 "has none")
+        rates = self.synthetic_acceptance or ()
+        if any(b > a for a, b in zip(rates, rates[1:])):
+            raise ValueError("--vllm-baselines: vLLM's synthetic rejection sampler takes non-increasing per-position "
+                             f"rates; --synthetic-acceptance {','.join(f'{r:g}' for r in rates)} rises")
+        check_options(self.vllm_options)
 
     @property
     def has_policy(self) -> bool:
@@ -260,7 +287,7 @@ def run_sweep(config: SweepConfig, open_runner: OpenRunner, sink: Sink,
     points: list[dict] = []
     fixed = [r for r in rows if r[2] is None]
     for row in fixed:
-        points += _measure_row(config, open_runner, row, prompts, sink, bar)
+        points += measure_row(config, open_runner, row, prompts, sink, bar)
     adaptive = [r for r in rows if r[2] is not None]
     for method in config.calibrate:
         policy, table = derive_policy(points, method)
@@ -269,14 +296,15 @@ def run_sweep(config: SweepConfig, open_runner: OpenRunner, sink: Sink,
             on_policy(method, policy, table)
         adaptive.append((method, config.policy_k(policy), policy))
     for row in adaptive:
-        points += _measure_row(config, open_runner, row, prompts, sink, bar)
+        points += measure_row(config, open_runner, row, prompts, sink, bar)
     bar.close()
     return points
 
 
-def _measure_row(config: SweepConfig, open_runner: OpenRunner, row: tuple[str, int | None, dict | None],
-                 prompts: dict[str, list[Prompt]], sink: Sink, bar) -> list[dict]:
-    """One engine's points, then the re-measurement of those that look wrong (while the engine is still up)."""
+def measure_row(config: SweepConfig, open_runner: OpenRunner, row: tuple[str, int | None, dict | None],
+                prompts: dict[str, list[Prompt]], sink: Sink, bar) -> list[dict]:
+    """One engine's points, then the re-measurement of those that look wrong (while the engine is still up); the
+    vLLM rows' child processes measure theirs with it too (peagle.bench.vllm_baseline)."""
     method, k, policy = row
     points: list[dict] = []
     with open_runner(method, k, policy) as runner:
@@ -363,6 +391,14 @@ def free_accelerator_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def encode_prompts(config: SweepConfig, prompts: dict[str, list[Prompt]]) -> dict[str, list[int]]:
+    """Prompt id -> the token ids the in-process engine is given (prompt_encoder with the engine's tokenizer)."""
+    from peagle.models.loader import load_tokenizer
+
+    encode = prompt_encoder(load_tokenizer(config.tokenizer or config.model), config.completions)
+    return {p.id: encode(p) for ps in prompts.values() for p in ps}
+
+
 def run_hf_baselines(config: SweepConfig, prompts: dict[str, list[Prompt]], sink: Sink) -> None:
     """The transformers `generate` baselines of peagle.bench.hf_baseline (greedy), on the same prompts as the sweep."""
     from peagle.bench.hf_baseline import HfBaseline
@@ -404,16 +440,19 @@ def policy_writer(config: SweepConfig, writer: ResultsWriter) -> OnPolicy:
 
 def run_benchmark(config: SweepConfig, out_dir: Path, command: str,
                   open_runner: OpenRunner | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The whole run: sweep, HF baselines, then results.json, results.md and the plots in out_dir.
+    """The whole run: sweep, vLLM's rows, HF baselines, then results.json, results.md and the plots in out_dir.
 
     Returns (results, files) where files maps "results", "markdown" and "plots" to the paths written (and
     "policies", method -> adaptive.json, after --calibrate).
     """
+    vllm = vllm_version(config) if config.vllm_baselines else None  # refused before anything is measured
     writer = ResultsWriter(Path(out_dir), command, config.to_json())
     prompts = load_datasets(config)
     if open_runner is None:
         open_runner = functools.partial(open_http_runner if config.url else open_engine_runner, config)
     run_sweep(config, open_runner, writer, prompts, policy_writer(config, writer))
+    if vllm is not None:
+        run_vllm_baselines(config, prompts, encode_prompts(config, prompts), writer, vllm)
     if config.hf_baselines:
         run_hf_baselines(config, prompts, writer)
     files = write_summaries(writer.results, Path(out_dir), writer.path)

@@ -1,0 +1,403 @@
+"""vLLM beside peagle: the sweep's engine rows (no speculation, EAGLE-3 and P-EAGLE at each K) measured again by
+vLLM's `LLM` on the same prompt token ids, concurrencies, temperatures and max tokens, so that peagle's lead over
+vLLM is measured in the run that claims it.
+
+Each row runs in a child process of its own, `python -m peagle.bench.vllm_baseline REQUEST RESULT`, in a process
+group of its own: vLLM's CUDA context, compiled graphs, KV cache and engine-core process end with it, and the bench's
+process never imports vLLM. The child measures the row with the sweep's own `measure_row` and `EngineRunner`, driving
+vLLM's `LLMEngine` (add_request / step) through a thin adapter, so a point's requests, warm-up, timing and hygiene
+re-measurement are exactly those of peagle's rows. Acceptance comes from vLLM's spec-decode counters
+(vllm:spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens, _num_accepted_tokens_per_pos; read as
+tests/interop/vllm_generate.py reads them), as their change over each point's timed requests.
+
+Mirrored from the sweep: model, tokenizer, dtype, max_model_len, max_num_seqs (the largest concurrency),
+gpu_memory_utilization, enforce_eager, load_format, the seed, prefix caching (off, as in peagle's LLM, unless
+--llm-option enable_prefix_caching=true: the warm-up requests would otherwise leave every measured prompt cached in
+vLLM alone), synthetic acceptance (vLLM's synthetic rejection sampler takes the same unconditional per-position
+rates), and per request temperature, max_tokens and ignore_eos; any other sampling option is refused by name. Each
+engine keeps its own scheduling (chunked prefill, async scheduling, CUDA graph sizes); `vllm_options` adds LLM(...)
+keywords. Adaptive rows have no vLLM counterpart.
+
+A vLLM point is the sweep's point with `method` vllm_none | vllm_eagle3 | vllm_peagle, `"engine": "vllm"` and
+`"vllm_version"`; results["vllm"] keeps, per row, vLLM's arguments, its start-up seconds and, for a row vLLM
+refused, its error. Each row's log, request and result are in OUT/vllm/.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from peagle.bench.engine_runner import EngineRunner
+from peagle.bench.measurement import SpecCounts
+
+logger = logging.getLogger(__name__)
+
+VLLM_PREFIX = "vllm_"  # a vLLM point's method: vllm_none, vllm_eagle3, vllm_peagle
+STAGING = ("install it (pip install vllm) or, on the GPU machine, stage vllm==0.25.0 from its wheels (docs/DEVICE.md, "
+           "'vLLM beside peagle': scripts/device/stage_local.sh vllm here, then the vllm_part and vllm_stage stages)")
+SAMPLING_OPTIONS = ("ignore_eos",)  # what a request's SamplingParams take from the sweep, beside temperature, max_tokens
+REQUIRED_OPTIONS = {"disable_log_stats": False}  # the spec-decode counters are stats
+PROBE_TIMEOUT_S = 300  # importing vLLM (and torch) on a cold disk
+GRACE_S = 30.0  # for a child and its engine core to end on SIGINT before SIGKILL
+COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")  # vllm:spec_decode_* -> SpecCounts' fields
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+# ---- the bench's side ------------------------------------------------------------------------------------------
+
+def check_sampling(options: dict[str, Any]) -> None:
+    """ValueError naming each sampling option the vLLM rows cannot reproduce."""
+    unknown = sorted(set(options) - set(SAMPLING_OPTIONS))
+    if unknown:
+        raise ValueError(f"--vllm-baselines cannot reproduce the sampling option(s) {', '.join(unknown)} in vLLM "
+                         f"(it mirrors temperature, max_tokens and {', '.join(SAMPLING_OPTIONS)})")
+
+
+def check_options(options: dict[str, Any]) -> None:
+    """ValueError for a --vllm-option that would stop the rows from being measured as peagle's are."""
+    for key, value in REQUIRED_OPTIONS.items():
+        if key in options and options[key] != value:
+            raise ValueError(f"--vllm-option {key}={json.dumps(options[key])}: the vLLM rows need {key}={value} "
+                             "(acceptance is read from vLLM's spec-decode counters)")
+
+
+def speculative_config(config, method: str, k: int | None) -> dict[str, Any] | None:
+    """vLLM's speculative_config for a row: the head as peagle serves it (EAGLE-3 asked for explicitly, P-EAGLE with
+    parallel_drafting), and with synthetic acceptance vLLM's synthetic rejection sampler at the same rates."""
+    if method == "none":
+        return None
+    spec = {"method": "eagle3", "model": config.draft(method), "num_speculative_tokens": k,
+            "parallel_drafting": method == "peagle"}
+    if config.synthetic_acceptance is not None:
+        spec.update(rejection_sample_method="synthetic",
+                    synthetic_acceptance_rates=list(config.synthetic_acceptance[:k]))
+    return spec
+
+
+def llm_arguments(config, method: str, k: int | None) -> dict[str, Any]:
+    """LLM(...) keywords of a row, from the sweep's settings (module docstring: what is mirrored)."""
+    args: dict[str, Any] = {
+        "model": config.model, "dtype": config.dtype, "max_num_seqs": max(config.concurrency),
+        "gpu_memory_utilization": config.gpu_memory_utilization, "enforce_eager": config.enforce_eager,
+        "enable_prefix_caching": bool(config.llm_options.get("enable_prefix_caching", False)),
+        "seed": config.llm_options.get("seed", 0),
+    }
+    optional = {"max_model_len": config.max_model_len, "tokenizer": config.tokenizer,
+                "speculative_config": speculative_config(config, method, k),
+                "load_format": None if config.load_format == "auto" else config.load_format}
+    args.update({key: value for key, value in optional.items() if value is not None})
+    return {**args, **config.vllm_options, **REQUIRED_OPTIONS}
+
+
+def vllm_rows(config) -> list[tuple[str, int | None]]:
+    """The (method, K) rows vLLM measures: the sweep's fixed-K rows."""
+    return [(method, k) for method, k, policy in config.groups() if policy is None]
+
+
+def child_environment(config) -> dict[str, str]:
+    """The child's environment: config.vllm_path first on its PYTHONPATH, then peagle's source tree (when peagle runs
+    from one: a site-packages directory would bring another environment's packages along), then the caller's."""
+    import peagle
+
+    paths = list(config.vllm_path)
+    root = Path(peagle.__file__).resolve().parents[1]
+    if root.name not in ("site-packages", "dist-packages"):
+        paths.append(str(root))
+    if os.environ.get("PYTHONPATH"):
+        paths.append(os.environ["PYTHONPATH"])
+    return {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+def vllm_python(config) -> str:
+    return config.vllm_python or sys.executable
+
+
+def vllm_version(config) -> str:
+    """The version of the vLLM the rows will run, checked before anything is measured; ValueError naming
+    --vllm-baselines, and how to get vLLM, when it cannot be imported."""
+    marker = "PEAGLE_VLLM_VERSION="
+    cmd = [vllm_python(config), "-c", f"import vllm; print({marker!r} + vllm.__version__)"]
+    try:
+        done = subprocess.run(cmd, env=child_environment(config), capture_output=True, text=True,
+                              timeout=PROBE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        why = str(e)
+    else:
+        found = [line[len(marker):] for line in done.stdout.splitlines() if line.startswith(marker)]
+        if done.returncode == 0 and found:
+            return found[-1].strip()
+        why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+    path = f" with {os.pathsep.join(config.vllm_path)} first on its path" if config.vllm_path else ""
+    raise ValueError(f"--vllm-baselines: {cmd[0]}{path} cannot import vllm ({why}); {STAGING}")
+
+
+def row_name(method: str, k: int | None) -> str:
+    return method if k is None else f"{method}-k{k}"
+
+
+def run_vllm_baselines(config, prompts: dict[str, list], token_ids: dict[str, list[int]], writer,
+                       version: str) -> list[dict]:
+    """Every fixed-K row of the sweep measured by vLLM, one child process a row, into `writer` (a ResultsWriter);
+    `token_ids`: prompt id -> the ids peagle's rows were given. A row vLLM refuses is logged and recorded in
+    results["vllm"]["rows"], and the next row runs. Returns the points."""
+    out = writer.out_dir / "vllm"
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"version": version, "python": vllm_python(config), "path": list(config.vllm_path), "rows": []}
+    writer.results["vllm"] = record
+    points: list[dict] = []
+    for method, k in vllm_rows(config):
+        row = {"method": method, "k": k, "llm": llm_arguments(config, method, k), "log": f"vllm/{row_name(method, k)}.log"}
+        record["rows"].append(row)
+        points += run_row(config, method, k, prompts, token_ids, out, row, writer)
+    writer.flush()
+    return points
+
+
+def run_row(config, method: str, k: int | None, prompts: dict[str, list], token_ids: dict[str, list[int]], out: Path,
+            row: dict, writer) -> list[dict]:
+    """One row in its child process; its points (as far as it got) go to `writer`, also when interrupted."""
+    name = row_name(method, k)
+    request_path, result_path = out / f"{name}.request.json", out / f"{name}.json"
+    request = {"method": method, "k": k, "llm": row["llm"], "sampling": {"ignore_eos": config.ignore_eos},
+               "grid": grid_of(config),
+               "prompts": {dataset: [{**p.to_json(), "token_ids": token_ids[p.id]} for p in ps]
+                           for dataset, ps in prompts.items()}}
+    request_path.write_text(json.dumps(request))
+    logger.info("vLLM %s K=%s: a child process, log in %s", method, k, out / f"{name}.log")
+    start = time.perf_counter()
+    with open(out / f"{name}.log", "wb") as log:
+        child = subprocess.Popen([vllm_python(config), "-m", "peagle.bench.vllm_baseline", str(request_path),
+                                  str(result_path)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 env=child_environment(config), start_new_session=True)
+        try:
+            status = child.wait()
+        finally:
+            end_group(child)
+            points = take_result(result_path, row, out / f"{name}.log", writer)
+            row["seconds"] = round(time.perf_counter() - start, 1)
+            request_path.unlink(missing_ok=True)  # the prompts' token ids, large for long prompts
+            writer.flush()
+    if status and not row.get("error"):
+        row["error"] = f"the child exited with status {status}"
+    if row.get("error"):
+        logger.warning("vLLM %s K=%s: %s (log: %s)", method, k, row["error"], out / f"{name}.log")
+    return points
+
+
+def grid_of(config) -> dict[str, Any]:
+    """The settings of the sweep that `measure_row` reads, for the child's SweepConfig."""
+    return {"concurrency": list(config.concurrency), "temperatures": list(config.temperatures),
+            "num_prompts": config.num_prompts, "min_waves": config.min_waves, "min_seconds": config.min_seconds,
+            "max_tokens": config.max_tokens, "remeasure": config.remeasure,
+            "hygiene": dataclasses.asdict(config.hygiene)}
+
+
+def take_result(result_path: Path, row: dict, log: Path, writer) -> list[dict]:
+    """The child's points into `writer` as vLLM points; its start-up time and error into `row`."""
+    try:
+        result = json.loads(result_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        row["error"] = f"no result from the child; the end of its log: {log_tail(log)}"
+        return []
+    row.update(startup_s=result.get("startup_s"), points=len(result["points"]))
+    if result.get("error"):
+        row["error"] = result["error"]
+    points = [vllm_point(p, result.get("vllm_version")) for p in result["points"]]
+    for p in points:
+        writer.add(p)
+    return points
+
+
+def vllm_point(point: dict, version: str | None) -> dict:
+    return {**point, "method": VLLM_PREFIX + point["method"], "engine": "vllm", "vllm_version": version}
+
+
+def log_tail(log: Path, lines: int = 3) -> str:
+    try:
+        return " | ".join(log.read_text(errors="replace").strip().splitlines()[-lines:]) or "(empty)"
+    except OSError:
+        return "(no log)"
+
+
+def end_group(child: subprocess.Popen) -> None:
+    """The child and whatever it started (vLLM's engine-core process) ended: SIGINT, then SIGKILL after GRACE_S."""
+    for sig, grace_s in ((signal.SIGINT, GRACE_S), (signal.SIGKILL, 5.0)):
+        if not group_alive(child):
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, sig)
+        deadline = time.monotonic() + grace_s
+        while group_alive(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def group_alive(child: subprocess.Popen) -> bool:
+    child.poll()  # reaps the child itself once it has exited
+    try:
+        os.killpg(child.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ---- the child's side ------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class StepOutput:
+    """What EngineRunner reads of a step's output, from one of vLLM's RequestOutputs (delta output kind)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    error: str | None = None
+    metrics: Any = None  # vLLM keeps no per-request acceptance: the runner reads its counters
+
+
+class VllmEngine:
+    """vLLM's LLMEngine behind the engine interface EngineRunner drives (peagle.bench.engine_runner)."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any) -> None:
+        self.engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, sampling_params)
+
+    def step(self) -> list[StepOutput]:
+        return [StepOutput(o.request_id, list(o.outputs[0].token_ids) if o.outputs else [], o.finished)
+                for o in self.engine.step()]
+
+    def abort_request(self, request_id: str) -> None:
+        self.engine.abort_request([request_id])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+
+def spec_counts(llm: Any) -> SpecCounts:
+    """vLLM's spec-decode counters since it started (zeros without speculation)."""
+    metrics: dict[str, Any] = {}
+    for m in llm.get_metrics():
+        metrics.setdefault(m.name, []).append(m)
+    values = [sum(int(getattr(m, "value", 0)) for m in metrics.get(f"vllm:spec_decode_{name}", [])) for name in COUNTERS]
+    per_position: list[int] = []
+    for m in metrics.get(PER_POSITION, []):  # one vector per engine; summed position by position
+        per_position = [a + b for a, b in zip_longest_zero(per_position, list(m.values))]
+    counts = SpecCounts()
+    counts.add(*values, per_position)  # vLLM verifies every draft
+    return counts
+
+
+def zip_longest_zero(a: Sequence[int], b: Sequence[int]) -> Iterator[tuple[int, int]]:
+    for i in range(max(len(a), len(b))):
+        yield (a[i] if i < len(a) else 0), (b[i] if i < len(b) else 0)
+
+
+def counts_since(now: SpecCounts, before: SpecCounts) -> SpecCounts:
+    counts = SpecCounts()
+    counts.add(now.rounds - before.rounds, now.drafted - before.drafted, now.accepted - before.accepted,
+               [a - b for a, b in zip_longest_zero(now.accepted_per_position, before.accepted_per_position)])
+    return counts
+
+
+class VllmRunner(EngineRunner):
+    """EngineRunner over vLLM: the counters are read at the end of every drive (a warm-up's or the point's), so the
+    point's acceptance is their change over its timed requests (nothing runs between a warm-up and the point), and
+    only the one read that ends the point falls inside its timed seconds."""
+
+    def __init__(self, llm: Any, token_ids: dict[str, list[int]], params, max_tokens: int):
+        super().__init__(VllmEngine(llm.llm_engine), lambda p: token_ids[p.id], params, max_tokens)
+        self.llm = llm
+        self._counts = spec_counts(llm)
+
+    def _drive(self, token_ids, concurrency, params, min_seconds):
+        traces, _ = super()._drive(token_ids, concurrency, params, min_seconds)
+        before, self._counts = self._counts, spec_counts(self.llm)
+        return traces, counts_since(self._counts, before)
+
+
+class ResultFile:
+    """The child's result, rewritten whole as it grows (a Sink for measure_row): the parent reads what a killed
+    child got to."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.result: dict[str, Any] = {"vllm_version": None, "startup_s": None, "points": [], "error": None}
+        self.flush()
+
+    def update(self, **fields: Any) -> None:
+        self.result.update(fields)
+        self.flush()
+
+    def add(self, point: dict) -> None:
+        self.result["points"].append(point)
+        self.flush()
+
+    def flush(self) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.result, indent=1))
+        os.replace(tmp, self.path)
+
+
+def measure_in_child(request: dict, result: ResultFile) -> None:
+    """The row of REQUEST measured by vLLM into RESULT, as the sweep measures peagle's rows."""
+    from tqdm import tqdm
+
+    from peagle.bench.hygiene import HygieneRules
+    from peagle.bench.sweep import SweepConfig, measure_row
+    from peagle.datasets import Prompt
+
+    check_sampling(request["sampling"])
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    result.update(vllm_version=vllm.__version__)
+    grid = request["grid"]
+    config = SweepConfig(model=request["llm"]["model"], methods=("none",), concurrency=tuple(grid["concurrency"]),
+                         temperatures=tuple(grid["temperatures"]), num_prompts=grid["num_prompts"],
+                         min_waves=grid["min_waves"], min_seconds=grid["min_seconds"], max_tokens=grid["max_tokens"],
+                         remeasure=grid["remeasure"], hygiene=HygieneRules(**grid["hygiene"]))
+    prompts = {dataset: [Prompt(p["id"], tuple(p["messages"])) for p in ps] for dataset, ps in request["prompts"].items()}
+    token_ids = {p["id"]: p["token_ids"] for ps in request["prompts"].values() for p in ps}
+    sampling = request["sampling"]
+
+    def params(temperature: float, max_tokens: int):
+        return SamplingParams(temperature=temperature, max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA,
+                              **sampling)
+
+    @contextlib.contextmanager
+    def open_runner(method, k, policy=None):
+        start = time.perf_counter()
+        llm = LLM(**request["llm"])
+        result.update(startup_s=round(time.perf_counter() - start, 2))
+        yield VllmRunner(llm, token_ids, params, config.max_tokens)
+
+    measure_row(config, open_runner, (request["method"], request["k"], None), prompts, result, tqdm(disable=True))
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    request = json.loads(Path(argv[0]).read_text())
+    result = ResultFile(Path(argv[1]))
+    try:
+        measure_in_child(request, result)
+    except BaseException as e:  # the parent reads why from the result; the traceback goes to the log
+        result.update(error=f"{type(e).__name__}: {e}".strip())
+        raise
+    return 0
+
+
+if __name__ == "__main__":  # vLLM may start its engine core by spawning, which imports this file again
+    sys.exit(main(sys.argv[1:]))

@@ -4,7 +4,7 @@
 # Each stage is a function of scripts/device/stages.py whose docstring says what it does, what it carries and reads,
 # and what it leaves under $OUT; docs/DEVICE.md shows how the stages chain. Large inputs travel in ignored folders
 # that scripts/device/stage_local.sh builds and the call carries (.stage_a .stage_b .whl .gpu .old .cfg .tb_a .tb_b
-# .tb_c .hp_*). Everything built lives under $W, kept while the machine stays warm; results go to $OUT.
+# .tb_c .hp_* .g3_* .vllm_*). Everything built lives under $W, kept while the machine stays warm; results go to $OUT.
 set -euo pipefail
 # The stages stages.py defines, in the order docs/DEVICE.md tells them (a unit test holds the two lists together).
 stages=(
@@ -12,6 +12,7 @@ stages=(
   kernels admit prefix muon mmhost gpu_tests throughput buckets engine
   data train wait heads serve walk check ablate
   stage_b bench bench2 sampled_ab httpserve longloop final teacher scale
+  vllm_part vllm_stage vllm_bench
 )
 W=${PEAGLE_WORK:-${TMPDIR:-/tmp}/peagle-device}
 OUT=${OUT:-$W/out}

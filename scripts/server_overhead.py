@@ -39,13 +39,14 @@ loop, http = sys.argv[6].split("+")
 engine_mode = sys.argv[7]
 try:
     from peagle.server.stand_in import StandInConfig, StandInEngine
-except ImportError:  # a tree from before the stand-in had a module: its engine thread only
-    StandInConfig = StandInEngine = None
-    exec(sys.argv[8])  # _OLD_STAND_IN
+except ImportError:  # a tree from before the stand-in: the measuring tree's, over this tree's engine types
+    import types
+    module = sys.modules["peagle_stand_in"] = types.ModuleType("peagle_stand_in")
+    exec(sys.argv[8], module.__dict__)
+    StandInConfig, StandInEngine = module.StandInConfig, module.StandInEngine
 
 if engine_mode == "thread":  # create_app in this process, so that --server's loop and parser apply
-    engine = (OldStandIn(tokenizer_dir, step_s, per) if StandInConfig is None else
-              StandInEngine(StandInConfig(tokenizer=tokenizer_dir, step_s=step_s, tokens_per_step=per)))
+    engine = StandInEngine(StandInConfig(tokenizer=tokenizer_dir, step_s=step_s, tokens_per_step=per))
     app = create_app(engine, "m", log_stats_interval_s=None,  # an older tree's app may lack stream_interval
                      **({"stream_interval": interval} if interval != 1 else {}))
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, loop=loop, http=http)
@@ -61,57 +62,10 @@ sys.exit(launch(args, StandInConfig(tokenizer=tokenizer_dir, step_s=step_s, toke
                 engine_factory=StandInEngine))
 '''
 
-# The stand-in engine as trees before peagle.server.stand_in defined it in the script (their engine thread only).
-_OLD_STAND_IN = r'''
-import time, types
-from peagle.engine.llm_engine import EngineStats
-from peagle.engine.outputs import RequestMetrics, StepOutput
-from peagle.models.loader import load_tokenizer
+# Trees from before peagle.server.stand_in run this tree's stand-in (its source, passed to the server), so that every
+# tree serves the same engine.
+_STAND_IN_SOURCE = (Path(__file__).resolve().parents[1] / "src/peagle/server/stand_in.py").read_text()
 
-
-class OldStandIn:
-    def __init__(self, tokenizer_dir, step_s, per):
-        self.step_s, self.per = step_s, per
-        self.tokenizer = load_tokenizer(tokenizer_dir)
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
-        self.max_model_len = 1 << 16
-        self.k = 7
-        self.config = types.SimpleNamespace(max_num_seqs=1024, enable_prefix_caching=False, model="stand-in")
-        self.model_config = types.SimpleNamespace(vocab_size=self.tokenizer.vocab_size)
-        text = " ".join(f"Sentence {i} of a long answer, with words, numbers like {i * 37} and punctuation."
-                        for i in range(2000))
-        self.text_ids = [t for t in self.tokenizer.encode(text) if t not in self.eos_token_ids]
-        self.requests = {}
-
-    def add_request(self, request_id, prompt_ids, params):
-        self.requests[request_id] = [params.max_tokens, 0]
-        return types.SimpleNamespace(prompt_logprobs=None)
-
-    def abort_request(self, request_id):
-        self.requests.pop(request_id, None)
-
-    def has_unfinished_requests(self):
-        return bool(self.requests)
-
-    def stats(self):
-        return EngineStats(len(self.requests), 0, len(self.requests), 1 << 20)
-
-    def step(self):
-        time.sleep(self.step_s)
-        per = self.per
-        outputs, n_text = [], len(self.text_ids) - per
-        for request_id, state in list(self.requests.items()):
-            n = min(per, state[0] - state[1])
-            start = state[1] % n_text
-            state[1] += n
-            done = state[1] >= state[0]
-            metrics = RequestMetrics(state[1] // per, state[1], state[1] // 2, [], state[1], 0.0, 0.0, 0.0) if done else None
-            outputs.append(StepOutput(request_id, self.text_ids[start:start + n], done, "length" if done else None,
-                                      metrics=metrics))
-            if done:
-                del self.requests[request_id]
-        return outputs
-'''
 
 _USAGE = re.compile(rb'"completion_tokens":(\d+)')
 _CONTENT = re.compile(rb'"delta":\{"content":"[^"]')  # a chunk that carries text
@@ -239,7 +193,7 @@ def measure(src: str, tokenizer: str, interval: int, impl: str, engine: str, arg
     servers), its clients' rate, and the CPU of the server processes, the engine process and the clients."""
     label, _, path = src.rpartition("=")
     server, port = start_server([sys.executable, "-c", _SERVER, tokenizer, "{port}", str(args.step_ms / 1000),
-                                 str(args.tokens_per_step), str(interval), impl, engine, _OLD_STAND_IN], path, 120)
+                                 str(args.tokens_per_step), str(interval), impl, engine, _STAND_IN_SOURCE], path, 120)
     try:
         run_clients(port, args.concurrency, 1.0, args.max_tokens)  # warm-up
         kids = _spawned(server.pid)

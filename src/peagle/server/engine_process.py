@@ -18,6 +18,7 @@ again for its own tokenizer.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import select
@@ -66,11 +67,13 @@ class EngineProcess:
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         pairs = [socket.socketpair() for _ in range(num_api_servers)]
         process = ctx.Process(target=_child_main, args=([c for _, c in pairs], config, tokenizer, engine_factory),
-                              name="peagle-engine", daemon=False)
+                              name="peagle-engine", daemon=True)
         process.start()
         for _, child_end in pairs:
             child_end.close()  # the child's copies only, so that its death reads as EOF here
         ours = [p for p, _ in pairs]
+        # closed before multiprocessing joins its children at exit: the engine exits on its sockets' EOF
+        atexit.register(_close_sockets, ours)
         try:
             kind, payload = _handshake(ours[0], process, timeout_s)
         except BaseException:
@@ -108,6 +111,14 @@ class EngineProcess:
             logger.warning("the engine process did not exit in %g s; killing it", timeout_s)
             self.process.kill()
             self.process.join(5)
+
+
+def _close_sockets(socks: list[socket.socket]):
+    for s in socks:
+        try:
+            s.close()
+        except OSError:
+            pass
 
 
 def _handshake(sock: socket.socket, process, timeout_s: float) -> tuple[str, object]:

@@ -226,8 +226,19 @@ def _api_server_main(args, index: int, sock, config, info: dict, template, defau
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, lambda *_: None)  # Ctrl-C reaches the group: the supervisor sends SIGTERM
+    _term_with_parent()
     engine = EngineProcess(sock, config, info)
     with _signals_end_cleanly():
         code = run_api_server(args, engine, template, defaults, listener)
     logger.info("API server %d exits (%d)", index, code)
     sys.exit(code)
+
+
+def _term_with_parent():
+    """SIGTERM (a drain) when the supervising process dies, so that no server outlives it on the port (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass

@@ -1439,7 +1439,7 @@ def vllm_target() -> Path:
         if not Path(".cfg/config.json").is_file():
             refuse("VB_HEADS=random needs the testbed target ($W/smollm2) or .cfg carried", 3)
         run([*py(), "-c", "import sys, torch, transformers as t; m = t.AutoModelForCausalLM.from_config("
-             "t.AutoConfig.from_pretrained(sys.argv[1]), torch_dtype=torch.bfloat16); m.save_pretrained(sys.argv[2])",
+             "t.AutoConfig.from_pretrained(sys.argv[1]), dtype=torch.bfloat16); m.save_pretrained(sys.argv[2])",
              ".cfg", target])
         for f in globs(".cfg/tokenizer*"):
             cp(f, target)
@@ -1467,12 +1467,12 @@ def vllm_bench() -> None:
         target = vllm_target()
         random_heads(target)
         heads = {m: W / f"heads/random-{m}" for m in ("eagle3", "peagle")}
-        weights = ["--load-format", "dummy", "--tokenizer", target, "--synthetic-acceptance",
-                   env("VB_SYNTHETIC", "0.75,0.55,0.42,0.33,0.26,0.2,0.15")]
+        weights = ["--load-format", "dummy", "--tokenizer", target]
+        dice = ["--synthetic-acceptance", env("VB_SYNTHETIC", "0.75,0.55,0.42,0.33,0.26,0.2,0.15")]
     else:
         need_model()
         link_heads()
-        target, weights = W / "smollm2", []
+        target, weights, dice = W / "smollm2", [], []
         heads = {m: W / f"heads/{m}" for m in ("eagle3", "peagle")}
     ks = {"eagle3": env("VB_EAGLE3_K", "3"), "peagle": env("VB_PEAGLE_K", "7")}
     methods = words(env("VB_METHODS", "none eagle3 peagle"))
@@ -1487,7 +1487,7 @@ def vllm_bench() -> None:
     offline = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     for method in methods:
         out = OUT / f"vllm-{method}"
-        head = [f"--draft-{method}", heads[method], "--k", ks[method]] if method in ks else []
+        head = [f"--draft-{method}", heads[method], "--k", ks[method], *dice] if method in ks else []
         shown(["timeout", "-s", "INT", env("VB_SECS", "280"), *py(), "-m", "peagle", "bench", "--model", target, *head,
                "--methods", method, *grid, "--out", out], drop=NOISE, tail=30, env=offline)
         if not (out / "results.md").is_file():

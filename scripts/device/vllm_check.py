@@ -30,7 +30,7 @@ def write_tiny_model(dest: Path) -> None:
     from transformers import LlamaConfig
 
     LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=2048, torch_dtype="bfloat16").save_pretrained(dest)
+                num_key_value_heads=2, max_position_embeddings=2048).save_pretrained(dest)
 
 
 def unmet_requirements(site: str) -> list[dict]:

@@ -16,6 +16,7 @@ class Seq:
         self.token_ids = list(range(num_tokens))
         self.num_computed_tokens = num_computed
         self.draft_token_ids = list(drafts)
+        self.num_proposed_drafts = len(drafts)
 
     @property
     def num_tokens(self):

@@ -84,6 +84,25 @@ def test_commit_prefill_then_verify_rounds():
     assert seq.num_accepted_tokens == 6 and seq.last_token_time == 3.5 and seq.first_token_time == 1.0
 
 
+def test_drafts_past_the_confidence_cutoff_are_proposed_not_verified():
+    seq = make_seq(max_tokens=50)
+    seq.commit([20])
+    seq.set_drafts([21, 22, -1, -1])  # two confident drafts, two past the cutoff (PAD_DRAFT)
+    assert seq.draft_token_ids == [21, 22] and seq.num_new_tokens == 3
+    seq.commit([21, 30], num_verified=2)
+    assert (seq.num_draft_tokens, seq.num_verified_tokens, seq.num_accepted_tokens) == (4, 2, 1)
+    assert seq.accepted_per_position == [1, 0, 0, 0]
+    seq.set_drafts([31, 32, 33])
+    seq.commit([31, 40], num_verified=1)  # a step launched ahead verified only the first (its rows ran out)
+    assert (seq.num_draft_tokens, seq.num_verified_tokens, seq.num_accepted_tokens) == (7, 3, 2)
+    seq.set_drafts([-1, -1])
+    seq.commit([41], num_verified=0)  # nothing confident: a plain step, still a drafting round
+    assert (seq.num_drafting_rounds, seq.num_verified_tokens) == (3, 3)
+    seq.set_drafts([51, 52])
+    with pytest.raises(AssertionError):
+        seq.commit([51, 52, 60], num_verified=1)  # more accepted than verified
+
+
 def test_commit_counts_acceptance_before_stop_truncation():
     seq = make_seq(max_tokens=50)
     seq.commit([20])

@@ -23,27 +23,56 @@ class AdaptivePolicy:
     K = 0 turns speculation off in that band: plain decoding steps, the drafter not run at all (except over new
     prompts, so that it knows them). When the load falls again, drafting resumes; the drafter's cache then lacks the
     tokens decoded while it was off, which lowers its acceptance for those requests, never their output.
+
+    `cutoffs` maps running requests to the draft confidence cutoff the same way ([(8, 0.0), (32, 0.2)] and
+    `cutoff_above` 0.4: no cutoff up to 8 running requests, 0.2 up to 32, 0.4 beyond): each request then verifies
+    only its drafts whose confidence (engine/spec/confidence.py) reaches the cutoff. 0 verifies every draft; no
+    table at all leaves confidence off (EngineConfig.draft_confidence_cutoff overrides the table).
     """
 
     thresholds: tuple[tuple[int, int], ...] = ()
     above: int | None = None
+    cutoffs: tuple[tuple[int, float], ...] = ()
+    cutoff_above: float | None = None
 
     def __post_init__(self):
-        last = 0
-        for bound, k in self.thresholds:
-            if bound <= last:
-                raise ValueError("adaptive thresholds must have increasing running-request bounds")
+        _check_bands("adaptive thresholds", self.thresholds)
+        for _, k in self.thresholds:
             if k < 0:
                 raise ValueError(f"adaptive K must be >= 0 (0 = speculation off), got {k}")
-            last = bound
         if self.above is not None and self.above < 0:
             raise ValueError(f"adaptive 'above' K must be >= 0 (0 = speculation off), got {self.above}")
+        _check_bands("adaptive cutoffs", self.cutoffs)
+        for name, c in [("cutoffs", c) for _, c in self.cutoffs] + [("cutoff_above", self.cutoff_above)]:
+            if c is not None and not 0.0 <= c <= 1.0:
+                raise ValueError(f"adaptive {name} must be confidence cutoffs in [0, 1] (0 = verify every draft), "
+                                 f"got {c}")
 
     def k_for(self, num_running: int, k_max: int) -> int:
         for bound, k in self.thresholds:
             if num_running <= bound:
                 return min(k, k_max)
         return min(self.above if self.above is not None else k_max, k_max)
+
+    @property
+    def has_cutoffs(self) -> bool:
+        """Whether the policy sets a confidence cutoff at some load (a table, even of zeros)."""
+        return bool(self.cutoffs) or self.cutoff_above is not None
+
+    def cutoff_for(self, num_running: int) -> float:
+        """The draft confidence cutoff with `num_running` requests running (0: every draft verified)."""
+        for bound, c in self.cutoffs:
+            if num_running <= bound:
+                return c
+        return self.cutoff_above if self.cutoff_above is not None else 0.0
+
+
+def _check_bands(name: str, bands) -> None:
+    last = 0
+    for bound, _ in bands:
+        if bound <= last:
+            raise ValueError(f"{name} must have increasing running-request bounds")
+        last = bound
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -96,6 +125,8 @@ class SpeculativeConfig:
         policy = AdaptivePolicy(
             thresholds=tuple(tuple(t) for t in adaptive.get("thresholds", ())),
             above=adaptive.get("above"),
+            cutoffs=tuple((int(b), float(c)) for b, c in adaptive.get("cutoffs", ())),
+            cutoff_above=None if adaptive.get("cutoff_above") is None else float(adaptive["cutoff_above"]),
         )
         return cls(
             method=d["method"],
@@ -135,15 +166,26 @@ def _check_field_types(d: dict[str, Any]) -> None:
         return
     if not isinstance(adaptive, dict):
         wrong("adaptive", 'an object like {"thresholds": [[8, 7], [32, 5]], "above": 3}', adaptive)
-    unknown = sorted(set(adaptive) - {"thresholds", "above"})
+    known = ["above", "cutoff_above", "cutoffs", "thresholds"]
+    unknown = sorted(set(adaptive) - set(known))
     if unknown:
-        raise ValueError(f"unknown speculative_config.adaptive field(s) {unknown}; known: ['above', 'thresholds']")
+        raise ValueError(f"unknown speculative_config.adaptive field(s) {unknown}; known: {known}")
     thresholds = adaptive.get("thresholds", [])
     if not isinstance(thresholds, (list, tuple)) or not all(
             isinstance(t, (list, tuple)) and len(t) == 2 and all(map(_is_int, t)) for t in thresholds):
         wrong("adaptive.thresholds", "a list of [running requests, K] integer pairs", thresholds)
     if adaptive.get("above") is not None and not _is_int(adaptive["above"]):
         wrong("adaptive.above", "an integer", adaptive["above"])
+    cutoffs = adaptive.get("cutoffs", [])
+    if not isinstance(cutoffs, (list, tuple)) or not all(
+            isinstance(t, (list, tuple)) and len(t) == 2 and _is_int(t[0]) and _is_number(t[1]) for t in cutoffs):
+        wrong("adaptive.cutoffs", "a list of [running requests, confidence cutoff] pairs", cutoffs)
+    if adaptive.get("cutoff_above") is not None and not _is_number(adaptive["cutoff_above"]):
+        wrong("adaptive.cutoff_above", "a number in [0, 1]", adaptive["cutoff_above"])
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -195,6 +237,10 @@ class EngineConfig:
     # K rose padded to the new K's layout so that it replays graphs: faster at 64 requests of the 8B shape
     # (docs/DECISIONS.md; engine/draft_plan.py)
     propose_verified_only: bool = True
+    # Each request verifies only its drafts whose confidence (the drafter's probability of the chain up to them,
+    # engine/spec/confidence.py) reaches this cutoff, at every load: a float in [0, 1], 0 verifying every draft.
+    # None: the speculative config's adaptive cutoffs (the head's adaptive.json by default), else off
+    draft_confidence_cutoff: float | None = None
 
     def __post_init__(self):
         if self.load_format not in ("auto", "dummy"):
@@ -223,6 +269,14 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.block_size not in (8, 16, 32, 64):
             raise ValueError(f"block_size must be 8, 16, 32 or 64, got {self.block_size}")
+        cutoff = self.draft_confidence_cutoff
+        if cutoff is not None:
+            if not _is_number(cutoff) or not 0.0 <= cutoff <= 1.0:
+                raise ValueError(f"draft_confidence_cutoff must be a number in [0, 1] (0 = verify every draft, None = "
+                                 f"the speculative config's adaptive cutoffs), got {cutoff!r}")
+            if cutoff > 0 and self.speculative is None:
+                raise ValueError("draft_confidence_cutoff needs a speculative_config: it cuts the drafts a request "
+                                 "verifies")
         for name in _SWITCHES:  # a truthy non-bool (a string from a script) would turn a switch on unseen
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -10,16 +10,25 @@ runs as that K's steps do (graphs) and proposes the new count; a step that canno
 it, logits processing that reads the drafts, no room before max_model_len) proposes its own count, and the rise
 comes at the next decode-only step. K = 0 turns speculation off: the drafter runs only over new prompts, and the step
 that turns it back on verifies no drafts and proposes the engine's K (cuda_graph's resume graphs).
+
+With a draft confidence cutoff (`confident`), requests hold only their confident drafts (spec/confidence.py), as many
+as each has: a step is laid out for the load's K and verifies what each request holds, without padding (the
+model runner lays such steps out compactly: a request's rows are its own drafts), and proposes the load's K.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from peagle.engine.config import AdaptivePolicy
 
-# A draft that is fed but never accepted (the verifiers skip ids < 0): pads a step whose K rose to the new K's layout.
+# A draft that is fed but never accepted (the verifiers skip ids < 0): pads a step whose K rose to the new K's layout,
+# and stands for each draft a request does not verify because its confidence fell below the cutoff.
 PAD_DRAFT = -1
+# A step launched ahead with drafts cut by confidence gets rows for its requests' next tokens and this many times the
+# drafts they held in the round before, plus one request's K (`DraftPlanner.compact_budget`)
+BUDGET_MARGIN = 1.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,15 +52,31 @@ class DraftPlanner:
     what it verifies, and max_model_len, past which no draft position may lie."""
 
     def __init__(self, k: int, adaptive: AdaptivePolicy | None = None, *, propose_verified_only: bool = True,
-                 max_model_len: int):
+                 max_model_len: int, confidence_cutoff: float | None = None):
         self.k = k
         self.adaptive = adaptive if adaptive is not None else AdaptivePolicy()
         self.propose_verified_only = propose_verified_only
         self.max_model_len = max_model_len
+        self.confidence_cutoff = confidence_cutoff  # None: the adaptive policy's cutoffs
 
     def load_k(self, num_running: int) -> int:
         """The most drafts a request verifies with `num_running` requests running (0: speculation off)."""
         return self.adaptive.k_for(num_running, self.k) if self.k else 0
+
+    @property
+    def confident(self) -> bool:
+        """Whether requests verify only their confident drafts (a cutoff at some load; an explicit 0 turns it off)."""
+        if not self.k:
+            return False
+        if self.confidence_cutoff is not None:
+            return self.confidence_cutoff > 0
+        return self.adaptive.has_cutoffs
+
+    def cutoff(self, num_running: int) -> float:
+        """The draft confidence cutoff with `num_running` requests running (0: every draft verified)."""
+        if self.confidence_cutoff is not None:
+            return self.confidence_cutoff
+        return self.adaptive.cutoff_for(num_running)
 
     def graph_ks(self) -> list[int]:
         """Every K a decode step can verify: the engine's and each K the adaptive policy may pick."""
@@ -71,8 +96,9 @@ class DraftPlanner:
         """Each running request's drafts cut to what its next step may verify: the load's K, and no position past
         max_model_len."""
         for seq in seqs:
-            room = self.max_model_len - seq.num_tokens
-            del seq.draft_token_ids[max(0, min(load_k, room)):]
+            cut = max(0, min(load_k, self.max_model_len - seq.num_tokens))
+            del seq.draft_token_ids[cut:]
+            seq.num_proposed_drafts = min(seq.num_proposed_drafts, cut)
 
     def plan(self, seqs, drafts: list[list[int]], load_k: int, *, logits_processing: bool = False,
              chunks: list[int] | None = None) -> DraftPlan:
@@ -82,6 +108,8 @@ class DraftPlanner:
         # The drafter runs unless the policy turned speculation off (K = 0); it still reads new prompts.
         if not self.k or not (load_k > 0 or any(s.num_computed_tokens < s.num_tokens - 1 for s in seqs)):
             return DraftPlan(most)
+        if self.confident and load_k > 0:  # each request verifies what it holds, the step proposes the load's K
+            return DraftPlan(load_k, self.draft_count(load_k))
         if (self.propose_verified_only and self.rose(load_k, most)
                 and self.can_pad(seqs, drafts, most, load_k, logits_processing, chunks)):
             return DraftPlan(load_k, load_k, pad=True)
@@ -100,6 +128,16 @@ class DraftPlanner:
         k = min(load_k, num_drafts)
         draft = self.k > 0 and (admitting or load_k > 0)  # new prompts: the drafter reads them
         return DraftPlan(k, self.draft_count(k) if draft else 0)
+
+    @staticmethod
+    def compact_budget(held: list[int], k: int) -> int:
+        """Rows for a step launched ahead of its answer whose requests verify only their confident drafts (of which
+        the host has not seen the count yet): each request's next token, and BUDGET_MARGIN times the drafts `held`
+        in the round before plus one request's k, never more than all their k drafts. Where the drafts come out
+        deeper than that, the device cuts the deepest (`kernels.compact_decode_inputs`): lossless, but fewer
+        accepted; one request alone is never cut."""
+        drafts = sum(min(h, k) for h in held)
+        return len(held) + min(len(held) * k, math.ceil(BUDGET_MARGIN * drafts) + k)
 
     @staticmethod
     def rose(load_k: int, held: int) -> bool:

@@ -40,6 +40,9 @@ class LLM:
     trained weights.
     `admit_ahead`, `fused_merge`, `mixed_tiles` and `propose_verified_only` (on by default) are the engine's switches
     of those names (EngineConfig), for timing them off.
+    `draft_confidence_cutoff` (a number in [0, 1]): each request verifies only its drafts whose confidence, the
+    drafter's probability of the chain up to them, reaches it (0: every draft; None, the default: the adaptive
+    policy's cutoffs per load, from the head's adaptive.json when the speculative config gives no policy, else none).
     """
 
     def __init__(self, model: str, speculative_config: dict[str, Any] | str | None = None, *,
@@ -51,7 +54,8 @@ class LLM:
                  synthetic_acceptance: Sequence[float] | None = None, async_scheduling: bool = True,
                  decode_gemv: bool = False, enable_chunked_prefill: bool = False,
                  prefill_cuda_graphs: bool = True, generation_config: str = "auto", admit_ahead: bool = True,
-                 fused_merge: bool = True, mixed_tiles: bool = True, propose_verified_only: bool = True):
+                 fused_merge: bool = True, mixed_tiles: bool = True, propose_verified_only: bool = True,
+                 draft_confidence_cutoff: float | None = None):
         import torch
 
         _check_unimplemented(tensor_parallel_size, trust_remote_code)
@@ -67,7 +71,7 @@ class LLM:
             async_scheduling=async_scheduling, decode_gemv=decode_gemv, enable_chunked_prefill=enable_chunked_prefill,
             prefill_cuda_graphs=prefill_cuda_graphs, enable_prefix_caching=bool(enable_prefix_caching),
             admit_ahead=admit_ahead, fused_merge=fused_merge, mixed_tiles=mixed_tiles,
-            propose_verified_only=propose_verified_only,
+            propose_verified_only=propose_verified_only, draft_confidence_cutoff=draft_confidence_cutoff,
         )
         check_max_model_len(config)
         self.sampling_defaults = model_sampling_defaults(generation_config, model)  # before the model loads
@@ -288,4 +292,5 @@ def _combine(metrics: list[RequestMetrics]) -> RequestMetrics:
     return RequestMetrics(sum(m.num_drafting_rounds for m in metrics), sum(m.num_draft_tokens for m in metrics),
                           sum(m.num_accepted_tokens for m in metrics), per_pos,
                           sum(m.num_output_tokens for m in metrics), first.ttft_s, first.itl_s,
-                          max((m.e2e_s or 0.0) for m in metrics), first.num_cached_tokens)
+                          max((m.e2e_s or 0.0) for m in metrics), first.num_cached_tokens,
+                          sum(m.num_verified_tokens for m in metrics))

@@ -70,7 +70,8 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.planner = DraftPlanner(self.k, self.spec.adaptive if self.spec else None,
                                     propose_verified_only=config.propose_verified_only,
-                                    max_model_len=self.max_model_len)
+                                    max_model_len=self.max_model_len,
+                                    confidence_cutoff=config.draft_confidence_cutoff)
         # MASK slots and verify rows run up to 2K positions past the last token.
         need = self.max_model_len + 2 * self.k + 1
         for m in (self.target, drafter):
@@ -226,6 +227,7 @@ class LLMEngine:
             plan = self.planner.plan(sched.seqs, drafts, load_k, logits_processing=st.processing is not None,
                                      chunks=chunks)
             self._note_drafting(sched.seqs, plan.draft)
+            self._set_cutoff(self.scheduler.num_running)
             result = self.runner.execute(sched.seqs, drafts, st, plan, chunks=chunks)
             outputs = self._commit(_Launched(sched.seqs, None, chunks), result)
         return self._release(outputs)
@@ -252,7 +254,9 @@ class LLMEngine:
                 plan = self.planner.plan(sched.seqs, drafts, load_k, logits_processing=st.processing is not None,
                                          chunks=chunks)
                 self._note_drafting(sched.seqs, plan.draft)
-                ahead = _Launched(sched.seqs, self.runner.launch(sched.seqs, drafts, st, plan, chunks), chunks)
+                cutoff = self._set_cutoff(self.scheduler.num_running)
+                ahead = _Launched(sched.seqs, self.runner.launch(sched.seqs, drafts, st, plan, chunks), chunks,
+                                  cutoff)
         self._inflight = ahead
         return self._release(outputs)
 
@@ -270,17 +274,35 @@ class LLMEngine:
         if plan is None:
             return None  # the load's K rose: a step scheduled from the answer proposes the new count (padded)
         k = plan.verify_k
+        # drafts in flight cut by confidence: each request feeds the ones it holds, packed on the device
+        budget = self.planner.compact_budget([len(seq.draft_token_ids) for seq in seqs], k) \
+            if k and prev.cutoff > 0 else None
         if admitting:
             new = self.scheduler.admit_ahead(seqs, handle.k + 1, k + 1)
             if not new:
                 return None
             batch = new + seqs
-            return _Launched(batch, self.runner.launch_admit_next(handle, rows, seqs, new,
-                                                                  self._sampling_tensors(batch), plan))
+            cutoff = self._set_cutoff(len(seqs))
+            st = self._sampling_tensors(batch)
+            if budget is not None:
+                return _Launched(batch, self.runner.launch_compact(handle, rows, seqs, new, st, plan, budget),
+                                 cutoff=cutoff)
+            return _Launched(batch, self.runner.launch_admit_next(handle, rows, seqs, new, st, plan), cutoff=cutoff)
         if not self.scheduler.schedule_ahead(seqs, handle.k + 1, k + 1):
             return None
         self._note_drafting(seqs, plan.draft)
-        return _Launched(seqs, self.runner.launch_next(handle, rows, seqs, self._sampling_tensors(seqs), plan))
+        cutoff = self._set_cutoff(len(seqs))
+        st = self._sampling_tensors(seqs)
+        if budget is not None:
+            return _Launched(seqs, self.runner.launch_compact(handle, rows, seqs, [], st, plan, budget),
+                             cutoff=cutoff)
+        return _Launched(seqs, self.runner.launch_next(handle, rows, seqs, st, plan), cutoff=cutoff)
+
+    def _set_cutoff(self, num_running: int) -> float:
+        """The draft confidence cutoff of the step about to launch, at the load it runs under (0: none)."""
+        cutoff = self.planner.cutoff(num_running) if self.planner.confident else 0.0
+        self.runner.set_cutoff(cutoff)
+        return cutoff
 
     def _note_drafting(self, seqs: list[Sequence], draft: bool):
         """A step that feeds sequences without running the drafter leaves their drafter entries unwritten there:
@@ -312,17 +334,18 @@ class LLMEngine:
         outputs = []
         logprobs = result.logprobs or [None] * len(step.seqs)
         chunks = step.chunks or [None] * len(step.seqs)
-        for seq, tokens, drafts, lps, n in zip(step.seqs, result.output_tokens, result.drafts, logprobs, chunks):
+        for seq, tokens, drafts, lps, n, verified in zip(step.seqs, result.output_tokens, result.drafts, logprobs,
+                                                         chunks, result.num_verified):
             if seq.is_finished:  # finished or aborted while its step was in flight: the answer is dropped
                 continue
             if n is not None and n < seq.num_new_tokens:  # a prefill chunk: nothing sampled
                 seq.commit_chunk(n)
                 continue
             before = seq.num_tokens
-            seq.commit(tokens, now)
+            seq.commit(tokens, now, verified)
             self._check_stop_strings(seq, before)
             if not seq.is_finished and self.k:
-                seq.draft_token_ids = drafts if next_k is None else drafts[:next_k]
+                seq.set_drafts(drafts if next_k is None else drafts[:next_k])
             new = seq.token_ids[before:]
             outputs.append(StepOutput(seq.seq_id, new, seq.is_finished,
                                       logprobs=None if lps is None else lps[:len(new)]))
@@ -368,12 +391,13 @@ class LLMEngine:
 
 @dataclass
 class _Launched:
-    """A launched step: its batch, the answer's handle (None once read), and the tokens each request fed when a
-    prefill was chunked (None when every request fed its whole span)."""
+    """A launched step: its batch, the answer's handle (None once read), the tokens each request fed when a
+    prefill was chunked (None when every request fed its whole span), and its cutoff."""
 
     seqs: list[Sequence]
     handle: StepHandle | None
     chunks: list[int] | None = None
+    cutoff: float = 0.0  # the draft confidence cutoff its proposer ran with (> 0: its drafts may hold PAD_DRAFT)
 
 
 def _random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int):

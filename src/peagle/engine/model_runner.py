@@ -10,6 +10,11 @@ A step is launched (`launch`, from the host's sequences) and answered later (`St
 device-to-host copy); `execute` does both. With async scheduling the engine launches the next decode step before
 the answer arrives (`launch_next`: its inputs are built on the device from the step in flight), and the answer
 comes back through pinned buffers marked by events, so the host waits only when it needs the tokens.
+
+With a draft confidence cutoff (`DraftPlanner.confident`) the proposer answers each request's unconfident drafts as
+PAD_DRAFT (spec/confidence.py), the host keeps the confident ones, and steps feed only those: a step built on the
+host lays requests out as they are (general steps and their graphs), one launched ahead packs them on the device
+into a budget of rows (`launch_compact`), so the target computes only the drafts it verifies.
 """
 
 from __future__ import annotations
@@ -56,7 +61,8 @@ class StepInputs:
 class StepResult:
     output_tokens: list[list[int]]  # per request: accepted drafts then the next token
     num_accepted: list[int]
-    drafts: list[list[int]]  # per request: the next round's K drafts ([] without speculation)
+    drafts: list[list[int]]  # per request: the next round's K drafts, PAD_DRAFT past its confident ones ([]: none)
+    num_verified: list[int]  # per request: the drafts this step verified (pads aside)
     # per request asking for logprobs, one (token id, logprob, rank, [(id, logprob)] top) per output token; else None
     logprobs: list[list[tuple] | None] | None = None
 
@@ -66,16 +72,17 @@ class StepHandle:
     """A launched step whose answer is on its way to the host. The packed answer stays on the device, where the
     next step's inputs can be built from it before the host has seen it (async scheduling)."""
 
-    packed: torch.Tensor  # [B, (k + 1) + 1 + D] int64: output tokens (-1 after), number accepted, D next drafts
-    k: int  # drafts verified per request
-    host: torch.Tensor | None = None  # [B, (k + 1) + 1 + D] pinned copy of packed, complete once `ready` passed
+    packed: torch.Tensor  # [B, (k + 1) + 1 + D + 1] int64: output tokens (-1 after), number accepted, D next
+    # drafts, number of drafts verified
+    k: int  # drafts verified per request at most (the step's layout)
+    host: torch.Tensor | None = None  # pinned copy of packed, complete once `ready` passed
     ready: torch.cuda.Event | None = None
     finish: Callable[[StepResult], None] | None = None  # host work on the answer (logprobs)
 
     @property
     def num_drafts(self) -> int:
         """D: drafts proposed per request (0 when the drafter did not run)."""
-        return self.packed.shape[1] - self.k - 2
+        return self.packed.shape[1] - self.k - 3
 
     def result(self) -> StepResult:
         if self.ready is None:
@@ -107,6 +114,10 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks  # one extra block that padding requests of a graph bucket write into
+        # the draft confidence cutoff the proposer reads (graphs too), set per step (`set_cutoff`); None: not cut
+        self.cutoff = (torch.zeros((), dtype=torch.float32, device=device)
+                       if planner.confident and drafter is not None else None)
+        self._cutoff_value = 0.0
         self.device = device
         self.dtype = dtype
         self.max_model_len = max_model_len
@@ -155,9 +166,16 @@ class ModelRunner:
         before it launches the step after next."""
         if self.device.type != "cuda":
             return
-        n = self.max_num_seqs * (2 * self.k + 2)
+        n = self.max_num_seqs * (2 * self.k + 3)
         self._pinned = [torch.empty(n, dtype=torch.long, pin_memory=True) for _ in range(2)]
         self._events = [torch.cuda.Event() for _ in range(2)]
+
+    def set_cutoff(self, value: float) -> None:
+        """The draft confidence cutoff of the steps launched from now on (a device write only when it changes; it
+        follows the step in flight on the stream)."""
+        if self.cutoff is not None and value != self._cutoff_value:
+            self.cutoff.fill_(value)
+            self._cutoff_value = value
 
     # ---- sizing -------------------------------------------------------------------------------------------------
 
@@ -348,7 +366,7 @@ class ModelRunner:
             query_start_loc=x.query_start_loc, block_tables=x.block_tables, aux=aux,
             num_rejected=num_rejected, next_tokens=next_tokens, max_query_len=max_query_len,
             small_query_len=small_query_len,
-        ), num_drafts)
+        ), num_drafts, self.cutoff)
 
     def verify(self, logits, x: DeviceInputs, st: SamplingTensors, k: int, num_real: int):
         logits = logits[: num_real * (k + 1)]
@@ -368,7 +386,7 @@ class ModelRunner:
         """A whole decode round for greedy requests on the device (captured as one CUDA graph): verify, then draft.
 
         Every request feeds exactly one uncomputed token and k drafts. Returns the packed host answer
-        [B, (k + 1) + 1 + K]: output tokens, number accepted, next drafts.
+        [B, (k + 1) + 1 + K + 1]: output tokens, number accepted, next drafts, drafts verified.
         """
         b = x.query_start_loc.shape[0] - 1
         logits, aux = self.target_forward(x, k + 1, all_rows=True)
@@ -379,7 +397,7 @@ class ModelRunner:
         if self.proposer is not None and draft:
             drafts = self.propose(x, aux, x.num_drafts - v.num_accepted, v.next_tokens, k + 1,
                                   num_drafts=self.draft_count(k))
-        return _pack(v, drafts, b)
+        return _pack(v, drafts, b, _num_verified(x.drafts, x.num_drafts))
 
     def execute(self, seqs, drafts: list[list[int]], st: SamplingTensors, plan: DraftPlan,
                 chunks: list[int] | None = None) -> StepResult:
@@ -481,6 +499,53 @@ class ModelRunner:
         return self._run(x, st, k, n_new + d, max_query_len, None if key is None else general, plan.draft,
                          plan.propose_k)
 
+    @torch.inference_mode()
+    def launch_compact(self, prev: StepHandle, rows: list[int], seqs, new, st: SamplingTensors, plan: DraftPlan,
+                       budget: int) -> StepHandle:
+        """`launch_next` (and with `new` prompts, `launch_admit_next`) for drafts cut by confidence: request i of
+        `seqs` (row rows[i] of prev's batch) feeds prev's next token and only the drafts prev left it (at most
+        k = plan.verify_k), packed after the prompts' rows into `budget` rows at least (`kernels.
+        compact_decode_inputs`, which cuts the deepest drafts when they do not fit: the engine sizes the budget from
+        the drafts its requests held last). A general graph runs the step when its (tokens, requests, K) key has
+        one, its bucket's spare rows added to the budget; else it runs eagerly at exactly the budget."""
+        k = plan.verify_k
+        assert k <= prev.num_drafts and budget >= len(seqs), (k, prev.num_drafts, budget, len(seqs))
+        n_new, d, bs = len(new), len(seqs), self.block_size
+        pre = self._build_general_inputs(new, [[] for _ in new], k, None) if new else None
+        t_pre = int(pre.query_start_loc[-1]) if new else 0
+        general = self.general_graphs
+        key = None if general is None else general.key_for(t_pre + budget, n_new + d, k)
+        t, b = (key[0], key[1]) if key is not None else (t_pre + budget, n_new + d)
+        src, base, tables = self.build_next_inputs(seqs, rows, b - n_new)
+        z = lambda *shape: np.zeros(shape, dtype=np.int64)  # noqa: E731 - placeholders the device overwrites
+        inp = StepInputs(
+            input_ids=z(t), positions=z(t), slot_mapping=z(t),
+            query_start_loc=np.full(b + 1, t_pre, dtype=np.int32), block_tables=tables,
+            logit_rows=z(b, k + 1), drafts=z(b, k), num_drafts=z(b),
+            max_query_len=max(pre.max_query_len if new else 0, k + 1), num_real=n_new + d,
+            chunk_next=np.full(b, -1, dtype=np.int64))
+        if new:  # the prompts' rows and requests first, as built on the host
+            for name in ("input_ids", "positions", "slot_mapping"):
+                getattr(inp, name)[:t_pre] = getattr(pre, name)
+            inp.query_start_loc[:n_new + 1] = pre.query_start_loc
+            inp.block_tables = np.concatenate([pre.block_tables, tables])
+            inp.logit_rows[:n_new] = pre.logit_rows
+        if key is None:
+            x = self.to_device(inp)
+            src_d, base_d = (torch.from_numpy(a).to(self.device) for a in (src, base))
+            max_query_len = inp.max_query_len
+        else:
+            x, src_d, base_d = general.load_inputs(inp, key, next_rows=(src, base))
+            max_query_len = t
+        out = {"input_ids": x.input_ids[t_pre:], "positions": x.positions[t_pre:],
+               "slot_mapping": x.slot_mapping[t_pre:], "query_start_loc": x.query_start_loc[n_new:],
+               "logit_rows": x.logit_rows.view(b, k + 1)[n_new:], "drafts": x.drafts[n_new:],
+               "num_drafts": x.num_drafts[n_new:]}
+        kernels.compact_decode_inputs(prev.packed, src_d, base_d, x.block_tables[n_new:], prev.k, k, bs,
+                                      self.scratch_block, t_pre, out)
+        return self._run(x, st, k, n_new + d, max_query_len, None if key is None else general, plan.draft,
+                         plan.propose_k)
+
     def build_next_inputs(self, seqs, rows: list[int], pad_to: int):
         """Host arrays for `launch_next`: per request the packed row it reads (-1 = padding), its token count
         and its block table."""
@@ -534,7 +599,8 @@ class ModelRunner:
                 new_drafts = self.propose(x, aux, num_rejected, next_tokens, max_query_len, small_query_len=k + 1,
                                           num_drafts=num_new_drafts or self.draft_count(k))
             new_drafts = new_drafts[:num_real]
-        handle = self._handle(_pack(v, new_drafts, num_real), k)
+        verified = _num_verified(x.drafts[:num_real], x.num_drafts[:num_real])
+        handle = self._handle(_pack(v, new_drafts, num_real, verified), k)
         if st.logprob_requests is not None:
             # Computed now: the logits may be a graph's output, which the next step's replay overwrites before the
             # host reads this answer (async scheduling).
@@ -557,11 +623,18 @@ class ModelRunner:
         return StepHandle(packed, k, host, ready)
 
 
-def _pack(v, new_drafts, b) -> torch.Tensor:  # [B, (k + 1) + 1 + K]
+def _pack(v, new_drafts, b, num_verified) -> torch.Tensor:  # [B, (k + 1) + 1 + D + 1]
     parts = [v.output_tokens.long().reshape(b, -1), v.num_accepted.long().reshape(b, 1)]
     if new_drafts is not None:
         parts.append(new_drafts.long().reshape(b, -1))
+    parts.append(num_verified.long().reshape(b, 1))
     return torch.cat(parts, dim=1)
+
+
+def _num_verified(drafts: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:  # [B, k], [B] -> [B]
+    """Drafts each request verified: its first num_drafts, pads (ids < 0) aside."""
+    j = torch.arange(drafts.shape[1], device=drafts.device)
+    return ((j[None, :] < num_drafts[:, None]) & (drafts >= 0)).sum(dim=1)
 
 
 def _logprob_tensors(logits, st: SamplingTensors, output_tokens, rows: int) -> tuple[torch.Tensor, ...]:
@@ -582,10 +655,11 @@ def _logprobs(lp: tuple[torch.Tensor, ...], num_accepted: list[int]) -> list:
 
 def _unpack(rows: list[list[int]], k: int) -> StepResult:
     width = k + 1
-    out, acc, drafts = [], [], []
+    out, acc, drafts, verified = [], [], [], []
     for row in rows:
         a = row[width]
         out.append(row[: a + 1])
         acc.append(a)
-        drafts.append(row[width + 1:])
-    return StepResult(out, acc, drafts)
+        drafts.append(row[width + 1:-1])
+        verified.append(row[-1])
+    return StepResult(out, acc, drafts, verified)

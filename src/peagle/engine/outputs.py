@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 @dataclass
 class RequestMetrics:
     num_drafting_rounds: int = 0
-    num_draft_tokens: int = 0
+    num_draft_tokens: int = 0  # drafts proposed for its rounds (vLLM's "drafted")
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     num_output_tokens: int = 0
@@ -16,6 +16,8 @@ class RequestMetrics:
     itl_s: float | None = None  # mean time between output tokens after the first
     e2e_s: float | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # drafts the target verified: num_draft_tokens less those a draft confidence cutoff left out
+    num_verified_tokens: int = 0
 
     @property
     def acceptance_length(self) -> float | None:
@@ -41,7 +43,8 @@ class RequestMetrics:
         if n > 1 and seq.first_token_time is not None:
             itl = (seq.last_token_time - seq.first_token_time) / (n - 1)
         return cls(seq.num_drafting_rounds, seq.num_draft_tokens, seq.num_accepted_tokens,
-                   list(seq.accepted_per_position), n, ttft, itl, now - seq.arrival_time, seq.num_cached_tokens)
+                   list(seq.accepted_per_position), n, ttft, itl, now - seq.arrival_time, seq.num_cached_tokens,
+                   seq.num_verified_tokens)
 
 
 # One emitted token's log-probabilities, as the engine reports them: (token id, logprob, rank, [(id, logprob)]

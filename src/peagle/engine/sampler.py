@@ -167,7 +167,10 @@ def process_logits(logits: torch.Tensor, proc: LogitsProcessing, drafts: torch.T
     if proc.bias is not None:
         sub = sub + proc.bias[:, None]
     if proc.allowed is not None:
-        sub = sub.masked_fill(~proc.allowed, float("-inf"))
+        allowed = proc.allowed  # [P, R', V] rows up to the most drafts held; a wider layout's rows are never read
+        if allowed.shape[1] < r:
+            allowed = torch.cat([allowed, allowed[:, -1:].expand(-1, r - allowed.shape[1], -1)], dim=1)
+        sub = sub.masked_fill(~allowed, float("-inf"))
     if proc.min_tokens_left is not None:
         # Row j emits output number n_out + j, so it is held back while j < min_tokens - n_out.
         early = torch.arange(r, device=logits.device)[None, :] < proc.min_tokens_left[:, None]  # [P, R]

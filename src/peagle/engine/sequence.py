@@ -3,7 +3,8 @@
 Vocabulary used throughout the engine:
 - `num_computed_tokens`: leading tokens whose TARGET KV is final. The last token is never computed: it was just
   sampled and is fed to the target in the next step.
-- `draft_token_ids`: drafts proposed for the next verification (set by the proposer, cleared by `commit` and by
+- `draft_token_ids`: drafts proposed for the next verification (set by the proposer through `set_drafts`, which
+  keeps those before the first PAD_DRAFT, the drafts the drafter is confident in; cleared by `commit` and by
   preemption).
 - A step feeds `token_ids[num_computed_tokens:] + draft_token_ids` (`num_new_tokens` of them) to the target; the
   verifier answers with the accepted drafts plus one sampled token (recovered or bonus), which `commit` applies.
@@ -52,13 +53,15 @@ class Sequence:
         self.drafter_gap = False  # a step fed it without running the drafter (speculation off): entries missing
         self.prefix_keys: list[bytes] | None = None  # the prompt's full-block keys (prefix caching), made once
         self.draft_token_ids: list[int] = []
+        self.num_proposed_drafts = 0  # drafts the drafter proposed for the next round, unconfident ones included
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_drafting_rounds = 0
-        self.num_draft_tokens = 0
+        self.num_draft_tokens = 0  # drafts proposed for the rounds (vLLM's "drafted")
+        self.num_verified_tokens = 0  # drafts the target verified (fewer where confidence cut them)
         self.num_accepted_tokens = 0
         self.accepted_per_position: list[int] = []  # [i] = rounds whose draft i was accepted; grows to the K used
 
@@ -125,20 +128,31 @@ class Sequence:
             self.last_token_time = now
         return kept
 
-    def commit(self, new_token_ids: list[int], now: float | None = None) -> int:
+    def set_drafts(self, drafts: list[int]) -> None:
+        """The drafts proposed for the next round: those before the first PAD_DRAFT (id < 0: a draft the drafter was
+        not confident in) are verified; all count as proposed."""
+        n = next((i for i, t in enumerate(drafts) if t < 0), len(drafts))
+        self.draft_token_ids = drafts[:n]
+        self.num_proposed_drafts = len(drafts)
+
+    def commit(self, new_token_ids: list[int], now: float | None = None, num_verified: int | None = None) -> int:
         """Apply one step's verifier output: the accepted drafts followed by one sampled token.
 
-        Records the drafting-round metrics (from the verifier's answer, before any stop truncation), consumes the
-        drafts, appends via `append_tokens` and marks everything but the new last token as computed: the fed span
-        and the accepted drafts now have final target KV. Returns how many tokens were kept.
+        Records the drafting-round metrics (from the verifier's answer, before any stop truncation; `num_verified`:
+        the drafts the step verified, by default all it held), consumes the drafts, appends via `append_tokens` and
+        marks everything but the new last token as computed: the fed span and the accepted drafts now have final
+        target KV. Returns how many tokens were kept.
         """
         drafts = self.draft_token_ids
         num_accepted = len(new_token_ids) - 1
-        assert 0 <= num_accepted <= len(drafts), (self.seq_id, new_token_ids, drafts)
+        verified = len(drafts) if num_verified is None else num_verified
+        assert 0 <= num_accepted <= verified <= len(drafts), (self.seq_id, new_token_ids, drafts, num_verified)
         assert new_token_ids[:num_accepted] == drafts[:num_accepted], "accepted tokens must be the drafts"
-        if drafts:
-            self._record_round(len(drafts), num_accepted)
+        proposed = max(self.num_proposed_drafts, len(drafts))
+        if proposed:
+            self._record_round(proposed, verified, num_accepted)
         self.draft_token_ids = []
+        self.num_proposed_drafts = 0
         kept = self.append_tokens(new_token_ids, now)
         self.num_computed_tokens = len(self.token_ids) - 1
         return kept
@@ -149,9 +163,10 @@ class Sequence:
         assert not self.draft_token_ids and self.num_computed_tokens + num_tokens < self.num_tokens, (self, num_tokens)
         self.num_computed_tokens += num_tokens
 
-    def _record_round(self, num_drafts: int, num_accepted: int):
+    def _record_round(self, num_drafts: int, num_verified: int, num_accepted: int):
         self.num_drafting_rounds += 1
         self.num_draft_tokens += num_drafts
+        self.num_verified_tokens += num_verified
         self.num_accepted_tokens += num_accepted
         if len(self.accepted_per_position) < num_drafts:
             self.accepted_per_position.extend([0] * (num_drafts - len(self.accepted_per_position)))
@@ -163,4 +178,5 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.draft_token_ids = []
+        self.num_proposed_drafts = 0
         self.drafter_gap = False  # the prefill that recomputes it runs the drafter over every position

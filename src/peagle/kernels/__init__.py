@@ -2,7 +2,8 @@
 
 Callers use the functions here (`store_kv`, `paged_attention`, `expand_draft_batch`, `gather_draft_features`,
 and the decoder layer's fused element-wise ops `rms_norm`, `fused_add_rms_norm`, `rotary`, `rotary_store_kv`,
-`silu_and_mul`; `advance_decode_inputs` for async scheduling; `linear`, the small-batch GEMV, with the decoder
+`silu_and_mul`; `advance_decode_inputs` for async scheduling (`compact_decode_inputs`, PyTorch only, for drafts cut by
+confidence); `linear`, the small-batch GEMV, with the decoder
 layer's norms (`rms_norm_linear`) or the MLP's activation (`silu_and_mul_linear`) inside it);
 each runs the Triton kernel or the `*_ref` reference, chosen by the environment variable PEAGLE_KERNELS:
 - `auto` (default): Triton for CUDA tensors, the reference otherwise (the CPU path of the engine);
@@ -23,7 +24,7 @@ from types import ModuleType
 
 import torch
 
-from peagle.kernels.decode_inputs import advance_decode_inputs_ref
+from peagle.kernels.decode_inputs import advance_decode_inputs_ref, compact_decode_inputs
 from peagle.kernels.draft_batch import DraftBatch, expand_draft_batch_ref, gather_draft_features_ref
 from peagle.kernels.fused import (fused_add_rms_norm_ref, rms_norm_ref, rotary_ref, rotary_store_kv_ref,
                                   silu_and_mul_ref)
@@ -40,7 +41,7 @@ __all__ = [
     "expand_draft_batch", "expand_draft_batch_ref", "gather_draft_features", "gather_draft_features_ref",
     "rms_norm", "rms_norm_ref", "fused_add_rms_norm", "fused_add_rms_norm_ref", "rotary", "rotary_ref",
     "rotary_store_kv", "rotary_store_kv_ref",
-    "silu_and_mul", "silu_and_mul_ref", "advance_decode_inputs", "advance_decode_inputs_ref",
+    "silu_and_mul", "silu_and_mul_ref", "advance_decode_inputs", "advance_decode_inputs_ref", "compact_decode_inputs",
     "linear", "linear_ref", "rms_norm_linear", "silu_and_mul_linear", "GemvLinear", "use_gemv_linears",
 ]
 

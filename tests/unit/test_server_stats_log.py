@@ -51,6 +51,26 @@ def test_a_line_reports_the_interval_only():
     assert log.maybe_log(0, 0, 0.0) == []  # nothing ran: no line
 
 
+def test_verified_drafts_are_counted_and_logged_where_a_cutoff_left_some_out():
+    metrics, clock = ServerMetrics(3, "m"), Clock()
+    log = StatLogger(metrics, interval_s=10.0, clock=clock)
+    metrics.on_step_tokens(50, [])
+    cut = finished()
+    cut.num_verified_tokens = 18  # 30 drafted, 18 verified, 15 accepted
+    metrics.on_finished("stop", cut)
+    text = metrics.render().decode()
+    assert 'peagle_spec_decode_num_verified_tokens_total 18.0' in text
+    assert 'vllm:spec_decode_num_verified_tokens_total{model_name="m"} 18.0' in text
+    clock.now += 10.0
+    _, spec = log.maybe_log(1, 0, 0.1)
+    assert "Accepted: 15 tokens, Drafted: 30 tokens, Verified: 18 tokens, Per-position" in spec
+    uncut = finished()
+    uncut.num_verified_tokens = 30
+    metrics.on_finished("stop", uncut)
+    clock.now += 10.0
+    assert "Verified" not in log.maybe_log(1, 0, 0.1)[1]  # vLLM's line as it is without a cutoff
+
+
 def test_a_drained_burst_is_logged_at_once_and_idle_time_is_not_counted():
     metrics, clock = ServerMetrics(0, "m"), Clock()
     log = StatLogger(metrics, interval_s=10.0, clock=clock)

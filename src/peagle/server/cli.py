@@ -34,6 +34,10 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help='speculative decoding as JSON, e.g. \'{"method": "eagle3", "model": "DRAFTER_DIR", '
                         '"num_speculative_tokens": 7, "parallel_drafting": true}\' (P-EAGLE); without it, the '
                         f"{' or '.join(SPEC_ENV_VARS)} environment variable, else no speculation")
+    p.add_argument("--draft-confidence-cutoff", type=float, metavar="C",
+                   help="verify only the drafts whose confidence (the drafter's probability of the chain up to "
+                        "them) reaches C, in [0, 1], at every load (0: every draft); by default the adaptive "
+                        "policy's cutoffs per load (the head's adaptive.json), else every draft")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces)")
     p.add_argument("--port", type=_port, metavar="PORT", default=8000, help="port to listen on (default 8000)")
@@ -320,6 +324,7 @@ def _serve(args: argparse.Namespace) -> int:
         enable_chunked_prefill=args.enable_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_cuda_graphs=args.prefill_cuda_graphs, enable_prefix_caching=args.enable_prefix_caching,
         load_format=args.load_format, block_size=args.block_size,
+        draft_confidence_cutoff=args.draft_confidence_cutoff,
     )
     check_max_model_len(config)
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None  # before the model loads

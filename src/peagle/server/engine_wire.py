@@ -33,6 +33,7 @@ class Metrics(msgspec.Struct, array_like=True):
     itl_s: float | None = None
     e2e_s: float | None = None
     num_cached_tokens: int = 0
+    num_verified_tokens: int = 0
 
 
 class Output(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -104,7 +105,7 @@ def output_of(out) -> Output:
     m = out.metrics
     metrics = None if m is None else Metrics(m.num_drafting_rounds, m.num_draft_tokens, m.num_accepted_tokens,
                                              m.accepted_per_position, m.num_output_tokens, m.ttft_s, m.itl_s,
-                                             m.e2e_s, m.num_cached_tokens)
+                                             m.e2e_s, m.num_cached_tokens, m.num_verified_tokens)
     return Output(out.request_id, out.new_token_ids, out.finished, out.finish_reason, out.error, metrics,
                   out.logprobs)
 

@@ -128,7 +128,8 @@ class ServerMetrics:
 
     Every metric exists twice: `peagle_<name>` and vLLM's `vllm:<name>` (labelled with `model_name`). The speculative
     counters mirror vLLM's `spec_decode_*`: drafting rounds, proposed draft tokens, accepted draft tokens and
-    accepted tokens per draft position, so acceptance length = 1 + accepted / drafts.
+    accepted tokens per draft position, so acceptance length = 1 + accepted / drafts; peagle adds the draft tokens
+    the target verified (`spec_decode_num_verified_tokens`: fewer than proposed under a draft confidence cutoff).
     """
 
     def __init__(self, num_speculative_tokens: int = 0, model_name: str = "", prefix_caching: bool = False):
@@ -141,6 +142,9 @@ class ServerMetrics:
         self.num_drafts = twin(Counter, "spec_decode_num_drafts", "Drafting rounds verified.")
         self.num_draft_tokens = twin(Counter, "spec_decode_num_draft_tokens", "Draft tokens proposed.")
         self.num_accepted_tokens = twin(Counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.num_verified_tokens = twin(Counter, "spec_decode_num_verified_tokens",
+                                        "Draft tokens verified by the target (proposed ones past the draft confidence "
+                                        "cutoff are not).")
         self.accepted_per_pos = twin(Counter, "spec_decode_num_accepted_tokens_per_pos",
                                      "Draft tokens accepted at each draft position (0 = first draft).",
                                      ("position",))
@@ -200,9 +204,11 @@ class ServerMetrics:
             self.num_drafts.inc(metrics.num_drafting_rounds)
             self.num_draft_tokens.inc(metrics.num_draft_tokens)
             self.num_accepted_tokens.inc(metrics.num_accepted_tokens)
+            self.num_verified_tokens.inc(metrics.num_verified_tokens)
             t.num_drafts += metrics.num_drafting_rounds
             t.num_draft_tokens += metrics.num_draft_tokens
             t.num_accepted_tokens += metrics.num_accepted_tokens
+            t.num_verified_tokens += metrics.num_verified_tokens
             for pos, n in enumerate(metrics.accepted_per_position):
                 self.accepted_per_pos.labels(position=str(pos)).inc(n)
                 if pos >= len(t.accepted_per_pos):
@@ -240,6 +246,7 @@ class Totals:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_verified_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
@@ -316,8 +323,11 @@ class StatLogger:
             drafted = cur.num_draft_tokens - last.num_draft_tokens
             per_pos = [(c - (last.accepted_per_pos[i] if i < len(last.accepted_per_pos) else 0)) / drafts
                        for i, c in enumerate(cur.accepted_per_pos)]
+            verified = cur.num_verified_tokens - last.num_verified_tokens
+            # vLLM's line, with the drafts verified where a confidence cutoff left some out
+            cut = f"Verified: {verified} tokens, " if 0 < verified < drafted else ""
             lines.append(f"SpecDecoding metrics (requests finished in the last {dt:.0f} s): Mean acceptance length: "
-                         f"{1 + accepted / drafts:.2f}, Accepted: {accepted} tokens, Drafted: {drafted} tokens, "
+                         f"{1 + accepted / drafts:.2f}, Accepted: {accepted} tokens, Drafted: {drafted} tokens, {cut}"
                          f"Per-position acceptance rate: {', '.join(f'{r:.3f}' for r in per_pos)}, "
                          f"Avg Draft acceptance rate: {100 * accepted / max(drafted, 1):.1f}%")
         for text in lines:

@@ -1455,13 +1455,13 @@ def vllm_bench() -> None:
     P-EAGLE at VB_PEAGLE_K (7), concurrency VB_C (1,16,64), VB_DATASETS (mtbench), greedy, BENCH_TOKENS (256) tokens
     with --ignore-eos (VB_IGNORE_EOS=0: stop at EOS; the engines' outputs can part at bf16 near-ties, and with them
     their lengths), BENCH_N (24) prompts, >= BENCH_WAVES (3) waves and BENCH_MIN_S (5) s a point, max model length
-    4096, each bench cut after VB_SECS (280). vLLM's rows follow peagle's in the same bench, a child process each, at
-    VB_VLLM_UTIL (0.8) of the GPU's memory (it wants that much free at its start, beside the bench's own CUDA
-    context). VB_HEADS=random: no trained heads needed; both engines run random weights (load_format dummy) of the
-    target's shape (vllm_target: the testbed's, or from .cfg carried) with random heads, and accept drafts by dice at
-    the per-position rates VB_SYNTHETIC (0.75,0.55,0.42,0.33,0.26,0.2,0.15): equal acceptance by construction, so
-    tokens/s compares the engines alone. Leaves $OUT/vllm-METHOD/ (results, table, plots, vLLM's logs) and
-    $OUT/vllm-sweep/ (one report of every vllm-* bench on this machine, earlier calls' too).
+    4096, each bench cut after VB_SECS (420: one method a call). vLLM's rows follow peagle's in the same bench, a
+    child process each, at VB_VLLM_UTIL (0.8) of the GPU's memory (it wants that much free at its start, beside the
+    bench's own CUDA context). VB_HEADS=random: no trained heads needed; both engines run random weights
+    (load_format dummy) of the target's shape (vllm_target: the testbed's, or from .cfg carried) with random heads,
+    and accept drafts by dice at the per-position rates VB_SYNTHETIC (0.75,0.55,0.42,0.33,0.26,0.2,0.15): equal
+    acceptance by construction, so tokens/s compares the engines alone. Leaves $OUT/vllm-METHOD/ (results, table,
+    plots, vLLM's logs) and $OUT/vllm-sweep/ (one report of every vllm-* bench on this machine, earlier calls' too).
     """
     if env("VB_HEADS", "trained") == "random":
         target = vllm_target()
@@ -1488,7 +1488,7 @@ def vllm_bench() -> None:
     for method in methods:
         out = OUT / f"vllm-{method}"
         head = [f"--draft-{method}", heads[method], "--k", ks[method], *dice] if method in ks else []
-        shown(["timeout", "-s", "INT", env("VB_SECS", "280"), *py(), "-m", "peagle", "bench", "--model", target, *head,
+        shown(["timeout", "-s", "INT", env("VB_SECS", "420"), *py(), "-m", "peagle", "bench", "--model", target, *head,
                "--methods", method, *grid, "--out", out], drop=NOISE, tail=30, env=offline)
         if not (out / "results.md").is_file():
             run([*py(), "-m", "peagle", "bench-report", out / "results.json"], stdout=subprocess.DEVNULL,

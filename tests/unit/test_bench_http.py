@@ -35,10 +35,14 @@ other_requests_total 99.0
 
 def test_read_spec_counters_and_delta():
     counts = read_spec_counters(METRICS_TEXT)
-    assert counts == SpecCounts(rounds=10, drafted=30, accepted=17, accepted_per_position=[8, 6, 3])
+    # a server without the verified counter verified every drafted token
+    assert counts == SpecCounts(rounds=10, drafted=30, accepted=17, accepted_per_position=[8, 6, 3], verified=30)
     assert read_spec_counters("") == SpecCounts()
-    delta = counter_delta(SpecCounts(rounds=4, drafted=12, accepted=5, accepted_per_position=[3, 2]), counts)
-    assert delta == SpecCounts(rounds=6, drafted=18, accepted=12, accepted_per_position=[5, 4, 3])
+    delta = counter_delta(SpecCounts(rounds=4, drafted=12, accepted=5, accepted_per_position=[3, 2], verified=12),
+                          counts)
+    assert delta == SpecCounts(rounds=6, drafted=18, accepted=12, accepted_per_position=[5, 4, 3], verified=18)
+    cut = read_spec_counters(METRICS_TEXT + "peagle_spec_decode_num_verified_tokens_total 21.0\n")
+    assert (cut.drafted, cut.verified) == (30, 21)
 
 
 TOKENS_PER_CHUNK, CHUNKS, ACCEPTED_PER_ROUND = 2, 3, 1

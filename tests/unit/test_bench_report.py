@@ -45,7 +45,8 @@ def test_schema_keys_are_stable_and_documented(tmp_path):
     assert POINT_KEYS == (
         "dataset", "method", "k", "adaptive", "temperature", "concurrency", "num_prompts", "num_failed",
         "output_tokens", "wall_s", "tokens_per_s", "acceptance_length", "per_position_acceptance",
-        "draft_acceptance_rate", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "flags", "remeasured",
+        "draft_acceptance_rate", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "verified_per_round",
+        "accepted_per_round", "verified_per_accepted", "flags", "remeasured",
     )
     writer = ResultsWriter(tmp_path, "peagle bench --model m", {"max_tokens": 256})
     writer.add(sample_points()[1])

@@ -45,6 +45,7 @@ class FakeMetrics:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    num_verified_tokens: int = 0
 
 
 @dataclass
@@ -107,6 +108,7 @@ class FakeEngine:
                     m = r["m"]
                     m.num_drafting_rounds += 1
                     m.num_draft_tokens += self.k
+                    m.num_verified_tokens += self.k
                     m.num_accepted_tokens += a
                     for i in range(a):
                         m.accepted_per_position[i] += 1
@@ -496,3 +498,42 @@ def test_calibrate_writes_the_policy_beside_the_head_and_measures_it(tmp_path):
         SweepConfig(model="unused", draft_peagle=str(head), methods=("peagle",), calibrate=("peagle",))
     with pytest.raises(ValueError, match="is not a directory"):
         SweepConfig(model="unused", draft_peagle="dummy", methods=("none", "peagle"), calibrate=("peagle",))
+
+
+def test_cutoff_rows_are_measured_beside_fixed_k_and_calibrated_with_it(tmp_path):
+    from peagle.bench.cli import sweep_config_from_args
+    from peagle.cli import build_parser
+
+    head = tmp_path / "head"
+    head.mkdir()
+    args = build_parser().parse_args([
+        "bench", "--model", "unused", "--draft-peagle", str(head), "--methods", "none,peagle", "--k", "5",
+        "--concurrency", "1,8,64", "--datasets", "mtbench", "--num-prompts", "4", "--max-tokens", "16",
+        "--draft-confidence-cutoff", "0.2,0.5", "--calibrate"])
+    config = sweep_config_from_args(args)
+    cut = {"thresholds": [], "above": 5, "cutoffs": []}
+    assert config.groups() == [("none", None, None), ("peagle", 5, None),
+                               ("peagle", 5, {**cut, "cutoff_above": 0.2}), ("peagle", 5, {**cut, "cutoff_above": 0.5})]
+    rows = []
+
+    @contextlib.contextmanager
+    def open_runner(method, k, policy=None):
+        rows.append((method, k, policy))
+        clock = FakeClock()
+        # A cutoff verifies fewer drafts (cheaper verification) and accepts as many: it wins where verification
+        # costs most, from 8 requests on; the higher cutoff more.
+        cutoff = (policy or {}).get("cutoff_above") or 0.0
+        engine = FakeEngine(clock) if method == "none" else FakeEngine(clock, k=k, accepted=2, draft_s=0.001,
+                                                                       verify_s=0.0005 * (1 - cutoff))
+        yield runner(engine, clock, 16)
+
+    results, _ = run_benchmark(config, tmp_path / "out", "peagle bench --calibrate", open_runner)
+    saved = json.loads((head / "adaptive.json").read_text())
+    table = saved["calibration"]["table"]
+    assert [(r["winner"], r["cutoff"]) for r in table][1:] == [(5, 0.5), (5, 0.5)]
+    assert saved["cutoff_above"] == 0.5 and rows[-1][2]["cutoff_above"] == 0.5  # measured as a row of its own
+    assert [r[2] for r in rows[:4]] == [g[2] for g in config.groups()]  # the cutoff rows came before calibrating
+    cut_points = [p for p in results["points"] if (p["adaptive"] or {}).get("cutoff_above") == 0.5]
+    assert cut_points and all(p["verified_per_round"] is not None for p in cut_points)
+    with pytest.raises(ValueError, match="cutoffs in"):
+        SweepConfig(model="m", draft_peagle="p", methods=("peagle",), cutoffs=(0.0,))

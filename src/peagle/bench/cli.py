@@ -17,6 +17,7 @@ examples:
   peagle bench --model M --methods none,peagle --k 7 --concurrency 1,8,64 --datasets humaneval,longcode
   peagle bench --url http://127.0.0.1:8000 --methods peagle --k 7     # a running server (its own method and K)
   peagle bench --model M --draft-peagle P --methods none,peagle --k 3,5,7,11 --calibrate  # writes P/adaptive.json
+  peagle bench --model M --draft-peagle P --methods none,peagle --k 7 --draft-confidence-cutoff 0.1,0.3 --calibrate
   peagle bench --model M --draft-eagle3 E --draft-peagle P --k 7 --vllm-baselines  # vLLM's rows beside peagle's
 
 Writes results.json (schema: docs/BENCH_SCHEMA.md), results.md and PNG plots into --out, prints the markdown
@@ -115,9 +116,15 @@ def _register_bench(subparsers) -> None:
     engine.add_argument("--calibrate", nargs="?", const="all", metavar="METHODS",
                         help="derive the heads' adaptive policies from the fixed-K rows (needs --methods none and "
                              "eagle3/peagle; METHODS: a comma list of those to calibrate, default all): per "
-                             "concurrency the K, 0 = no speculation, with the most tokens/s; writes it to "
+                             "concurrency the K, 0 = no speculation, with the most tokens/s (and the draft "
+                             "confidence cutoff, with --draft-confidence-cutoff rows); writes it to "
                              "HEAD/adaptive.json (the head's default in LLM and peagle serve when no policy is "
                              "given) and measures it as a row of its own")
+    engine.add_argument("--draft-confidence-cutoff", type=_floats, default=(), metavar="C1,C2,...",
+                        help="adds a row per speculative method, K and cutoff C in (0, 1]: each request verifies only "
+                             "the drafts whose confidence (the drafter's probability of the chain up to them) "
+                             "reaches C; with --calibrate the cutoff is chosen per concurrency with K and written "
+                             "to the head's adaptive.json")
     engine.add_argument("--llm-option", type=_llm_option, action="append", default=[], metavar="KEY=VALUE",
                         help="any further LLM(...) keyword, VALUE as JSON (repeatable; recorded in the results)")
     checks = p.add_argument_group("hygiene: points far off their neighbours or stalled are re-measured once")
@@ -204,7 +211,7 @@ def sweep_config_from_args(args: argparse.Namespace):
         note=_note(args), tokenizer=args.tokenizer, load_format=args.load_format,
         synthetic_acceptance=args.synthetic_acceptance,
         adaptive=policy[0], adaptive_above=policy[1], adaptive_head=args.adaptive == "head",
-        calibrate=_calibrated(args.calibrate, args.methods),
+        calibrate=_calibrated(args.calibrate, args.methods), cutoffs=args.draft_confidence_cutoff,
         hygiene=HygieneRules(drop_tolerance=args.flag_tolerance, stall_factor=args.stall_factor),
         remeasure=not args.no_remeasure,
     )

@@ -114,4 +114,5 @@ class EngineRunner:
             return
         m = out.metrics
         if m is not None:
-            spec.add(m.num_drafting_rounds, m.num_draft_tokens, m.num_accepted_tokens, list(m.accepted_per_position))
+            spec.add(m.num_drafting_rounds, m.num_draft_tokens, m.num_accepted_tokens, list(m.accepted_per_position),
+                     m.num_verified_tokens)

@@ -2,7 +2,8 @@
 
 Acceptance comes from the server's Prometheus counters at GET /metrics, read before and after the point:
 `peagle_spec_decode_num_drafts_total` (drafting rounds), `peagle_spec_decode_num_draft_tokens_total`,
-`peagle_spec_decode_num_accepted_tokens_total`, and, when exposed,
+`peagle_spec_decode_num_accepted_tokens_total`, `peagle_spec_decode_num_verified_tokens_total` (every drafted token
+where a server lacks it), and, when exposed,
 `peagle_spec_decode_num_accepted_tokens_per_pos_total{position="i"}` (0-based). The server must run only this
 benchmark's requests during a point. A stream does not say how many tokens each chunk holds, so each chunk is taken
 to hold the request's average (usage.completion_tokens / content chunks) when computing inter-token latency.
@@ -30,6 +31,7 @@ COUNTER_ROUNDS = "peagle_spec_decode_num_drafts_total"
 COUNTER_DRAFTED = "peagle_spec_decode_num_draft_tokens_total"
 COUNTER_ACCEPTED = "peagle_spec_decode_num_accepted_tokens_total"
 COUNTER_PER_POSITION = "peagle_spec_decode_num_accepted_tokens_per_pos_total"
+COUNTER_VERIFIED = "peagle_spec_decode_num_verified_tokens_total"
 
 
 def read_spec_counters(metrics_text: str) -> SpecCounts:
@@ -43,11 +45,13 @@ def read_spec_counters(metrics_text: str) -> SpecCounts:
             if sample.name == COUNTER_PER_POSITION:
                 pos = int(sample.labels["position"])
                 per_position[pos] = per_position.get(pos, 0.0) + sample.value
-            elif sample.name in (COUNTER_ROUNDS, COUNTER_DRAFTED, COUNTER_ACCEPTED):
+            elif sample.name in (COUNTER_ROUNDS, COUNTER_DRAFTED, COUNTER_ACCEPTED, COUNTER_VERIFIED):
                 totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     positions = [int(per_position.get(i, 0)) for i in range(max(per_position, default=-1) + 1)]
-    return SpecCounts(rounds=int(totals.get(COUNTER_ROUNDS, 0)), drafted=int(totals.get(COUNTER_DRAFTED, 0)),
-                      accepted=int(totals.get(COUNTER_ACCEPTED, 0)), accepted_per_position=positions)
+    drafted = int(totals.get(COUNTER_DRAFTED, 0))
+    return SpecCounts(rounds=int(totals.get(COUNTER_ROUNDS, 0)), drafted=drafted,
+                      accepted=int(totals.get(COUNTER_ACCEPTED, 0)), accepted_per_position=positions,
+                      verified=int(totals.get(COUNTER_VERIFIED, drafted)))
 
 
 def counter_delta(before: SpecCounts, after: SpecCounts) -> SpecCounts:
@@ -55,7 +59,8 @@ def counter_delta(before: SpecCounts, after: SpecCounts) -> SpecCounts:
     prev = before.accepted_per_position + [0] * (width - len(before.accepted_per_position))
     return SpecCounts(rounds=after.rounds - before.rounds, drafted=after.drafted - before.drafted,
                       accepted=after.accepted - before.accepted,
-                      accepted_per_position=[a - b for a, b in zip(after.accepted_per_position, prev)])
+                      accepted_per_position=[a - b for a, b in zip(after.accepted_per_position, prev)],
+                      verified=after.verified - before.verified)
 
 
 class HttpRunner:

@@ -4,6 +4,9 @@ Definitions (the same for the in-process engine and a server):
 - tokens_per_s = output tokens of all measured requests / wall time from the first submission to the last finish.
 - acceptance_length (AL) = 1 + accepted / drafting rounds (the bonus token counts); per-position acceptance i =
   accepted at draft position i / rounds; draft_acceptance_rate = accepted / drafted. None without speculation.
+- verified_per_round, accepted_per_round = draft tokens the target verified, and accepted, per drafting round;
+  verified_per_accepted = verified / accepted (the verification work per accepted draft, which a draft confidence
+  cutoff lowers). Verified equals drafted without a cutoff.
 - ttft = first output token's arrival - submission. itl = time per output token after the first: a chunk of n tokens
   arriving dt after the previous chunk contributes n gaps of dt / n, so a speculative round that emits 4 tokens at
   once counts as 4 tokens at a quarter of its latency each (per-chunk gaps would penalise speculation for batching).
@@ -76,11 +79,15 @@ class SpecCounts:
     drafted: int = 0
     accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    verified: int = 0
 
-    def add(self, rounds: int, drafted: int, accepted: int, per_position: list[int]) -> None:
+    def add(self, rounds: int, drafted: int, accepted: int, per_position: list[int],
+            verified: int | None = None) -> None:
+        """`verified`: the drafts the target verified (default: every drafted one)."""
         self.rounds += rounds
         self.drafted += drafted
         self.accepted += accepted
+        self.verified += drafted if verified is None else verified
         if len(per_position) > len(self.accepted_per_position):
             self.accepted_per_position += [0] * (len(per_position) - len(self.accepted_per_position))
         for i, a in enumerate(per_position):
@@ -101,6 +108,9 @@ class Measurement:
     ttft_p99_ms: float | None
     itl_p50_ms: float | None
     itl_p99_ms: float | None
+    verified_per_round: float | None = None
+    accepted_per_round: float | None = None
+    verified_per_accepted: float | None = None
     client_cpu_per_s: float | None = None  # against a server: the benchmark process's CPU s/s (1.0: a whole core)
 
 
@@ -127,4 +137,7 @@ def summarize(traces: list[RequestTrace], wall_s: float, spec: SpecCounts | None
         ttft_p99_ms=percentile_ms(ttfts, 99),
         itl_p50_ms=percentile_ms(gaps, 50),
         itl_p99_ms=percentile_ms(gaps, 99),
+        verified_per_round=spec.verified / rounds if rounds else None,
+        accepted_per_round=spec.accepted / rounds if rounds else None,
+        verified_per_accepted=spec.verified / spec.accepted if spec and spec.accepted else None,
     )

@@ -14,7 +14,8 @@ results.json (schema_version 2; docs/BENCH_SCHEMA.md says the same with examples
         {"dataset": "mtbench", "method": "peagle", "k": 7, "adaptive": null, "temperature": 0.0, "concurrency": 1,
          "num_prompts": 80, "num_failed": 0, "output_tokens": 20480, "wall_s": 12.5, "tokens_per_s": 1638.4,
          "acceptance_length": 3.7, "per_position_acceptance": [0.8, ...], "draft_acceptance_rate": 0.39,
-         "ttft_p50_ms": 9.1, "ttft_p99_ms": 15.0, "itl_p50_ms": 0.6, "itl_p99_ms": 2.0, "flags": [],
+         "ttft_p50_ms": 9.1, "ttft_p99_ms": 15.0, "itl_p50_ms": 0.6, "itl_p99_ms": 2.0,
+         "verified_per_round": 7.0, "accepted_per_round": 2.7, "verified_per_accepted": 2.59, "flags": [],
          "remeasured": null}
       ]
     }
@@ -27,7 +28,8 @@ size). `k` is null for methods without a K;
 `adaptive` is the policy of an adaptive row (null for a fixed K); acceptance fields are null / [] where there is no
 speculation; latency fields are null where not measured (HF). `flags` are the hygiene checks that still stand after
 one re-measurement (peagle.bench.hygiene); `remeasured` keeps the first measurement of a re-measured point.
-Schema 1 files load as schema 2 (greedy, fixed K unless the run's config gave a policy, no flags).
+Schema 1 files load as schema 2 (greedy, fixed K unless the run's config gave a policy, no flags); files written
+before the verification keys (verified_per_round, ...) existed load with them null.
 The file is rewritten after every point, so an interrupted run keeps what it measured.
 """
 
@@ -53,14 +55,16 @@ TOP_KEYS = ("schema_version", "kind", "created_utc", "command", "config", "envir
 MEASURED_KEYS = (
     "num_prompts", "num_failed", "output_tokens", "wall_s", "tokens_per_s", "acceptance_length",
     "per_position_acceptance", "draft_acceptance_rate", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+    "verified_per_round", "accepted_per_round", "verified_per_accepted",
 )
+VERIFICATION_KEYS = ("verified_per_round", "accepted_per_round", "verified_per_accepted")  # since issue 52
+CLIENT_CPU_LIMIT = 0.9  # a server benchmark's client CPU s/s from which it may have set the rate
 POINT_KEYS = ("dataset", "method", "k", "adaptive", "temperature", "concurrency", *MEASURED_KEYS, "flags",
               "remeasured")
 ENVIRONMENT_KEYS = ("python", "platform", "peagle", "torch", "cuda", "gpu", "transformers", "git_commit", "git_dirty")
 ENGINE_METHODS = ("none", "eagle3", "peagle")
 VLLM_METHODS = tuple(f"vllm_{m}" for m in ENGINE_METHODS)  # vLLM's LLM on the same rows (bench.vllm_baseline)
 HF_METHODS = ("hf_eager", "hf_static_compile", "hf_prompt_lookup")
-CLIENT_CPU_LIMIT = 0.9  # a server benchmark's client CPU s/s from which it may have set the rate
 METHOD_LABELS = {
     "none": "no speculation", "eagle3": "EAGLE-3", "peagle": "P-EAGLE", "vllm_none": "vLLM no speculation",
     "vllm_eagle3": "vLLM EAGLE-3", "vllm_peagle": "vLLM P-EAGLE", "hf_eager": "HF eager",
@@ -182,7 +186,11 @@ def load_results(path: Path) -> dict[str, Any]:
     if not ours or results.get("schema_version") not in (1, SCHEMA_VERSION):
         raise ValueError(f"{path} is not a peagle bench results file of schema version 1 or {SCHEMA_VERSION}")
     if results["schema_version"] == 1:
-        results = upgrade_v1(results)
+        return upgrade_v1(results)
+    if any(key not in p for p in results["points"] for key in VERIFICATION_KEYS):  # written before issue 52
+        filled = ({**dict.fromkeys(VERIFICATION_KEYS), **p} for p in results["points"])
+        points = [{**{key: f[key] for key in POINT_KEYS if key in f}, **f} for f in filled]  # in the schema's order
+        results = {**results, "points": points}
     return results
 
 
@@ -195,7 +203,7 @@ def upgrade_v1(results: dict[str, Any]) -> dict[str, Any]:
     points = []
     for p in results["points"]:
         filled = {"adaptive": policy if p["method"] in ("eagle3", "peagle") else None, "temperature": 0.0,
-                  "flags": [], "remeasured": None, **p}
+                  "flags": [], "remeasured": None, **dict.fromkeys(VERIFICATION_KEYS), **p}
         points.append({key: filled[key] for key in POINT_KEYS})
     return {**results, "schema_version": SCHEMA_VERSION, "points": points}
 
@@ -281,7 +289,8 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [f"## {temperature_title(t).capitalize()}", ""]
         for dataset in datasets_of(mine):
             lines += (_engine_table(mine, dataset, t, swept) + _full_table(mine, dataset)
-                      + _vllm_table(mine, dataset) + _hf_table(mine, dataset, t) + _acceptance_table(mine, dataset))
+                      + _vllm_table(mine, dataset) + _hf_table(mine, dataset, t) + _acceptance_table(mine, dataset)
+                      + _verification_table(mine, dataset))
         lines += _seeds_section(mine, t, swept)
     return "\n".join(lines + _hygiene_section(points))
 
@@ -505,6 +514,22 @@ def _acceptance_table(points: list[dict], dataset: str) -> list[str]:
         al = {p["k"]: p["acceptance_length"] for p in spec if p["method"] == method and p["concurrency"] == c_min}
         if al:
             rows.append(_row([METHOD_LABELS[method], *(f"{al[k]:.2f}" if k in al else "-" for k in ks)]))
+    return rows + [""]
+
+
+def _verification_table(points: list[dict], dataset: str) -> list[str]:
+    """Drafts verified per accepted draft by row and concurrency, where some row cut its drafts by confidence: the
+    verification work a cutoff saves."""
+    spec = [p for p in points if p["dataset"] == dataset and p.get("verified_per_accepted") is not None]
+    if not any((p.get("adaptive") or {}).get("cutoff_above") is not None or (p.get("adaptive") or {}).get("cutoffs")
+               for p in spec):
+        return []
+    cs = sorted({p["concurrency"] for p in spec})
+    rows = [f"Draft tokens verified per accepted draft ({dataset}):", "",
+            _row(["row", *(f"c={c}" for c in cs)]), _row(["---"] * (len(cs) + 1))]
+    for v, k in dict.fromkeys((variant(p), p["k"]) for p in spec):
+        cell = {p["concurrency"]: p["verified_per_accepted"] for p in spec if (variant(p), p["k"]) == (v, k)}
+        rows.append(_row([f"{variant_label(v)} K={k}", *(f"{cell[c]:.2f}" if c in cell else "-" for c in cs)]))
     return rows + [""]
 
 

@@ -91,6 +91,9 @@ class SweepConfig:
     adaptive_above: int | None = None
     adaptive_head: bool = False
     calibrate: tuple[str, ...] = ()
+    # Draft confidence cutoffs: each speculative method and K is also measured with each cutoff (a row whose policy
+    # is that K and that cutoff at every load); --calibrate then picks K and cutoff per concurrency.
+    cutoffs: tuple[float, ...] = ()
     # Hygiene: a point far off its neighbours, or stalled, is re-measured once (remeasure=False: only flagged).
     hygiene: HygieneRules = field(default_factory=HygieneRules)
     remeasure: bool = True
@@ -123,6 +126,12 @@ class SweepConfig:
             if not Path(str(self.draft(method))).is_dir():
                 raise ValueError(f"--calibrate writes {POLICY_FILE} beside the {method} head: "
                                  f"{self.draft(method)} is not a directory")
+        if any(not 0.0 < c <= 1.0 for c in self.cutoffs):
+            raise ValueError(f"--draft-confidence-cutoff takes cutoffs in (0, 1] (the fixed-K rows are cutoff 0), got "
+                             f"{self.cutoffs}")
+        if self.cutoffs and self.url:
+            raise ValueError("--draft-confidence-cutoff rows run in process: against --url the server fixes its own "
+                             "(peagle serve --draft-confidence-cutoff)")
         if self.calibrate and self.adaptive_head:
             raise ValueError("--calibrate already measures the policy it writes beside the head: drop --adaptive head")
         if self.synthetic_acceptance is not None:
@@ -187,6 +196,7 @@ class SweepConfig:
         rows: list[tuple[str, int | None, dict | None]] = [
             (m, None, None) if m == "none" else (m, k, None)
             for m in self.methods for k in (self.ks if m != "none" else [None])]
+        rows += [(m, k, cutoff_policy(k, c)) for m in self.speculative_methods for k in self.ks for c in self.cutoffs]
         if self.has_policy:
             policy = {"thresholds": [list(t) for t in self.adaptive], "above": self.adaptive_above}
             rows += [(m, self.policy_k(policy), policy) for m in self.speculative_methods]
@@ -238,6 +248,17 @@ OpenRunner = Callable[[str, int | None, dict | None], ContextManager[Runner]]  #
 OnPolicy = Callable[[str, dict, list[dict]], None]  # (method, calibrated policy, per-concurrency table)
 
 
+def cutoff_policy(k: int, cutoff: float) -> dict:
+    """A `--draft-confidence-cutoff` row's policy: K drafts and the cutoff at every load."""
+    return {"thresholds": [], "above": k, "cutoffs": [], "cutoff_above": cutoff}
+
+
+def is_cutoff_policy(policy: dict) -> bool:
+    """Whether an adaptive row's policy is a `cutoff_policy` (one K, one cutoff): measured beside the fixed-K rows,
+    and a calibration candidate."""
+    return not policy.get("thresholds") and not policy.get("cutoffs") and policy.get("cutoff_above") is not None
+
+
 def dataset_label(name: str) -> str:
     return Path(name).stem if name.endswith(".jsonl") else name
 
@@ -285,10 +306,10 @@ def run_sweep(config: SweepConfig, open_runner: OpenRunner, sink: Sink,
     calibrated = len(config.calibrate)
     bar = tqdm(total=(len(rows) + calibrated) * per_row, desc="bench", unit="point", disable=None)
     points: list[dict] = []
-    fixed = [r for r in rows if r[2] is None]
+    fixed = [r for r in rows if r[2] is None or is_cutoff_policy(r[2])]
     for row in fixed:
         points += measure_row(config, open_runner, row, prompts, sink, bar)
-    adaptive = [r for r in rows if r[2] is not None]
+    adaptive = [r for r in rows if r[2] is not None and not is_cutoff_policy(r[2])]
     for method in config.calibrate:
         policy, table = derive_policy(points, method)
         logger.info("calibrated %s policy: %s", method, policy_text(policy))

@@ -340,3 +340,33 @@ def test_garbage_never_reaches_the_engine(tokenizer_dir):
         assert engine.num_added == 0
         ok = httpx.post(post, json={"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
         assert ok.status_code == 200 and engine.num_added == 1
+
+
+def test_a_server_that_is_behind_gets_the_steps_outputs_joined(tokenizer_dir):
+    from peagle.engine.sampling_params import SamplingParams
+    from peagle.server import engine_wire as wire
+    from peagle.server.engine_process import EngineLoop
+    from peagle.server.stand_in import StandInConfig, StandInEngine
+
+    engine = StandInEngine(StandInConfig(tokenizer=str(tokenizer_dir), step_s=0.001, tokens_per_step=1))
+    ours, theirs = socket.socketpair()
+    loop = threading.Thread(target=EngineLoop(engine, [theirs]).run, daemon=True)
+    loop.start()
+    n, max_tokens = 64, 300
+    for i in range(n):
+        ours.sendall(wire.command_frame(("add", f"r{i}", [1, 2, 3], SamplingParams(max_tokens=max_tokens), None)))
+    time.sleep(1.0)  # the server is busy elsewhere: the engine steps on, and the kernel's queue fills
+    frames, messages, tokens = wire.FrameBuffer(), [], {}
+    ours.settimeout(30)
+    while sum(len(t) for t in tokens.values()) < n * max_tokens:
+        for payload in frames.feed(ours.recv(1 << 20)):
+            message = wire.decode_engine_message(payload)
+            messages.append(message)
+            for out in getattr(message, "outputs", []):
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    steps = [m for m in messages if isinstance(m, wire.Step)]
+    assert len(steps) < max_tokens // 2  # one message a step would be 300
+    assert all(tokens[f"r{i}"] == engine.text_ids[:max_tokens] for i in range(n))  # every token, in order
+    ours.close()
+    loop.join(10)
+    assert not loop.is_alive()  # the engine loop ends when its last server's socket closes

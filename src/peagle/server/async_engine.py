@@ -21,6 +21,7 @@ from typing import AsyncIterator, Callable
 
 from peagle.engine.outputs import StepOutput
 from peagle.engine.sampling_params import SamplingParams
+from peagle.server.engine_wire import joined
 from peagle.server.metrics import ServerMetrics, StatLogger
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class RequestStream:
             self.done = True
             raise item
         while not item.finished and self._items and not isinstance(self._items[0], Exception):
-            item = _joined(item, self._items.popleft())
+            item = joined(item, self._items.popleft())
         self.done = item.finished
         return item
 
@@ -232,7 +233,7 @@ class AsyncEngine:
                 self.metrics.on_finished(out.finish_reason or "stop", out.metrics)
                 del self._streams[out.request_id]
             if stream.held is not None:
-                out, stream.held = _joined(stream.held, out), None
+                out, stream.held = joined(stream.held, out), None
             if stream.sent_any and not out.finished and len(out.new_token_ids) < self.stream_interval:
                 stream.held = out
                 continue
@@ -266,16 +267,6 @@ class AsyncEngine:
         if self.stat_logger is not None:
             self.stat_logger.maybe_log(stats.num_running, stats.num_waiting, stats.kv_usage,
                                        idle=not self.engine.has_unfinished_requests())
-
-
-def _joined(first: StepOutput, then: StepOutput) -> StepOutput:
-    """Two consecutive outputs of one request as one: the tokens (and logprobs) of both, the second's finish. Either
-    may be a StepOutput or its wire struct (engine_wire.Output)."""
-    logprobs = None
-    if first.logprobs is not None or then.logprobs is not None:
-        logprobs = (first.logprobs or []) + (then.logprobs or [])
-    return StepOutput(then.request_id, first.new_token_ids + then.new_token_ids, then.finished, then.finish_reason,
-                      then.error, then.metrics, logprobs)
 
 
 def _settle(future: asyncio.Future, error: Exception | None):

@@ -3,7 +3,9 @@ servers' Python (HTTP, detokenising, streaming) and the engine's host loop stop 
 
 `EngineProcess.start(config, num_api_servers=N)` spawns a child that builds the engine and runs `EngineLoop`: between
 steps it reads commands (add, abort) from one Unix socket per API server, and after each step it sends each API
-server one message with all of that server's outputs and the engine's stats (`engine_wire`). The parent holds an
+server one message with all of that server's outputs and the engine's stats (`engine_wire`); to a server that has
+not taken the last message yet, the next steps' outputs go joined per request in one message once it has. The parent
+holds an
 `EngineProcess`, which answers what the server reads of an engine (tokenizer, EOS ids, max_model_len, config,
 model_config, K, stats) without loading the weights; `engine_client.ProcessAsyncEngine` drives it from the event
 loop.
@@ -30,6 +32,7 @@ from peagle.server import engine_wire as wire
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 1800.0  # a large model's load and CUDA graph capture
+SEND_BUFFER_BYTES = 16 << 10  # the engine's side of each server's socket: a few steps of 64 outputs
 
 
 class EngineProcessError(RuntimeError):
@@ -171,41 +174,70 @@ def _child_main(socks: list[socket.socket], config, tokenizer: str | None, engin
 
 
 class _Client:
-    """One API server: its socket, the frames it has half sent, and its requests inside the engine."""
+    """One API server: its socket, the frames it has half sent, its requests inside the engine, and what is still to
+    go to it: outputs not yet encoded (joined per request) and encoded bytes its socket has not taken."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.frames = wire.FrameBuffer()
         self.live: set[str] = set()
-        self.outputs: list[wire.Output] = []  # this step's
+        self.pending: dict[str, wire.Output] = {}
+        self.stats: wire.Stats | None = None  # the engine's, after the step that gave the pending outputs
+        self.unsent = bytearray()
+        self.polling_out = False  # the poller wakes the loop when the socket takes more
+
+    def hold(self, out: wire.Output):
+        before = self.pending.get(out.request_id)
+        self.pending[out.request_id] = out if before is None else wire.joined(before, out)
+
+    def encode_pending(self):
+        if self.pending:
+            self.unsent += wire.engine_frame(wire.Step(list(self.pending.values()), self.stats))
+            self.pending.clear()
 
 
 class EngineLoop:
-    """The engine process's loop: commands from every API server between steps, one message per server per step."""
+    """The engine process's loop: commands from every API server between steps, and after a step one message per
+    server with its outputs. A server whose socket has not taken the last message yet (it is behind) gets the outputs
+    of the steps meanwhile joined per request into its next one: it decodes one message for them all, and the engine
+    never waits for a slow server."""
 
     def __init__(self, engine, socks: list[socket.socket]):
         self.engine = engine
-        self.clients = {s.fileno(): _Client(s) for s in socks}
+        self.clients: dict[int, _Client] = {}
         self.owner: dict[str, _Client] = {}  # request id: the server that sent it
         self.poller = select.poll()
-        for fd in self.clients:
-            self.poller.register(fd, select.POLLIN)
+        for sock in socks:
+            sock.setblocking(False)
+            # a short queue in the kernel, so that a server that is behind gets joined outputs rather than a backlog
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+            self.clients[sock.fileno()] = _Client(sock)
+            self.poller.register(sock.fileno(), select.POLLIN)
 
     def run(self):
+        stepped = False
         while self.clients:
             busy = self.engine.has_unfinished_requests()
-            for fd, _ in self.poller.poll(0 if busy else None):
-                self._read(self.clients.get(fd))
+            commands = False
+            for fd, events in self.poller.poll(0 if busy else None):
+                client = self.clients.get(fd)
+                if client is not None and events & select.POLLOUT:
+                    self._flush(client)
+                if client is not None and events & ~select.POLLOUT:
+                    self._read(client)
+                    commands = True
             if self.engine.has_unfinished_requests():
                 self._step()
-            elif self.clients:
+                stepped = True
+            elif self.clients and (commands or stepped):  # gone idle, or commands that left it idle
                 self._broadcast(wire.Idle(wire.stats_of(self.engine.stats())))
+                stepped = False
 
-    def _read(self, client: _Client | None):
-        if client is None:
-            return
+    def _read(self, client: _Client):
         try:
             data = client.sock.recv(1 << 20)
+        except BlockingIOError:
+            return
         except OSError:
             data = b""
         if not data:  # the server went away: its requests go with it
@@ -225,8 +257,9 @@ class EngineLoop:
             self.engine.abort_request(request_id)
             self.owner.pop(request_id, None)
         fd = client.sock.fileno()
-        self.poller.unregister(fd)
-        del self.clients[fd]
+        if fd in self.clients:
+            self.poller.unregister(fd)
+            del self.clients[fd]
         client.sock.close()
 
     def _add(self, client: _Client, request_id: str, prompt_token_ids: list[int], params, starts_after):
@@ -249,6 +282,7 @@ class EngineLoop:
         client = self.owner.pop(request_id, None)
         if client is not None:
             client.live.discard(request_id)
+            client.pending.pop(request_id, None)
             self.engine.abort_request(request_id)
 
     def _step(self):
@@ -263,7 +297,7 @@ class EngineLoop:
                 client.live.clear()
             self._broadcast(wire.Failed(f"{type(e).__name__}: {e}", wire.stats_of(self.engine.stats())))
             return
-        touched = []
+        touched = {}
         for out in outputs:
             client = self.owner.get(out.request_id)
             if client is None:  # aborted meanwhile
@@ -271,20 +305,42 @@ class EngineLoop:
             if out.finished:
                 del self.owner[out.request_id]
                 client.live.discard(out.request_id)
-            if not client.outputs:
-                touched.append(client)
-            client.outputs.append(wire.output_of(out))
+            touched[id(client)] = client
+            client.hold(wire.output_of(out))
         stats = wire.stats_of(self.engine.stats())
-        for client in touched:
-            outs, client.outputs = client.outputs, []
-            self._send(client, wire.Step(outs, stats))
+        for client in touched.values():
+            client.stats = stats
+            self._flush(client)
 
     def _broadcast(self, message):
         for client in list(self.clients.values()):
             self._send(client, message)
 
     def _send(self, client: _Client, message):
-        try:
-            client.sock.sendall(wire.engine_frame(message))
-        except OSError:  # the server went away; its socket reads as closed next
-            pass
+        """A message after the outputs still pending for the server (so that it reads them in order)."""
+        client.encode_pending()
+        client.unsent += wire.engine_frame(message)
+        self._flush(client)
+
+    def _flush(self, client: _Client):
+        """Sends what the server's socket takes now: what it has not taken yet, else the pending outputs."""
+        while True:
+            if not client.unsent:
+                client.encode_pending()
+            if not client.unsent:
+                break
+            try:
+                sent = client.sock.send(client.unsent)
+            except BlockingIOError:
+                break
+            except OSError:  # the server went away; its socket reads as closed next
+                client.unsent.clear()
+                client.pending.clear()
+                return
+            del client.unsent[:sent]
+            if client.unsent:
+                break
+        waiting = bool(client.unsent or client.pending)
+        if waiting != client.polling_out and client.sock.fileno() in self.clients:
+            self.poller.modify(client.sock, select.POLLIN | (select.POLLOUT if waiting else 0))
+            client.polling_out = waiting

@@ -110,6 +110,16 @@ def output_of(out) -> Output:
                   out.logprobs)
 
 
+def joined(first, then):
+    """Two consecutive outputs of one request as one, of the second's type (an Output, or a StepOutput: the same
+    fields in the same order): the tokens (and logprobs) of both, the second's finish."""
+    logprobs = None
+    if first.logprobs is not None or then.logprobs is not None:
+        logprobs = (first.logprobs or []) + (then.logprobs or [])
+    return type(then)(then.request_id, first.new_token_ids + then.new_token_ids, then.finished, then.finish_reason,
+                      then.error, then.metrics, logprobs)
+
+
 def frame(payload: bytes) -> bytes:
     return _HEADER.pack(len(payload)) + payload
 

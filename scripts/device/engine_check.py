@@ -2,7 +2,7 @@
 
 Usage: python scripts/device/engine_check.py TARGET_DIR OUT.json --head eagle3=DIR --head peagle=DIR
        [--num-prompts 32] [--max-tokens 128] [--dtypes float32,bfloat16] [--sampling] [--async-scheduling]
-       [--prefill-cuda-graphs] [--k 7,11]
+       [--prefill-cuda-graphs] [--k 7,11] [--draft-confidence-cutoff C]
 fp32: outputs must be identical. bf16: verifying several tokens in one pass may flip a near-tie, so the report gives
 the identical count and, for every divergence, the target's top-2 logit gap at the first differing position
 (recomputed from scratch in fp32 over the plain-greedy prefix).
@@ -14,6 +14,8 @@ real asynchronous copies.
 With --prefill-cuda-graphs the checked engines (plain and speculative) replay CUDA graphs for steps that prefill too
 (captured on first use) and are compared with plain greedy output of an engine that runs those steps eagerly; it
 combines with --async-scheduling. With --sampling it turns them on in the graphed engine.
+With --draft-confidence-cutoff C the speculative engines verify only their confident drafts (issue 52); the reference
+is plain greedy, as always.
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for dry 
 
 
 def run(target, prompts, max_tokens, dtype, head=None, k=0, parallel=False, eager=False, sampled=False,
-        async_scheduling=False, max_model_len=2048, prefill_cuda_graphs=False):
+        async_scheduling=False, max_model_len=2048, prefill_cuda_graphs=False, cutoff=None):
     spec = None if head is None else {"method": "eagle3", "model": head, "num_speculative_tokens": k,
                                       "parallel_drafting": parallel}
     llm = LLM(model=target, speculative_config=spec, dtype=dtype, max_model_len=max_model_len, max_num_seqs=32,
-              enforce_eager=eager, async_scheduling=async_scheduling, prefill_cuda_graphs=prefill_cuda_graphs)
+              enforce_eager=eager, async_scheduling=async_scheduling, prefill_cuda_graphs=prefill_cuda_graphs,
+              draft_confidence_cutoff=cutoff if head is not None else None)
     if sampled:
         params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=max_tokens, ignore_eos=True)
                   for i in range(len(prompts))]
@@ -78,6 +81,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-cuda-graphs", action="store_true",
                     help="the checked engines replay CUDA graphs for prefill steps too (the reference does not)")
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--draft-confidence-cutoff", type=float, default=None, metavar="C",
+                    help="the speculative engines verify only drafts whose confidence reaches C (issue 52)")
     ap.add_argument("--k", default=None,
                     help="comma list of K to check each head at (default: EAGLE-3 3, P-EAGLE 7), e.g. 7,11")
     args = ap.parse_args(argv)
@@ -109,10 +114,12 @@ def main(argv=None) -> int:
             for eager in (False, True) if dtype == "bfloat16" and method == "peagle" else (False,):
                 spec, outs = run(args.target, prompts, args.max_tokens, dtype, head, k, parallel, eager,
                                  async_scheduling=args.async_scheduling, max_model_len=args.max_model_len,
-                                 prefill_cuda_graphs=args.prefill_cuda_graphs)
+                                 prefill_cuda_graphs=args.prefill_cuda_graphs, cutoff=args.draft_confidence_cutoff)
                 same = [a == b for a, b in zip(base, spec)]
                 entry = {"dtype": dtype, "method": method, "k": k, "enforce_eager": eager,
                          "async_scheduling": args.async_scheduling, "prefill_cuda_graphs": args.prefill_cuda_graphs,
+                         "draft_confidence_cutoff": args.draft_confidence_cutoff,
+                         "verified_per_accepted": _verified_per_accepted(outs),
                          "identical": sum(same), "of": len(same),
                          "mean_acceptance_length": sum(o.metrics.acceptance_length or 1 for o in outs) / len(outs),
                          "divergences": [near_tie(fp32_model, p, b, s)
@@ -127,13 +134,20 @@ def main(argv=None) -> int:
     return 0
 
 
+def _verified_per_accepted(outs) -> float | None:
+    """Draft tokens verified per accepted draft over the outputs (None without speculation)."""
+    accepted = sum(o.metrics.num_accepted_tokens for o in outs)
+    return sum(o.metrics.num_verified_tokens for o in outs) / accepted if accepted else None
+
+
 def sampling_check(args, heads, prompts, report) -> int:
     for method, head in [("none", None), *heads.items()]:
         k, parallel = METHODS.get(method, (0, False))
         graphed, outs = run(args.target, prompts, args.max_tokens, "bfloat16", head, k, parallel, False, True,
-                            max_model_len=args.max_model_len, prefill_cuda_graphs=args.prefill_cuda_graphs)
+                            max_model_len=args.max_model_len, prefill_cuda_graphs=args.prefill_cuda_graphs,
+                            cutoff=args.draft_confidence_cutoff)
         eager, _ = run(args.target, prompts, args.max_tokens, "bfloat16", head, k, parallel, True, True,
-                       max_model_len=args.max_model_len)
+                       max_model_len=args.max_model_len, cutoff=args.draft_confidence_cutoff)
         same = sum(a == b for a, b in zip(graphed, eager))
         entry = {"sampling": "temperature 0.8, top_p 0.95, seeded", "method": method, "k": k,
                  "prefill_cuda_graphs": args.prefill_cuda_graphs,

@@ -273,6 +273,7 @@ def _serve(args: argparse.Namespace) -> int:
     from peagle.engine.llm import check_max_model_len, resolve_dtype
     from peagle.engine.sampling_params import model_sampling_defaults
     from peagle.models.loader import load_tokenizer
+    from peagle.models.config import ModelConfig
     from peagle.server.launcher import launch
     from peagle.server.reasoning import REASONING_PARSERS
     from peagle.models.tokenizer import load_chat_template
@@ -326,6 +327,7 @@ def _serve(args: argparse.Namespace) -> int:
         load_format=args.load_format, block_size=args.block_size,
         draft_confidence_cutoff=args.draft_confidence_cutoff,
     )
+    ModelConfig.from_dir(args.model)  # a wrong directory is refused here, not by the engine process it would start
     check_max_model_len(config)
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None  # before the model loads
     if args.reasoning_parser and (tokenizer or (Path(args.model) / "tokenizer.json").is_file()):

@@ -103,7 +103,8 @@ def kept_at(rows: list[dict], saving: float) -> float:
     target = (1 - saving) * full_v
     for hi, lo in zip(rows, rows[1:]):
         if lo["verified"] <= target <= hi["verified"]:
-            w = 0.0 if hi["verified"] == lo["verified"] else (hi["verified"] - target) / (hi["verified"] - lo["verified"])
+            span = hi["verified"] - lo["verified"]
+            w = (hi["verified"] - target) / span if span else 0.0
             return (hi["accepted"] + w * (lo["accepted"] - hi["accepted"])) / full_a
     return float("nan")
 

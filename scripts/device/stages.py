@@ -1193,35 +1193,44 @@ def httpserve() -> None:
     8. Carries .stage_b (after stage_a), .old, .cfg and .whl (the server's packages). HTTP_C ("1 64"): the
     concurrencies; HTTP_METHOD (peagle: P-EAGLE K=7 with the trained head, from the testbed or heads_in; none: plain
     decoding, no head needed, one token per chunk); HTTP_SERVERS ("1"): the --api-server-count values served; HTTP_SI
-    ("1 8"): the stream intervals. Leaves $OUT/server-overhead-cC.json (old tree against this one, the engine thread),
+    ("1 8"): the stream intervals. HTTP_MODEL=random: the testbed's shape from .cfg on random weights (no stage_a),
+    P-EAGLE with a random head whose drafts are accepted at HTTP_RATES (the default head's on MT-Bench, run 30). Leaves $OUT/server-overhead-cC.json (old tree against this one, the engine thread),
     $OUT/server-modes-cC.json (this tree: engine thread, engine process, two API servers), $OUT/http-inproc/ and
     $OUT/http-si{SI}[-n{N}]/ (N > 1 API servers).
     """
-    need_model()
+    random_weights = env("HTTP_MODEL", "trained") == "random"
+    model = Path(".cfg").resolve() if random_weights else W / "smollm2"
+    if not random_weights:
+        need_model()
     concurrencies = words(env("HTTP_C", "1 64"))
     for c in concurrencies:
         if os.path.isdir(".old/src"):
-            shown(["timeout", "150", *py(), "scripts/server_overhead.py", "--tokenizer", W / "smollm2", "--src",
+            shown(["timeout", "150", *py(), "scripts/server_overhead.py", "--tokenizer", model, "--src",
                    "old=.old/src", "--src", "new=src", "--concurrency", c, "--seconds", "10", "--repeat", "2",
                    "--out", OUT / f"server-overhead-c{c}.json"], drop=r"^\{")
-        shown(["timeout", "300", *py(), "scripts/server_overhead.py", "--tokenizer", W / "smollm2", "--engine",
+        shown(["timeout", "300", *py(), "scripts/server_overhead.py", "--tokenizer", model, "--engine",
                "thread,process,process2", "--concurrency", c, "--seconds", "10", "--repeat", "2", "--client-processes",
                "2", "--out", OUT / f"server-modes-c{c}.json"], drop=r"^\{")
     common = ["--max-tokens", "256", "--num-prompts", "24", "--min-waves", "3", "--min-seconds", "5", "--datasets",
               "mtbench", "--concurrency", ",".join(concurrencies)]
     method = env("HTTP_METHOD", "peagle")
+    dummy = ["--load-format", "dummy"] if random_weights else []
     if method == "none":
         inproc, spec = ["--methods", "none"], []
     else:
-        link_heads()
-        inproc = ["--draft-peagle", W / "heads/peagle", "--methods", "peagle", "--k", "7"]
-        spec = ["--speculative-config", f'{{"method": "eagle3", "model": "{W}/heads/peagle", '
-                                        f'"num_speculative_tokens": 7, "parallel_drafting": true}}']
-    shown(["timeout", "120", *py(), "-m", "peagle", "bench", "--model", W / "smollm2", *inproc, *common, "--out",
+        head = "dummy" if random_weights else W / "heads/peagle"
+        if not random_weights:
+            link_heads()
+        synthetic = ["--synthetic-acceptance", env("HTTP_RATES", "0.60,0.33,0.22,0.16,0.11,0.09,0.07")
+                     ] if random_weights else []
+        inproc = ["--draft-peagle", head, "--methods", "peagle", "--k", "7", *synthetic]
+        spec = ["--speculative-config", f'{{"method": "eagle3", "model": "{head}", '
+                                        f'"num_speculative_tokens": 7, "parallel_drafting": true}}', *synthetic]
+    shown(["timeout", "120", *py(), "-m", "peagle", "bench", "--model", model, *dummy, *inproc, *common, "--out",
            OUT / "http-inproc"], tail=6)
     for n, si in itertools.product(words(env("HTTP_SERVERS", "1")), words(env("HTTP_SI", "1 8"))):
         name = f"si{si}" + (f"-n{n}" if n != "1" else "")
-        server = spawn([*py(), "-m", "peagle", "serve", W / "smollm2", *spec, "--port", "8011", "--max-num-seqs", "64",
+        server = spawn([*py(), "-m", "peagle", "serve", model, *dummy, *spec, "--port", "8011", "--max-num-seqs", "64",
                         "--stream-interval", si, "--api-server-count", n, "--disable-log-stats",
                         "--disable-uvicorn-access-log"], W / f"serve-{name}.log")
         for _ in range(120):

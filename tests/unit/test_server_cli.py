@@ -74,7 +74,7 @@ def test_help_explains_every_option(capsys):
                    "--reasoning-parser", "--tensor-parallel-size", "--pipeline-parallel-size", "--trust-remote-code",
                    "--tool-call-parser", "--enable-auto-tool-choice", "--enable-log-requests", "--disable-log-requests",
                    "--max-log-len", "--kv-cache-dtype", "--block-size", "--stream-interval", "--engine-thread",
-                   "--api-server-count", "--shutdown-timeout", "--max-request-bytes"):
+                   "--api-server-count", "--shutdown-timeout", "--max-request-bytes", "--synthetic-acceptance"):
         assert option in text
 
 
@@ -260,6 +260,21 @@ def test_load_format_dummy_serves_random_weights(target_dir, served):
     (app, _), = served
     engine = app.state.async_engine.engine
     assert engine.config.load_format == "dummy" and engine.k == 2
+
+
+def test_synthetic_acceptance_reaches_the_engine_only_on_random_weights(target_dir, head, served, capsys):
+    spec = {"method": "eagle3", "model": "dummy", "num_speculative_tokens": 2, "parallel_drafting": True}
+    assert main(_argv(target_dir, "--load-format", "dummy", "--speculative-config", json.dumps(spec),
+                      "--synthetic-acceptance", "0.6,0.3")) == 0
+    (app, _), = served
+    assert app.state.async_engine.engine.config.synthetic_acceptance == (0.6, 0.3)
+    real = json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": 2})
+    assert main(_argv(target_dir, "--speculative-config", real, "--synthetic-acceptance", "0.6,0.3")) != 0
+    assert "needs load_format='dummy'" in capsys.readouterr().err
+    assert main(_argv(target_dir, "--load-format", "dummy", "--speculative-config", json.dumps(spec),
+                      "--synthetic-acceptance", "0.6")) != 0
+    assert "one rate per draft position (2)" in capsys.readouterr().err
+    assert len(served) == 1
 
 
 def test_tokenizer_from_another_directory_renders_and_stops(target_dir, served, tmp_path):

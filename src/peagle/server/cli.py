@@ -108,6 +108,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="auto: the checkpoint's weights; dummy: random weights from its config.json (for trying the "
                         "server without weights; a speculative config's model may then be 'dummy')")
+    p.add_argument("--synthetic-acceptance", type=_rates, metavar="R1,R2,...",
+                   help="BENCHMARKING ONLY, needs --load-format dummy and a speculative config: accept draft "
+                        "position i with rate Ri (accepted at position i / rounds, as measured on a real model) "
+                        "instead of asking the target, so the serving cost of a real head's acceptance is measured "
+                        "on random weights; the outputs are meaningless")
     http = p.add_argument_group("HTTP (vLLM's names)")
     http.add_argument("--allowed-origins", type=_json_list, default=["*"], metavar="JSON",
                       help='CORS: origins browsers may call from, a JSON list (default ["*"])')
@@ -326,6 +331,7 @@ def _serve(args: argparse.Namespace) -> int:
         prefill_cuda_graphs=args.prefill_cuda_graphs, enable_prefix_caching=args.enable_prefix_caching,
         load_format=args.load_format, block_size=args.block_size,
         draft_confidence_cutoff=args.draft_confidence_cutoff,
+        synthetic_acceptance=args.synthetic_acceptance,
     )
     ModelConfig.from_dir(args.model)  # a wrong directory is refused here, not by the engine process it would start
     check_max_model_len(config)
@@ -333,6 +339,13 @@ def _serve(args: argparse.Namespace) -> int:
     if args.reasoning_parser and (tokenizer or (Path(args.model) / "tokenizer.json").is_file()):
         REASONING_PARSERS[args.reasoning_parser].end_token_id(tokenizer or load_tokenizer(args.model))
     return launch(args, config, template, defaults, tokenizer=tokenizer)
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(r) for r in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated rates such as 0.6,0.3, got {text!r}") from None
 
 
 def _json_list(text: str) -> list[str]:

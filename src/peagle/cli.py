@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import logging
 import sys
@@ -35,8 +36,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def enable_fatal_stacks() -> None:
+    """On a fatal signal (a segmentation fault, an abort from a CUDA error in a destructor) print every thread's
+    Python stack to stderr before the process dies: a crash in a trainer or an engine otherwise leaves no trace."""
+    if not faulthandler.is_enabled():  # an enclosing harness (pytest, python -X faulthandler) may own it already
+        faulthandler.enable(all_threads=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     from peagle.server.cli import expand_config
+
+    enable_fatal_stacks()
 
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)

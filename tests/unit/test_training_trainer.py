@@ -240,6 +240,28 @@ def test_padded_target_pass_trains_the_same_steps(setup, tmp_path):
                     feature_cache=tmp_path / "cache")
 
 
+def test_steps_planned_inline_train_the_same_steps_without_a_planning_thread(setup, tmp_path, one_thread,
+                                                                            monkeypatch):
+    """--prefetch-steps 0 plans each step in the training loop: no second thread, the same losses step by step;
+    a negative count is refused."""
+    import threading
+
+    checkpoint, data = setup
+    threads = []
+    start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda self: (threads.append(self.name), start(self))[1])
+    losses = []
+    for name, extra in (("ahead", ()), ("inline", ("--prefetch-steps", "0"))):
+        threads.clear()
+        assert main(_args(checkpoint, data, tmp_path / name, "--steps", "3", "--log-every", "1", *extra)) == 0
+        losses.append([loss for _, loss in _losses(tmp_path / name)])
+        assert ("plan-prefetch" in threads) == (name == "ahead")
+    assert len(losses[0]) == 3
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    with pytest.raises(ValueError, match="--prefetch-steps must be non-negative"):
+        _config(checkpoint, data, tmp_path / "x", "--steps", "1", "--prefetch-steps", "-1")
+
+
 @pytest.mark.parametrize("method", ["peagle", "eagle3"])
 def test_shape_multiple_trains_the_same_steps(setup, tmp_path, method):
     """--shape-multiple pads the step's matrices (target pass, teacher table, drafter rows, charged elements) with

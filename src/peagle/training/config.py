@@ -77,6 +77,7 @@ class TrainConfig:
     time_limit_minutes: float | None = None  # finish (evaluate, save final/) once this much wall time has passed
     profile_steps: int = 0  # profile this many steps (after the first PROFILE_FROM) into out/profile.txt
     log_every: int = 10  # steps whose statistics are read from the device at once (one wait per interval)
+    prefetch_steps: int = 3  # steps planned ahead by a background thread; 0: each step planned in the training loop
     depth_decay: float = 0.8  # loss weight decay ** depth per element (SpecForge's 0.8)
     freeze_lm_head: bool = True  # keep the draft head at its initial rows (the target's), as speculators does
     freeze_embeddings: bool = False  # keep embed_tokens at the target's rows but P-EAGLE's MASK row (SpecForge's)
@@ -107,6 +108,8 @@ class TrainConfig:
                              "the frozen rows; use one of them")
         if self.profile_steps < 0:
             raise ValueError(f"--profile-steps must be non-negative, got {self.profile_steps}")
+        if self.prefetch_steps < 0:
+            raise ValueError(f"--prefetch-steps must be non-negative, got {self.prefetch_steps}")
         if self.time_limit_minutes is not None and self.time_limit_minutes <= 0:
             raise ValueError(f"--time-limit must be positive (minutes), got {self.time_limit_minutes}")
         if self.method not in METHODS:

@@ -202,7 +202,7 @@ class Trainer:
         logger.info("training %s drafter: steps %d..%d of %d, global batch %d sequences",
                     self.cfg.method, self.step + 1, self.total_steps, self.total_steps, self.global_batch)
         first_step, fit_start = self.step, None  # fit_start: (step, time) where the current rate window began
-        self._prefetch = Prefetcher(self)
+        self._prefetch = Prefetcher(self, self.cfg.prefetch_steps) if self.cfg.prefetch_steps else None
         self._interval_start = time.monotonic()
         try:
             while self.step < self.total_steps:
@@ -250,14 +250,16 @@ class Trainer:
             return 0
         except Exception as e:
             if is_device_fault(e):
-                self._prefetch.close()
+                if self._prefetch is not None:
+                    self._prefetch.close()
                 try:
                     self.record_fault(e)
                 except Exception as record_error:  # noqa: BLE001 - the fault, not the record's failure, is the error
                     logger.error("could not record the fault's steps: %s", record_error)
             raise
         finally:
-            self._prefetch.close()
+            if self._prefetch is not None:
+                self._prefetch.close()
             self._prefetch = None
             if self._profiler is not None:
                 self._finish_profile()

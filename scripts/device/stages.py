@@ -231,17 +231,138 @@ def install_wheels() -> None:
         Path(SITE, ".done").touch()
 
 
-def need_model() -> None:
-    """The testbed target in $W/smollm2 (bf16), converted from the GGUF's halves: stage_a's in $W and .stage_b's.
-    Exits 3 when stage_a has not run on this machine."""
+def need_model(must: bool = True) -> bool:
+    """The testbed target in $W/smollm2 (bf16), converted from the GGUF that stage_a's calls gathered in parts (the
+    .stage_* folders carried this call are gathered too, so the last part can come with the stage that needs it).
+    While parts are missing exits 3 naming them, or returns False when not MUST; True once the target is here."""
     if (W / "smollm2/config.json").is_file():
-        return
-    if not (W / "gguf.part.aa").is_file():
-        refuse(f"stage_a has not run on this machine (no {W}/gguf.part.aa)", 3)
-    with open(W / "smollm2.gguf", "wb") as f:
-        run(["cat", W / "gguf.part.aa", ".stage_b/gguf.part.ab"], stdout=f)
-    run(["sha256sum", "-c", "-"], input=f"{GGUF_SHA256}  {W}/smollm2.gguf\n", text=True)
-    run([*py(), "-m", "peagle", "convert", "gguf", W / "smollm2.gguf", W / "smollm2", "--dtype", "bf16"])
+        return True
+    manifest = gguf_gather()
+    if not (W / GGUF_FILE).is_file():
+        if manifest is None:
+            if not must:
+                return False
+            refuse(f"stage_a has not run on this machine (no {W}/{GGUF_PARTS}/{GGUF_MANIFEST}): stage_a with each "
+                   ".stage_* folder (bash scripts/device/stage_local.sh wheels), .whl with the first", 3)
+        missing = gguf_missing(manifest)
+        if missing:
+            if not must:
+                return False
+            refuse(f"the GGUF's parts still to come: {', '.join(missing)}: stage_a with each", 3)
+        gguf_join(manifest)
+    run([*py(), "-m", "peagle", "convert", "gguf", W / GGUF_FILE, W / "smollm2", "--dtype", "bf16"])
+    return True
+
+
+# The testbed target's GGUF in parts: stage_local.sh cuts it (gguf_split, at home) into .stage_a, .stage_b, ..., each
+# sized to travel with the working tree and .whl in one call, GGUF_MANIFEST (every part's and the whole's size and
+# sha256) in each; stage_a gathers them across calls into $W/GGUF_PARTS and joins them once all are here.
+GGUF_MANIFEST = "gguf-manifest.json"
+GGUF_PARTS = "gguf-parts"
+GGUF_FILE = "smollm2.gguf"
+GGUF_SIZE = 98362432  # the testbed GGUF's bytes (GGUF_SHA256)
+SLACK = 64 * 1024  # a carried folder's manifest and entries beside its parts
+MIB = 1024 * 1024
+
+
+def part_suffix(i: int) -> str:
+    """`split -a 2`'s suffix of the I-th part: aa, ab, ..., az, ba, ..."""
+    return chr(97 + i // 26) + chr(97 + i % 26)
+
+
+def folder_letter(i: int) -> str:
+    """The I-th carried folder's suffix: a ... z, then za, zb, ... (sorted as they come)."""
+    return chr(97 + i) if i < 25 else "z" + chr(97 + i - 25)
+
+
+def gguf_split(gguf: Path, room: int, into: Path = Path(".")) -> list[Path]:
+    """At home (stage_local.sh): GGUF cut into as few equal parts as fit ROOM bytes with a manifest, one a folder
+    INTO/.stage_a, INTO/.stage_b, ... (gguf.part.aa, gguf.part.ab, ...), GGUF_MANIFEST in each. An earlier split's
+    parts and manifests are removed first, and a .stage_* folder they leave empty; other files there stay."""
+    room -= SLACK  # the manifest beside the part
+    if room <= 0:
+        raise SystemExit(f"no room for the GGUF's parts ({room} bytes a call): the working tree is too large")
+    for old in glob.glob(str(into / ".stage_*")):
+        for f in [*glob.glob(f"{old}/gguf.part.*"), *glob.glob(f"{old}/{GGUF_MANIFEST}")]:
+            os.unlink(f)
+        if os.path.isdir(old) and not os.listdir(old):
+            os.rmdir(old)
+    size = gguf.stat().st_size
+    n = -(-size // room)
+    cut = -(-size // n)
+    parts, folders = [], []
+    with open(gguf, "rb") as src:
+        for i in range(n):
+            folder = into / f".stage_{folder_letter(i)}"
+            folder.mkdir(parents=True, exist_ok=True)
+            name = f"gguf.part.{part_suffix(i)}"
+            data = src.read(cut)
+            (folder / name).write_bytes(data)
+            parts.append({"file": name, "folder": folder.name, "size": len(data),
+                          "sha256": hashlib.sha256(data).hexdigest()})
+            folders.append(folder)
+    manifest = {"file": gguf.name, "size": size, "sha256": sha256_of(gguf), "parts": parts}
+    for folder in folders:
+        (folder / GGUF_MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return folders
+
+
+def gguf_gather() -> dict | None:
+    """The GGUF parts of the .stage_* folders carried this call copied into $W/GGUF_PARTS, each checked against the
+    manifest beside it (exits 6 for a mismatch, or for a manifest of another split than the one already here); the
+    manifest there, if any."""
+    parts = W / GGUF_PARTS
+    here = parts / GGUF_MANIFEST
+    manifest = json.loads(here.read_text()) if here.is_file() else None
+    for d in sorted(glob.glob(".stage_*")):
+        if not os.path.isfile(f"{d}/{GGUF_MANIFEST}"):
+            continue  # not a part of the GGUF (an older split, or another folder of that name)
+        carried = json.loads(Path(d, GGUF_MANIFEST).read_text())
+        if manifest is not None and carried != manifest:
+            refuse(f"{d}/{GGUF_MANIFEST} is of another split than the parts already in {parts}: carry the .stage_* "
+                   f"folders of one stage_local.sh run (or rm -rf {parts} to start again)", 6)
+        manifest = carried
+        parts.mkdir(parents=True, exist_ok=True)
+        if not here.is_file():
+            here.write_text(json.dumps(manifest, indent=1) + "\n")
+        for entry in manifest["parts"]:
+            src = Path(d, entry["file"])
+            if not src.is_file():
+                continue
+            if sha256_of(src) != entry["sha256"]:
+                refuse(f"{src} does not match {GGUF_MANIFEST}'s sha256: stage_local.sh wheels again", 6)
+            tmp = parts / f".{entry['file']}.tmp"
+            shutil.copyfile(src, tmp)
+            tmp.replace(parts / entry["file"])
+    return manifest
+
+
+def gguf_missing(manifest: dict) -> list[str]:
+    """The folders (.stage_b, ...) whose parts of MANIFEST are not in $W/GGUF_PARTS yet."""
+    return [p["folder"] for p in manifest["parts"] if not (W / GGUF_PARTS / p["file"]).is_file()]
+
+
+def gguf_join(manifest: dict) -> None:
+    """MANIFEST's parts (all here) checked and joined into $W/GGUF_FILE, the whole checked against the manifest's
+    sha256 and the testbed's (GGUF_SHA256); a mismatch exits 6. The parts are removed once the whole checks."""
+    parts = W / GGUF_PARTS
+    for entry in manifest["parts"]:
+        if sha256_of(parts / entry["file"]) != entry["sha256"]:
+            refuse(f"{parts / entry['file']} does not match {GGUF_MANIFEST}'s sha256: rm -rf {parts}, then "
+                   "stage_a with each .stage_* folder again", 6)
+    tmp = W / f".{GGUF_FILE}.tmp"
+    with open(tmp, "wb") as f:
+        for entry in manifest["parts"]:
+            with open(parts / entry["file"], "rb") as block:
+                shutil.copyfileobj(block, f)
+    whole = sha256_of(tmp)
+    if whole != manifest["sha256"] or whole != GGUF_SHA256:
+        tmp.unlink()
+        refuse(f"the GGUF's {len(manifest['parts'])} parts joined do not match the sha256 of the manifest "
+               f"({manifest['sha256'][:12]}) and of the testbed's GGUF ({GGUF_SHA256[:12]}): got {whole[:12]}", 6)
+    tmp.replace(W / GGUF_FILE)
+    shutil.rmtree(parts)
+    say(f"the GGUF joined from {len(manifest['parts'])} parts and checked: {W / GGUF_FILE}")
 
 
 def random_heads(target: Path | None = None) -> None:
@@ -464,12 +585,32 @@ def finish(name: str) -> None:
 
 @stage
 def stage_a() -> None:
-    """The testbed GGUF's first half into $W, for need_model (which joins it to .stage_b's half).
+    """The testbed target's GGUF, a part a call; once all are here, joined, checked and converted into $W/smollm2.
 
-    Carries .stage_a (gguf.part.aa); beside it the gguf wheel alone fits under a call's 64 MiB
-    (.whl/gguf-*.whl). Leaves nothing under $OUT.
+    Carries one of .stage_a, .stage_b, ... each call (`bash scripts/device/stage_local.sh wheels` cuts the GGUF into as
+    many parts as the room beside the working tree and .whl needs, gguf-manifest.json with every part's sha256 in
+    each), and .whl with the first (gguf, for the conversion). The calls: stage_a (.stage_a .whl), stage_a (.stage_b),
+    ..., one a folder in any order, gathered in $W/gguf-parts (a part or a manifest that does not match exits 6); the
+    call that brings the last part joins them, checks the whole and converts it, and every stage that needs the model
+    finds it in $W/smollm2 (a stage that needs the model also gathers a part carried with it, so the last part can come
+    with that stage instead). Without a part carried exits 2. Leaves nothing under $OUT (says which parts are to come).
     """
-    cp(".stage_a/gguf.part.aa", W)
+    if (W / "smollm2/config.json").is_file():
+        say(f"the target is here already: {W / 'smollm2'}")
+        return
+    if (W / GGUF_FILE).is_file():  # joined and checked by an earlier call whose conversion failed
+        need_model()
+        return
+    manifest = gguf_gather()
+    if manifest is None or not glob.glob(f".stage_*/{GGUF_MANIFEST}"):
+        refuse("no .stage_* folder with the GGUF's part carried (bash scripts/device/stage_local.sh wheels makes "
+               "them)", 2)
+    missing = gguf_missing(manifest)
+    n = len(manifest["parts"])
+    if missing:
+        say(f"the GGUF: {n - len(missing)} of {n} parts here; still to come: {', '.join(missing)} (stage_a with each)")
+        return
+    need_model()
 
 
 @stage
@@ -622,8 +763,9 @@ def heads_out() -> None:
 def heads_in() -> None:
     """heads_out's parts carried back; once the target is here and every part has come, the heads rebuilt.
 
-    Carries any of .hp_a, .hp_b, ... each call (gathered in $W/heads-parts) and, after stage_a, .stage_b once (the
-    target is converted then). The heads land in $W/heads/{eagle3,peagle}, where the bench stages find them.
+    Carries any of .hp_a, .hp_b, ... each call (gathered in $W/heads-parts; `stage_local.sh heads DIR...` fills each
+    folder as far as a call's room allows), after stage_a's calls (or with the GGUF's last .stage_* part: the target
+    is converted then). The heads land in $W/heads/{eagle3,peagle}, where the bench stages find them.
     Leaves nothing under $OUT (prints how many parts are here).
     """
     parts = W / "heads-parts"
@@ -631,8 +773,7 @@ def heads_in() -> None:
     for d in sorted(glob.glob(".hp_*")):
         if os.path.isdir(d):
             run(["cp", *globs(f"{d}/*"), f"{parts}/"])
-    if Path(".stage_b/gguf.part.ab").is_file():
-        need_model()
+    need_model(must=False)
     say(sum(1 for p in parts.iterdir() if ".part-" in p.name and not p.name.startswith(".")))
     if (W / "smollm2/config.json").is_file() and run(
             [*py(), "scripts/device/heads_pack.py", "unpack", "--target", W / "smollm2", "--out", W / "heads-packed",
@@ -732,9 +873,9 @@ def throughput() -> None:
     """Training throughput: an earlier tree's trainer against today's, synchronisations per step, a profile.
 
     Each trainer alone on the GPU, 8K packs; the synchronisations counted and the P-EAGLE step profiled on today's.
-    Carries .stage_b (after stage_a), .gpu (prompts for the data, answered here unless TP_DATA names an earlier
-    `data` call's directory, e.g. $W/data-sharegpt.0) and .old. TP_RUNS replaces the rows (NAME=SRC:METHOD:K:LEN:BS
-    [:ARGS] ...); TP_STEPS (70), TP_TIMEOUT (330). Leaves $OUT/train_throughput.json.
+    After stage_a's calls (the target). Carries .gpu (prompts for the data, answered here unless TP_DATA names an
+    earlier `data` call's directory, e.g. $W/data-sharegpt.0) and .old. TP_RUNS replaces the rows
+    (NAME=SRC:METHOD:K:LEN:BS[:ARGS] ...); TP_STEPS (70), TP_TIMEOUT (330). Leaves $OUT/train_throughput.json.
     """
     need_model()
     tp_data = env("TP_DATA", f"{W}/data-tp")
@@ -781,7 +922,7 @@ def engine() -> None:
     """The engine's variants side by side with a random P-EAGLE head: TTFT, a new prompt's stall, ITL.
 
     A round's cost, not its acceptance: TTFT at concurrency 1, the stall a new prompt causes among 8 decodes, ITL as
-    requests arrive. Carries .stage_b (after stage_a). ENGINE_SECS (150); ENGINE_VARIANTS
+    requests arrive. After stage_a's calls (the target). ENGINE_SECS (150); ENGINE_VARIANTS
     (async,async+prefill-graphs,async+chunked,async+chunked+prefill-graphs); ENGINE_HEAD: a trained P-EAGLE head
     instead (e.g. $W/heads/peagle); ENGINE_LOOP: closed loops C:T,...; ENGINE_LOOP_PROFILE=1 profiles a third pass
     of each; ENGINE_STALL (512): the new prompt's tokens; ENGINE_PROFILE=1: profiles. Leaves
@@ -812,11 +953,11 @@ def data() -> None:
     The prompts: self-synthesised ones, ShareGPT's train-split human turns answered turn by turn, short and long
     standard-library code; the evaluation set (never trained on) answers ShareGPT's held-out first turns. Each command
     is time-bounded and resumable; the two big sources run as two processes each (--part i/2), side by side on the one
-    GPU. Carries .stage_b (after stage_a) and .gpu. ANSWER_TOKENS (256): the answers' max_tokens (the target's greedy
-    answers loop past about 256 tokens); REGEN_KV_BLOCKS (40000); REGEN_EXTRA: more arguments of every regenerate;
-    SYNTH_SECS (70), SYNTH_COUNT (30000), SYNTH_REGEN_SECS (85), REGEN_SECS (160), CODE_REGEN_SECS (50), LONG_REGEN_SECS
-    (50), EVAL_REGEN_SECS (40). Writes $W/data-{synth.i,sharegpt.i,code,long,eval}; leaves nothing under $OUT (prints
-    each set's documents and tokens).
+    GPU. Carries .gpu, after stage_a's calls (the target). ANSWER_TOKENS (256): the answers' max_tokens (the target's
+    greedy answers loop past about 256 tokens); REGEN_KV_BLOCKS (40000); REGEN_EXTRA: more arguments of every
+    regenerate; SYNTH_SECS (70), SYNTH_COUNT (30000), SYNTH_REGEN_SECS (85), REGEN_SECS (160), CODE_REGEN_SECS (50),
+    LONG_REGEN_SECS (50), EVAL_REGEN_SECS (40). Writes $W/data-{synth.i,sharegpt.i,code,long,eval}; leaves nothing
+    under $OUT (prints each set's documents and tokens).
     """
     need_model()
     kv, answer = env("REGEN_KV_BLOCKS", "40000"), env("ANSWER_TOKENS", "256")
@@ -1041,10 +1182,10 @@ def stage_b() -> None:
     """The target converted, training prompts answered, three heads trained at once beside the GPU tests.
 
     The prompts: ShareGPT and long standard-library code; the heads: P-EAGLE and EAGLE-3 at 8K, P-EAGLE at 2K. Carries
-    .stage_b and .gpu (sharegpt_train.jsonl.gz, longcode_train.jsonl.gz), after stage_a. REGEN_SECS (110), REGEN_LIMIT
-    (6000), LONG_REGEN_SECS (60), LONG_LIMIT (1000), TRAIN_SECS (400), TRAIN_LR (5e-4). Each run fits its learning-rate
-    horizon to its time limit, so the time freed when a neighbour finishes is used. Leaves $OUT/gpu_tests.log,
-    $OUT/train-NAME.log, $OUT/train-NAME.jsonl, $OUT/profile-NAME.txt.
+    .gpu (sharegpt_train.jsonl.gz, longcode_train.jsonl.gz), after stage_a's calls (the target). REGEN_SECS (110),
+    REGEN_LIMIT (6000), LONG_REGEN_SECS (60), LONG_LIMIT (1000), TRAIN_SECS (400), TRAIN_LR (5e-4). Each run fits its
+    learning-rate horizon to its time limit, so the time freed when a neighbour finishes is used. Leaves
+    $OUT/gpu_tests.log, $OUT/train-NAME.log, $OUT/train-NAME.jsonl, $OUT/profile-NAME.txt.
     """
     need_model()
     for name in ("sharegpt_train", "longcode_train"):
@@ -1190,7 +1331,7 @@ def httpserve() -> None:
 
     The server's Python shares one GIL with the engine's host work. scripts/server_overhead.py's stand-in engine, .old's
     tree against this one; then the target on MT-Bench in process and through `peagle serve` with stream interval 1 and
-    8. Carries .stage_b (after stage_a), .old, .cfg and .whl (the server's packages). HTTP_C ("1 64"): the
+    8. After stage_a's calls (the target); carries .old, .cfg and .whl (the server's packages). HTTP_C ("1 64"): the
     concurrencies; HTTP_METHOD (peagle: P-EAGLE K=7 with the trained head, from the testbed or heads_in; none: plain
     decoding, no head needed, one token per chunk); HTTP_SERVERS ("1"): the --api-server-count values served; HTTP_SI
     ("1 8"): the stream intervals. HTTP_MODEL=random: the testbed's shape from .cfg on random weights (no stage_a),
@@ -1304,12 +1445,13 @@ def final() -> None:
 def teacher() -> None:
     """The training teacher's attention: the fused kernel against the math path, on a small tokenized dataset.
 
-    Carries .stage_b and .stage_c (its data/), after stage_a. TEACHER_ARGS: more arguments of
-    teacher_attention_check.py. Leaves $OUT/teacher_attention.json.
+    Carries .teacher (its data/; .stage_c/data before the GGUF's parts took that name), after stage_a's calls (the
+    target). TEACHER_ARGS: more arguments of teacher_attention_check.py. Leaves $OUT/teacher_attention.json.
     """
     need_model()
+    data = ".teacher/data" if os.path.isdir(".teacher/data") or not os.path.isdir(".stage_c/data") else ".stage_c/data"
     shown(["timeout", "200", *py(), "scripts/device/teacher_attention_check.py", W / "smollm2",
-           OUT / "teacher_attention.json", "--data", ".stage_c/data", *words(env("TEACHER_ARGS"))],
+           OUT / "teacher_attention.json", "--data", data, *words(env("TEACHER_ARGS"))],
           keep=r"^\{|Error")
 
 
@@ -1418,7 +1560,7 @@ def vllm_stage() -> None:
     the manifest is here (else exits 3, naming them): each one's sha256 checked (a mismatch exits 6), the wheel joined
     and checked, all installed with pip --no-index --no-deps into /tmp/vllm-site, which only vLLM's processes put on
     their path. Then scripts/device/vllm_check.py within VLLM_CHECK_SECS (420) on the testbed target ($W/smollm2:
-    after stage_a and .stage_b, heads_in or the testbed), else random weights from .cfg (if carried), else a tiny
+    after stage_a's calls, heads_in or the testbed), else random weights from .cfg (if carried), else a tiny
     random Llama it writes itself. Leaves $OUT/vllm_check.json (versions, unmet requirements, start-up seconds,
     tokens/s, outputs) and $OUT/vllm_check.log.
     """
@@ -1509,6 +1651,109 @@ def vllm_bench() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# At home: stage_local.sh's side of the parts (`python3 scripts/device/stages.py --home CMD ...`), beside the stages
+# that gather them, so that both ends are read and tested together. ROOM is what one call can carry beside the tree
+# that travels (stage_local.sh's room: 64 MiB, less the tree, less a margin).
+
+def fill(sizes: list[int], room: int) -> list[list[int]]:
+    """The indices of SIZES, in order, in as few groups of at most ROOM bytes as filling each in turn takes; exits
+    when one size alone is over ROOM."""
+    groups: list[list[int]] = []
+    used = room + 1
+    for i, size in enumerate(sizes):
+        if size > room:
+            raise SystemExit(f"a part of {size / MIB:.1f} MiB does not fit the room of a call ({room / MIB:.1f} MiB)")
+        if used + size > room:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += size
+    return groups
+
+
+def heads_parts(dirs: list[Path]) -> tuple[Path, list[Path]]:
+    """heads_out's manifest.json and its parts, in the manifest's order, from DIRS; exits naming a missing part."""
+    manifests = [d / "manifest.json" for d in dirs if (d / "manifest.json").is_file()]
+    if not manifests:
+        raise SystemExit(f"no manifest.json in {' '.join(map(str, dirs))}")
+    heads = json.loads(manifests[0].read_text())["heads"]
+    found = {p.name: p for d in dirs for p in d.glob("*.part-*")}
+    names = [p["file"] for h in heads.values() for p in h["parts"]]
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise SystemExit(f"{len(missing)} of {len(names)} parts missing ({missing[0]} ...): run heads_out again")
+    return manifests[0], [found[n] for n in names]
+
+
+def file_heads(dirs: list[Path], room: int, into: Path = Path(".")) -> list[Path]:
+    """heads_out's parts from DIRS filed into INTO/.hp_a, .hp_b, ..., each folder (its parts and the manifest) within
+    ROOM, filled in the manifest's order; earlier .hp_* folders removed first."""
+    manifest, parts = heads_parts(dirs)
+    for old in glob.glob(str(into / ".hp_*")):
+        shutil.rmtree(old)
+    folders = []
+    for i, group in enumerate(fill([p.stat().st_size for p in parts], room - manifest.stat().st_size - SLACK)):
+        folder = into / f".hp_{folder_letter(i)}"
+        folder.mkdir(parents=True)
+        shutil.copy(manifest, folder)
+        for j in group:
+            shutil.copy(parts[j], folder)
+        folders.append(folder)
+    return folders
+
+
+def gguf_parts_for(room: int, whl: int, size: int = GGUF_SIZE) -> int:
+    """How many parts the GGUF takes when each travels with .whl (WHL bytes) within ROOM."""
+    return -(-size // (room - whl - SLACK))
+
+
+def plan(room: int, travels: int, whl: int, heads: list[Path]) -> list[str]:
+    """The calls that bring the testbed target and the heads of HEADS (heads_out's folders) to a fresh machine, for
+    this tree (TRAVELS bytes, ROOM left a call) and .whl (WHL bytes)."""
+    n = gguf_parts_for(room, whl)
+    part = -(-GGUF_SIZE // n)
+    lines = [f"tree {travels / MIB:.1f} MiB travels; room {room / MIB:.1f} MiB a call (64 MiB less the tree, less "
+             "3 MiB); .whl {:.1f} MiB".format(whl / MIB),
+             f"testbed target + both testbed heads on a fresh machine (bash scripts/device/run.sh STAGE, one a call):"]
+    calls = [("stage_a", f".stage_{folder_letter(i)}" + (" .whl" if i == 0 else ""),
+              f"{part / MIB + (whl / MIB if i == 0 else 0):.1f} MiB") for i in range(n)]
+    calls[-1] = (*calls[-1][:2], calls[-1][2] + ": the GGUF joined, checked, converted")
+    try:
+        manifest, parts = heads_parts(heads)
+    except SystemExit as e:
+        lines.append(f"  (heads: {e})")
+        parts = []
+    if parts:
+        groups = fill([p.stat().st_size for p in parts], room - manifest.stat().st_size - SLACK)
+        for i, group in enumerate(groups):
+            calls.append(("heads_in", f".hp_{folder_letter(i)}",
+                          f"{sum(parts[j].stat().st_size for j in group) / MIB:.1f} MiB: "
+                          + " ".join(parts[j].name for j in group)
+                          + ("; the heads rebuilt" if i == len(groups) - 1 else "")))
+    width = max(len(c[1]) for c in calls)
+    lines += [f"  {i + 1}. {name:<8}  carry {carry:<{width}}  {what}" for i, (name, carry, what) in enumerate(calls)]
+    lines.append("  then bench, bench2, sampled_ab, longloop, httpserve (.whl .cfg .old), ... as docs/DEVICE.md says")
+    return lines
+
+
+def home(argv: list[str]) -> int:
+    """stage_local.sh's commands: split-gguf GGUF ROOM; heads ROOM DIR...; plan ROOM TRAVELS WHL [HEADS_DIR...]."""
+    cmd, args = (argv[0], argv[1:]) if argv else ("", [])
+    if cmd == "split-gguf" and len(args) == 2:
+        for folder in gguf_split(Path(args[0]), int(args[1])):
+            say(folder)
+    elif cmd == "heads" and len(args) >= 2:
+        for folder in file_heads([Path(d) for d in args[1:]], int(args[0])):
+            say(folder, " ".join(sorted(p.name for p in folder.iterdir() if p.name != "manifest.json")))
+    elif cmd == "plan" and len(args) >= 3:
+        say("\n".join(plan(int(args[0]), int(args[1]), int(args[2]), [Path(d) for d in args[3:]])))
+    else:
+        say(home.__doc__, err=True)
+        return 2
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
 
 def usage() -> str:
     width = max(map(len, STAGES))
@@ -1519,6 +1764,8 @@ def usage() -> str:
 
 
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--home":
+        return home(argv[1:])
     if not argv or argv[0] in ("-h", "--help"):
         say(usage(), err=not argv)
         return 0 if argv else 2

@@ -859,13 +859,23 @@ def mmhost() -> None:
 
 @stage
 def gpu_tests() -> None:
-    """The GPU tests (pytest), their output kept.
+    """The GPU tests (pytest), a line a test as they finish, the slowest 15 timed, stopped before the call's end.
 
-    GPU_TESTS (tests/gpu): some files only. Exits with pytest's status when a test fails. Leaves
-    $OUT/gpu_tests.log.
+    GPU_TESTS (tests/gpu): some files or test ids only. GPU_TESTS_TIMEOUT (480 s, under a call's 600): pytest is then
+    interrupted (SIGINT: it still prints the slowest tests and the summary; killed 30 s later if it hangs) and the
+    stage exits 124. The log is written unbuffered line by line, so a call cut off from outside keeps what ran.
+    Exits with pytest's status when a test fails. Leaves $OUT/gpu_tests.log.
     """
-    with open(OUT / "gpu_tests.log", "wb") as log:
-        shown([*py(), "-m", "pytest", *words(env("GPU_TESTS", "tests/gpu")), "-q"], tee=log, check=True)
+    limit = env("GPU_TESTS_TIMEOUT", "480")
+    with open(OUT / "gpu_tests.log", "wb", buffering=0) as log:
+        rc = shown(["timeout", "-s", "INT", "-k", "30", limit, *py(), "-m", "pytest",
+                    *words(env("GPU_TESTS", "tests/gpu")), "-v", "-o", "console_output_style=classic",
+                    "--durations=15", "-p", "no:cacheprovider"], tee=log,
+                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if rc == 124:
+        say(f"GPU_TESTS_TIMEOUT ({limit} s) reached: pytest interrupted; the log so far is in {OUT}/gpu_tests.log")
+    if rc:
+        raise SystemExit(rc)
 
 
 @stage

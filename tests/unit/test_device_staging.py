@@ -250,3 +250,22 @@ def test_the_plan_names_a_call_a_folder(tmp_path):
     assert ".stage_a .whl" in lines[2] and "joined, checked, converted" in lines[4]
     assert stages.gguf_parts_for(43 * mib, 5 * mib) == 3 and stages.gguf_parts_for(60 * mib, 5 * mib) == 2
 
+
+def test_gpu_tests_logs_a_line_a_test_and_stops_at_its_time_limit(tmp_path):
+    tests = tmp_path / "gputests"
+    tests.mkdir()
+    (tests / "test_slow.py").write_text("import time\n\ndef test_quick():\n    pass\n\n"
+                                        "def test_slow():\n    time.sleep(60)\n")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    for d in ("scripts", "src"):
+        (cwd / d).symlink_to(REPO / d)
+    out = tmp_path / "out"
+    env = {**os.environ, "PEAGLE_WORK": str(tmp_path / "work"), "OUT": str(out), "PYTHON": sys.executable,
+           "GPU_TESTS": str(tests), "GPU_TESTS_TIMEOUT": "8"}
+    r = subprocess.run(["bash", "scripts/device/run.sh", "gpu_tests"], cwd=cwd, env=env, text=True,
+                       capture_output=True, timeout=120)
+    assert r.returncode == 124, r.stdout + r.stderr
+    log = (out / "gpu_tests.log").read_text()
+    assert "test_slow.py::test_quick PASSED" in log and "slowest" in log and "KeyboardInterrupt" in log
+    assert "GPU_TESTS_TIMEOUT (8 s) reached" in r.stdout

@@ -9,40 +9,21 @@ import shutil
 import pytest
 import torch
 import transformers
+from model_helpers import check_against_transformers
 from safetensors.torch import load_file, save_file
 
-from peagle.models.attention import DenseAttention
 from peagle.models.config import ModelConfig
 from peagle.models.loader import load_model
 from peagle.models.quantized import dequantize_fp8_blocks, dequantize_mxfp4
-
-ATOL = 1e-4
-
-
-def _logits_and_aux(model, ids, aux_ids):
-    out = model(ids, torch.arange(ids.numel()), DenseAttention(), aux_layer_ids=aux_ids)
-    return model.compute_logits(out.hidden), out.aux
-
-
-def _hf(path, ids, aux_ids):
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = hf(ids[None], output_hidden_states=True)
-    return out.logits[0], torch.cat([out.hidden_states[i][0] for i in aux_ids], dim=-1)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "mistral_swa"])
 def test_logits_and_aux_match_transformers_past_the_window(tiny_hf_checkpoint, family):
     path = tiny_hf_checkpoint(family, num_layers=4)
     model = load_model(path, dtype="fp32")
-    aux_ids = model.config.default_aux_layer_ids
-    gen = torch.Generator().manual_seed(3)
-    for length in (1, 5, 29):  # 29 tokens: well past the 6-token window
-        ids = torch.randint(0, model.config.vocab_size, (length,), generator=gen)
-        logits, aux = _logits_and_aux(model, ids, aux_ids)
-        ref_logits, ref_aux = _hf(path, ids, aux_ids)
-        torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=1e-4)
-        torch.testing.assert_close(aux, ref_aux, atol=ATOL, rtol=1e-4)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # lengths 1, 5 and 29: 29 tokens run well past the 6-token window
+    check_against_transformers(model, hf, model.config.default_aux_layer_ids)
 
 
 def test_family_configs_are_read(tiny_hf_checkpoint):
@@ -97,12 +78,26 @@ def test_mxfp4_dequantisation_matches_transformers():
     assert torch.equal(got, want)
 
 
+def _check_loads_as_its_twin(src, tmp_path, tensors, quantised, quantization_config):
+    """Copies of checkpoint `src` holding `tensors` (plain) and `quantised` (under `quantization_config`) load to
+    equal weights; returns the plain one's model."""
+    plain, packed = tmp_path / "plain", tmp_path / "quantised"
+    shutil.copytree(src, plain)
+    shutil.copytree(src, packed)
+    save_file(tensors, plain / "model.safetensors")
+    save_file(quantised, packed / "model.safetensors")
+    config = json.loads((packed / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (packed / "config.json").write_text(json.dumps(config))
+    a, b = load_model(plain, dtype="fp32"), load_model(packed, dtype="fp32")
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(x, y), name
+    return a
+
+
 def test_gpt_oss_mxfp4_checkpoint_loads_as_its_dequantised_twin(tiny_hf_checkpoint, tmp_path):
     """The released GPT-OSS checkpoints store experts as MXFP4 blocks and scales: they load as the bf16 layout."""
     src = tiny_hf_checkpoint("gpt_oss", num_layers=2)
-    plain, packed = tmp_path / "plain", tmp_path / "packed"
-    shutil.copytree(src, plain)
-    shutil.copytree(src, packed)
     tensors = load_file(src / "model.safetensors")
     gen = torch.Generator().manual_seed(1)
     quantised = dict(tensors)
@@ -113,22 +108,13 @@ def test_gpt_oss_mxfp4_checkpoint_loads_as_its_dequantised_twin(tiny_hf_checkpoi
             del quantised[name]
             quantised[name + "_blocks"], quantised[name + "_scales"] = blocks, scales
             tensors[name] = dequantize_mxfp4(blocks, scales, torch.float32)
-    save_file(tensors, plain / "model.safetensors")
-    save_file(quantised, packed / "model.safetensors")
-    config = json.loads((packed / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (packed / "config.json").write_text(json.dumps(config))
-    a, b = load_model(plain, dtype="fp32"), load_model(packed, dtype="fp32")
-    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
-        assert torch.equal(x, y), name
+    _check_loads_as_its_twin(src, tmp_path, tensors, quantised,
+                             {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]})
 
 
 def test_fp8_block_checkpoint_loads_dequantised(tiny_hf_checkpoint, tmp_path):
     """Qwen3-Coder-30B-A3B-Instruct-FP8's layout: fp8 weights with a scale per 128 x 128 block (16 x 16 here)."""
     src = tiny_hf_checkpoint("qwen3_moe", num_layers=2)
-    plain, fp8 = tmp_path / "plain", tmp_path / "fp8"
-    shutil.copytree(src, plain)
-    shutil.copytree(src, fp8)
     tensors = load_file(src / "model.safetensors")
     quantised = dict(tensors)
     for name, w in tensors.items():
@@ -138,14 +124,8 @@ def test_fp8_block_checkpoint_loads_dequantised(tiny_hf_checkpoint, tmp_path):
             quantised[name] = q.to(torch.float8_e4m3fn)
             quantised[name.removesuffix("weight") + "weight_scale_inv"] = scale
             tensors[name] = dequantize_fp8_blocks(quantised[name], scale, (16, 16), torch.float32)
-    save_file(tensors, plain / "model.safetensors")
-    save_file(quantised, fp8 / "model.safetensors")
-    config = json.loads((fp8 / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16], "fmt": "e4m3"}
-    (fp8 / "config.json").write_text(json.dumps(config))
-    a, b = load_model(plain, dtype="fp32"), load_model(fp8, dtype="fp32")
-    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
-        assert torch.equal(x, y), name
+    a = _check_loads_as_its_twin(src, tmp_path, tensors, quantised,
+                                 {"quant_method": "fp8", "weight_block_size": [16, 16], "fmt": "e4m3"})
     # A weight that differs from its dequantised twin would show: the fp8 values are coarse.
     assert not torch.equal(a.layers[0].self_attn.qkv_proj.weight, load_model(src, dtype="fp32").layers[0]
                            .self_attn.qkv_proj.weight)

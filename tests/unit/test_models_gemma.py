@@ -8,25 +8,12 @@ import json
 import pytest
 import torch
 import transformers
+from model_helpers import ATOL, check_against_transformers, logits_and_aux
 from safetensors.torch import load_file, save_file
 
-from peagle.models.attention import DenseAttention
 from peagle.models.config import ModelConfig, UnsupportedModelError
 from peagle.models.loader import load_model
 from peagle.models.weights import to_hf_state_dict
-
-ATOL = 1e-4
-
-
-def _logits_and_aux(model, ids, aux_ids):
-    out = model(ids, torch.arange(ids.numel()), DenseAttention(), aux_layer_ids=aux_ids)
-    return model.compute_logits(out.hidden), out.aux
-
-
-def _hf(hf, ids, aux_ids):
-    with torch.no_grad():
-        out = hf(input_ids=ids[None], output_hidden_states=True)
-    return out.logits[0], torch.cat([out.hidden_states[i][0] for i in aux_ids], dim=-1)
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -35,13 +22,8 @@ def test_logits_and_aux_match_transformers_past_the_window(tiny_hf_checkpoint, t
     model = load_model(path, dtype="fp32")
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     aux_ids = (0, 3, 5)  # the embeddings (scaled), a sliding layer's input, the global layer's input
-    gen = torch.Generator().manual_seed(3)
-    for length in (1, 5, 29):  # 29 tokens: well past the 6-token window
-        ids = torch.randint(0, model.config.vocab_size, (length,), generator=gen)
-        logits, aux = _logits_and_aux(model, ids, aux_ids)
-        ref_logits, ref_aux = _hf(hf, ids, aux_ids)
-        torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=1e-4)
-        torch.testing.assert_close(aux, ref_aux, atol=ATOL, rtol=1e-4)
+    # lengths 1, 5 and 29: 29 tokens run well past the 6-token window
+    logits = check_against_transformers(model, hf, aux_ids)
     assert logits.abs().max() < 2.0  # the final soft-cap (2.0) bit
 
 
@@ -136,11 +118,11 @@ def test_multimodal_checkpoint_serves_its_text_decoder(tmp_path):
         ref = hf(input_ids=ids[None]).logits[0]
     model = load_model(tmp_path, dtype="fp32")
     assert model.config.family == "gemma3" and model.config.tie_word_embeddings
-    torch.testing.assert_close(_logits_and_aux(model, ids, ())[0], ref, atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(logits_and_aux(model, ids, ())[0], ref, atol=ATOL, rtol=1e-4)
     # The same decoder under the names the model holds in memory (model.language_model.*) loads alike.
     renamed = {n.replace("language_model.model.", "model.language_model."): t for n, t in names.items()}
     save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    torch.testing.assert_close(_logits_and_aux(load_model(tmp_path, dtype="fp32"), ids, ())[0], ref, atol=ATOL,
+    torch.testing.assert_close(logits_and_aux(load_model(tmp_path, dtype="fp32"), ids, ())[0], ref, atol=ATOL,
                                rtol=1e-4)
     assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["Gemma3ForConditionalGeneration"]
 
@@ -178,14 +160,7 @@ def _gemma4_checkpoint(out, seed=0, **variant):
 def test_gemma4_logits_and_aux_match_transformers(tmp_path, variant):
     hf = _gemma4_checkpoint(tmp_path, **GEMMA4_VARIANTS[variant])
     model = load_model(tmp_path, dtype="fp32")
-    aux_ids = (1, 4, 7)
-    gen = torch.Generator().manual_seed(3)
-    for length in (1, 29):
-        ids = torch.randint(0, 300, (length,), generator=gen)
-        logits, aux = _logits_and_aux(model, ids, aux_ids)
-        ref_logits, ref_aux = _hf(hf, ids, aux_ids)
-        torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=1e-4)
-        torch.testing.assert_close(aux, ref_aux, atol=ATOL, rtol=1e-4)
+    check_against_transformers(model, hf, (1, 4, 7), lengths=(1, 29), vocab_size=300)
 
 
 def test_gemma4_config_is_read(tmp_path):

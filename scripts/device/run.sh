@@ -3,7 +3,7 @@
 #   bash scripts/device/run.sh STAGE        (bash scripts/device/run.sh --help: the stages, one line each)
 # Each stage is a function of scripts/device/stages.py whose docstring says what it does, what it carries and reads,
 # and what it leaves under $OUT; docs/DEVICE.md shows how the stages chain. Large inputs travel in ignored folders
-# that scripts/device/stage_local.sh builds and the call carries (.stage_a .stage_b .whl .gpu .old .cfg .tb_a .tb_b
+# that scripts/device/stage_local.sh builds and the call carries (.stage_* .whl .gpu .old .cfg .tb_a .tb_b
 # .tb_c .hp_* .g3_* .vllm_*). Everything built lives under $W, kept while the machine stays warm; results go to $OUT.
 set -euo pipefail
 # The stages stages.py defines, in the order docs/DEVICE.md tells them (a unit test holds the two lists together).

@@ -20,24 +20,13 @@ from peagle.engine.sampling_params import SamplingParams, truncate_prompt, with_
 from peagle.engine.scheduler import Scheduler, SchedulerConfig
 from peagle.engine.sequence import Sequence
 from peagle.engine.spec.proposer import Eagle3Proposer, ParallelDraftingProposer
+from peagle.engine.stats import EngineStats
 from peagle.models.config import ModelConfig, UnsupportedModelError
 from peagle.models.registry import unservable_parts
 
 logger = logging.getLogger(__name__)
 
 _ACTIVATION_RESERVE = 2 << 30  # bytes kept free for activations, logits and graphs
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-
-    @property
-    def kv_usage(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
 class LLMEngine:

@@ -164,7 +164,7 @@ def _child_main(socks: list[socket.socket], config, tokenizer: str | None, engin
             engine.use_tokenizer(load_tokenizer(tokenizer))
         info = {"tokenizer": engine.tokenizer, "eos_token_ids": engine.eos_token_ids,
                 "max_model_len": engine.max_model_len, "model_config": engine.model_config, "k": engine.k,
-                "stats": wire.stats_of(engine.stats())}
+                "stats": engine.stats()}
     except BaseException as e:
         socks[0].sendall(wire.command_frame(("error", (f"{type(e).__name__}: {e}",
                                                        isinstance(e, (ValueError, FileNotFoundError))))))
@@ -182,7 +182,7 @@ class _Client:
         self.frames = wire.FrameBuffer()
         self.live: set[str] = set()
         self.pending: dict[str, wire.Output] = {}
-        self.stats: wire.Stats | None = None  # the engine's, after the step that gave the pending outputs
+        self.stats: wire.EngineStats | None = None  # the engine's, after the step that gave the pending outputs
         self.unsent = bytearray()
         self.polling_out = False  # the poller wakes the loop when the socket takes more
 
@@ -230,7 +230,7 @@ class EngineLoop:
                 self._step()
                 stepped = True
             elif self.clients and (commands or stepped):  # gone idle, or commands that left it idle
-                self._broadcast(wire.Idle(wire.stats_of(self.engine.stats())))
+                self._broadcast(wire.Idle(self.engine.stats()))
                 stepped = False
 
     def _read(self, client: _Client):
@@ -295,7 +295,7 @@ class EngineLoop:
             self.owner.clear()
             for client in self.clients.values():
                 client.live.clear()
-            self._broadcast(wire.Failed(f"{type(e).__name__}: {e}", wire.stats_of(self.engine.stats())))
+            self._broadcast(wire.Failed(f"{type(e).__name__}: {e}", self.engine.stats()))
             return
         touched = {}
         for out in outputs:
@@ -307,7 +307,7 @@ class EngineLoop:
                 client.live.discard(out.request_id)
             touched[id(client)] = client
             client.hold(wire.output_of(out))
-        stats = wire.stats_of(self.engine.stats())
+        stats = self.engine.stats()
         for client in touched.values():
             client.stats = stats
             self._flush(client)

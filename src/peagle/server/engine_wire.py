@@ -16,6 +16,8 @@ import struct
 
 import msgspec
 
+from peagle.engine.stats import EngineStats
+
 _HEADER = struct.Struct("<I")
 
 TokenLogprobsWire = tuple[int, float, int, list[tuple[int, float]]]  # engine.outputs.TokenLogprobs
@@ -48,24 +50,11 @@ class Output(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[TokenLogprobsWire] | None = None
 
 
-class Stats(msgspec.Struct, array_like=True):
-    """engine.llm_engine.EngineStats on the wire."""
-
-    num_running: int
-    num_waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-
-    @property
-    def kv_usage(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
-
-
 class Step(msgspec.Struct, array_like=True, tag="s"):
     """One engine step's outputs for one API server's requests, and the engine's stats after it."""
 
     outputs: list[Output]
-    stats: Stats
+    stats: EngineStats
 
 
 class Added(msgspec.Struct, array_like=True, tag="a"):
@@ -82,22 +71,18 @@ class Failed(msgspec.Struct, array_like=True, tag="f"):
     """A step raised: the engine aborted every request it held and goes on serving."""
 
     error: str
-    stats: Stats
+    stats: EngineStats
 
 
 class Idle(msgspec.Struct, array_like=True, tag="i"):
     """The engine has nothing to run (its stats, for the gauges and the stats log)."""
 
-    stats: Stats
+    stats: EngineStats
 
 
 EngineMessage = Step | Added | Failed | Idle
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(EngineMessage)
-
-
-def stats_of(stats) -> Stats:
-    return Stats(stats.num_running, stats.num_waiting, stats.kv_blocks_used, stats.kv_blocks_total)
 
 
 def output_of(out) -> Output:

@@ -12,7 +12,7 @@ import dataclasses
 import time
 import types
 
-from peagle.engine.llm_engine import EngineStats
+from peagle.engine.stats import EngineStats
 from peagle.engine.outputs import RequestMetrics, StepOutput
 
 

@@ -111,7 +111,9 @@ class Measurement:
     verified_per_round: float | None = None
     accepted_per_round: float | None = None
     verified_per_accepted: float | None = None
-    client_cpu_per_s: float | None = None  # against a server: the benchmark process's CPU s/s (1.0: a whole core)
+    client_cpu_per_s: float | None = None  # against a server: the benchmark processes' CPU s/s (1.0: a whole core)
+    client_cpu_per_process_max: float | None = None  # the busiest client process's CPU s/s
+    client_processes: int | None = None  # the client processes that sent the point's requests
 
 
 def percentile_ms(values_s: list[float], q: float) -> float | None:

@@ -16,6 +16,7 @@ examples:
   peagle bench --model M --draft-eagle3 E --draft-peagle P            # the full sweep, in process
   peagle bench --model M --methods none,peagle --k 7 --concurrency 1,8,64 --datasets humaneval,longcode
   peagle bench --url http://127.0.0.1:8000 --methods peagle --k 7     # a running server (its own method and K)
+  peagle bench --url http://127.0.0.1:8000 --methods peagle --k 7 --concurrency 64 --client-processes 4
   peagle bench --model M --draft-peagle P --methods none,peagle --k 3,5,7,11 --calibrate  # writes P/adaptive.json
   peagle bench --model M --draft-peagle P --methods none,peagle --k 7 --draft-confidence-cutoff 0.1,0.3 --calibrate
   peagle bench --model M --draft-eagle3 E --draft-peagle P --k 7 --vllm-baselines  # vLLM's rows beside peagle's
@@ -30,6 +31,18 @@ def _ints(text: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}") from None
+
+
+def _client_processes(text: str) -> int | str:
+    if text.strip() == "auto":
+        return "auto"
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 1, got {text!r}")
+    return n
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -67,6 +80,12 @@ def _register_bench(subparsers) -> None:
     target.add_argument("--draft-peagle", help="P-EAGLE drafter checkpoint (for method peagle)")
     target.add_argument("--served-model", help="model name to request from --url (default: its first model)")
     target.add_argument("--api-key", help="API key for --url")
+    target.add_argument("--client-processes", type=_client_processes, default="auto", metavar="N|auto",
+                        help="with --url: client processes that share each point's concurrency (one Python client "
+                             "streams at most some 20K tokens/s); each runs its share of the streams with its own "
+                             "event loop and HTTP client, and the point's numbers are computed over all of them. "
+                             "auto (default): min(CPUs // 2, ceil(concurrency / 16)), so one up to concurrency 16; "
+                             "never more than the concurrency")
     sweep = p.add_argument_group("the sweep")
     sweep.add_argument("--methods", type=_names, default=("none", "eagle3", "peagle"),
                        help="comma list of none, eagle3, peagle (default: all three)")
@@ -205,6 +224,7 @@ def sweep_config_from_args(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         llm_options=dict(args.llm_option), served_model=args.served_model, api_key=args.api_key,
+        client_processes=args.client_processes,
         hf_baselines=args.hf_baselines, hf_num_prompts=args.hf_num_prompts, hf_batch_sizes=args.hf_batch_sizes,
         hf_methods=args.hf_methods, vllm_baselines=args.vllm_baselines, vllm_python=args.vllm_python,
         vllm_path=args.vllm_path, vllm_options=dict(args.vllm_option),

@@ -64,6 +64,8 @@ class SweepConfig:
     # Server options.
     served_model: str | None = None
     api_key: str | None = None
+    # Client processes sharing each point's concurrency (peagle.bench.http_runner): "auto" or a number.
+    client_processes: int | str = "auto"
     # Hugging Face transformers baselines on the first `hf_num_prompts` prompts (at least `batch` of them).
     hf_baselines: bool = False
     hf_num_prompts: int = 8
@@ -107,6 +109,9 @@ class SweepConfig:
             raise ValueError(f"unknown method(s) {unknown}; --methods takes a comma list of {ENGINE_METHODS}")
         if not self.model and not self.url:
             raise ValueError("give --model DIR (in-process engine) or --url URL (a running server)")
+        if self.client_processes != "auto" and (not isinstance(self.client_processes, int)
+                                                or self.client_processes < 1):
+            raise ValueError(f"client_processes must be 'auto' or an integer >= 1, got {self.client_processes!r}")
         for name in ("ks", "concurrency", "hf_batch_sizes"):
             values = getattr(self, name)
             if not values or any(v < 1 for v in values):
@@ -335,6 +340,9 @@ def measure_row(config: SweepConfig, open_runner: OpenRunner, row: tuple[str, in
                                       temperature=temperature, min_seconds=config.min_seconds)
             point = make_point(dataset, method, k, c, measured, temperature=temperature, adaptive=policy)
             client = "" if measured.client_cpu_per_s is None else f", client CPU {measured.client_cpu_per_s:.2f} s/s"
+            if (measured.client_processes or 1) > 1:
+                client += (f" over {measured.client_processes} processes (busiest "
+                           f"{measured.client_cpu_per_process_max:.2f})")
             logger.info("%s K=%s%s %s t=%g c=%d: %.1f tok/s, AL %s%s", method, k, " adaptive" if policy else "",
                         dataset, temperature, c, point["tokens_per_s"], point["acceptance_length"], client)
             return point
@@ -401,7 +409,7 @@ def open_http_runner(config: SweepConfig, method: str, k: int | None,
     from peagle.bench.http_runner import HttpRunner
 
     yield HttpRunner(config.url, config.max_tokens, model=config.served_model, api_key=config.api_key,
-                     ignore_eos=config.ignore_eos)
+                     ignore_eos=config.ignore_eos, client_processes=config.client_processes)
 
 
 def free_accelerator_memory() -> None:

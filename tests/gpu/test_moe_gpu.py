@@ -64,3 +64,16 @@ def test_cuda_graph_replay_follows_new_routing(model, num_tokens):
         graph.replay()
         torch.cuda.synchronize()
     unit_cases.assert_close(out, moe.fused_moe_ref(**unit_cases.upcast(case)))
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("num_tokens", [1, 8, 512])
+def test_route_topk_at_model_shapes(model, num_tokens):
+    # fp32 logits, so no two experts tie (the unit tests hold the order of ties)
+    _, _, experts, top_k, _ = MODELS[model]
+    gen = torch.Generator(device=CUDA).manual_seed(num_tokens)
+    logits = torch.randn(num_tokens, experts, generator=gen, device=CUDA)
+    weights, ids = moe._route_topk_triton(logits, top_k, True)
+    want_weights, want_ids = moe.route_topk_ref(logits, top_k, True)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)

@@ -258,3 +258,49 @@ def check_padding_never_writes():
 
 def test_padding_never_writes(interpreted):
     interpreted(check_padding_never_writes)
+
+
+# The routing kernel
+
+def check_route_topk(num_tokens, num_experts, top_k, renormalize, dtype):
+    gen = torch.Generator().manual_seed(num_tokens * num_experts + top_k)
+    logits = (3 * torch.randn(num_tokens, num_experts + 3, generator=gen))[:, 3:].to(dtype)  # a wider row stride
+    weights, ids = triton_kernels("moe")._route_topk_triton(logits, top_k, renormalize)
+    want_weights, want_ids = moe.route_topk_ref(logits, top_k, renormalize)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (num_tokens, top_k)
+    assert torch.equal(ids, want_ids)  # random logits: no ties
+    torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=1e-7)
+    if renormalize:
+        torch.testing.assert_close(weights.sum(-1), torch.ones(num_tokens), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,renormalize,dtype", [
+    (1, 128, 8, True, torch.float32),  # Qwen3-MoE's decode
+    (9, 32, 4, True, torch.bfloat16),  # GPT-OSS's routing from bf16 logits
+    (5, 6, 2, False, torch.float32),  # experts not a power of two, no renormalisation
+    (3, 8, 8, True, torch.float32),  # every expert chosen
+])
+def test_route_topk(interpreted, num_tokens, num_experts, top_k, renormalize, dtype):
+    interpreted(check_route_topk, num_tokens, num_experts, top_k, renormalize, dtype)
+
+
+def check_route_topk_ties_and_dispatch():
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0, 2.0], [5.0, 5.0, 5.0, 5.0, 5.0]])
+    weights, ids = triton_kernels("moe")._route_topk_triton(logits, 3, True)
+    assert ids.tolist() == [[1, 2, 4], [0, 1, 2]]  # equal probabilities: the lowest expert first
+    torch.testing.assert_close(weights, torch.full((2, 3), 1 / 3))
+    with pytest.raises(ValueError, match="top_k=6"):
+        triton_kernels("moe")._route_topk_triton(logits, 6, True)
+    assert triton_kernels("moe")._route_topk_triton(logits[:0], 2, True)[1].shape == (0, 2)
+    logits = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(kernels.BACKEND_ENV, "triton")
+        got = moe.route_topk(logits, 4, True)
+        graded = moe.route_topk(logits.clone().requires_grad_(), 4, True)  # autograd: the reference
+    want = moe.route_topk_ref(logits, 4, True)
+    assert torch.equal(got[1], want[1]) and torch.equal(graded[1], want[1])
+    assert graded[0].requires_grad
+
+
+def test_route_topk_ties_and_dispatch(interpreted):
+    interpreted(check_route_topk_ties_and_dispatch)

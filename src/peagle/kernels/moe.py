@@ -17,7 +17,8 @@ pairs and computes the gate and up tiles of the same columns together, so the ac
 ([T*k, I] intermediate); the second multiplies the intermediate by w2[e]^T, adds b2 and scales by the pair's routing
 weight ([T*k, H]); the k rows of a token are then summed in pair order (deterministic, no atomics).
 
-`fused_moe_ref`, a loop over the experts in use, is the reference, the CPU path and the autograd path.
+`fused_moe_ref`, a loop over the experts in use, is the reference, the CPU path and the autograd path. The routing
+itself (softmax, top-k, renormalisation) is one kernel too, `route_topk`, beside its reference `route_topk_ref`.
 """
 
 from __future__ import annotations
@@ -117,6 +118,69 @@ def choose_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
     if per_expert <= 64:
         return MoeConfig(block_m=32, block_n=64, block_k=64, group_m=4, num_warps=4, num_stages=4)
     return MoeConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+
+
+# Routing: softmax over the router's logits, the top k, renormalised; one program a token
+
+def route_topk(
+    logits: torch.Tensor,  # [T, E] the router's output, any float dtype
+    top_k: int,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (weights [T, k] fp32, expert ids [T, k] int64)
+    """The Triton kernel where `use_triton(logits.device)` and no gradient is wanted, else the reference: on the GPU
+    one launch in place of the upcast, softmax, top-k, sum and division (five or more a layer at decode)."""
+    wants_grad = torch.is_grad_enabled() and logits.requires_grad
+    if use_triton(logits.device) and not wants_grad:
+        return triton_module("moe", logits.device)._route_topk_triton(logits, top_k, renormalize)
+    return route_topk_ref(logits, top_k, renormalize)
+
+
+def route_topk_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch: softmax in fp32, the top k (ties in torch.topk's order), their weights renormalised to sum to one."""
+    weights, ids = torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+@triton.jit
+def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr, stride, NUM_EXPERTS: tl.constexpr, EXPERTS: tl.constexpr,
+                       TOP_K: tl.constexpr, K: tl.constexpr, RENORMALIZE: tl.constexpr):
+    # The k largest probabilities by k passes of a max; among equal ones the lowest expert first.
+    row = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, EXPERTS)
+    x = tl.load(logits_ptr + row * stride + e, mask=e < NUM_EXPERTS, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)
+    p = tl.where(e < NUM_EXPERTS, p, -1.0)
+    j = tl.arange(0, K)
+    weights = tl.zeros([K], dtype=tl.float32)
+    ids = tl.zeros([K], dtype=tl.int32)
+    for i in tl.static_range(TOP_K):
+        best = tl.max(p, axis=0)
+        pick = tl.min(tl.where(p == best, e, EXPERTS), axis=0)
+        weights = tl.where(j == i, best, weights)
+        ids = tl.where(j == i, pick, ids)
+        p = tl.where(e == pick, -1.0, p)
+    if RENORMALIZE:
+        weights = weights / tl.sum(tl.where(j < TOP_K, weights, 0.0), axis=0)
+    tl.store(weights_ptr + row * TOP_K + j, weights, mask=j < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + j, ids.to(tl.int64), mask=j < TOP_K)
+
+
+def _route_topk_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_experts = logits.shape
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k}: expected 1..{num_experts} (the experts)")
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
+    if num_tokens:
+        _route_topk_kernel[(num_tokens,)](logits, weights, ids, logits.stride(0), NUM_EXPERTS=num_experts,
+                                          EXPERTS=triton.next_power_of_2(num_experts), TOP_K=top_k,
+                                          K=triton.next_power_of_2(top_k), RENORMALIZE=renormalize)
+    return weights, ids
 
 
 # Align: pairs sorted by expert, each expert's group padded to a multiple of BLOCK_M

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from peagle.kernels.moe import fused_moe
+from peagle.kernels.moe import fused_moe, route_topk
 from peagle.models.config import ModelConfig
 
 
@@ -32,11 +32,7 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [T, hidden] -> (weights [T, k] fp32, expert ids [T, k])
-        probs = torch.softmax(self.router(x).float(), dim=-1)  # [T, E]
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, ids
+        return route_topk(self.router(x), self.top_k, self.renormalize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]

@@ -1,10 +1,11 @@
 """The fused MoE kernel on the GPU at the MoE targets' expert shapes: time per call, and the bandwidth or FLOP rate it
 reaches; with --sweep, every block configuration of a grid against choose_config's.
 
-Usage: python scripts/device/moe_timing.py OUT.json [--tokens 1,8,64,512,2048] [--sweep]
+Usage: python scripts/device/moe_timing.py OUT.json [--tokens 1,8,64,512,2048] [--sweep [--write-configs DIR]]
 Each call is timed as 20 calls captured in one CUDA graph (best of 5 replays); bytes are the weights of the experts
 the call touches (random routing, top-k of softmax over random logits), FLOPs 2 x pairs x 3 x H x I. A table, then one
-JSON line.
+JSON line. --write-configs DIR (with --sweep) writes each shape's best configuration per token count on this GPU
+where choose_config reads it (src/peagle/kernels/moe_configs).
 """
 
 from __future__ import annotations
@@ -73,14 +74,19 @@ def main() -> int:
     ap.add_argument("out")
     ap.add_argument("--tokens", default="1,8,64,512,2048")
     ap.add_argument("--sweep", action="store_true", help="also time every configuration of the grid")
+    ap.add_argument("--write-configs", metavar="DIR", help="with --sweep: each shape's best tiling per token count, "
+                    "as the kernel's tuned table (src/peagle/kernels/moe_configs)")
     args = ap.parse_args()
+    if args.write_configs and not args.sweep:
+        ap.error("--write-configs needs --sweep")
     rows = []
     with torch.inference_mode():
         for name, (hidden, inter, experts, k, gpt_oss) in SHAPES.items():
             for tokens in map(int, args.tokens.split(",")):
                 case = inputs(tokens, hidden, inter, experts, k, gpt_oss)
                 touched = moe.experts_touched(case["topk_ids"])
-                default = moe.choose_config(tokens, experts, k)
+                default = moe.choose_config(tokens, experts, k, hidden=hidden, inter=inter,
+                                            device_name=torch.cuda.get_device_name())
                 timed = []
                 for config in [default, *(grid(tokens, experts, k) if args.sweep else [])]:
                     try:
@@ -94,6 +100,13 @@ def main() -> int:
                              "TFLOPs": 2 * tokens * k * 3 * hidden * inter / us / 1e6, "best_us": best_us,
                              "best_config": list(best)})
                 Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    if args.write_configs:
+        gpu = torch.cuda.get_device_name()
+        for name, (hidden, inter, experts, k, _) in SHAPES.items():
+            table = {str(r["tokens"]): r["best_config"] for r in rows if r["shape"] == name}
+            path = Path(args.write_configs) / moe.config_file(experts, inter, hidden, gpu).name
+            path.write_text(json.dumps(table, indent=1) + "\n")
+            print(f"wrote {path}")
     print(f"{'shape':<15}{'T':>6}{'touched':>8}{'us':>9}{'GB/s':>8}{'TFLOP/s':>9}{'best us':>9}  best config")
     for r in rows:
         print(f"{r['shape']:<15}{r['tokens']:>6}{r['experts_touched']:>8}{r['us']:>9.1f}{r['GBps']:>8.0f}"

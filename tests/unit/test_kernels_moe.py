@@ -4,6 +4,8 @@ no pair, a token picking one expert twice, pair counts off the block size, biase
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_kernels_triton import interpreted, triton_kernels  # noqa: F401 (a fixture, and the interpreted module)
@@ -160,6 +162,25 @@ def test_unknown_activation():
 
 def test_experts_touched():
     assert moe.experts_touched(torch.tensor([[3, 1], [1, 7], [3, 3]])) == 3
+
+
+def test_choose_config_takes_a_tuned_table_for_its_shape_and_gpu(tmp_path, monkeypatch):
+    monkeypatch.setattr(moe, "CONFIG_DIR", tmp_path)
+    moe.tuned_configs.cache_clear()
+    path = moe.config_file(128, 768, 2048, "NVIDIA H100 80GB HBM3")
+    assert path.name == "E128-I768-H2048-NVIDIA_H100_80GB_HBM3.json"
+    path.write_text(json.dumps({"1": [16, 32, 256, 1, 4, 5], "64": [16, 64, 128, 1, 4, 4], "512": [64, 128, 64, 8, 8, 3]}))
+    shape = dict(hidden=2048, inter=768, device_name="NVIDIA H100 80GB HBM3")
+    assert moe.choose_config(1, 128, 8, **shape) == moe.MoeConfig(16, 32, 256, 1, 4, 5)
+    assert moe.choose_config(40, 128, 8, **shape) == moe.MoeConfig(16, 64, 128, 1, 4, 4)  # the nearest count
+    assert moe.choose_config(4096, 128, 8, **shape) == moe.MoeConfig(64, 128, 64, 8, 8, 3)
+    # another GPU or shape, or no shape given: the rule
+    assert moe.choose_config(1, 128, 8, hidden=2048, inter=768, device_name="NVIDIA H200") == moe.choose_config(1, 128, 8)
+    assert moe.choose_config(1, 128, 8, hidden=2880, inter=768, device_name="NVIDIA H100 80GB HBM3").block_k == 128
+    moe.config_file(32, 2880, 2880, "X").write_text('{"1": [16, 32]}')
+    with pytest.raises(ValueError, match="E32-I2880-H2880-X.json: expected"):
+        moe.choose_config(1, 32, 4, hidden=2880, inter=2880, device_name="X")
+    moe.tuned_configs.cache_clear()
 
 
 def test_choose_config_block_m_follows_pairs_per_expert():

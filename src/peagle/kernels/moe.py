@@ -23,6 +23,10 @@ itself (softmax, top-k, renormalisation) is one kernel too, `route_topk`, beside
 
 from __future__ import annotations
 
+import functools
+import json
+import re
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -109,15 +113,49 @@ class MoeConfig(NamedTuple):
     num_stages: int = 3
 
 
-def choose_config(num_tokens: int, num_experts: int, top_k: int) -> MoeConfig:
-    """BLOCK_M from the pairs an expert gets on average: 16 (the smallest MMA tile) while they are few (decode, and
-    verify over many experts), where a taller tile would be mostly sentinel rows; 64 for prefill."""
+CONFIG_DIR = Path(__file__).with_name("moe_configs")  # tuned tilings, written by scripts/device/moe_timing.py
+
+
+def choose_config(num_tokens: int, num_experts: int, top_k: int, *, hidden: int | None = None,
+                  inter: int | None = None, device_name: str | None = None) -> MoeConfig:
+    """The tiling tuned for this expert shape on this GPU (CONFIG_DIR's table, its nearest token count) where one
+    exists, else by rule: BLOCK_M from the pairs an expert gets on average, 16 (the smallest MMA tile) while they are
+    few (decode, and verify over many experts), where a taller tile would be mostly sentinel rows; 64 for prefill."""
+    if hidden is not None and inter is not None and device_name is not None:
+        table = tuned_configs(num_experts, inter, hidden, device_name)
+        if table:
+            nearest = min(table, key=lambda t: (abs(t - num_tokens), t))
+            return table[nearest]
     per_expert = num_tokens * top_k / num_experts
     if num_tokens <= 16 or per_expert <= 16:
         return MoeConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=3)
     if per_expert <= 64:
         return MoeConfig(block_m=32, block_n=64, block_k=64, group_m=4, num_warps=4, num_stages=4)
     return MoeConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+
+
+def config_file(num_experts: int, inter: int, hidden: int, device_name: str) -> Path:
+    """Where the tuned table of an expert shape on a GPU lives: E{experts}-I{inter}-H{hidden}-{GPU name}.json."""
+    return CONFIG_DIR / f"E{num_experts}-I{inter}-H{hidden}-{re.sub(r'[^A-Za-z0-9]+', '_', device_name)}.json"
+
+
+@functools.cache
+def tuned_configs(num_experts: int, inter: int, hidden: int, device_name: str) -> dict[int, MoeConfig] | None:
+    """{token count: MoeConfig} from the shape's table ({"1": [block_m, block_n, block_k, group_m, num_warps,
+    num_stages], ...}); None where none was tuned."""
+    path = config_file(num_experts, inter, hidden, device_name)
+    if not path.is_file():
+        return None
+    try:
+        return {int(t): MoeConfig(*map(int, c)) for t, c in json.loads(path.read_text()).items()}
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: expected {{\"TOKENS\": [block_m, block_n, block_k, group_m, num_warps, "
+                         f"num_stages], ...}} ({e})") from None
+
+
+@functools.cache
+def gpu_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 # Routing: softmax over the router's logits, the top k, renormalised; one program a token
@@ -386,7 +424,8 @@ def _fused_moe_triton(
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x)
-    config = config or choose_config(num_tokens, num_experts, top_k)
+    config = config or choose_config(num_tokens, num_experts, top_k, hidden=hidden, inter=inter2 // 2,
+                                     device_name=gpu_name(x.device))
     aligned = align_pairs(topk_ids, num_experts, config.block_m)
     act = torch.empty(num_pairs, inter2 // 2, dtype=x.dtype, device=x.device)  # [T*k, I]
     moe_gemm(x, w13, b13, act, None, aligned, num_pairs, config, pairs_per_row=top_k, gated=True,

@@ -816,3 +816,28 @@ def test_trains_against_mixture_of_experts_targets(tiny_hf_checkpoint, tmp_path,
         assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
         head = load_drafter(out / FINAL, ModelConfig.from_dir(checkpoint))
         assert head.config.method == method and head.config.aux_layer_ids == (1, 2, 3)
+
+
+def test_dummy_load_format_trains_against_a_config_alone(tiny_hf_checkpoint, tmp_path, caplog, capsys):
+    """--load-format dummy: a random target of config.json's shape (no weights on disk), for throughput at a real
+    shape; without it the same directory is refused, and the feature cache, which would keep random features, too."""
+    import shutil
+
+    checkpoint = tiny_hf_checkpoint("qwen3_moe", num_layers=4)
+    data = write_dataset(tmp_path / "data", checkpoint)
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    for f in checkpoint.iterdir():
+        if f.suffix == ".json":
+            shutil.copy(f, config_only)
+    args = _args(config_only, data, tmp_path / "run", "--steps", "3")
+    args[args.index("--aux-layer-ids") + 1:args.index("--aux-layer-ids") + 4] = ["1", "2", "3"]
+    assert main([*args, "--load-format", "dummy"]) == 0
+    losses = [loss for _, loss in _losses(tmp_path / "run")]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    assert "the target has random weights" in caplog.text
+    assert main([*args[:args.index("--out") + 1], str(tmp_path / "real"), *args[args.index("--out") + 2:]]) != 0
+    assert "safetensors" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--feature-cache with --load-format dummy"):
+        _config(config_only, data, tmp_path / "x", "--steps", "1", "--load-format", "dummy", "--feature-cache",
+                str(tmp_path / "cache"))

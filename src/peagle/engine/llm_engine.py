@@ -22,6 +22,7 @@ from peagle.engine.sequence import Sequence
 from peagle.engine.spec.proposer import Eagle3Proposer, ParallelDraftingProposer
 from peagle.engine.stats import EngineStats
 from peagle.models.config import ModelConfig, UnsupportedModelError
+from peagle.models.loader import random_model
 from peagle.models.registry import unservable_parts
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class LLMEngine:
         has_tokenizer = (Path(config.model) / "tokenizer.json").is_file()
         self.tokenizer = load_tokenizer(config.model) if has_tokenizer else None
         if config.load_format == "dummy":
-            self.target = _random_model(self.model_config, self.dtype, self.device, config.seed)
+            self.target = random_model(self.model_config, self.dtype, self.device, config.seed)
         else:
             self.target = load_model(config.model, dtype=self.dtype, device=self.device)
         if config.decode_gemv:
@@ -389,22 +390,6 @@ class _Launched:
     cutoff: float = 0.0  # the draft confidence cutoff its proposer ran with (> 0: its drafts may hold PAD_DRAFT)
 
 
-def _random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int):
-    """A model of `cfg`'s shape with random weights, built directly on the device (like vLLM's dummy format)."""
-    from peagle.models.registry import build_model
-
-    torch.manual_seed(seed)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = build_model(cfg)
-            for name, p in model.named_parameters():
-                if p.dim() > 1:
-                    torch.nn.init.normal_(p, std=0.02)
-    finally:
-        torch.set_default_dtype(default)
-    return model.eval().requires_grad_(False)
 
 
 def _device(name: str) -> torch.device:

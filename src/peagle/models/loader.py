@@ -59,5 +59,22 @@ def load_model(
     return model.eval().requires_grad_(False)
 
 
+def random_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device, seed: int = 0) -> LlamaModel:
+    """A model of `cfg`'s shape with random weights (normal, std 0.02), built directly on the device, in eval mode
+    without grads: vLLM's dummy load format, for speed at a real size without its weights."""
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = build_model(cfg)
+            for p in model.parameters():
+                if p.dim() > 1:
+                    torch.nn.init.normal_(p, std=0.02)
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval().requires_grad_(False)
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
     return Tokenizer.from_dir(path)

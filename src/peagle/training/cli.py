@@ -158,6 +158,10 @@ def register(subparsers) -> None:
     train.add_argument("--log-every", type=int, default=10, metavar="N",
                        help="read the statistics from the device every N steps (the step itself never waits for "
                             "the GPU; default 10)")
+    train.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                       help="dummy: a random target built from --target's config.json alone (vLLM's name), to measure "
+                            "training throughput and memory at a real model's shape without its weights; the head "
+                            "it trains is meaningless (default auto: the checkpoint's weights)")
     train.add_argument("--prefetch-steps", type=int, default=3, metavar="N",
                        help="plan up to N steps ahead (sampling, layouts, pinned copies) in a background thread "
                             "while the GPU runs the current one (default 3; 0: plan each step in the training loop, "
@@ -291,7 +295,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         loss_chunk=args.loss_chunk, seed=args.seed,
         resume=args.resume, init=args.init, draft_vocab_size=args.draft_vocab_size,
         aux_layer_ids=tuple(args.aux_layer_ids) if args.aux_layer_ids else None, feature_cache=args.feature_cache,
-        time_limit_minutes=args.time_limit, profile_steps=args.profile_steps, log_every=args.log_every, prefetch_steps=args.prefetch_steps,
+        time_limit_minutes=args.time_limit, profile_steps=args.profile_steps, log_every=args.log_every, prefetch_steps=args.prefetch_steps, load_format=args.load_format,
         depth_decay=args.depth_decay, freeze_lm_head=args.freeze_lm_head,
         freeze_embeddings=args.freeze_embeddings,
         feature_noise=args.feature_noise, compile_elementwise=args.compile_elementwise,

@@ -77,6 +77,7 @@ class TrainConfig:
     time_limit_minutes: float | None = None  # finish (evaluate, save final/) once this much wall time has passed
     profile_steps: int = 0  # profile this many steps (after the first PROFILE_FROM) into out/profile.txt
     log_every: int = 10  # steps whose statistics are read from the device at once (one wait per interval)
+    load_format: str = "auto"  # "dummy": a random target from config.json alone (throughput at a real shape only)
     prefetch_steps: int = 3  # steps planned ahead by a background thread; 0: each step planned in the training loop
     depth_decay: float = 0.8  # loss weight decay ** depth per element (SpecForge's 0.8)
     freeze_lm_head: bool = True  # keep the draft head at its initial rows (the target's), as speculators does
@@ -108,6 +109,10 @@ class TrainConfig:
                              "the frozen rows; use one of them")
         if self.profile_steps < 0:
             raise ValueError(f"--profile-steps must be non-negative, got {self.profile_steps}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"--load-format must be auto or dummy, got {self.load_format!r}")
+        if self.load_format == "dummy" and self.feature_cache is not None:
+            raise ValueError("--feature-cache with --load-format dummy would store a random target's features")
         if self.prefetch_steps < 0:
             raise ValueError(f"--prefetch-steps must be non-negative, got {self.prefetch_steps}")
         if self.time_limit_minutes is not None and self.time_limit_minutes <= 0:

@@ -29,7 +29,7 @@ from peagle.drafters.drafter import Drafter
 from peagle.drafters.target import TargetParts
 from peagle.models.config import ModelConfig
 from peagle.models.llama import LlamaModel
-from peagle.models.loader import load_model, load_tokenizer
+from peagle.models.loader import load_model, load_tokenizer, random_model
 from peagle.models.tokenizer import Tokenizer
 from peagle.training.cod import Layout
 from peagle.training.config import DEFAULT_DRAFT_VOCAB, TIME_LIMITED_WARMUP, TrainConfig
@@ -819,7 +819,13 @@ def build_trainer(cfg: TrainConfig, dist: DistContext, write_config: bool = True
                                             cfg.max_eval_data_documents, train_docs)
     logger.info("%d training documents, %d held out%s", len(train_docs), len(held_docs),
                 f", {len(eval_docs)} of --eval-data" if eval_docs else "")
-    target = load_model(cfg.target, "bfloat16" if dist.device.type == "cuda" else "float32", dist.device)
+    dtype = "bfloat16" if dist.device.type == "cuda" else "float32"
+    if cfg.load_format == "dummy":
+        logger.warning("--load-format dummy: the target has random weights; this run measures speed and memory, "
+                       "its head is meaningless")
+        target = random_model(target_config, getattr(torch, dtype), dist.device, cfg.seed)
+    else:
+        target = load_model(cfg.target, dtype, dist.device)
     if cfg.compile_elementwise:
         from peagle.training import compiled_ops
 
@@ -845,7 +851,8 @@ def _make_drafter(cfg: TrainConfig, target: LlamaModel, tokenizer: Tokenizer, tr
         if drafter.config.method != cfg.method:
             raise ValueError(f"--init {cfg.init} is a {drafter.config.method} head but --method is {cfg.method}")
     else:
-        parts = TargetParts.from_dir(cfg.target, tokenizer)
+        parts = (TargetParts.of(target, tokenizer) if cfg.load_format == "dummy"
+                 else TargetParts.from_dir(cfg.target, tokenizer))
         # A draft vocabulary as large as the target's is the target's own, in order (no frequency count needed).
         size = DEFAULT_DRAFT_VOCAB if cfg.draft_vocab_size is None else cfg.draft_vocab_size
         size = size if 0 < size < target.config.vocab_size else None

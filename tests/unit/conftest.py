@@ -292,20 +292,12 @@ def _llama3_rope_freqs(cfg: dict):
     return out
 
 
-def _write_gguf(hf_dir: Path, out: Path, family: str, quantize: bool, chat_template: bool = True,
-                context_length: int | None = None) -> None:
+def _gguf_writer(out: Path, arch: str, name: str, cfg: dict):
+    """A GGUF writer for `arch` holding the model's name and the shapes every architecture states."""
     import gguf
-    import numpy as np
-    from safetensors.numpy import load_file
 
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    cfg["max_position_embeddings"] = context_length or cfg["max_position_embeddings"]
-    arch = GGUF_ARCH[family]
-    if arch == "gemma3":
-        _write_gemma3_gguf(cfg, hf_dir, out, quantize, chat_template)
-        return
     w = gguf.GGUFWriter(str(out), arch)
-    w.add_name(f"tiny {family}")
+    w.add_name(name)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_block_count(cfg["num_hidden_layers"])
@@ -314,6 +306,41 @@ def _write_gguf(hf_dir: Path, out: Path, family: str, quantize: bool, chat_templ
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
+    return w
+
+
+def _write_gguf_tensors(w, hf_dir: Path, arch: str, qtypes, prepare) -> None:
+    """Adds the checkpoint's tensors (in name order, each as `prepare(name, tensor)` makes it) and writes the file.
+    With `qtypes` (two quantization types), the matrices alternate between them; other tensors stay F32."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    for i, (name, tensor) in enumerate(sorted(load_file(str(hf_dir / "model.safetensors")).items())):
+        tensor = np.ascontiguousarray(prepare(name, tensor), dtype=np.float32)
+        if qtypes and tensor.ndim == 2:
+            qtype = qtypes[i % 2]
+            w.add_tensor(_gguf_name(name, arch), gguf.quants.quantize(tensor, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(_gguf_name(name, arch), tensor)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _write_gguf(hf_dir: Path, out: Path, family: str, quantize: bool, chat_template: bool = True,
+                context_length: int | None = None) -> None:
+    import gguf
+    import numpy as np
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg["max_position_embeddings"] = context_length or cfg["max_position_embeddings"]
+    arch = GGUF_ARCH[family]
+    if arch == "gemma3":
+        _write_gemma3_gguf(cfg, hf_dir, out, quantize, chat_template)
+        return
+    w = _gguf_writer(out, arch, f"tiny {family}", cfg)
     w.add_rope_dimension_count(cfg["head_dim"])
     w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
@@ -337,41 +364,24 @@ def _write_gguf(hf_dir: Path, out: Path, family: str, quantize: bool, chat_templ
     if chat_template:
         w.add_chat_template(CHATML_TEMPLATE)
 
-    for i, (name, tensor) in enumerate(sorted(load_file(str(hf_dir / "model.safetensors")).items())):
+    def llama_cpp_rows(name, tensor):
         if arch == "llama" and ".q_proj." in name:
-            tensor = _llama_cpp_permute(tensor, cfg["num_attention_heads"])
-        elif arch == "llama" and ".k_proj." in name:
-            tensor = _llama_cpp_permute(tensor, cfg["num_key_value_heads"])
-        tensor = np.ascontiguousarray(tensor, dtype=np.float32)
-        if quantize and tensor.ndim == 2:
-            # Alternate Q8_0 and F16 over the matrices, like mixed-precision quantized files do.
-            qtype = gguf.GGMLQuantizationType.Q8_0 if i % 2 else gguf.GGMLQuantizationType.F16
-            w.add_tensor(_gguf_name(name), gguf.quants.quantize(tensor, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(_gguf_name(name), tensor)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+            return _llama_cpp_permute(tensor, cfg["num_attention_heads"])
+        if arch == "llama" and ".k_proj." in name:
+            return _llama_cpp_permute(tensor, cfg["num_key_value_heads"])
+        return tensor
+
+    # Quantized: alternate F16 and Q8_0 over the matrices, like mixed-precision quantized files do.
+    qtypes = (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.Q8_0) if quantize else None
+    _write_gguf_tensors(w, hf_dir, arch, qtypes, llama_cpp_rows)
 
 
 def _write_gemma3_gguf(cfg: dict, hf_dir: Path, out: Path, quantize: bool, chat_template: bool = True) -> None:
     # llama.cpp's gemma3 layout: no Q/K permutation, every norm weight stored as 1 + w, a SentencePiece vocabulary
     # with scores and no merges; quantized, the matrices alternate Q8_0 and Q5_0 (the gguf library writes no K-quants).
     import gguf
-    import numpy as np
-    from safetensors.numpy import load_file
 
-    w = gguf.GGUFWriter(str(out), "gemma3")
-    w.add_name("tiny gemma3")
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
+    w = _gguf_writer(out, "gemma3", "tiny gemma3", cfg)
     w.add_rope_freq_base(cfg["rope_parameters"]["full_attention"]["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_sliding_window(cfg["sliding_window"])
@@ -389,18 +399,9 @@ def _write_gemma3_gguf(cfg: dict, hf_dir: Path, out: Path, quantize: bool, chat_
     w.add_add_eos_token(False)
     if chat_template:
         w.add_chat_template(GEMMA_CHAT_TEMPLATE)
-    kinds = [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q5_0]
-    for i, (name, tensor) in enumerate(sorted(load_file(str(hf_dir / "model.safetensors")).items())):
-        tensor = np.ascontiguousarray(tensor + 1 if name.endswith("norm.weight") else tensor, dtype=np.float32)
-        if quantize and tensor.ndim == 2:
-            qtype = kinds[i % 2]
-            w.add_tensor(_gguf_name(name, "gemma3"), gguf.quants.quantize(tensor, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(_gguf_name(name, "gemma3"), tensor)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    qtypes = (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q5_0) if quantize else None
+    _write_gguf_tensors(w, hf_dir, "gemma3", qtypes,
+                        lambda name, tensor: tensor + 1 if name.endswith("norm.weight") else tensor)
 
 
 @pytest.fixture(scope="session")

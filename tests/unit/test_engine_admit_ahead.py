@@ -6,9 +6,10 @@ scheduler's part (`Scheduler.admit_ahead`) admits only what fits whole."""
 from __future__ import annotations
 
 import pytest
+from engine_helpers import cpu_llm, spec_config
 from test_engine_prefill_graphs import heads, target_dir  # noqa: F401 (fixtures: a 4-layer target, random heads)
 
-from peagle import LLM, SamplingParams
+from peagle import SamplingParams
 from peagle.engine.scheduler import Scheduler, SchedulerConfig
 from peagle.engine.sequence import Sequence, SequenceStatus
 
@@ -17,10 +18,8 @@ PROMPTS = [[7, 20, 31, 40], [9, 15], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21
 
 
 def make_llm(target_dir, head, method, *, async_scheduling: bool, padded: bool = False, admit_ahead: bool = True):
-    spec = None if head is None else {"method": "eagle3", "model": head, "num_speculative_tokens": 3,
-                                      "parallel_drafting": method == "peagle"}
-    llm = LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
-              max_num_seqs=3, async_scheduling=async_scheduling, admit_ahead=admit_ahead)
+    llm = cpu_llm(target_dir, spec_config(head, 3, method == "peagle"), max_num_seqs=3,
+                  async_scheduling=async_scheduling, admit_ahead=admit_ahead)
     if padded:
         llm.engine.runner.general_graphs = llm.engine.general_graphs(capture=False)
     return llm

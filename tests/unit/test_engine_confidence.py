@@ -14,10 +14,10 @@ import random
 
 import pytest
 import torch
+from engine_helpers import cpu_llm, greedy, heads, spec_config, target_dir  # noqa: F401 (fixtures)
 from test_engine_verifier import CHI2_CRIT_P001, chi_square
 
-from peagle import LLM, SamplingParams
-from peagle.drafters import Drafter, save_drafter
+from peagle import SamplingParams
 from peagle.drafters.policy import POLICY_FILE
 from peagle.engine.config import AdaptivePolicy, EngineConfig, SpeculativeConfig
 from peagle.engine.draft_plan import PAD_DRAFT, DraftPlan, DraftPlanner
@@ -30,35 +30,15 @@ PROMPTS = [[7, 20, 31, 40], [9, 15], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21
 LENGTHS = [8, 30, 12, 24, 16, 20]  # requests finish apart, so prompts are admitted beside decodes
 
 
-@pytest.fixture(scope="module")
-def target_dir(tiny_hf_checkpoint):
-    return tiny_hf_checkpoint("llama", num_layers=4)
-
-
-@pytest.fixture(scope="module")
-def heads(target_dir, tmp_path_factory):
-    out = {}
-    for method, layers in (("eagle3", 1), ("peagle", 2)):
-        d = tmp_path_factory.mktemp(method)
-        save_drafter(Drafter.for_target(target_dir, method, layers, seed=3), d / "head")
-        out[method] = str(d / "head")
-    return out
-
-
 def make_llm(target_dir, head, method, k=4, **kw):
-    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": k, "parallel_drafting": method == "peagle"}
     kw.setdefault("max_num_seqs", 4)
     kw.setdefault("async_scheduling", False)
-    return LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96, **kw)
-
-
-def greedy(n):
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    return cpu_llm(target_dir, spec_config(head, k, method == "peagle"), **kw)
 
 
 @pytest.fixture(scope="module")
 def reference(target_dir):
-    llm = LLM(model=str(target_dir), device="cpu", dtype="float32", max_model_len=96, async_scheduling=False)
+    llm = cpu_llm(target_dir, async_scheduling=False)
     outs = llm.generate(PROMPTS, greedy(40), use_tqdm=False)
     return [p + o.token_ids for p, o in zip(PROMPTS, outs)]
 
@@ -331,7 +311,7 @@ def test_chunked_prefill_keeps_greedy_output(target_dir, heads, reference, varie
                    enable_chunked_prefill=True, max_num_batched_tokens=24)
     oracle_drafts(llm.engine.runner, reference, random.Random(3))
     long = [list(range(100, 140))]  # longer than a step: prefilled in chunks beside the decodes
-    plain = LLM(model=str(target_dir), device="cpu", dtype="float32", max_model_len=96)
+    plain = cpu_llm(target_dir)
     want = plain.generate(long, greedy(12), use_tqdm=False)[0].token_ids
     outs = llm.generate(PROMPTS + long, [greedy(n) for n in LENGTHS] + [greedy(12)], use_tqdm=False)
     check_outputs(outs, reference)
@@ -341,7 +321,7 @@ def test_chunked_prefill_keeps_greedy_output(target_dir, heads, reference, varie
 def test_prefix_caching_keeps_greedy_output(target_dir, heads, varied_confidence):
     # Prompts sharing two full blocks: the second wave starts from the cached blocks of the first.
     prompts = [list(range(100, 135)), list(range(100, 132)) + [7, 8, 9], list(range(100, 133))]
-    plain = LLM(model=str(target_dir), device="cpu", dtype="float32", max_model_len=96)
+    plain = cpu_llm(target_dir)
     want = [o.token_ids for o in plain.generate(prompts, greedy(16), use_tqdm=False)]
     llm = make_llm(target_dir, heads["peagle"], "peagle", draft_confidence_cutoff=0.3, async_scheduling=True,
                    enable_prefix_caching=True)
@@ -355,7 +335,7 @@ def test_prefix_caching_keeps_greedy_output(target_dir, heads, varied_confidence
 def test_structured_output_with_a_cutoff(target_dir, heads, varied_confidence, method):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     params = SamplingParams(temperature=0, max_tokens=24, structured_outputs={"json": schema})
-    plain = LLM(model=str(target_dir), device="cpu", dtype="float32", max_model_len=96)
+    plain = cpu_llm(target_dir)
     want = [o.token_ids for o in plain.generate(PROMPTS[:3], params, use_tqdm=False)]
     llm = make_llm(target_dir, heads[method], method, draft_confidence_cutoff=0.3, async_scheduling=True)
     outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
@@ -454,10 +434,9 @@ def test_head_policy_cutoffs_are_the_default_and_the_option_overrides_them(targe
     shutil.copytree(heads["peagle"], head)
     (head / POLICY_FILE).write_text(json.dumps({"thresholds": [], "above": None, "cutoffs": [[2, 0.0]],
                                                 "cutoff_above": 0.5, "calibration": {}}))
-    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "parallel_drafting": True}
-    llm = LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96)
+    spec = spec_config(head, 3, True)
+    llm = cpu_llm(target_dir, spec)
     planner = llm.engine.planner
     assert planner.confident and (planner.cutoff(1), planner.cutoff(3)) == (0.0, 0.5)
-    off = LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
-              draft_confidence_cutoff=0.0)
+    off = cpu_llm(target_dir, spec, draft_confidence_cutoff=0.0)
     assert not off.engine.planner.confident and off.engine.runner.cutoff is None

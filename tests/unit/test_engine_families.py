@@ -7,27 +7,15 @@ import json
 
 import pytest
 import torch
+from engine_helpers import greedy, make_llm, recompute_greedy
 from safetensors.torch import save_file
 
-from peagle import LLM, SamplingParams
 from peagle.drafters import Drafter, load_drafter, save_drafter
-from peagle.models.attention import DenseAttention
 from peagle.models.loader import load_model
 
 # The tiny families' window is 6 tokens: prompts and answers run far past it.
 PROMPTS = [[7, 20, 31, 40, 41, 42, 43, 44, 45], [9, 15], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23], [30]]
 FAMILIES = ["qwen3_moe", "gpt_oss", "mistral_swa", "gemma3", "gemma4"]
-
-
-def make_llm(target, head=None, k=3, parallel=False):
-    spec = None if head is None else {"method": "eagle3", "model": str(head), "num_speculative_tokens": k,
-                                      "parallel_drafting": parallel}
-    return LLM(model=str(target), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
-               max_num_seqs=3, async_scheduling=False)
-
-
-def greedy(n):
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -40,10 +28,7 @@ def family_target(request, tiny_hf_checkpoint):
 def test_plain_engine_equals_full_recompute(family_target):
     target, plain = family_target
     model = load_model(target, dtype="float32")
-    ids = list(PROMPTS[2])
-    for _ in range(32):
-        h = model(torch.tensor(ids), torch.arange(len(ids)), DenseAttention([len(ids)])).hidden
-        ids.append(int(model.compute_logits(h[-1:]).argmax()))
+    ids = recompute_greedy(model, PROMPTS[2], 32)
     assert ids[len(PROMPTS[2]):] == plain[2]
 
 

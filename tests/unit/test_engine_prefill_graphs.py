@@ -16,13 +16,13 @@ import random
 import numpy as np
 import pytest
 import torch
+from engine_helpers import cpu_llm, save_heads, spec_config, target_dir  # noqa: F401 (a fixture)
 from test_kernels_triton import (TINY_LLAMA, interpreted, make_attention_batch,  # noqa: F401 (a fixture)
                                  sharpen_attention, triton_kernels)
 
 import peagle.kernels as kernels
 
 from peagle import LLM, SamplingParams
-from peagle.drafters import Drafter, save_drafter
 from peagle.engine import cuda_graph
 from peagle.engine.config import EngineConfig
 from peagle.engine.cuda_graph import request_buckets, token_buckets
@@ -37,26 +37,13 @@ CHUNKED = {"enable_chunked_prefill": True, "max_num_batched_tokens": 24}
 
 
 @pytest.fixture(scope="module")
-def target_dir(tiny_hf_checkpoint):
-    return tiny_hf_checkpoint("llama", num_layers=4)
-
-
-@pytest.fixture(scope="module")
 def heads(target_dir, tmp_path_factory):
-    out = {None: None}
-    for method, layers in (("eagle3", 1), ("peagle", 2)):
-        d = tmp_path_factory.mktemp(method)
-        save_drafter(Drafter.for_target(target_dir, method, layers, seed=3), d / "head")
-        out[method] = str(d / "head")
-    return out
+    return {None: None, **save_heads(target_dir, tmp_path_factory)}
 
 
 def make_llm(target_dir, head, method, padded: bool, **kw):
-    spec = None if head is None else {"method": "eagle3", "model": head, "num_speculative_tokens": 3,
-                                      "parallel_drafting": method == "peagle"}
     kw.setdefault("async_scheduling", False)  # the variants ask for async scheduling where they test it
-    llm = LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
-              **ENGINE, **kw)
+    llm = cpu_llm(target_dir, spec_config(head, 3, method == "peagle"), **ENGINE, **kw)
     if padded:
         llm.engine.runner.general_graphs = llm.engine.general_graphs(capture=False)
     return llm
@@ -292,7 +279,7 @@ def test_prefill_cuda_graphs_config_and_cli(target_dir):
     assert parse(["serve", "m"]).prefill_cuda_graphs is True
     assert parse(["serve", "m", "--prefill-cuda-graphs"]).prefill_cuda_graphs is True
     assert parse(["serve", "m", "--no-prefill-cuda-graphs"]).prefill_cuda_graphs is False
-    llm = LLM(model=str(target_dir), device="cpu", dtype="float32", max_model_len=96, prefill_cuda_graphs=True)
+    llm = cpu_llm(target_dir, prefill_cuda_graphs=True)
     assert llm.engine.config.prefill_cuda_graphs and llm.engine.runner.general_graphs is None  # CUDA only
     # `peagle regenerate` takes the option too, and hands it to its engine.
     from peagle.training.regenerate import make_engine

@@ -7,7 +7,8 @@ import random
 
 import pytest
 import torch
-from test_engine_spec import greedy, heads, make_llm, reference_drafts, target_dir  # noqa: F401 (fixtures)
+from engine_helpers import cpu_llm, greedy, heads, make_llm, spec_config, target_dir  # noqa: F401 (fixtures)
+from test_engine_spec import reference_drafts
 
 from peagle.engine.block_manager import BlockManager, prefix_keys
 from peagle.engine.sampling_params import SamplingParams
@@ -209,14 +210,11 @@ def test_the_next_turn_takes_the_answers_blocks(target_dir, heads, method, async
 def test_an_answer_decoded_without_the_drafter_names_no_blocks(target_dir, heads, async_scheduling):
     """The adaptive policy's K = 0 (here at every load) feeds the answer without the drafter, whose entries there
     stay unwritten: the next turn takes only the prompt's blocks, and its output is still the uncached engine's."""
-    from peagle import LLM
-
-    spec = {"method": "eagle3", "model": heads["peagle"], "num_speculative_tokens": 3, "parallel_drafting": True,
-            "adaptive": {"thresholds": [], "above": 0}}
+    spec = spec_config(heads["peagle"], 3, True, adaptive={"thresholds": [], "above": 0})
     outs = {}
     for caching in (False, True):
-        llm = LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
-                  max_num_seqs=3, block_size=BS, async_scheduling=async_scheduling, enable_prefix_caching=caching)
+        llm = cpu_llm(target_dir, spec, max_num_seqs=3, block_size=BS, async_scheduling=async_scheduling,
+                      enable_prefix_caching=caching)
         first = [PREFIX[:20]]
         answer = llm.generate(first, greedy(24), use_tqdm=False)[0].token_ids
         turn = llm.generate([first[0] + answer + [11, 12, 13]], greedy(8), use_tqdm=False)[0]

@@ -9,9 +9,9 @@ import math
 
 import pytest
 import torch
+from engine_helpers import cpu_llm, heads, spec_config, target_dir  # noqa: F401 (fixtures)
 
-from peagle import LLM, SamplingParams
-from peagle.drafters import Drafter, save_drafter
+from peagle import SamplingParams
 from peagle.engine.sampler import LogitsProcessing, bad_word_bans, process_logits
 from peagle.engine.sampling_params import with_bad_words
 from peagle.engine.structured_output import with_grammar
@@ -22,30 +22,11 @@ PROMPTS = [[7, 20, 31, 40], [9, 15], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21
 EOS = 2
 
 
-@pytest.fixture(scope="module")
-def target_dir(tiny_hf_checkpoint):
-    return tiny_hf_checkpoint("llama", num_layers=4)
-
-
-@pytest.fixture(scope="module")
-def heads(target_dir, tmp_path_factory):
-    out = {}
-    for method, layers in (("eagle3", 1), ("peagle", 2)):
-        d = tmp_path_factory.mktemp(method)
-        save_drafter(Drafter.for_target(target_dir, method, layers, seed=3), d / "head")
-        out[method] = str(d / "head")
-    return out
-
-
 def make_llm(target_dir, head=None, method="peagle", k=3):
-    spec = None
-    if head is not None:
-        spec = {"method": "eagle3", "model": head, "num_speculative_tokens": k, "parallel_drafting": method == "peagle"}
     # Synchronous: the oracle drafts below replace the answers of `runner.execute`, the synchronous step (async
     # scheduling commits each step through `launch` instead, and runs requests with processing without launching
     # ahead).
-    return LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
-               max_num_seqs=4, async_scheduling=False)
+    return cpu_llm(target_dir, spec_config(head, k, method == "peagle"), max_num_seqs=4, async_scheduling=False)
 
 
 @pytest.fixture(scope="module")

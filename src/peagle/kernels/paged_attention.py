@@ -19,10 +19,10 @@ Tiling (Triton). The grid is `(num_requests * num_query_tiles, num_kv_heads, num
 BLOCK_Q query rows of one request and all GROUP = num_heads // num_kv_heads query heads of one KV head, flattened
 into BLOCK_M = BLOCK_Q * GROUP (query, head) pairs, so each KV tile is read once for the whole group rather than
 once per query head, and the pairs fill the MMA's rows even at one query row (decode with GQA). BLOCK_M is the next
-power of two of max_query_len * GROUP, at least 16 (the smallest MMA tile) and at most 128 (64 for head_dim > 64, to
-bound the fp32 accumulator's registers). The program walks the KV blocks up to the largest position in its tile with
-an online softmax in fp32 and masks per pair by position; a sink joins the softmax's denominator when the output is
-normalised (by the single split, or by the merge).
+power of two of max_query_len * GROUP, at least 16 (the smallest MMA tile) and at most 128 (64 for head_dim > 64, 32
+beyond 128, to bound the fp32 accumulator's registers). The program walks the KV blocks up to the largest position
+in its tile with an online softmax in fp32 and masks per pair by position; a sink joins the softmax's denominator
+when the output is normalised (by the single split, or by the merge).
 
 Mixed steps (`small_query_len`, `mixed_tiles`). A step that prefills a prompt beside decoding requests has a large
 max_query_len, so every request would get its tiles: 64 decodes of 8 rows beside a 75-token prompt, padded to 640
@@ -289,7 +289,7 @@ def _check_args(q, k_cache, v_cache, block_tables, query_start_loc, positions, m
 
 def query_tile(max_query_len: int, group: int, head_dim: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_Q): (query, head) pairs and query rows per program; see the module docstring."""
-    max_m = 128 if head_dim <= 64 else 64
+    max_m = 128 if head_dim <= 64 else 64 if head_dim <= 128 else 32
     block_m = max(16, triton.next_power_of_2(group), min(max_m, triton.next_power_of_2(max_query_len * group)))
     return block_m, block_m // group
 
@@ -297,7 +297,11 @@ def query_tile(max_query_len: int, group: int, head_dim: int) -> tuple[int, int]
 def kv_tile(head_dim: int, num_splits: int) -> dict[str, int]:
     """KV tile and pipelining, measured on an H200 with the testbed's shape (head_dim 64): 128-key tiles with three
     stages were fastest or within 5% everywhere (decode at batch 64 over 1K tokens: 21 us, against 32 us with
-    64-key tiles and two stages). head_dim 128 keeps 64-key tiles to bound shared memory and registers."""
+    64-key tiles and two stages). head_dim 128 keeps 64-key tiles to bound shared memory and registers; the wide heads
+    of Gemma (256, and Gemma 4's 512-wide global heads) take 32-key tiles in two stages, which keeps a tile's keys and
+    values (and the 32-row query tile) within a Hopper SM's 228 KB of shared memory (not yet timed)."""
+    if head_dim > 128:
+        return {"BLOCK_N": 32, "num_stages": 2}
     return {"BLOCK_N": 128 if head_dim <= 64 else 64, "num_stages": 3}
 
 
@@ -475,7 +479,8 @@ def _launch(q, k_cache, v_cache, out, block_tables, query_start_loc, positions, 
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=kv["BLOCK_N"], WINDOW=window,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_UPCAST=q.device.type != "cuda",
-        num_warps=4 if block_m <= 64 else 8, num_stages=kv["num_stages"], FUSED_MERGE=arrivals is not None,
+        num_warps=8 if block_m > 64 or head_dim > 128 else 4, num_stages=kv["num_stages"],
+        FUSED_MERGE=arrivals is not None,
         **consts, **pdl.options(q.device),
     )
     if splits > 1 and arrivals is None:

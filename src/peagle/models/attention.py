@@ -16,6 +16,7 @@ raises rather than ignoring it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import math
@@ -175,3 +176,17 @@ def _varlen_failed(error: Exception) -> None:
     logging.getLogger(__name__).warning("variable-length flash attention failed (%s); attending per sequence",
                                         str(error).splitlines()[0] if str(error) else type(error).__name__)
     _VARLEN_BROKEN = True
+
+
+@dataclass(frozen=True, slots=True)
+class LayerKV:
+    """One layer's entry in the paged KV cache: its K/V shape, or the earlier layer whose keys and values it reads."""
+
+    num_kv_heads: int
+    head_dim: int
+    source: int  # the layer whose cache it uses: its own index, or an earlier layer's (KV shared across layers)
+
+
+def uniform_kv(num_layers: int, num_kv_heads: int, head_dim: int) -> list[LayerKV]:
+    """Every layer with a cache of its own, of one shape."""
+    return [LayerKV(num_kv_heads, head_dim, i) for i in range(num_layers)]

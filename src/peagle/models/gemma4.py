@@ -14,9 +14,8 @@ their own, soft-capped logits), with:
   chosen expert's weight;
 - each layer's output stream multiplied by a learned layer_scalar.
 
-It runs on any AttentionBackend that keeps no state between layers (DenseAttention, training's). The engine's paged
-KV cache holds one K/V shape per model and one entry per layer: what it cannot hold is named by `unservable_parts`,
-and refused when an engine is built.
+The engine serves it: its paged KV cache gives each layer its own K/V shape (`kv_layers`), a KV-sharing layer the
+cache of its source layer (which wrote the same keys and values; the sharer's store rewrites them unchanged).
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from peagle.models.attention import AttentionBackend
+from peagle.models.attention import AttentionBackend, LayerKV
 from peagle.models.config import ModelConfig, UnsupportedModelError
 from peagle.models.gemma3 import GemmaRMSNorm, ScaledEmbedding, softcap
 from peagle.models.layers import RMSNorm, RotaryEmbedding
@@ -82,19 +81,6 @@ class Gemma4Layout:
             per_layer_vocab_size=x.get("vocab_size_per_layer_input") or cfg.vocab_size,
             rope=x["rope_parameters"],
         )
-
-    def unservable_parts(self) -> list[str]:
-        """What of this layout a paged KV cache of one K/V shape, one entry per layer, cannot hold."""
-        parts = []
-        if len(set(self.head_dims)) > 1:
-            parts.append(f"head_dim differing across layers (global layers {max(self.head_dims)}, others "
-                         f"{min(self.head_dims)}: global_head_dim)")
-        if len(set(self.kv_heads)) > 1:
-            parts.append("KV heads differing across layers (num_global_key_value_heads)")
-        shared = sum(s != i for i, s in enumerate(self.kv_sources))
-        if shared:
-            parts.append(f"KV shared across layers (num_kv_shared_layers = {shared})")
-        return parts
 
 
 def _unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -281,9 +267,10 @@ class Gemma4Model(LlamaModel):
     def make_layer(cfg: ModelConfig, layer_idx: int) -> Gemma4DecoderLayer:
         return Gemma4DecoderLayer(cfg, Gemma4Layout.of(cfg), layer_idx)
 
-    @staticmethod
-    def unservable_parts(cfg: ModelConfig) -> list[str]:
-        return Gemma4Layout.of(cfg).unservable_parts()
+    def kv_layers(self) -> list[LayerKV]:
+        """Global layers with their own head_dim and KV heads; a KV-sharing layer reads its source layer's cache."""
+        layout = Gemma4Layout.of(self.config)
+        return [LayerKV(h, d, src) for h, d, src in zip(layout.kv_heads, layout.head_dims, layout.kv_sources)]
 
     def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """Every layer's input of PLE: (norm(projected embeddings) + the per-layer embedding) / sqrt(2).

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from peagle.models.attention import AttentionBackend
+from peagle.models.attention import AttentionBackend, LayerKV, uniform_kv
 from peagle.models.config import ModelConfig
 from peagle.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 
@@ -43,6 +43,11 @@ class LlamaModel(nn.Module):
     @property
     def output_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def kv_layers(self) -> list[LayerKV]:
+        """Each layer's entry in the engine's paged KV cache (one shape, each its own, unless a family says)."""
+        c = self.config
+        return uniform_kv(c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
 
     def check_aux_layer_ids(self, aux_layer_ids: Sequence[int]) -> None:
         n = self.config.num_hidden_layers

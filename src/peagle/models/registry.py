@@ -20,10 +20,3 @@ MODEL_CLASSES: dict[str, type[LlamaModel]] = {
 def build_model(cfg: ModelConfig) -> nn.Module:
     """The target model of `cfg`'s family, its parameters uninitialised (on the current default device)."""
     return MODEL_CLASSES[cfg.family](cfg)
-
-
-def unservable_parts(cfg: ModelConfig) -> list[str]:
-    """What of `cfg`'s model the engine's paged KV cache cannot hold (one K/V shape for every layer, one entry per
-    layer), by name; empty when the engine serves all of it."""
-    check = getattr(MODEL_CLASSES[cfg.family], "unservable_parts", None)
-    return check(cfg) if check is not None else []

@@ -159,6 +159,22 @@ def test_paged_attention_head_dim_128_gqa4():
     assert_attention_close(engine_attention_batch(4, 8, 1000, num_kv_heads=8, group=4, head_dim=128))
 
 
+@pytest.mark.parametrize("num_kv_heads,group,head_dim,window", [
+    (1, 4, 256, 512),  # Gemma 3 270M: one KV head, 256-wide, its local window
+    (16, 2, 256, 1024),  # Gemma 4 31B's local layers
+    (4, 8, 512, 0),  # Gemma 4 31B's global layers: 512-wide heads, keys as values
+])
+@pytest.mark.parametrize("query_len", [1, 8, 300])
+def test_paged_attention_gemma_wide_heads(num_kv_heads, group, head_dim, window, query_len):
+    cpu_batch = unit_cases.make_attention_batch(0, [query_len] * 4, [1500] * 4, num_kv_heads=num_kv_heads,
+                                                group=group, head_dim=head_dim, dtype=torch.bfloat16, shuffle=False,
+                                                tail=0)
+    if window:
+        assert_window_sinks_close(cpu_batch, window, None)
+    else:
+        assert_attention_close(to_cuda(cpu_batch))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_kv(dtype):
     gen = torch.Generator().manual_seed(0)

@@ -53,6 +53,8 @@ def per_token_moe(x, w13, w2, topk_weights, topk_ids, *, b13=None, b2=None, acti
             gate, up = h[:inter], h[inter:]
             if activation == "silu":
                 a = gate * torch.sigmoid(gate) * up
+            elif activation == "gelu_tanh":
+                a = 0.5 * gate * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate**3))) * up
             else:
                 gate, up = torch.clamp(gate, max=limit), torch.clamp(up, -limit, limit)
                 a = (up + 1) * gate * torch.sigmoid(alpha * gate)
@@ -77,7 +79,8 @@ def assert_close(got, want):
 
 # The reference
 
-@pytest.mark.parametrize("activation,bias,repeats", [("silu", False, False), ("swiglu_limit", True, True)])
+@pytest.mark.parametrize("activation,bias,repeats", [("silu", False, False), ("swiglu_limit", True, True),
+                                                    ("gelu_tanh", False, True)])
 def test_reference_equals_per_token_loop(activation, bias, repeats):
     case = make_case(0, 9, 8, 3, 24, 20, activation=activation, bias=bias, repeats=repeats, experts_used=[0, 2, 5, 7])
     case = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in case.items()}
@@ -234,6 +237,8 @@ FUSED_MOE_CASES = [  # (num_tokens, num_experts, top_k, hidden, inter, make_case
     (37, 4, 2, 32, 16, {"experts_used": [1, 3]}, None),
     (70, 8, 4, 32, 24, {"bias": True}, (32, 16, 32, 4)),  # 280 pairs: the count kernel's alignment
     (5, 4, 2, 64, 32, {"activation": "swiglu_limit", "bias": True, "dtype": torch.bfloat16}, None),
+    (9, 4, 2, 32, 24, {"activation": "gelu_tanh"}, None),  # Gemma 4's GeGLU experts
+    (6, 8, 3, 64, 32, {"activation": "gelu_tanh", "dtype": torch.bfloat16}, (16, 16, 32)),
 ]
 
 

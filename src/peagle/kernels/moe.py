@@ -4,8 +4,8 @@ Layout (nn.Linear's, out x in): `w13[e]` is expert e's [2I, H] gate projection (
 projection (rows I..2I-1), `w2[e]` its [H, I] down projection, `b13` and `b2` their optional biases (GPT-OSS). A token
 t and one of its k choices make a pair p = t * k + j, routed to expert `topk_ids[t, j]` with weight
 `topk_weights[t, j]`; the output row t is `sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`, where
-`expert_e(x) = w2[e] @ act(w13[e] @ x + b13[e]) + b2[e]` and act is silu(gate) * up (Qwen3-MoE) or GPT-OSS's clamped
-SwiGLU (`activation="swiglu_limit"`).
+`expert_e(x) = w2[e] @ act(w13[e] @ x + b13[e]) + b2[e]` and act is silu(gate) * up (Qwen3-MoE), GPT-OSS's clamped
+SwiGLU (`activation="swiglu_limit"`) or Gemma 4's GeGLU, gelu_tanh(gate) * up (`activation="gelu_tanh"`).
 
 Algorithm (Triton, as vLLM's fused_moe). Align: the T*k pairs are sorted by expert and each expert's group is padded
 to a multiple of BLOCK_M with a sentinel pair (T*k), so every M-block of the sorted list belongs to one expert.
@@ -36,7 +36,7 @@ import triton.language as tl
 
 from peagle.kernels import triton_module, use_triton
 
-ACTIVATIONS = ("silu", "swiglu_limit")
+ACTIVATIONS = ("silu", "swiglu_limit", "gelu_tanh")
 ONE_PROGRAM_ALIGN_MAX = 256  # pairs that one program aligns alone (one launch); more: a count kernel first
 
 
@@ -54,7 +54,7 @@ def fused_moe(
     *,
     b13: torch.Tensor | None = None,  # [E, 2I]
     b2: torch.Tensor | None = None,  # [E, H]
-    activation: str = "silu",  # "silu": silu(gate) * up; "swiglu_limit": GPT-OSS's clamped SwiGLU
+    activation: str = "silu",  # "silu": silu(gate) * up; "swiglu_limit": GPT-OSS's clamped SwiGLU; "gelu_tanh": GeGLU
     alpha: float = 1.702,
     limit: float = 7.0,
 ) -> torch.Tensor:  # [T, H] in x's dtype
@@ -87,6 +87,8 @@ def fused_moe_ref(
         gate, up = F.linear(x[token], w13[e], None if b13 is None else b13[e]).chunk(2, dim=-1)
         if activation == "silu":
             h = F.silu(gate) * up
+        elif activation == "gelu_tanh":
+            h = F.gelu(gate, approximate="tanh") * up
         else:
             gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
             h = (up + 1) * gate * torch.sigmoid(gate * alpha)
@@ -316,7 +318,7 @@ def _moe_gemm_kernel(
     num_pairs, num_blocks, N, K,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_om,
     alpha, limit,
-    PAIRS_PER_ROW: tl.constexpr, GATED: tl.constexpr, SWIGLU_LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PAIRS_PER_ROW: tl.constexpr, GATED: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
     MUL_WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
@@ -357,9 +359,11 @@ def _moe_gemm_kernel(
         if GATED:
             acc_up += tl.load(bias_ptrs + N, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        if SWIGLU_LIMIT:  # GPT-OSS: gate clamped above, up both ways, and up shifted by one
+        if ACTIVATION == "swiglu_limit":  # GPT-OSS: gate clamped above, up both ways, and up shifted by one
             gate = tl.minimum(acc, limit)
             acc = (tl.minimum(tl.maximum(acc_up, -limit), limit) + 1.0) * gate * tl.sigmoid(gate * alpha)
+        elif ACTIVATION == "gelu_tanh":  # Gemma's GeGLU: 0.5 x (1 + tanh(y)) = x sigmoid(2y)
+            acc = acc * tl.sigmoid(1.5957691216057308 * (acc + 0.044715 * acc * acc * acc)) * acc_up
         else:
             acc = acc * tl.sigmoid(acc) * acc_up
     if MUL_WEIGHTS:
@@ -395,7 +399,7 @@ def moe_gemm(
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
         bias.stride(0) if bias is not None else 0, out.stride(0), alpha, limit,
         PAIRS_PER_ROW=pairs_per_row, GATED=gated,
-        SWIGLU_LIMIT=activation == "swiglu_limit", HAS_BIAS=bias is not None, MUL_WEIGHTS=weights is not None,
+        ACTIVATION=activation, HAS_BIAS=bias is not None, MUL_WEIGHTS=weights is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", DOT_UPCAST=a.device.type != "cuda",
         num_warps=config.num_warps, num_stages=config.num_stages,

@@ -10,8 +10,8 @@ their own, soft-capped logits), with:
   type and compute none (their MLP twice as wide where use_double_wide_mlp);
 - per-layer input embeddings (PLE): a second embedding table and a projection of the embeddings give every layer a
   small vector, gated into the stream after its MLP;
-- optionally a mixture of experts beside the dense MLP: its router normalises and scales its input and scales each
-  chosen expert's weight;
+- optionally a mixture of experts beside the dense MLP (GeGLU experts on the fused MoE kernel): its router normalises
+  and scales its input and scales each chosen expert's weight;
 - each layer's output stream multiplied by a learned layer_scalar.
 
 The engine serves it: its paged KV cache gives each layer its own K/V shape (`kv_layers`), a KV-sharing layer the
@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from peagle.kernels.moe import fused_moe
 from peagle.models.attention import AttentionBackend, LayerKV
 from peagle.models.config import ModelConfig, UnsupportedModelError
 from peagle.models.gemma3 import GemmaRMSNorm, ScaledEmbedding, softcap
@@ -186,8 +187,7 @@ class Gemma4Router(nn.Module):
 
 class Gemma4Experts(nn.Module):
     """The experts, stacked as the checkpoint holds them: gate_up_proj [E, 2I, H] (gate rows, then up rows) and
-    down_proj [E, H, I]; GeGLU. A loop over the experts that some token chose (the project's fused MoE kernel has no
-    GeGLU)."""
+    down_proj [E, H, I]; GeGLU, through the fused MoE kernel (kernels/moe.py)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -197,13 +197,7 @@ class Gemma4Experts(nn.Module):
 
     def forward(self, x, weights, ids):
         # x: [T, hidden], weights / ids: [T, k] -> [T, hidden]
-        out = torch.zeros_like(x)
-        for expert in ids.unique().tolist():
-            token, slot = torch.where(ids == expert)
-            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            h = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[expert])
-            out.index_add_(0, token, (h * weights[token, slot, None]).to(out.dtype))
-        return out
+        return fused_moe(x, self.gate_up_proj, self.down_proj, weights.float(), ids, activation="gelu_tanh")
 
 
 class Gemma4DecoderLayer(nn.Module):

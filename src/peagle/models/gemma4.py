@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from peagle.kernels.moe import fused_moe
+from peagle.kernels.moe import fused_moe, route_topk
 from peagle.models.attention import AttentionBackend, LayerKV
 from peagle.models.config import ModelConfig, UnsupportedModelError
 from peagle.models.gemma3 import GemmaRMSNorm, ScaledEmbedding, softcap
@@ -179,9 +179,7 @@ class Gemma4Router(nn.Module):
     def forward(self, x):
         # x: [T, hidden] -> (weights [T, k] fp32, expert ids [T, k])
         h = _unit_rms_norm(x, self.eps) * self.scale * x.shape[-1] ** -0.5
-        probs = torch.softmax(self.proj(h), dim=-1, dtype=torch.float32)  # [T, E]
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, ids = route_topk(self.proj(h), self.top_k, renormalize=True)
         return weights * self.per_expert_scale[ids], ids
 
 

@@ -328,16 +328,29 @@ def gguf_gather() -> dict | None:
     """The GGUF parts of the .stage_* folders carried this call copied into $W/GGUF_PARTS, each checked against the
     manifest beside it (exits 6 for a mismatch, or for a manifest of another split than the one already here); the
     manifest there, if any."""
-    parts = W / GGUF_PARTS
-    here = parts / GGUF_MANIFEST
+    return parts_gather(".stage_*", W / GGUF_PARTS, GGUF_MANIFEST, "stage_local.sh wheels")
+
+
+def parts_gather(pattern: str, parts: Path, manifest_name: str, rebuild: str, *, pinned: list | None = None,
+                 quiet: bool = True) -> dict | None:
+    """The parts in the carried folders matching PATTERN copied into PARTS, each checked against MANIFEST_NAME beside
+    it: a part that does not match its sha256, a manifest of another split than the one already in PARTS, or (with
+    PINNED) one naming other wheels exits 6; REBUILD says how to make the folders again. Folders without a manifest
+    are skipped (said unless QUIET). The manifest in PARTS, if any."""
+    here = parts / manifest_name
     manifest = json.loads(here.read_text()) if here.is_file() else None
-    for d in sorted(glob.glob(".stage_*")):
-        if not os.path.isfile(f"{d}/{GGUF_MANIFEST}"):
-            continue  # not a part of the GGUF (an older split, or another folder of that name)
-        carried = json.loads(Path(d, GGUF_MANIFEST).read_text())
+    for d in sorted(glob.glob(pattern)):
+        if not os.path.isfile(f"{d}/{manifest_name}"):
+            if os.path.isdir(d) and not quiet:
+                say(f"{d}: no {manifest_name} (an older stage_local.sh's folder): skipped; build it again")
+            continue
+        carried = json.loads(Path(d, manifest_name).read_text())
+        if pinned is not None and carried.get("wheels") != pinned:
+            refuse(f"{d}/{manifest_name} names other wheels than the testbed's (stages.py's TB_WHEELS): "
+                   f"{rebuild} again", 6)
         if manifest is not None and carried != manifest:
-            refuse(f"{d}/{GGUF_MANIFEST} is of another split than the parts already in {parts}: carry the .stage_* "
-                   f"folders of one stage_local.sh run (or rm -rf {parts} to start again)", 6)
+            refuse(f"{d}/{manifest_name} is of another split than the parts already in {parts}: carry the "
+                   f"{pattern} folders of one stage_local.sh run (or rm -rf {parts} to start again)", 6)
         manifest = carried
         parts.mkdir(parents=True, exist_ok=True)
         if not here.is_file():
@@ -347,7 +360,7 @@ def gguf_gather() -> dict | None:
             if not src.is_file():
                 continue
             if sha256_of(src) != entry["sha256"]:
-                refuse(f"{src} does not match {GGUF_MANIFEST}'s sha256: stage_local.sh wheels again", 6)
+                refuse(f"{src} does not match {manifest_name}'s sha256: {rebuild} again", 6)
             tmp = parts / f".{entry['file']}.tmp"
             shutil.copyfile(src, tmp)
             tmp.replace(parts / entry["file"])
@@ -686,36 +699,9 @@ def wheels_gather(name: str) -> dict | None:
     """The parts of the testbed's wheels NAME ("tb" or "g3") in the .NAME_* folders carried this call copied into
     $W/NAME-parts, each checked against the manifest beside it; a mismatch, a manifest of another split than the one
     already here, or one naming other wheels than TB_WHEELS[NAME] exits 6. The manifest there, if any."""
-    parts, manifest_name = W / f"{name}-parts", f"{name}-manifest.json"
-    here = parts / manifest_name
-    manifest = json.loads(here.read_text()) if here.is_file() else None
     pinned = [{"file": f, "size": n, "sha256": h} for f, n, h in TB_WHEELS[name]]
-    for d in sorted(glob.glob(f".{name}_*")):
-        if not os.path.isfile(f"{d}/{manifest_name}"):
-            if os.path.isdir(d):
-                say(f"{d}: no {manifest_name} (an older stage_local.sh's folder): skipped; build it again")
-            continue
-        carried = json.loads(Path(d, manifest_name).read_text())
-        if carried.get("wheels") != pinned:
-            refuse(f"{d}/{manifest_name} names other wheels than the testbed's (stages.py's TB_WHEELS): "
-                   "stage_local.sh again", 6)
-        if manifest is not None and carried != manifest:
-            refuse(f"{d}/{manifest_name} is of another split than the parts already in {parts}: carry the .{name}_* "
-                   f"folders of one stage_local.sh run (or rm -rf {parts} to start again)", 6)
-        manifest = carried
-        parts.mkdir(parents=True, exist_ok=True)
-        if not here.is_file():
-            here.write_text(json.dumps(manifest, indent=1) + "\n")
-        for entry in manifest["parts"]:
-            src = Path(d, entry["file"])
-            if not src.is_file():
-                continue
-            if sha256_of(src) != entry["sha256"]:
-                refuse(f"{src} does not match {manifest_name}'s sha256: stage_local.sh again", 6)
-            tmp = parts / f".{entry['file']}.tmp"
-            shutil.copyfile(src, tmp)
-            tmp.replace(parts / entry["file"])
-    return manifest
+    return parts_gather(f".{name}_*", W / f"{name}-parts", f"{name}-manifest.json", "stage_local.sh", pinned=pinned,
+                        quiet=False)
 
 
 def wheels_missing(name: str, manifest: dict) -> list[str]:

@@ -12,6 +12,7 @@ import torch
 
 from peagle import LLM, SamplingParams
 from peagle.drafters import Drafter, save_drafter
+from peagle.engine.draft_plan import PAD_DRAFT
 from peagle.models.attention import DenseAttention
 
 
@@ -68,3 +69,37 @@ def recompute_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
         h = model(torch.tensor(ids), torch.arange(len(ids)), DenseAttention([len(ids)])).hidden
         ids.append(int(model.compute_logits(h[-1:]).argmax()))
     return ids
+
+
+def oracle_proposer(runner, reference: list[list[int]], rng, keep_cuts: bool = False) -> None:
+    """Wraps the runner's proposer (still run) so that its drafts are the true continuation with a random corruption:
+    rounds accept 0..K drafts. The request is recognised by its next token's position and id in one sequence of
+    `reference` (prompt + greedy output). With `keep_cuts`, drafts the proposer left PAD_DRAFT (cut by confidence)
+    stay PAD_DRAFT."""
+    real = runner.propose
+    by_key = {}
+    for ref in reference:
+        for p, token in enumerate(ref):
+            by_key.setdefault((p, token), []).append(ref)
+
+    def propose(x, aux, num_rejected, next_tokens, max_query_len, small_query_len=None, num_drafts=None):
+        drafts = real(x, aux, num_rejected, next_tokens, max_query_len, small_query_len, num_drafts).clone()
+        n = drafts.shape[1]  # the engine's K, or the adaptive policy's
+        qsl, pos = x["query_start_loc"].tolist(), x["positions"].tolist()
+        for b, token in enumerate(next_tokens.tolist()[:len(qsl) - 1]):
+            if qsl[b + 1] == qsl[b]:
+                continue  # padding
+            p = pos[qsl[b + 1] - 1 - int(num_rejected[b])] + 1
+            refs = by_key.get((p, token), [])
+            if len(refs) == 1:
+                oracle = (refs[0][p + 1:] + [0] * n)[:n]
+                cut = rng.randrange(n + 1)
+                if cut < n:
+                    oracle[cut] = (oracle[cut] + 1) % 300
+                oracle = torch.tensor(oracle)
+                if keep_cuts:
+                    oracle = torch.where(drafts[b] >= 0, oracle, torch.full_like(drafts[b], PAD_DRAFT))
+                drafts[b] = oracle
+        return drafts
+
+    runner.propose = propose

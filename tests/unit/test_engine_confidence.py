@@ -14,7 +14,7 @@ import random
 
 import pytest
 import torch
-from engine_helpers import cpu_llm, greedy, heads, spec_config, target_dir  # noqa: F401 (fixtures)
+from engine_helpers import cpu_llm, greedy, heads, oracle_proposer, spec_config, target_dir  # noqa: F401
 from test_engine_verifier import CHI2_CRIT_P001, chi_square
 
 from peagle import SamplingParams
@@ -57,31 +57,7 @@ def varied_confidence(monkeypatch):
 def oracle_drafts(runner, reference, rng):
     """The runner's proposer (still run, its truncation too) answers the true continuation with a random corruption
     as its confident drafts, keeping its own PAD_DRAFT cut: rounds then accept up to every verified draft."""
-    real = runner.propose
-    by_key = {}
-    for ref in reference:
-        for p, token in enumerate(ref):
-            by_key.setdefault((p, token), []).append(ref)
-
-    def propose(x, aux, num_rejected, next_tokens, max_query_len, small_query_len=None, num_drafts=None):
-        drafts = real(x, aux, num_rejected, next_tokens, max_query_len, small_query_len, num_drafts).clone()
-        n = drafts.shape[1]
-        qsl, pos = x["query_start_loc"].tolist(), x["positions"].tolist()
-        for b, token in enumerate(next_tokens.tolist()[:len(qsl) - 1]):
-            if qsl[b + 1] == qsl[b]:
-                continue
-            p = pos[qsl[b + 1] - 1 - int(num_rejected[b])] + 1
-            refs = by_key.get((p, token), [])
-            if len(refs) == 1:
-                oracle = (refs[0][p + 1:] + [0] * n)[:n]
-                cut = rng.randrange(n + 1)
-                if cut < n:
-                    oracle[cut] = (oracle[cut] + 1) % 300
-                keep = drafts[b] >= 0
-                drafts[b] = torch.where(keep, torch.tensor(oracle), torch.full_like(drafts[b], PAD_DRAFT))
-        return drafts
-
-    runner.propose = propose
+    oracle_proposer(runner, reference, rng, keep_cuts=True)
 
 
 def check_outputs(outs, reference, lengths=LENGTHS):

@@ -8,8 +8,8 @@ import random
 
 import pytest
 import torch
-from engine_helpers import (cpu_llm, greedy, heads, make_llm, recompute_greedy,  # noqa: F401 (fixtures)
-                            spec_config, target_dir)
+from engine_helpers import (cpu_llm, greedy, heads, make_llm, oracle_proposer,  # noqa: F401 (fixtures)
+                            recompute_greedy, spec_config, target_dir)
 
 from peagle import SamplingParams
 from peagle.models.attention import DenseAttention
@@ -369,40 +369,11 @@ def test_async_scheduling_keeps_plain_greedy_output(target_dir, reference):
     assert llm.engine.scheduler.block_manager.num_used_blocks == 0
 
 
-def oracle_proposer(runner, reference, k, rng):
-    """Wrap the runner's proposer (still run) so that its drafts are the true continuation with a random corruption:
-    rounds accept 0..K drafts. The request is recognised by its next token's position and id."""
-    real = runner.propose
-    by_key = {}
-    for ref in reference:
-        for p, token in enumerate(ref):
-            by_key.setdefault((p, token), []).append(ref)
-
-    def propose(x, aux, num_rejected, next_tokens, max_query_len, small_query_len=None, num_drafts=None):
-        drafts = real(x, aux, num_rejected, next_tokens, max_query_len, small_query_len, num_drafts).clone()
-        n = drafts.shape[1]  # the engine's K, or the adaptive policy's
-        qsl, pos = x["query_start_loc"].tolist(), x["positions"].tolist()
-        for b, token in enumerate(next_tokens.tolist()):
-            if qsl[b + 1] == qsl[b]:
-                continue  # padding
-            p = pos[qsl[b + 1] - 1 - int(num_rejected[b])] + 1
-            refs = by_key.get((p, token), [])
-            if len(refs) == 1:
-                oracle = (refs[0][p + 1:] + [0] * n)[:n]
-                cut = rng.randrange(n + 1)
-                if cut < n:
-                    oracle[cut] = (oracle[cut] + 1) % 300
-                drafts[b] = torch.tensor(oracle)
-        return drafts
-
-    runner.propose = propose
-
-
 @pytest.mark.parametrize("method,k,chunked", [("peagle", 4, False), ("eagle3", 3, False), ("eagle3", 3, True)])
 def test_async_speculative_greedy_equals_plain_greedy(target_dir, heads, reference, method, k, chunked):
     llm = make_llm(target_dir, heads[method], k=k, parallel=method == "peagle", async_scheduling=True,
                    **(CHUNKED if chunked else {}))
-    oracle_proposer(llm.engine.runner, reference, k, random.Random(1))
+    oracle_proposer(llm.engine.runner, reference, random.Random(1))
     launched = count_launches(llm.engine.runner)
     outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
     for prompt, ref, out in zip(PROMPTS, reference, outs):
@@ -416,7 +387,7 @@ def test_async_scheduling_under_preemption_aborts_and_the_adaptive_policy(target
     spec = spec_config(heads["peagle"], 3, True, adaptive={"thresholds": [[2, 3]], "above": 0})
     llm = cpu_llm(target_dir, spec, max_num_seqs=6, num_kv_blocks=6, async_scheduling=True)
     engine = llm.engine
-    oracle_proposer(engine.runner, reference, 3, random.Random(2))
+    oracle_proposer(engine.runner, reference, random.Random(2))
     lengths = [8, 40, 12, 40, 16, 20]
     for i, (prompt, n) in enumerate(zip(PROMPTS, lengths)):
         engine.add_request(str(i), prompt, greedy(n))

@@ -3,11 +3,13 @@
 # each take away one suspect, so that the pair that stays clean names the cause. Every trainer dumps every thread's
 # Python stack on a fatal signal (peagle's CLI) and CUDA's GPU core on a device exception, read back with cuda-gdb
 # (Firecracker machines). Run from the repository root with .fault and .cfg carried (benchmarks/runs/run-33.md).
-# RACE_MINUTES (3) of training; RACE_PAIRS (base inline cthreads blocksparse), of:
+# RACE_MINUTES (3) of training; RACE_PAIRS (base inline cthreads blocksparse nostatic), of:
 #   base        the default trainer (a planning thread beside the loop, Inductor's compile workers, compiled FlexAttention)
 #   inline      --prefetch-steps 0: no planning thread
-#   cthreads    TORCHINDUCTOR_COMPILE_THREADS=1: Inductor compiles in the trainer's own thread, no worker pool
+#   cthreads    TORCHINDUCTOR_COMPILE_THREADS=1: Inductor compiles in the trainer's own thread, no worker pool (nor
+#               its timer thread, which quiesces the pool 60 s after the last compile)
 #   blocksparse PEAGLE_TRAIN_ATTENTION=blocksparse: the drafter's attention without compiled FlexAttention
+#   nostatic    TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER=0: compiled kernels launched by Triton's launcher, not Inductor's
 #   shared      the default trainer, both seeds on one Triton/Inductor cache (run 32's setting)
 # Leaves $OUT/race.tar.gz (logs, train logs, fault records, cuda-gdb's reading of any GPU core).
 set -u
@@ -24,7 +26,7 @@ for f in glob.glob(".cfg/*.json"):
     if not f.endswith("config.json") or f.endswith("tokenizer_config.json"): shutil.copy(f, sys.argv[1])
 PY
 pids=() names=()
-for pair in ${RACE_PAIRS:-base inline cthreads blocksparse}; do
+for pair in ${RACE_PAIRS:-base inline cthreads blocksparse nostatic}; do
   for seed in 0 1; do
     name=$pair-$seed; cache=$W/cache-$name; extra=() envs=()
     case $pair in
@@ -32,6 +34,7 @@ for pair in ${RACE_PAIRS:-base inline cthreads blocksparse}; do
       inline) extra=(--prefetch-steps 0) ;;
       cthreads) envs=(TORCHINDUCTOR_COMPILE_THREADS=1) ;;
       blocksparse) envs=(PEAGLE_TRAIN_ATTENTION=blocksparse) ;;
+      nostatic) envs=(TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER=0) ;;
       shared) cache=$W/cache-shared ;;
       *) echo "unknown pair $pair" >&2; exit 2 ;;
     esac

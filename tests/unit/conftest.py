@@ -165,8 +165,8 @@ def _hf_config(family: str, vocab_size: int, num_layers: int, tie_word_embedding
         common = {**common, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 256}
         return transformers.Gemma3TextConfig(**common, sliding_window=6, query_pre_attn_scalar=256)
     if family == "gemma4":
-        # The Gemma 4 the engine serves: one head_dim and KV-head count for every layer and no KV sharing, with
-        # per-layer inputs, the experts beside the MLP, keys as values in the global layer, proportional RoPE there.
+        # A Gemma 4 with per-layer inputs, the experts beside the MLP, keys as values in the global layer and
+        # proportional RoPE there (test_engine_gemma4.py serves the wider global heads and KV sharing).
         return transformers.Gemma4TextConfig(**common, sliding_window=6, global_head_dim=16, attention_k_eq_v=True,
                                              layer_types=["sliding_attention"] * (num_layers - 1) + ["full_attention"],
                                              hidden_size_per_layer_input=8, vocab_size_per_layer_input=vocab_size,

@@ -12,6 +12,7 @@ Per shape it reports
   target_ms over the plain run's - and the output tokens/s with the synthetic acceptance below;
 - experts touched per layer by 1, 8, 64 and 512 tokens (mean over MoE layers, one eager forward of random tokens:
   random routers spread tokens about evenly, trained ones cluster, so this is an upper bound).
+peagle-adaptive verifies K by load (7 up to 8 running requests, 5 up to 32, 3 beyond; `ADAPTIVE`).
 Synthetic acceptance (accepted at position i / rounds) is each method's measured on MT-Bench with the testbed heads
 (run 30, K=7, greedy): P-EAGLE 0.60, 0.33, 0.22, 0.16, 0.11, 0.09, 0.07; EAGLE-3 0.60, 0.37, 0.27, 0.20, 0.15, 0.10,
 0.07. The JSON is rewritten after every row.
@@ -60,9 +61,11 @@ SHAPES = {
 }
 PEAGLE_RATES = (0.60, 0.33, 0.22, 0.16, 0.11, 0.09, 0.07)
 EAGLE3_RATES = (0.60, 0.37, 0.27, 0.20, 0.15, 0.10, 0.07)
-# label -> (K, parallel drafting, rates)
-RUNS = {"none": (0, False, None), "eagle3-k3": (3, False, EAGLE3_RATES), "eagle3-k5": (5, False, EAGLE3_RATES),
-        "peagle-k5": (5, True, PEAGLE_RATES), "peagle-k7": (7, True, PEAGLE_RATES)}
+# label -> (K, parallel drafting, rates, adaptive policy or None)
+ADAPTIVE = {"thresholds": [[8, 7], [32, 5]], "above": 3}  # K 7 up to 8 running requests, 5 up to 32, 3 beyond
+RUNS = {"none": (0, False, None, None), "eagle3-k3": (3, False, EAGLE3_RATES, None),
+        "eagle3-k5": (5, False, EAGLE3_RATES, None), "peagle-k5": (5, True, PEAGLE_RATES, None),
+        "peagle-k7": (7, True, PEAGLE_RATES, None), "peagle-adaptive": (7, True, PEAGLE_RATES, ADAPTIVE)}
 
 
 def active_bytes(model) -> int:
@@ -133,9 +136,9 @@ def main() -> int:
         Path(args.out).write_text(json.dumps(result, indent=1))
 
     for label in args.runs.split(","):
-        k, parallel, rates = RUNS[label]
+        k, parallel, rates, adaptive = RUNS[label]
         spec = None if not k else {"method": "eagle3", "model": "dummy", "num_speculative_tokens": k,
-                                   "parallel_drafting": parallel}
+                                   "parallel_drafting": parallel, **({"adaptive": adaptive} if adaptive else {})}
         start = time.perf_counter()
         llm = LLM(model=str(d), load_format="dummy", dtype="bfloat16", max_model_len=args.max_model_len,
                   max_num_seqs=max(batches), speculative_config=spec,
@@ -153,7 +156,8 @@ def main() -> int:
             result["decode_vs_floor"] = step / result["floor_ms"]
             print(json.dumps({k: v for k, v in result.items() if k != "rows"}), flush=True)
         for b in batches:
-            row = {"run": label, "build_s": built_s, **measure(llm, prompts, b, k, rounds=30)}
+            k_here = llm.engine.config.speculative.adaptive.k_for(b, k) if adaptive else k  # the load's K
+            row = {"run": label, "build_s": built_s, **measure(llm, prompts, b, k_here, rounds=30)}
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
             save()

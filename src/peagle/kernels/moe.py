@@ -36,7 +36,7 @@ import triton.language as tl
 
 from peagle.kernels import triton_module, use_triton
 
-ACTIVATIONS = ("silu", "swiglu_limit", "gelu_tanh")
+ACTIVATIONS = ("silu", "swiglu_limit", "gelu_tanh")  # the GEMM kernel's ACTIVATION is the index
 ONE_PROGRAM_ALIGN_MAX = 256  # pairs that one program aligns alone (one launch); more: a count kernel first
 
 
@@ -359,10 +359,10 @@ def _moe_gemm_kernel(
         if GATED:
             acc_up += tl.load(bias_ptrs + N, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        if ACTIVATION == "swiglu_limit":  # GPT-OSS: gate clamped above, up both ways, and up shifted by one
+        if ACTIVATION == 1:  # swiglu_limit, GPT-OSS's: gate clamped above, up both ways, and up shifted by one
             gate = tl.minimum(acc, limit)
             acc = (tl.minimum(tl.maximum(acc_up, -limit), limit) + 1.0) * gate * tl.sigmoid(gate * alpha)
-        elif ACTIVATION == "gelu_tanh":  # Gemma's GeGLU: 0.5 x (1 + tanh(y)) = x sigmoid(2y)
+        elif ACTIVATION == 2:  # gelu_tanh, Gemma's GeGLU: 0.5 x (1 + tanh(y)) = x sigmoid(2y)
             acc = acc * tl.sigmoid(1.5957691216057308 * (acc + 0.044715 * acc * acc * acc)) * acc_up
         else:
             acc = acc * tl.sigmoid(acc) * acc_up
@@ -399,7 +399,7 @@ def moe_gemm(
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
         bias.stride(0) if bias is not None else 0, out.stride(0), alpha, limit,
         PAIRS_PER_ROW=pairs_per_row, GATED=gated,
-        ACTIVATION=activation, HAS_BIAS=bias is not None, MUL_WEIGHTS=weights is not None,
+        ACTIVATION=ACTIVATIONS.index(activation), HAS_BIAS=bias is not None, MUL_WEIGHTS=weights is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", DOT_UPCAST=a.device.type != "cuda",
         num_warps=config.num_warps, num_stages=config.num_stages,

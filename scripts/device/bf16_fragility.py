@@ -7,7 +7,7 @@ import torch, sys
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
 from verify_target import greedy_peagle
 from transformers import AutoModelForCausalLM
-from peagle.bench.datasets import load_prompts
+from peagle.datasets import load_prompts
 from peagle.models.loader import load_model, load_tokenizer
 ck = sys.argv[1]; tok = load_tokenizer(ck)
 prompts = [tok.encode_chat(p.messages) for p in load_prompts("mtbench", limit=8)]

@@ -28,7 +28,7 @@ import sys
 import torch
 
 from peagle import LLM, SamplingParams
-from peagle.bench.datasets import load_prompts
+from peagle.datasets import load_prompts
 from peagle.models.attention import DenseAttention
 from peagle.models.loader import load_model, load_tokenizer
 

@@ -77,7 +77,7 @@ import torch
 from peagle import LLM, SamplingParams
 from peagle.engine import cuda_graph, llm_engine
 from peagle.engine.model_runner import StepHandle
-from peagle.bench.datasets import load_prompts
+from peagle.datasets import load_prompts
 from peagle.models.loader import load_tokenizer
 
 paged_attention_module = importlib.import_module("peagle.kernels.paged_attention")  # the package shadows the name

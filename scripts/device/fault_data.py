@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from peagle.bench.datasets import sharegpt_split_of
+from peagle.datasets import sharegpt_split_of
 from peagle.models.tokenizer import Tokenizer
 from peagle.training.data import Document, Manifest, tokenizer_fingerprint, write_shard
 

@@ -14,7 +14,7 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM
 
-from peagle.bench.datasets import load_prompts
+from peagle.datasets import load_prompts
 from peagle.models.attention import DenseAttention
 from peagle.models.loader import load_model, load_tokenizer
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only for dry runs of this script

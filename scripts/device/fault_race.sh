@@ -39,7 +39,7 @@ for pair in ${RACE_PAIRS:-base inline cthreads blocksparse nostatic}; do
       *) echo "unknown pair $pair" >&2; exit 2 ;;
     esac
     env "${envs[@]}" CUDA_COREDUMP_FILE=$W/core-$name TRITON_CACHE_DIR=$cache/triton \
-      TORCHINDUCTOR_CACHE_DIR=$cache/inductor timeout $((minutes * 60 + 90)) python3 -m peagle train \
+      TORCHINDUCTOR_CACHE_DIR=$cache/inductor timeout $((minutes * 60 + 150)) python3 -m peagle train \
       --target $W/target --data .fault/chat .fault/code --steps 1000000 --max-length 8192 --save-every 100000 \
       --eval-every 100000 --method peagle --num-layers 4 --k-train 8 --batch-size 1 --seed $seed --out $W/run-$name \
       --time-limit $minutes "${extra[@]}" > $W/$name.log 2>&1 &

@@ -3,7 +3,8 @@ memory on one GPU (issue 49's last row).
 
 Usage: python scripts/device/moe_train_step.py SHAPE OUT.json --tokenizer DIR --data DIR [DIR ...] [--steps 60]
        [-- more `peagle train` arguments]
-SHAPE is one of moe_check.py's (qwen3-30b-a3b, gpt-oss-20b); DIR's tokenizer only needs ids that fit the vocabulary.
+SHAPE is one of moe_check.py's (qwen3-30b-a3b, gpt-oss-20b), or a config.json file of another shape; DIR's tokenizer
+only needs ids that fit the vocabulary.
 The target is built on the GPU from its config alone (`peagle train --load-format dummy`); the head it trains is
 meaningless. The steady rate is the mean of the logged intervals after the first (compilation); the JSON holds them
 all beside the peak memory and the command.
@@ -25,21 +26,27 @@ from moe_check import SHAPES  # noqa: E402
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("shape", choices=sorted(SHAPES))
+    ap.add_argument("shape", help=f"{', '.join(sorted(SHAPES))}, or a config.json")
     ap.add_argument("out")
     ap.add_argument("--tokenizer", required=True, help="a directory with tokenizer.json (and tokenizer_config.json)")
     ap.add_argument("--data", nargs="+", required=True, help="peagle train --data directories")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--max-length", type=int, default=8192)
-    ap.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: more `peagle train` arguments")
-    args = ap.parse_args()
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)  # after --: more `peagle train` arguments
+    args, extra = ap.parse_args(argv[:cut]), argv[cut + 1:]
+    if args.shape in SHAPES:
+        config = SHAPES[args.shape]
+    elif Path(args.shape).is_file():
+        config = json.loads(Path(args.shape).read_text())
+    else:
+        ap.error(f"shape {args.shape!r}: expected one of {', '.join(sorted(SHAPES))} or a config.json file")
     work = Path(tempfile.mkdtemp())
     target = work / "target"
     target.mkdir()
-    (target / "config.json").write_text(json.dumps(SHAPES[args.shape]))
+    (target / "config.json").write_text(json.dumps(config))
     for f in Path(args.tokenizer).glob("tokenizer*"):
         shutil.copy(f, target)
-    extra = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     cmd = [sys.executable, "-m", "peagle", "train", "--target", str(target), "--load-format", "dummy", "--data",
            *args.data, "--method", "peagle", "--num-layers", "4", "--k-train", "8", "--max-length",
            str(args.max_length), "--steps", str(args.steps), "--log-every", "10", "--eval-fraction", "0",

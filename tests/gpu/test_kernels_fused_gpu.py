@@ -108,6 +108,37 @@ def test_rotary_store_kv_equals_rotary_then_store(model, num_tokens, dtype):
     assert torch.equal(q_one, q_two) and torch.equal(k_one, k_two) and torch.equal(v_one, v_two)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+def test_rotary_store_kv_with_qk_norm_equals_norms_then_rotary_then_store(num_tokens, dtype):
+    # Qwen3-30B-A3B's attention: 32 q heads, 4 KV heads, head_dim 128, q/k norms fused into the RoPE + store kernel.
+    from peagle.kernels import kv_cache
+
+    heads, kv_heads, head_dim = 32, 4, 128
+    gen = torch.Generator().manual_seed(num_tokens + 1)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = (3 * torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen)).to(dtype).to(CUDA)
+    q, k, v = (t.view(num_tokens, -1, head_dim) for t in qkv.split([q_size, kv_size, kv_size], dim=-1))
+    norm = tuple((1 + 0.3 * torch.randn(head_dim, generator=gen)).to(dtype).to(CUDA) for _ in range(2)) + (1e-6,)
+    cos, sin = (t.to(CUDA) for t in rope_tables(head_dim, max_positions=4096))
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen).to(CUDA)
+    num_blocks = (num_tokens + 15) // 16 + 1
+    slots = torch.randperm(num_blocks * 16, generator=gen)[:num_tokens]
+    slots[::3] = -1
+    slots = slots.to(CUDA)
+    caches = [torch.randn(num_blocks, 16, kv_heads, head_dim, generator=gen).to(dtype).to(CUDA) for _ in range(2)]
+    k_one, v_one = (c.clone() for c in caches)
+    q_one = fused.rotary_store_kv(positions, q, k, v, cos, sin, k_one, v_one, slots, qk_norm=norm)
+    q_two, k_rot = fused.rotary(positions, fused.rms_norm(q, norm[0], 1e-6), fused.rms_norm(k, norm[1], 1e-6), cos,
+                                sin)
+    k_two, v_two = (c.clone() for c in caches)
+    kv_cache.store_kv(k_rot, v, k_two, v_two, slots)
+    assert torch.equal(v_one, v_two)
+    tol = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps  # the norms' sums run in another order
+    for got, want in ((q_one, q_two), (k_one, k_two)):
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())
+
+
 def test_per_head_rms_norm():
     inp = layer_inputs("smollm2-135m", 64, torch.bfloat16)
     weight = inp["weight"][:64]

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from engine_helpers import greedy, make_llm, recompute_greedy
+from test_kernels_triton import interpreted  # noqa: F401 (a fixture)
 from safetensors.torch import save_file
 
 from peagle.drafters import Drafter, load_drafter, save_drafter
@@ -81,3 +82,22 @@ def test_aws_gpt_oss_head_layout_serves_losslessly(tiny_hf_checkpoint, tmp_path)
     plain = make_llm(target).generate(PROMPTS, greedy(24), use_tqdm=False)
     spec = make_llm(target, head, k=5, parallel=True).generate(PROMPTS, greedy(24), use_tqdm=False)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
+def check_fused_qk_norm_path(target, prompts, plain):
+    # In the interpreter process: the Triton path, where q/k norms run inside the RoPE + KV-store kernel.
+    import os
+
+    os.environ["PEAGLE_KERNELS"] = "triton"
+    outs = make_llm(target, enforce_eager=True).generate(prompts, greedy(12), use_tqdm=False)
+    assert [o.token_ids for o in outs] == [p[:12] for p in plain]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gemma3"])
+def test_triton_path_with_fused_qk_norm_equals_the_reference_path(tiny_hf_checkpoint, interpreted, family):
+    """The engine's Triton kernels (run by Triton's interpreter) give the torch path's greedy output for the families
+    with q/k norms, which the fused RoPE + KV-store kernel applies."""
+    target = tiny_hf_checkpoint(family, num_layers=2)
+    plain = [o.token_ids for o in make_llm(target, enforce_eager=True).generate(PROMPTS[:2], greedy(12),
+                                                                                  use_tqdm=False)]
+    interpreted(check_fused_qk_norm_path, target, PROMPTS[:2], plain)

@@ -193,6 +193,45 @@ def test_rotary_store_kv(interpreted, dtype, num_heads, num_kv_heads, head_dim):
     interpreted(check_rotary_store_kv, dtype, num_heads, num_kv_heads, head_dim)
 
 
+def check_rotary_store_kv_qk_norm(dtype, num_heads, num_kv_heads, head_dim):
+    # Qwen3's q/k norm in the same launch: what rms_norm, then rotary and store_kv, would give.
+    gen = torch.Generator().manual_seed(head_dim + 1)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = (3 * torch.randn(7, q_size + 2 * kv_size, generator=gen)).to(dtype)
+    q, k, v = (t.view(7, -1, head_dim) for t in qkv.split([q_size, kv_size, kv_size], dim=-1))
+    weights = [(1 + 0.3 * torch.randn(head_dim, generator=gen)).to(dtype) for _ in range(2)]
+    norm = (weights[0], weights[1], 1e-6)
+    cos, sin = rope_tables(head_dim)
+    positions = torch.randint(0, 512, (7,), generator=gen)
+    slots = torch.tensor([3, 17, -1, 40, 5, -1, 63])
+    caches = [torch.randn(4, 16, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2)]
+    k_cache, v_cache = (c.clone() for c in caches)
+    q_out = triton_kernels("fused").rotary_store_kv(positions, q, k, v, cos, sin, k_cache, v_cache, slots,
+                                                    qk_norm=norm)
+    k_ref, v_ref = (c.clone() for c in caches)
+    q_ref = kernels.rotary_store_kv_ref(positions, q, k, v, cos, sin, k_ref, v_ref, slots, qk_norm=norm)
+    for got, want in ((q_out, q_ref), (k_cache, k_ref)):
+        if dtype == torch.float32:
+            assert_matches(got, want)
+        else:  # a last-bit flip of the norm's rounding (its sum runs in another order) carries through RoPE's
+            # rounded products: two ulps of the largest value
+            tol = 2 * torch.finfo(dtype).eps
+            torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())
+    assert torch.equal(v_cache, v_ref)  # v is not normalised
+    plain = kernels.rotary_store_kv_ref(positions, q, k, v, cos, sin, *(c.clone() for c in caches), slots)
+    assert not torch.allclose(plain.float(), q_ref.float(), atol=1e-2)  # the norm changed q
+    with pytest.raises(ValueError, match="qk_norm's weights must be contiguous"):
+        triton_kernels("fused").rotary_store_kv(positions, q, k, v, cos, sin, k_cache, v_cache, slots,
+                                                qk_norm=(weights[0][:-1], weights[1], 1e-6))
+
+
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim", [
+    (torch.float32, 4, 2, 64), (torch.float16, 8, 2, 128), (torch.float32, 3, 1, 48),
+])
+def test_rotary_store_kv_qk_norm(interpreted, dtype, num_heads, num_kv_heads, head_dim):
+    interpreted(check_rotary_store_kv_qk_norm, dtype, num_heads, num_kv_heads, head_dim)
+
+
 def check_silu_and_mul(dtype, inter):
     gen = torch.Generator().manual_seed(inter)
     x = torch.randn(5, 2 * inter + 8, generator=gen).to(dtype)[:, 8:]  # strided rows

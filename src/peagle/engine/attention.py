@@ -53,11 +53,13 @@ class PagedAttention:
         return self._attend(q, k_cache, v_cache, window, sinks)
 
     def rotary_attend(self, layer_idx, positions, q, k, v, rope, *, window: int = 0,
-                      sinks: torch.Tensor | None = None):
-        """q, k before RoPE: one kernel rotates q and writes the rotated k and v into the cache, then attention."""
+                      sinks: torch.Tensor | None = None, qk_norm: tuple | None = None):
+        """q, k before RoPE (and before their norms, given as `qk_norm` = (q weight, k weight, eps)): one kernel
+        normalises and rotates q and writes the rotated k and v into the cache, then attention."""
         k_cache, v_cache = self.kv_caches[layer_idx]
         cos, sin = rope.tables(q.device)
-        q = kernels.rotary_store_kv(positions, q, k, v, cos, sin, k_cache, v_cache, self.meta.slot_mapping)
+        q = kernels.rotary_store_kv(positions, q, k, v, cos, sin, k_cache, v_cache, self.meta.slot_mapping,
+                                    qk_norm=qk_norm)
         return self._attend(q, k_cache, v_cache, window, sinks)
 
     def _attend(self, q, k_cache, v_cache, window, sinks):

@@ -185,9 +185,10 @@ def rotary_store_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [T], -1 = write nothing
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # q and k heads RMS-normalised first
 ) -> torch.Tensor:  # rotated q [T, Hq, D]; rotated k and v written into the caches
     fn = triton_module("fused", q.device).rotary_store_kv if use_triton(q.device) else rotary_store_kv_ref
-    return fn(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    return fn(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, qk_norm=qk_norm)
 
 
 def silu_and_mul(

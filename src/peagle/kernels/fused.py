@@ -155,10 +155,11 @@ def fused_add_rms_norm_ref(
 @triton.jit
 def _rotate_heads_to(
     x_ptr, dst_ptr, token, stride_t, stride_h, dst_stride_h, num_heads, half, cos1, cos2, sin1, sin2, valid,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, w_ptr, eps, NORM: tl.constexpr,
 ):
     # Rotate one token's heads: [num_heads, 2 * half] read through strides, head h written at dst + h * dst_stride_h
-    # (nothing is written where `valid` is false).
+    # (nothing is written where `valid` is false). NORM: each head RMS-normalised first, with weight w (Qwen3's q/k
+    # norm), rounded as `rms_norm_ref` rounds.
     h = tl.arange(0, BLOCK_H)[:, None]
     i = tl.arange(0, BLOCK_HALF)[None, :]
     ok = (h < num_heads) & (i < half)
@@ -166,6 +167,12 @@ def _rotate_heads_to(
     x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(src + half, mask=ok, other=0.0).to(tl.float32)
     dtype = x_ptr.dtype.element_ty
+    if NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(x1 * x1 + x2 * x2, axis=1)[:, None] / (2 * half) + eps)  # [BLOCK_H, 1]
+        w1 = tl.load(w_ptr + i, mask=i < half, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + half + i, mask=i < half, other=0.0).to(tl.float32)
+        x1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1), with each product rounded as PyTorch rounds it.
     out1 = (x1 * cos1).to(dtype).to(tl.float32) + (-x2 * sin1).to(dtype).to(tl.float32)
     out2 = (x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)
@@ -184,7 +191,7 @@ def _rotate_heads(
 ):
     # Rotate one token's heads into a contiguous [T, num_heads, 2 * half] output.
     _rotate_heads_to(x_ptr, out_ptr + token * num_heads * 2 * half, token, stride_t, stride_h, 2 * half, num_heads,
-                     half, cos1, cos2, sin1, sin2, True, BLOCK_H, BLOCK_HALF)
+                     half, cos1, cos2, sin1, sin2, True, BLOCK_H, BLOCK_HALF, x_ptr, 0.0, False)
 
 
 @triton.jit
@@ -269,14 +276,16 @@ def rotary(
 @triton.jit
 def _rotary_store_kv_kernel(
     positions_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    q_weight_ptr, k_weight_ptr, eps,
     num_q_heads, num_kv_heads, half, block_size,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # One program per token: rotate its q heads into q_out, rotate its k heads straight into the paged cache and
-    # copy its v heads there (the cache writes only where the slot is not -1).
+    # copy its v heads there (the cache writes only where the slot is not -1); QK_NORM: q and k heads RMS-normalised
+    # before they turn.
     if USE_PDL:  # programmatic dependent launch (kernels/pdl.py): nothing is touched before the wait
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -287,10 +296,11 @@ def _rotary_store_kv_kernel(
     block = tl.where(valid, slot // block_size, 0)
     offset = tl.where(valid, slot % block_size, 0)
     cos1, cos2, sin1, sin2 = _rope_row(cos_ptr, sin_ptr, pos, stride_cos, stride_sin, half, q_out_ptr, BLOCK_HALF)
-    _rotate_heads(q_ptr, q_out_ptr, token, stride_qt, stride_qh, num_q_heads, half, cos1, cos2, sin1, sin2,
-                  BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads_to(q_ptr, q_out_ptr + token * num_q_heads * 2 * half, token, stride_qt, stride_qh, 2 * half,
+                     num_q_heads, half, cos1, cos2, sin1, sin2, True, BLOCK_HQ, BLOCK_HALF, q_weight_ptr, eps, QK_NORM)
     _rotate_heads_to(k_ptr, k_cache_ptr + block * stride_kcb + offset * stride_kcs, token, stride_kt, stride_kh,
-                     stride_kch, num_kv_heads, half, cos1, cos2, sin1, sin2, valid, BLOCK_HKV, BLOCK_HALF)
+                     stride_kch, num_kv_heads, half, cos1, cos2, sin1, sin2, valid, BLOCK_HKV, BLOCK_HALF,
+                     k_weight_ptr, eps, QK_NORM)
     h = tl.arange(0, BLOCK_HKV)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     vmask = tl.where(valid, (h < num_kv_heads) & (d < 2 * half), False)
@@ -309,11 +319,15 @@ def rotary_store_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int32/int64, -1 = write nothing
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # (q weight [D], k weight [D], eps)
 ) -> torch.Tensor:  # q_out [T, Hq, D], contiguous
     """Triton: `rotary` and `store_kv` in one launch: q rotated into a new tensor, k rotated into the paged cache
-    and v copied there. The cache holds exactly what `rotary` then `store_kv` would write."""
+    and v copied there. The cache holds exactly what `rotary` then `store_kv` would write. With `qk_norm`, q's and
+    k's heads are RMS-normalised first (Qwen3's q/k norm), as `rms_norm` would, in the same launch."""
     _check_rotary_args(positions, q, k, cos, sin)
     _check_kv_args(k, v, k_cache, v_cache, slot_mapping)
+    if qk_norm is not None and any(w.shape != (q.shape[-1],) or not w.is_contiguous() for w in qk_norm[:2]):
+        raise ValueError(f"qk_norm's weights must be contiguous [{q.shape[-1]}] tensors")
     for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin), ("k_cache", k_cache),
                     ("v_cache", v_cache)):
         if t.stride(-1) != 1:
@@ -323,22 +337,27 @@ def rotary_store_kv(
     if num_tokens == 0:
         return q_out
     num_kv_heads = k.shape[1]
+    q_weight, k_weight, eps = qk_norm if qk_norm is not None else (q, k, 0.0)  # unread without the norm
     _rotary_store_kv_kernel[(num_tokens,)](
-        positions, q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping,
+        positions, q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping, q_weight, k_weight, float(eps),
         num_q_heads, num_kv_heads, head_dim // 2, k_cache.shape[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2),
         BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=ROTARY_WARPS, **pdl.options(q.device),
+        QK_NORM=qk_norm is not None, num_warps=ROTARY_WARPS, **pdl.options(q.device),
         enable_fp_fusion=False,  # a fused multiply-add would skip the rounding of the fp32 products
     )
     return q_out
 
 
-def rotary_store_kv_ref(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
-    """PyTorch reference of `rotary_store_kv`: `rotary_ref`, then `store_kv_ref` of the rotated k and of v."""
+def rotary_store_kv_ref(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, qk_norm=None) -> torch.Tensor:
+    """PyTorch reference of `rotary_store_kv`: (`rms_norm_ref` of q and k,) `rotary_ref`, then `store_kv_ref` of the
+    rotated k and of v."""
+    if qk_norm is not None:
+        q_weight, k_weight, eps = qk_norm
+        q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
     q_out, k_out = rotary_ref(positions, q, k, cos, sin)
     store_kv_ref(k_out, v, k_cache, v_cache, slot_mapping)
     return q_out

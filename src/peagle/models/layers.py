@@ -158,8 +158,6 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
         options = {}
         if self.window:
             options["window"] = self.window
@@ -167,8 +165,12 @@ class Attention(nn.Module):
             options["sinks"] = self.sinks
         fused = getattr(attn, "rotary_attend", None)  # a backend that rotates and stores k/v in one kernel
         if fused is not None and not torch.is_grad_enabled():
+            if self.qk_norm:  # normalised in the same kernel
+                options["qk_norm"] = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             o = fused(self.layer_idx, positions, q, k, v, rope, **options)
         else:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k = rope(positions, q, k)
             o = attn(self.layer_idx, q, k, v, **options)  # [T, Hq, D]
         return self.o_proj(o.reshape(-1, self.q_size))

@@ -21,6 +21,9 @@ import torch
 # them (a cached ShareGPT file changed which prompts count as held out): each test gets its own, empty, in pytest's
 # temporary directory.
 _USER_PATHS = ("PEAGLE_CACHE", "HOME", "XDG_CACHE_HOME", "HF_HOME")
+# `peagle train` sets these for CUDA's core dumps when they are unset; a test that runs it in process gets them back.
+_GPU_CORE_ENV = ("CUDA_ENABLE_COREDUMP_ON_EXCEPTION", "CUDA_ENABLE_CPU_COREDUMP_ON_EXCEPTION",
+                 "CUDA_ENABLE_LIGHTWEIGHT_COREDUMP", "CUDA_COREDUMP_FILE")
 
 
 @pytest.fixture(autouse=True)
@@ -30,6 +33,8 @@ def _isolated_user_paths(tmp_path_factory, monkeypatch):
         path = root / name.lower()
         path.mkdir()
         monkeypatch.setenv(name, str(path))
+    for name in _GPU_CORE_ENV:
+        monkeypatch.delenv(name, raising=False)  # restored as it was after the test
 
 
 # A ChatML template in the common hub style: whitespace control, a default system prompt, a generation prompt.

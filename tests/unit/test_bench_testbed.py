@@ -661,6 +661,7 @@ def _fake_trainers(bed, tmp_path, fail_resumed: set[str]):
         (run / CHECKPOINTS / "step-00000500").mkdir(parents=True)
         (run / CHECKPOINTS / "step-00000500" / TRAINER_STATE).write_bytes(b"state")
         (run / FAULTS / "step-00000501").mkdir(parents=True)
+        (run / FAULTS / "gpu-core.4242").write_bytes(b"ELF")
         argv = python(script.read_text(), str(bed.paths[method]), str(int(method in fail_resumed)))
         commands.append(Command(method, (*argv, "--time-limit", "5"), bed.paths[method],
                                 log=tmp_path / f"{method}.log"))
@@ -683,6 +684,7 @@ def test_the_heads_step_counts_restarts_and_names_a_head_it_could_not_train(tmp_
                               "unspecified launch failure; 1 restart from its checkpoints); its log: ")
     assert str(tmp_path / "bad" / "eagle3.log") in message and "peagle head" not in message
     assert f"peagle train-replay {bed.paths['eagle3_run'] / 'faults' / 'step-00000501'}" in message
+    assert f"target cudacore {bed.paths['eagle3_run'] / 'faults' / 'gpu-core.4242'}" in message
     assert bed.paths["peagle"].is_dir()  # the other head trained on
 
 

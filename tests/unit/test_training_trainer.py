@@ -121,6 +121,7 @@ def test_two_gloo_processes_match_one_process_over_the_union_batch(setup, tmp_pa
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert main(_args(checkpoint, data, tmp_path / "one", *common, "--batch-size", "1", "--grad-accum", "2")) == 0
+    assert os.environ["CUDA_COREDUMP_FILE"] == str((tmp_path / "one" / "faults").resolve() / "gpu-core.%p")
     # One process with half the batch must differ: the comparison is sensitive to what each process adds.
     assert main(_args(checkpoint, data, tmp_path / "half", *common, "--batch-size", "1")) == 0
     cfg = ModelConfig.from_dir(checkpoint)
@@ -743,6 +744,9 @@ def test_a_device_fault_records_the_unfinished_steps_and_replay_runs_them_alone(
         return backward(self, *args, **kwargs)
 
     monkeypatch.setattr(objectives.Objective, "backward", faulting)
+    core = tmp_path / "run" / FAULTS / f"gpu-core.{os.getpid()}"  # as CUDA writes it when `peagle train` armed it
+    core.parent.mkdir(parents=True)
+    core.write_bytes(b"ELF")
     trainer = build_trainer(_config(checkpoint, data, tmp_path / "run", *common), cpu)
     positions = []
     prepare = trainer.prepare
@@ -756,6 +760,7 @@ def test_a_device_fault_records_the_unfinished_steps_and_replay_runs_them_alone(
     assert [(s["epoch"], s["index"]) for s in record["steps"]] == positions[2:4]
     assert record["steps"][0]["micro_batches"][0]["forwards"][0]["elements"] > 0
     assert record["replay"] == f"peagle train-replay {fault}"
+    assert record["gpu_core"] == str(core) and f"target cudacore {core}" in record["read_core"]
     # The recorded plans are the ones the steps ran: planning again from the position gives the same tensors.
     plans = torch.load(fault / FAULT_PLANS, weights_only=False)["steps"]
     again = prepare(*positions[3], pin=False)
@@ -841,3 +846,21 @@ def test_dummy_load_format_trains_against_a_config_alone(tiny_hf_checkpoint, tmp
     with pytest.raises(ValueError, match="--feature-cache with --load-format dummy"):
         _config(config_only, data, tmp_path / "x", "--steps", "1", "--load-format", "dummy", "--feature-cache",
                 str(tmp_path / "cache"))
+
+
+def test_peagle_train_arms_cuda_core_dumps_unless_the_caller_chose(tmp_path):
+    from peagle.training.cli import arm_gpu_core_dumps
+
+    environ = {}
+    assert arm_gpu_core_dumps(tmp_path / "run", environ)
+    assert environ["CUDA_ENABLE_COREDUMP_ON_EXCEPTION"] == "1"
+    assert environ["CUDA_ENABLE_LIGHTWEIGHT_COREDUMP"] == "1"  # the kernel and its warps, no memory contents
+    assert environ["CUDA_ENABLE_CPU_COREDUMP_ON_EXCEPTION"] == "0"  # no host core: the trainer records its fault
+    assert environ["CUDA_COREDUMP_FILE"] == str((tmp_path / "run" / "faults").resolve() / "gpu-core.%p")
+    assert (tmp_path / "run" / "faults").is_dir()  # CUDA writes into it, it does not make it
+
+    for chosen in ("0", "1"):
+        environ = {"CUDA_ENABLE_COREDUMP_ON_EXCEPTION": chosen}
+        assert not arm_gpu_core_dumps(tmp_path / "other", environ)
+        assert environ == {"CUDA_ENABLE_COREDUMP_ON_EXCEPTION": chosen}
+

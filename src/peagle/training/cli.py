@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from peagle.drafters.config import METHODS
-from peagle.training.config import OPTIMIZERS, SCHEDULES, TrainConfig
+from peagle.training.config import FAULTS, GPU_CORE, OPTIMIZERS, SCHEDULES, TrainConfig
 
 
 def register(subparsers) -> None:
@@ -340,6 +341,25 @@ def _train_replay(args: argparse.Namespace) -> int:
     return 1 if faulted else 0
 
 
+GPU_CORE_ENV = "CUDA_ENABLE_COREDUMP_ON_EXCEPTION"
+
+
+def arm_gpu_core_dumps(out: Path, environ=os.environ) -> bool:
+    """Asks CUDA, before it starts in this process, for a lightweight GPU core dump on a device exception (the
+    faulting kernel, its warps and program counters; no memory contents, no host core, no abort) in
+    <out>/faults/gpu-core.PID, read with `cuda-gdb -ex "target cudacore FILE"`. A fault then names its kernel
+    without a rerun. Left alone when the caller set CUDA_ENABLE_COREDUMP_ON_EXCEPTION itself (0 turns it off);
+    returns whether it armed them."""
+    if GPU_CORE_ENV in environ:
+        return False
+    faults = Path(out) / FAULTS
+    faults.mkdir(parents=True, exist_ok=True)
+    environ.update({GPU_CORE_ENV: "1", "CUDA_ENABLE_CPU_COREDUMP_ON_EXCEPTION": "0",
+                    "CUDA_ENABLE_LIGHTWEIGHT_COREDUMP": "1",
+                    "CUDA_COREDUMP_FILE": str(faults.resolve() / f"{GPU_CORE}.%p")})
+    return True
+
+
 def _train(args: argparse.Namespace) -> int:
     import torch
 
@@ -347,6 +367,7 @@ def _train(args: argparse.Namespace) -> int:
     from peagle.training.trainer import build_trainer
 
     cfg = train_config(args)  # validate before touching devices
+    arm_gpu_core_dumps(cfg.out)
     dist = init_distributed()
     try:
         return build_trainer(cfg, dist).train()

@@ -7,6 +7,9 @@ from pathlib import Path
 
 from peagle.drafters.config import DEFAULT_NUM_LAYERS, METHODS
 
+FAULTS = "faults"  # under --out: the steps in flight when the device faulted, and CUDA's core dump of the fault
+GPU_CORE = "gpu-core"  # FAULTS/gpu-core.PID: CUDA's lightweight core dump of a device exception in process PID
+
 OPTIMIZERS = ("adamw", "muon")  # --optimizer (optimizers.py)
 
 SCHEDULES = ("linear", "cosine")

@@ -32,7 +32,7 @@ from peagle.models.llama import LlamaModel
 from peagle.models.loader import load_model, load_tokenizer, random_model
 from peagle.models.tokenizer import Tokenizer
 from peagle.training.cod import Layout
-from peagle.training.config import DEFAULT_DRAFT_VOCAB, TIME_LIMITED_WARMUP, TrainConfig
+from peagle.training.config import DEFAULT_DRAFT_VOCAB, FAULTS, GPU_CORE, TIME_LIMITED_WARMUP, TrainConfig
 from peagle.training.data import (Document, Manifest, PackedSequence, TrainingData, pack, read_documents,
                                   split_documents)
 from peagle.training.distributed import DistContext
@@ -52,7 +52,6 @@ FINAL = "final"
 TRAINER_STATE = "trainer_state.pt"
 LOG_FILE = "train_log.jsonl"
 CONFIG_FILE = "train_config.json"
-FAULTS = "faults"  # beside CHECKPOINTS: the steps in flight when the device faulted (`record_fault`)
 FAULT_RECORD, FAULT_PLANS = "fault.json", "plans.pt"
 
 
@@ -61,6 +60,12 @@ def make_objective(cfg: TrainConfig) -> Objective:
         return PEagleObjective(cfg.k_train, cfg.cod_r, cfg.cod_r_min, cfg.num_segments, cfg.loss_chunk,
                                cfg.depth_decay, cfg.shape_multiple)
     return Eagle3Objective(cfg.k_train, cfg.loss_chunk, cfg.depth_decay, cfg.shape_multiple)
+
+
+def gpu_core_file(out: Path) -> Path | None:
+    """This process's GPU core dump under <out>/faults (armed by `peagle train`), if CUDA wrote one."""
+    core = Path(out) / FAULTS / f"{GPU_CORE}.{os.getpid()}"
+    return core if core.is_file() else None
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
@@ -510,6 +515,11 @@ class Trainer:
                       for (step, epoch, index), p in zip(steps, prepared)],
             "replay": f"peagle train-replay {out}",
         }
+        core = gpu_core_file(self.cfg.out)
+        if core is not None:  # written by CUDA at the exception (`peagle train` arms it): it names the kernel
+            record["gpu_core"] = str(core)
+            record["read_core"] = f'cuda-gdb -batch -ex "target cudacore {core}" -ex "info cuda kernels" -ex bt'
+
         if not self._unsynced:  # every step had finished: an evaluation or a save faulted; the next step is kept
             record["note"] = "no training step was in flight: the fault arose in an evaluation or a checkpoint save"
         (out / FAULT_RECORD).write_text(json.dumps(record, indent=1) + "\n")

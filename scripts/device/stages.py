@@ -1649,10 +1649,14 @@ def vllm_install(manifest: dict | None) -> None:
     say(f"vLLM {manifest['vllm']['version']} and {len(manifest['deps'])} wheels installed in {VLLM_SITE}")
 
 
+# FlashInfer is neither on the GPU image nor staged; vLLM 0.25's sampler imports it unless told not to (run 34).
+VLLM_NO_FLASHINFER = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+
+
 def vllm_env() -> dict[str, str]:
-    """The environment of vLLM's processes: VLLM_SITE first on the path, nothing looked up online."""
+    """The environment of vLLM's processes: VLLM_SITE first on the path, nothing looked up online, no FlashInfer."""
     return {**os.environ, "PYTHONPATH": f"{VLLM_SITE}:{os.environ.get('PYTHONPATH', '')}", "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+            "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **VLLM_NO_FLASHINFER}
 
 
 @stage
@@ -1756,7 +1760,7 @@ def vllm_bench() -> None:
             "--num-prompts", env("BENCH_N", "24"), "--min-waves", env("BENCH_WAVES", "3"), "--min-seconds",
             env("BENCH_MIN_S", "5"), "--max-model-len", "4096", "--vllm-baselines", "--vllm-path", VLLM_SITE,
             "--vllm-option", f"gpu_memory_utilization={env('VB_VLLM_UTIL', '0.8')}", *weights]
-    offline = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    offline = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **VLLM_NO_FLASHINFER}
     for method in methods:
         out = OUT / f"vllm-{method}"
         head = [f"--draft-{method}", heads[method], "--k", ks[method], *dice] if method in ks else []

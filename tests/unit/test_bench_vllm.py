@@ -96,13 +96,22 @@ def test_vllm_rows_land_beside_peagles_with_their_acceptance(tmp_path, tiny_hf_c
     assert next(p for p in vllm if p["method"] == "vllm_none")["acceptance_length"] is None
     assert saved["vllm"]["version"] == "0.25.0+fake" and len(saved["vllm"]["rows"]) == 3
     assert not any(row.get("error") for row in saved["vllm"]["rows"])
+    # A speculative row's speed comes from a pass with vLLM's statistics off, its acceptance from a second pass with
+    # them on; that pass's own rates are kept beside it. No speculation: the one pass.
+    rows = {row["method"]: row for row in saved["vllm"]["rows"]}
+    assert "acceptance" not in rows["none"]
+    for method in ("eagle3", "peagle"):
+        assert rows[method]["llm"]["disable_log_stats"] is True
+        assert rows[method]["acceptance"]["llm"]["disable_log_stats"] is False
+        assert set(rows[method]["acceptance"]["tokens_per_s"]) == {"mtbench/t0.0/c1", "mtbench/t0.0/c2"}
+        assert (tmp_path / "out" / "vllm" / f"{method}-k3.acceptance.log").is_file()
 
-    # vLLM was given what peagle's rows were: the same token ids, max tokens, greedy, ignore_eos, one engine a row.
+    # vLLM was given what peagle's rows were: the same token ids, max tokens, greedy, ignore_eos, one engine a pass.
     seen = records(vllm_log)
     llms = [r["llm"] for r in seen if "llm" in r]
-    assert [(a["speculative_config"] or {}).get("parallel_drafting") for a in llms] == [None, False, True]
-    assert all(a["max_num_seqs"] == 2 and a["enable_prefix_caching"] is False and a["disable_log_stats"] is False
-               for a in llms)
+    assert [((a["speculative_config"] or {}).get("parallel_drafting"), a["disable_log_stats"]) for a in llms] == [
+        (None, True), (False, True), (False, False), (True, True), (True, False)]
+    assert all(a["max_num_seqs"] == 2 and a["enable_prefix_caching"] is False for a in llms)
     requests = [r for r in seen if "request" in r]
     ids = encode_prompts(config, load_datasets(config))
     assert {tuple(r["prompt_token_ids"]) for r in requests} == {tuple(v) for v in ids.values()}
@@ -131,6 +140,18 @@ def test_a_head_vllm_refuses_is_recorded_and_the_next_row_runs(tmp_path, tiny_hf
     assert "vLLM EAGLE-3 K=3: ValueError: fake vLLM: cannot read" in markdown(results)
 
 
+def test_an_acceptance_pass_that_fails_leaves_the_speed_and_says_why(tmp_path, tiny_hf_checkpoint, monkeypatch):
+    monkeypatch.setenv("FAKE_VLLM_REFUSE_STATS", "1")
+    model = tiny_hf_checkpoint("llama", num_layers=1)
+    config = bench_config(tmp_path, model, methods=("peagle",), concurrency=(1,))
+    results, _ = run_benchmark(config, tmp_path / "out", "peagle bench", peagle_rows)
+    (row,) = results["vllm"]["rows"]
+    assert not row.get("error") and "statistics refused" in row["acceptance"]["error"]
+    assert row["acceptance"]["tokens_per_s"] == {}
+    (point,) = [p for p in results["points"] if p.get("engine") == "vllm"]
+    assert point["tokens_per_s"] > 0 and point["acceptance_length"] is None  # timed, but no acceptance to show
+
+
 def test_vllm_absent_is_refused_by_name_before_anything_is_measured(tmp_path):
     broken = tmp_path / "site" / "vllm"
     broken.mkdir(parents=True)
@@ -153,7 +174,8 @@ def test_vllm_absent_is_refused_by_name_before_anything_is_measured(tmp_path):
     ({"draft_peagle": "dummy", "load_format": "dummy", "methods": ("peagle",)}, "--draft-peagle dummy"),
     ({"draft_peagle": "p", "methods": ("peagle",), "load_format": "dummy", "ks": (3,),
       "synthetic_acceptance": (0.5, 0.6, 0.2)}, "--synthetic-acceptance 0.5,0.6,0.2 rises"),
-    ({"methods": ("none",), "vllm_options": {"disable_log_stats": True}}, "--vllm-option disable_log_stats=true"),
+    ({"methods": ("none",), "vllm_options": {"disable_log_stats": True}}, "--vllm-option disable_log_stats=true: the "
+                                                                            "vLLM rows set it themselves"),
 ])
 def test_settings_vllm_cannot_reproduce_are_refused_by_name(settings, named):
     with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(".", r"\.")):
@@ -182,11 +204,12 @@ def test_vllm_is_given_the_sweeps_settings():
     args = llm_arguments(config, "peagle", 2)
     assert args == {"model": "m", "dtype": "float16", "max_num_seqs": 64, "gpu_memory_utilization": 0.9,
                     "enforce_eager": False, "enable_prefix_caching": True, "seed": 0, "max_model_len": 4096,
-                    "tokenizer": "t", "load_format": "dummy", "async_scheduling": True, "disable_log_stats": False,
+                    "tokenizer": "t", "load_format": "dummy", "async_scheduling": True, "disable_log_stats": True,
                     "speculative_config": {"method": "eagle3", "model": "p", "num_speculative_tokens": 2,
                                            "parallel_drafting": True, "rejection_sample_method": "synthetic",
                                            "synthetic_acceptance_rates": [0.8, 0.5]}}
     assert "speculative_config" not in llm_arguments(config, "none", None)
+    assert llm_arguments(config, "peagle", 2, stats=True) == {**args, "disable_log_stats": False}
 
 
 def test_counters_are_summed_over_engines_and_taken_as_changes():

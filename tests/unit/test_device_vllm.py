@@ -132,3 +132,36 @@ def test_the_parts_are_of_equal_size_and_carry_their_sums(tmp_path):
     joined = b"".join((tmp_path / p["file"]).read_bytes() for p in parts)
     assert joined == blob.read_bytes()
     assert all(p["sha256"] == hashlib.sha256((tmp_path / p["file"]).read_bytes()).hexdigest() for p in parts)
+
+
+def test_vllm_sanity_times_vllms_generate_per_batch_size(tmp_path):
+    import subprocess
+
+    fake = Path(__file__).parent / "fake_vllm"
+    out = tmp_path / "generate.json"
+    done = subprocess.run([sys.executable, str(DEVICE / "vllm_sanity.py"), "model-dir", str(out), "--site", str(fake),
+                           "--prompt-tokens", "5", "--max-tokens", "4", "--batches", "1:2,3:6"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["vllm"] == "0.25.0+fake" and result["max_tokens"] == 4 and result["batches"] == "1:2,3:6"
+    assert set(result["tokens_per_s"]) == {"1", "3"} and all(rate > 0 for rate in result["tokens_per_s"].values())
+
+
+def test_vllm_bench_runs_a_bench_a_method_with_vllm_kept_off_flashinfer(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(stages, "W", tmp_path / "w")
+    monkeypatch.setattr(stages, "OUT", tmp_path / "out")
+    monkeypatch.setattr(stages, "need_model", lambda *a, **k: None)
+    monkeypatch.setattr(stages, "link_heads", lambda *a, **k: None)
+    monkeypatch.setattr(stages, "run", lambda *a, **k: 0)
+    monkeypatch.setattr(stages, "shown", lambda cmd, **k: calls.append(([str(c) for c in cmd], k.get("env"))))
+    monkeypatch.setenv("VB_METHODS", "none peagle")
+    stages.vllm_bench()
+    benches = [(cmd, env) for cmd, env in calls if "--vllm-baselines" in cmd]
+    assert [cmd[cmd.index("--methods") + 1] for cmd, _ in benches] == ["none", "peagle"]
+    peagle = benches[1][0]
+    assert peagle[peagle.index("--k") + 1] == "7" and peagle[peagle.index("--draft-peagle") + 1].endswith("peagle")
+    # vLLM 0.25's sampler imports FlashInfer, which the GPU image lacks (run 34): every vLLM process runs without it.
+    assert all(env["VLLM_USE_FLASHINFER_SAMPLER"] == "0" for _, env in benches)
+    assert stages.vllm_env()["VLLM_USE_FLASHINFER_SAMPLER"] == "0"

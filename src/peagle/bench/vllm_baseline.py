@@ -6,9 +6,12 @@ Each row runs in a child process of its own, `python -m peagle.bench.vllm_baseli
 group of its own: vLLM's CUDA context, compiled graphs, KV cache and engine-core process end with it, and the bench's
 process never imports vLLM. The child measures the row with the sweep's own `measure_row` and `EngineRunner`, driving
 vLLM's `LLMEngine` (add_request / step) through a thin adapter, so a point's requests, warm-up, timing and hygiene
-re-measurement are exactly those of peagle's rows. Acceptance comes from vLLM's spec-decode counters
-(vllm:spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens, _num_accepted_tokens_per_pos; read as
-tests/interop/vllm_generate.py reads them), as their change over each point's timed requests.
+re-measurement are exactly those of peagle's rows. A speculative row runs twice: once with vLLM's statistics off
+(`LLM`'s default), which gives its speed, then once with them on, which gives its acceptance from vLLM's spec-decode
+counters (vllm:spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens, _num_accepted_tokens_per_pos; read as
+tests/interop/vllm_generate.py reads them) as their change over each point's timed requests: statistics cost vLLM
+time on every step, so a pass that reads them would understate its speed. That pass's own rates are kept in
+results["vllm"]["rows"][i]["acceptance"]["tokens_per_s"].
 
 Mirrored from the sweep: model, tokenizer, dtype, max_model_len, max_num_seqs (the largest concurrency),
 gpu_memory_utilization, enforce_eager, load_format, the seed, prefix caching (off, as in peagle's LLM, unless
@@ -20,7 +23,8 @@ keywords. Adaptive rows have no vLLM counterpart.
 
 A vLLM point is the sweep's point with `method` vllm_none | vllm_eagle3 | vllm_peagle, `"engine": "vllm"` and
 `"vllm_version"`; results["vllm"] keeps, per row, vLLM's arguments, its start-up seconds and, for a row vLLM
-refused, its error. Each row's log, request and result are in OUT/vllm/.
+refused, its error (and the same of its acceptance pass under "acceptance"). Each pass's log and result are in
+OUT/vllm/ (ROW.log, ROW.acceptance.log).
 """
 
 from __future__ import annotations
@@ -46,7 +50,10 @@ VLLM_PREFIX = "vllm_"  # a vLLM point's method: vllm_none, vllm_eagle3, vllm_pea
 STAGING = ("install it (pip install vllm) or, on the GPU machine, stage vllm==0.25.0 from its wheels (docs/DEVICE.md, "
            "'vLLM beside peagle': scripts/device/stage_local.sh vllm here, then the vllm_part and vllm_stage stages)")
 SAMPLING_OPTIONS = ("ignore_eos",)  # a request's SamplingParams from the sweep, beside temperature and max_tokens
-REQUIRED_OPTIONS = {"disable_log_stats": False}  # the spec-decode counters are stats
+STATS_OPTION = "disable_log_stats"  # set by the rows per pass: off to time vLLM, on to read its counters
+# A speed point's fields that come from the acceptance pass (the rest are the speed pass's own).
+ACCEPTANCE_KEYS = ("acceptance_length", "per_position_acceptance", "draft_acceptance_rate", "verified_per_round",
+                   "accepted_per_round", "verified_per_accepted")
 PROBE_TIMEOUT_S = 300  # importing vLLM (and torch) on a cold disk
 GRACE_S = 30.0  # for a child and its engine core to end on SIGINT before SIGKILL
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")  # vllm:spec_decode_* -> SpecCounts' fields
@@ -65,10 +72,10 @@ def check_sampling(options: dict[str, Any]) -> None:
 
 def check_options(options: dict[str, Any]) -> None:
     """ValueError for a --vllm-option that would stop the rows from being measured as peagle's are."""
-    for key, value in REQUIRED_OPTIONS.items():
-        if key in options and options[key] != value:
-            raise ValueError(f"--vllm-option {key}={json.dumps(options[key])}: the vLLM rows need {key}={value} "
-                             "(acceptance is read from vLLM's spec-decode counters)")
+    if STATS_OPTION in options:
+        raise ValueError(f"--vllm-option {STATS_OPTION}={json.dumps(options[STATS_OPTION])}: the vLLM rows set it "
+                         "themselves, true for the pass that times vLLM (LLM's default) and false for the pass that "
+                         "reads its spec-decode counters")
 
 
 def speculative_config(config, method: str, k: int | None) -> dict[str, Any] | None:
@@ -84,8 +91,9 @@ def speculative_config(config, method: str, k: int | None) -> dict[str, Any] | N
     return spec
 
 
-def llm_arguments(config, method: str, k: int | None) -> dict[str, Any]:
-    """LLM(...) keywords of a row, from the sweep's settings (module docstring: what is mirrored)."""
+def llm_arguments(config, method: str, k: int | None, stats: bool = False) -> dict[str, Any]:
+    """LLM(...) keywords of a row's pass, from the sweep's settings (module docstring: what is mirrored); `stats`:
+    vLLM's statistics on (the acceptance pass)."""
     args: dict[str, Any] = {
         "model": config.model, "dtype": config.dtype, "max_num_seqs": max(config.concurrency),
         "gpu_memory_utilization": config.gpu_memory_utilization, "enforce_eager": config.enforce_eager,
@@ -96,7 +104,7 @@ def llm_arguments(config, method: str, k: int | None) -> dict[str, Any]:
                 "speculative_config": speculative_config(config, method, k),
                 "load_format": None if config.load_format == "auto" else config.load_format}
     args.update({key: value for key, value in optional.items() if value is not None})
-    return {**args, **config.vllm_options, **REQUIRED_OPTIONS}
+    return {**args, **config.vllm_options, STATS_OPTION: not stats}
 
 
 def vllm_rows(config) -> list[tuple[str, int | None]]:
@@ -156,25 +164,51 @@ def run_vllm_baselines(config, prompts: dict[str, list], token_ids: dict[str, li
     writer.results["vllm"] = record
     points: list[dict] = []
     for method, k in vllm_rows(config):
-        row = {"method": method, "k": k, "llm": llm_arguments(config, method, k),
-               "log": f"vllm/{row_name(method, k)}.log"}
+        name = row_name(method, k)
+        row = {"method": method, "k": k, "llm": llm_arguments(config, method, k), "log": f"vllm/{name}.log"}
         record["rows"].append(row)
-        points += run_row(config, method, k, prompts, token_ids, out, row, writer)
-    writer.flush()
+        speed = run_row(config, method, k, prompts, token_ids, out, row, name, stats=False)
+        for p in speed:
+            writer.add(p)
+        writer.flush()
+        if method != "none" and speed:
+            row["acceptance"] = {"llm": llm_arguments(config, method, k, stats=True),
+                                 "log": f"vllm/{name}.acceptance.log"}
+            counted = run_row(config, method, k, prompts, token_ids, out, row["acceptance"], f"{name}.acceptance",
+                              stats=True)
+            row["acceptance"]["tokens_per_s"] = join_acceptance(speed, counted)
+            writer.flush()
+        points += speed
     return points
 
 
+def point_key(point: dict) -> str:
+    return f"{point['dataset']}/t{point['temperature']}/c{point['concurrency']}"
+
+
+def join_acceptance(speed: list[dict], counted: list[dict]) -> dict[str, float]:
+    """The acceptance pass's counts into the speed pass's points (in place), point by point; returns the
+    acceptance pass's own rates by point (vLLM with its statistics on)."""
+    by_key = {point_key(p): p for p in counted}
+    for p in speed:
+        if point_key(p) in by_key:
+            p.update({key: by_key[point_key(p)].get(key) for key in ACCEPTANCE_KEYS})
+    return {key: p["tokens_per_s"] for key, p in by_key.items()}
+
+
 def run_row(config, method: str, k: int | None, prompts: dict[str, list], token_ids: dict[str, list[int]], out: Path,
-            row: dict, writer) -> list[dict]:
-    """One row in its child process; its points (as far as it got) go to `writer`, also when interrupted."""
-    name = row_name(method, k)
+            row: dict, name: str, stats: bool) -> list[dict]:
+    """One pass of a row in its child process, named NAME in OUT: its points, as far as it got (also when
+    interrupted); its start-up seconds, point count, duration and error in `row`."""
     request_path, result_path = out / f"{name}.request.json", out / f"{name}.json"
-    request = {"method": method, "k": k, "llm": row["llm"], "sampling": {"ignore_eos": config.ignore_eos},
+    request = {"method": method, "k": k, "llm": row["llm"], "stats": stats,
+               "sampling": {"ignore_eos": config.ignore_eos},
                "grid": grid_of(config),
                "prompts": {dataset: [{**p.to_json(), "token_ids": token_ids[p.id]} for p in ps]
                            for dataset, ps in prompts.items()}}
     request_path.write_text(json.dumps(request))
-    logger.info("vLLM %s K=%s: a child process, log in %s", method, k, out / f"{name}.log")
+    logger.info("vLLM %s K=%s%s: a child process, log in %s", method, k, ", counting acceptance" if stats else "",
+                out / f"{name}.log")
     start = time.perf_counter()
     with open(out / f"{name}.log", "wb") as log:
         child = subprocess.Popen([vllm_python(config), "-m", "peagle.bench.vllm_baseline", str(request_path),
@@ -184,10 +218,9 @@ def run_row(config, method: str, k: int | None, prompts: dict[str, list], token_
             status = child.wait()
         finally:
             end_group(child)
-            points = take_result(result_path, row, out / f"{name}.log", writer)
+            points = take_result(result_path, row, out / f"{name}.log")
             row["seconds"] = round(time.perf_counter() - start, 1)
             request_path.unlink(missing_ok=True)  # the prompts' token ids, large for long prompts
-            writer.flush()
     if status and not row.get("error"):
         row["error"] = f"the child exited with status {status}"
     if row.get("error"):
@@ -203,8 +236,8 @@ def grid_of(config) -> dict[str, Any]:
             "hygiene": dataclasses.asdict(config.hygiene)}
 
 
-def take_result(result_path: Path, row: dict, log: Path, writer) -> list[dict]:
-    """The child's points into `writer` as vLLM points; its start-up time and error into `row`."""
+def take_result(result_path: Path, row: dict, log: Path) -> list[dict]:
+    """The child's points, as vLLM points; its start-up time and error into `row`."""
     try:
         result = json.loads(result_path.read_text())
     except (OSError, json.JSONDecodeError):
@@ -213,10 +246,7 @@ def take_result(result_path: Path, row: dict, log: Path, writer) -> list[dict]:
     row.update(startup_s=result.get("startup_s"), points=len(result["points"]))
     if result.get("error"):
         row["error"] = result["error"]
-    points = [vllm_point(p, result.get("vllm_version")) for p in result["points"]]
-    for p in points:
-        writer.add(p)
-    return points
+    return [vllm_point(p, result.get("vllm_version")) for p in result["points"]]
 
 
 def vllm_point(point: dict, version: str | None) -> dict:
@@ -314,17 +344,21 @@ def counts_since(now: SpecCounts, before: SpecCounts) -> SpecCounts:
 
 
 class VllmRunner(EngineRunner):
-    """EngineRunner over vLLM: the counters are read at the end of every drive (a warm-up's or the point's), so the
-    point's acceptance is their change over its timed requests (nothing runs between a warm-up and the point), and
-    only the one read that ends the point falls inside its timed seconds."""
+    """EngineRunner over vLLM. With `counters` (vLLM's statistics on) the counters are read at the end of every drive
+    (a warm-up's or the point's), so the point's acceptance is their change over its timed requests (nothing runs
+    between a warm-up and the point), and only the one read that ends the point falls inside its timed seconds;
+    without, no acceptance (the speed pass)."""
 
-    def __init__(self, llm: Any, token_ids: dict[str, list[int]], params, max_tokens: int):
+    def __init__(self, llm: Any, token_ids: dict[str, list[int]], params, max_tokens: int, counters: bool = True):
         super().__init__(VllmEngine(llm.llm_engine), lambda p: token_ids[p.id], params, max_tokens)
         self.llm = llm
-        self._counts = spec_counts(llm)
+        self.counters = counters
+        self._counts = spec_counts(llm) if counters else SpecCounts()
 
     def _drive(self, token_ids, concurrency, params, min_seconds):
         traces, _ = super()._drive(token_ids, concurrency, params, min_seconds)
+        if not self.counters:
+            return traces, None
         before, self._counts = self._counts, spec_counts(self.llm)
         return traces, counts_since(self._counts, before)
 
@@ -385,7 +419,7 @@ def measure_in_child(request: dict, result: ResultFile) -> None:
         start = time.perf_counter()
         llm = LLM(**request["llm"])
         result.update(startup_s=round(time.perf_counter() - start, 2))
-        yield VllmRunner(llm, token_ids, params, config.max_tokens)
+        yield VllmRunner(llm, token_ids, params, config.max_tokens, counters=request.get("stats", True))
 
     measure_row(config, open_runner, (request["method"], request["k"], None), prompts, result, tqdm(disable=True))
 

@@ -5,7 +5,8 @@ Each step gives every running request one token and, with a speculative config, 
 min(K, FAKE_VLLM_ACCEPT) of them (default K - 1), counted in vLLM's spec-decode counters as vLLM counts them (a
 round per request and step, K drafted, the accepted ones by position). A head directory without config.json is
 refused, as vLLM refuses a head it cannot read. With FAKE_VLLM_LOG set, the LLM's keywords and each request's prompt
-and sampling parameters are appended to that JSONL file.
+and sampling parameters are appended to that JSONL file; with FAKE_VLLM_REFUSE_STATS set, an LLM with its statistics
+on is refused. `LLM.generate` runs prompts to their end, as vLLM's does.
 """
 
 from __future__ import annotations
@@ -115,6 +116,20 @@ class LLM:
         accept = int(os.environ.get("FAKE_VLLM_ACCEPT", max(k - 1, 0)))
         self.llm_engine = LLMEngine(k, min(accept, k))
         self.log_stats = not kwargs.get("disable_log_stats", True)
+        if self.log_stats and os.environ.get("FAKE_VLLM_REFUSE_STATS"):
+            raise RuntimeError("fake vLLM: statistics refused")
+
+    def generate(self, prompts: list, params: SamplingParams, use_tqdm: bool = True) -> list[RequestOutput]:
+        engine = self.llm_engine
+        self.generated = getattr(self, "generated", 0) + len(prompts)
+        ids = [f"generate-{self.generated - len(prompts) + i}" for i in range(len(prompts))]
+        for request_id, prompt in zip(ids, prompts):
+            engine.add_request(request_id, prompt, params)
+        tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens[out.request_id] += out.outputs[0].token_ids
+        return [RequestOutput(request_id, [CompletionOutput(tokens[request_id])], True) for request_id in ids]
 
     def get_metrics(self) -> list:
         assert self.log_stats, "Stat logging disabled"

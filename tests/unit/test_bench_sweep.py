@@ -410,6 +410,11 @@ def test_request_plan_cycles_prompts_in_whole_waves():
     assert [plan.take() for _ in range(3)] == [0, 1, 2]  # time left: another wave
     clock.t += 1.0
     assert plan.take() is None and RequestPlan(0, 1, 1.0, clock, clock()).take() is None
+    # `exact`: another engine's point repeated request for request, whatever the time.
+    exact = RequestPlan(3, 2, 100.0, clock, clock(), exact=5)
+    assert [exact.take() for _ in range(6)] == [0, 1, 2, 0, 1, None]
+    clock.t += 1000.0
+    assert RequestPlan(3, 2, 0.0, clock, clock(), exact=4).take() == 0
 
 
 def test_temperatures_make_tables_of_their_own(tmp_path):

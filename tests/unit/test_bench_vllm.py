@@ -28,13 +28,14 @@ FAKE_VLLM = Path(__file__).parent / "fake_vllm"
 
 class FixedRunner:
     """peagle's row as a fixed measurement: each request 8 tokens in a second; speculative rows accept 2 of K in
-    each of 3 rounds, at the first two positions."""
+    each of 3 rounds, at the first two positions. `passes`: the prompts run that many times (a point that repeated
+    waves to fill its seconds)."""
 
-    def __init__(self, k: int | None):
-        self.k = k
+    def __init__(self, k: int | None, passes: int = 1):
+        self.k, self.passes = k, passes
 
     def measure(self, prompts, concurrency, *, temperature=0.0, min_seconds=0.0):
-        traces = [RequestTrace(submitted=0.0) for _ in prompts]
+        traces = [RequestTrace(submitted=0.0) for _ in range(len(prompts) * self.passes)]
         for trace in traces:
             trace.add_chunk(1.0, 8)
         spec = SpecCounts()
@@ -150,6 +151,23 @@ def test_an_acceptance_pass_that_fails_leaves_the_speed_and_says_why(tmp_path, t
     assert row["acceptance"]["tokens_per_s"] == {}
     (point,) = [p for p in results["points"] if p.get("engine") == "vllm"]
     assert point["tokens_per_s"] > 0 and point["acceptance_length"] is None  # timed, but no acceptance to show
+
+
+def test_the_acceptance_pass_repeats_peagles_points_request_for_request(tmp_path, tiny_hf_checkpoint, vllm_log):
+    model = tiny_hf_checkpoint("llama", num_layers=1)
+    config = bench_config(tmp_path, model, methods=("peagle",), concurrency=(1, 2))
+
+    @contextlib.contextmanager
+    def three_passes(method, k, policy=None):  # peagle's points ran their 2 prompts 3 times over
+        yield FixedRunner(k, passes=3)
+
+    results, _ = run_benchmark(config, tmp_path / "out", "peagle bench", three_passes)
+    peagle = {p["concurrency"]: p["num_prompts"] for p in results["points"] if p["method"] == "peagle"}
+    assert peagle == {1: 6, 2: 6}
+    counted = json.loads((tmp_path / "out" / "vllm" / "peagle-k3.acceptance.json").read_text())["points"]
+    assert {p["concurrency"]: p["num_prompts"] for p in counted} == peagle  # the same requests, in the same order
+    timed = json.loads((tmp_path / "out" / "vllm" / "peagle-k3.json").read_text())["points"]
+    assert {p["concurrency"]: p["num_prompts"] for p in timed} == {1: 2, 2: 2}  # the speed pass: the time rule
 
 
 def test_vllm_absent_is_refused_by_name_before_anything_is_measured(tmp_path):

@@ -51,15 +51,17 @@ class EngineRunner:
         self._encoded: dict[str, list[int]] = {}
 
     def measure(self, prompts: Sequence[Prompt], concurrency: int, *, temperature: float = 0.0,
-                min_seconds: float = 0.0) -> Measurement:
-        """The point: every prompt once, then more waves of them while less than `min_seconds` has passed."""
+                min_seconds: float = 0.0, requests: int | None = None) -> Measurement:
+        """The point: every prompt once, then more waves of them while less than `min_seconds` has passed (or, with
+        `requests`, exactly that many requests in the same order)."""
         token_ids = [self._encode(p) for p in prompts]
         self._drive(token_ids, concurrency, self.params(temperature, self.warmup_tokens), 0.0)
         if concurrency > 1:
             self._drive(token_ids, concurrency, lambda i: self.params(
                 temperature, min(self.max_tokens, self.warmup_tokens + i % concurrency)), 0.0)
         start = self.clock()
-        traces, spec = self._drive(token_ids, concurrency, self.params(temperature, self.max_tokens), min_seconds)
+        traces, spec = self._drive(token_ids, concurrency, self.params(temperature, self.max_tokens), min_seconds,
+                                   requests)
         return summarize(traces, self.clock() - start, spec)
 
     def close(self) -> None:
@@ -71,10 +73,10 @@ class EngineRunner:
         return self._encoded[prompt.id]
 
     def _drive(self, token_ids: list[list[int]], concurrency: int, params: Any,
-               min_seconds: float) -> tuple[list[RequestTrace], SpecCounts]:
+               min_seconds: float, requests: int | None = None) -> tuple[list[RequestTrace], SpecCounts]:
         """Runs the point's requests with at most `concurrency` in flight; per-request traces + spec counts.
         `params`: every request's sampling parameters, or a function of the request's number in the plan."""
-        plan = RequestPlan(len(token_ids), concurrency, min_seconds, self.clock, self.clock())
+        plan = RequestPlan(len(token_ids), concurrency, min_seconds, self.clock, self.clock(), exact=requests)
         traces: list[RequestTrace] = []
         in_flight: dict[str, int] = {}
         spec = SpecCounts()

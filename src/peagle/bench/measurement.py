@@ -26,12 +26,15 @@ WARMUP_MAX_TOKENS = 8
 class RequestPlan:
     """The requests of one point in submission order, as indices into its prompts: each prompt once, then further
     whole waves of `concurrency` (the prompts again, in order) while less than `min_seconds` has passed since
-    `start`, so that a point is long enough to measure a rate however fast the method is."""
+    `start`, so that a point is long enough to measure a rate however fast the method is. `exact`: exactly that many
+    requests in the same order instead, whatever the time (another engine's point, repeated request for request)."""
 
-    def __init__(self, num_prompts: int, concurrency: int, min_seconds: float, clock, start: float):
+    def __init__(self, num_prompts: int, concurrency: int, min_seconds: float, clock, start: float,
+                 exact: int | None = None):
         self.num_prompts, self.concurrency, self.min_seconds = num_prompts, concurrency, min_seconds
         self.clock, self.start = clock, start
-        self.total = num_prompts
+        self.total = num_prompts if exact is None else exact
+        self.exact = exact
         self.issued = 0
 
     def take(self) -> int | None:
@@ -39,6 +42,8 @@ class RequestPlan:
         if self.num_prompts == 0:
             return None
         if self.issued == self.total:
+            if self.exact is not None:
+                return None
             if self.clock() - self.start >= self.min_seconds:
                 return None
             self.total += self.concurrency

@@ -175,7 +175,7 @@ def run_vllm_baselines(config, prompts: dict[str, list], token_ids: dict[str, li
             row["acceptance"] = {"llm": llm_arguments(config, method, k, stats=True),
                                  "log": f"vllm/{name}.acceptance.log"}
             counted = run_row(config, method, k, prompts, token_ids, out, row["acceptance"], f"{name}.acceptance",
-                              stats=True)
+                              stats=True, requests=peagle_requests(writer.results["points"], method, k))
             row["acceptance"]["tokens_per_s"] = join_acceptance(speed, counted)
             writer.flush()
         points += speed
@@ -183,7 +183,19 @@ def run_vllm_baselines(config, prompts: dict[str, list], token_ids: dict[str, li
 
 
 def point_key(point: dict) -> str:
-    return f"{point['dataset']}/t{point['temperature']}/c{point['concurrency']}"
+    return f"{point['dataset']}/t{float(point['temperature'])}/c{point['concurrency']}"
+
+
+def parse_point_key(key: str) -> tuple[str, float, int]:
+    dataset, temperature, concurrency = key.rsplit("/", 2)
+    return dataset, float(temperature[1:]), int(concurrency[1:])
+
+
+def peagle_requests(points: list[dict], method: str, k: int | None) -> dict[str, int]:
+    """Request counts of peagle's own points of a row (fixed K), by point key."""
+    return {point_key(p): p["num_prompts"] for p in points
+            if p["method"] == method and p.get("k") == k and not p.get("engine") and not p.get("adaptive")
+            and p.get("num_prompts")}
 
 
 def join_acceptance(speed: list[dict], counted: list[dict]) -> dict[str, float]:
@@ -197,11 +209,12 @@ def join_acceptance(speed: list[dict], counted: list[dict]) -> dict[str, float]:
 
 
 def run_row(config, method: str, k: int | None, prompts: dict[str, list], token_ids: dict[str, list[int]], out: Path,
-            row: dict, name: str, stats: bool) -> list[dict]:
+            row: dict, name: str, stats: bool, requests: dict[str, int] | None = None) -> list[dict]:
     """One pass of a row in its child process, named NAME in OUT: its points, as far as it got (also when
-    interrupted); its start-up seconds, point count, duration and error in `row`."""
+    interrupted); its start-up seconds, point count, duration and error in `row`. `requests`: by point key, how
+    many requests each point runs (peagle's counts), instead of the time rule."""
     request_path, result_path = out / f"{name}.request.json", out / f"{name}.json"
-    request = {"method": method, "k": k, "llm": row["llm"], "stats": stats,
+    request = {"method": method, "k": k, "llm": row["llm"], "stats": stats, "requests": requests or {},
                "sampling": {"ignore_eos": config.ignore_eos},
                "grid": grid_of(config),
                "prompts": {dataset: [{**p.to_json(), "token_ids": token_ids[p.id]} for p in ps]
@@ -349,14 +362,23 @@ class VllmRunner(EngineRunner):
     between a warm-up and the point), and only the one read that ends the point falls inside its timed seconds;
     without, no acceptance (the speed pass)."""
 
-    def __init__(self, llm: Any, token_ids: dict[str, list[int]], params, max_tokens: int, counters: bool = True):
+    def __init__(self, llm: Any, token_ids: dict[str, list[int]], params, max_tokens: int, counters: bool = True,
+                 requests: dict[tuple, int] | None = None):
         super().__init__(VllmEngine(llm.llm_engine), lambda p: token_ids[p.id], params, max_tokens)
         self.llm = llm
         self.counters = counters
+        self.requests = requests or {}  # (prompt ids, concurrency, temperature) -> peagle's point's request count
         self._counts = spec_counts(llm) if counters else SpecCounts()
 
-    def _drive(self, token_ids, concurrency, params, min_seconds):
-        traces, _ = super()._drive(token_ids, concurrency, params, min_seconds)
+    def measure(self, prompts, concurrency, *, temperature=0.0, min_seconds=0.0, requests=None):
+        """A point; with peagle's request count for it (the acceptance pass) exactly its requests, in its order."""
+        if requests is None:
+            requests = self.requests.get((tuple(p.id for p in prompts), concurrency, float(temperature)))
+        return super().measure(prompts, concurrency, temperature=temperature, min_seconds=min_seconds,
+                               requests=requests)
+
+    def _drive(self, token_ids, concurrency, params, min_seconds, requests=None):
+        traces, _ = super()._drive(token_ids, concurrency, params, min_seconds, requests)
         if not self.counters:
             return traces, None
         before, self._counts = self._counts, spec_counts(self.llm)
@@ -391,7 +413,7 @@ def measure_in_child(request: dict, result: ResultFile) -> None:
     from tqdm import tqdm
 
     from peagle.bench.hygiene import HygieneRules
-    from peagle.bench.sweep import SweepConfig, measure_row
+    from peagle.bench.sweep import SweepConfig, measure_row, point_prompts
     from peagle.datasets import Prompt
 
     check_sampling(request["sampling"])
@@ -414,12 +436,21 @@ def measure_in_child(request: dict, result: ResultFile) -> None:
         return SamplingParams(temperature=temperature, max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA,
                               **sampling)
 
+    # The acceptance pass repeats peagle's points request for request: its acceptance is then over the same requests.
+    same_requests = {}
+    for key, n in request.get("requests", {}).items():
+        dataset, temperature, c = parse_point_key(key)
+        if dataset in prompts:
+            ids = tuple(p.id for p in point_prompts(prompts[dataset], config.num_prompts, c, config.min_waves))
+            same_requests[(ids, c, temperature)] = n
+
     @contextlib.contextmanager
     def open_runner(method, k, policy=None):
         start = time.perf_counter()
         llm = LLM(**request["llm"])
         result.update(startup_s=round(time.perf_counter() - start, 2))
-        yield VllmRunner(llm, token_ids, params, config.max_tokens, counters=request.get("stats", True))
+        yield VllmRunner(llm, token_ids, params, config.max_tokens, counters=request.get("stats", True),
+                         requests=same_requests)
 
     measure_row(config, open_runner, (request["method"], request["k"], None), prompts, result, tqdm(disable=True))
 

@@ -11,7 +11,7 @@ stages=(
   stage_a tb_stage testbed testbed_data testbed_wait heads_out heads_in
   kernels admit prefix muon mmhost gpu_tests throughput buckets engine
   data train wait heads serve walk check ablate
-  stage_b bench bench2 sampled_ab httpserve longloop final teacher scale
+  stage_b bench confidence bench2 sampled_ab httpserve longloop final teacher scale
   vllm_part vllm_stage vllm_bench
 )
 W=${PEAGLE_WORK:-${TMPDIR:-/tmp}/peagle-device}

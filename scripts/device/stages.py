@@ -1394,6 +1394,23 @@ def bench() -> None:
 
 
 @stage
+def confidence() -> None:
+    """Issue 52's table: each speculative row with the draft-confidence cutoffs beside it at the same K, no
+    speculation, and P-EAGLE's policy calibrated (K and cutoff per concurrency) and measured as a row.
+
+    None, EAGLE-3 and P-EAGLE at CONF_K (3,7), each also at every cutoff of CONF_CUTOFFS (0.1,0.3), concurrency
+    CONF_C (1,16,64), CONF_DATASETS (mtbench; humaneval in a second call), greedy, bench's point settings; cut after
+    CONF_SECS (540), keeping what it measured (the calibrated row comes last). Needs the heads (testbed, wait or
+    heads_in). Leaves $OUT/confidence/ (results with verified and accepted drafts per round, table, plots) and the
+    policy in $W/heads/peagle-cal/adaptive.json.
+    """
+    sweep(calibration_head(), OUT / "confidence", env("CONF_SECS", "540"), "--methods", "none,eagle3,peagle", "--k",
+          env("CONF_K", "3,7"), "--draft-confidence-cutoff", env("CONF_CUTOFFS", "0.1,0.3"), "--concurrency",
+          env("CONF_C", "1,16,64"), "--datasets", env("CONF_DATASETS", "mtbench"), "--max-model-len", "4096",
+          "--calibrate", "peagle")
+
+
+@stage
 def bench2() -> None:
     """HumanEval and long code with the adaptive policy, the HF baselines, one report of bench's and this call's.
 

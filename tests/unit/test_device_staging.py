@@ -503,3 +503,21 @@ def test_tb_stage_without_a_part_and_testbed_before_tb_stage_are_refused(testbed
     with pytest.raises(SystemExit) as e:
         stages.tb_wheels("gemma3-270m")
     assert e.value.code == 2 and "stage_local.sh gemma3" in capsys.readouterr().out
+
+
+def test_the_confidence_stage_sweeps_cutoffs_beside_fixed_k_and_calibrates(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(stages, "W", tmp_path / "w")
+    monkeypatch.setattr(stages, "OUT", tmp_path / "out")
+    monkeypatch.setattr(stages, "link_heads", lambda *a, **k: None)
+    monkeypatch.setattr(stages, "run", lambda *a, **k: 0)
+    monkeypatch.setattr(stages, "shown", lambda cmd, **k: calls.append([str(c) for c in cmd]))
+    monkeypatch.setenv("CONF_CUTOFFS", "0.2")
+    stages.confidence()
+    (cmd,) = calls
+    value = {flag: cmd[cmd.index(flag) + 1] for flag in ("--methods", "--k", "--draft-confidence-cutoff",
+                                                         "--concurrency", "--calibrate", "--draft-peagle")}
+    assert value == {"--methods": "none,eagle3,peagle", "--k": "3,7", "--draft-confidence-cutoff": "0.2",
+                     "--concurrency": "1,16,64", "--calibrate": "peagle",
+                     "--draft-peagle": str(tmp_path / "w" / "heads" / "peagle-cal")}
+    assert cmd[:3] == ["timeout", "-s", "INT"] and cmd[3] == "540"

@@ -165,3 +165,4 @@ def test_vllm_bench_runs_a_bench_a_method_with_vllm_kept_off_flashinfer(tmp_path
     # vLLM 0.25's sampler imports FlashInfer, which the GPU image lacks (run 34): every vLLM process runs without it.
     assert all(env["VLLM_USE_FLASHINFER_SAMPLER"] == "0" for _, env in benches)
     assert stages.vllm_env()["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+

@@ -480,6 +480,34 @@ def tb_model(scale: str) -> Path:
     return model if model.is_dir() else W / "tb/tiny-model"
 
 
+GPU_ERROR_LINES = r"xid|nvrm|uncorr|pending|failure|remap"  # what the driver logs of a GPU fault, and ECC's state
+
+
+def gpu_errors(dest: Path) -> None:
+    """What the driver and the GPU say of faults into DEST: the kernel log's NVRM / Xid lines (a fault that hit
+    every process on the GPU is an Xid there) and nvidia-smi's ECC and row-remapper state. Never fails a stage."""
+    lines = []
+    for cmd in (["dmesg"], ["nvidia-smi", "-q", "-d", "ECC,ROW_REMAPPER"]):
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+            text = done.stdout + done.stderr
+        except (OSError, subprocess.TimeoutExpired) as e:
+            text = f"{cmd[0]}: {e}"
+        kept = [line for line in text.splitlines() if re.search(GPU_ERROR_LINES, line, re.I)]
+        lines += [f"== {' '.join(cmd)}: {len(kept)} line(s)", *kept[-40:]]
+    dest.write_text("\n".join(lines) + "\n")
+
+
+def fault_records(run: Path, dest: Path) -> int:
+    """A trainer's fault records (fault.json, CUDA's gpu-core.PID) from RUN/faults into DEST/faults-NAME; how many."""
+    found = [f for f in sorted((run / "faults").glob("**/*")) if f.is_file() and f.suffix != ".pt"]
+    for f in found:
+        to = dest / f"faults-{run.name}" / f.relative_to(run / "faults")
+        to.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(f, to)
+    return len(found)
+
+
 def testbed_follow(secs: str) -> None:
     """Up to SECS seconds for the testbed that `testbed` started (TB_UNTIL_HEADS=1: until both heads are trained);
     then, the testbed done, its model and heads where the other stages look ($W/smollm2, $W/train-METHOD,
@@ -514,6 +542,9 @@ def testbed_follow(secs: str) -> None:
         link(heads, W / f"train-{m}")
         cp(heads / "train_log.jsonl", OUT / f"train-{m}.jsonl", quiet=True)
         cp(heads / "profile.txt", OUT / f"profile-{m}.txt", quiet=True)  # with --profile-steps
+        if fault_records(heads, OUT):
+            say(f"the {m} trainer recorded a device fault: {OUT}/faults-{m}/")
+    gpu_errors(OUT / "gpu_errors.txt")
     link_heads("peagle eagle3")
 
 

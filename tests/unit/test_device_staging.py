@@ -521,3 +521,21 @@ def test_the_confidence_stage_sweeps_cutoffs_beside_fixed_k_and_calibrates(tmp_p
                      "--concurrency": "1,16,64", "--calibrate": "peagle",
                      "--draft-peagle": str(tmp_path / "w" / "heads" / "peagle-cal")}
     assert cmd[:3] == ["timeout", "-s", "INT"] and cmd[3] == "540"
+
+
+def test_a_testbeds_fault_records_and_the_drivers_word_come_home(tmp_path):
+    run = tmp_path / "heads" / "peagle"
+    (run / "faults" / "step-00000251").mkdir(parents=True)
+    (run / "faults" / "step-00000251" / "fault.json").write_text("{}")
+    (run / "faults" / "step-00000251" / "plans.pt").write_bytes(b"x" * 100)  # large, and replayable only there
+    (run / "faults" / "gpu-core.4242").write_bytes(b"ELF")
+    out = tmp_path / "out"
+    assert stages.fault_records(run, out) == 2
+    assert (out / "faults-peagle" / "step-00000251" / "fault.json").is_file()
+    assert (out / "faults-peagle" / "gpu-core.4242").is_file()
+    assert not list(out.glob("**/*.pt"))
+    assert stages.fault_records(tmp_path / "heads" / "eagle3", out) == 0
+
+    stages.gpu_errors(out / "gpu_errors.txt")  # no GPU here: it says what it could read, and does not fail
+    headers = [line for line in (out / "gpu_errors.txt").read_text().splitlines() if line.startswith("== ")]
+    assert [h.split(":")[0] for h in headers] == ["== dmesg", "== nvidia-smi -q -d ECC,ROW_REMAPPER"]

@@ -91,7 +91,10 @@ def register(subparsers) -> None:
     train = subparsers.add_parser(
         "train", help="train a P-EAGLE or EAGLE-3 drafter",
         description="Train a drafter head for --target on data from `peagle regenerate`. Several GPUs: "
-                    "torchrun --nproc-per-node N -m peagle train ... (same arguments).",
+                    "torchrun --nproc-per-node N -m peagle train ... (same arguments). After a CUDA fault, "
+                    "<--out>/faults/ holds the steps in flight (`peagle train-replay`) and CUDA's lightweight core "
+                    "dump, gpu-core.PID, which names the faulting kernel (set CUDA_ENABLE_COREDUMP_ON_EXCEPTION=0 to "
+                    "turn it off).",
     )
     train.add_argument("--target", type=Path, required=True, help="target checkpoint directory")
     train.add_argument("--data", type=Path, nargs="+", required=True, metavar="DIR",

@@ -168,7 +168,9 @@ def _register_bench(subparsers) -> None:
     vllm.add_argument("--vllm-baselines", action="store_true",
                       help="also measure every fixed-K row (none, eagle3, peagle at each K) with vLLM's LLM, a child "
                            "process a row, on the same prompt token ids, concurrencies, temperatures and max tokens: "
-                           "rows vllm_none, vllm_eagle3, vllm_peagle beside peagle's (docs/BENCHMARKING.md)")
+                           "rows vllm_none, vllm_eagle3, vllm_peagle beside peagle's; a speculative row is timed with "
+                           "vLLM's statistics off, then run again with them on, over peagle's requests, for its "
+                           "acceptance (docs/BENCHMARKING.md)")
     vllm.add_argument("--vllm-python", metavar="PYTHON",
                       help="the interpreter that runs vLLM (default: this one; peagle's source tree goes on its "
                            "path, or it must have peagle installed)")

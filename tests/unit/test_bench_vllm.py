@@ -170,6 +170,27 @@ def test_the_acceptance_pass_repeats_peagles_points_request_for_request(tmp_path
     assert {p["concurrency"]: p["num_prompts"] for p in timed} == {1: 2, 2: 2}  # the speed pass: the time rule
 
 
+def test_an_interrupted_vllm_row_keeps_what_its_child_measured(tmp_path, tiny_hf_checkpoint, monkeypatch):
+    real = subprocess.Popen
+
+    class InterruptedWhileWaiting(real):  # SIGINT (the device stage's `timeout -s INT`) as a row's child ends
+        def wait(self, timeout=None):
+            status = super().wait(timeout)
+            if "peagle.bench.vllm_baseline" in self.args:
+                raise KeyboardInterrupt
+            return status
+
+    monkeypatch.setattr(vllm_baseline.subprocess, "Popen", InterruptedWhileWaiting)
+    model = tiny_hf_checkpoint("llama", num_layers=1)
+    config = bench_config(tmp_path, model, methods=("peagle",), concurrency=(1, 2))
+    with pytest.raises(KeyboardInterrupt):
+        run_benchmark(config, tmp_path / "out", "peagle bench", peagle_rows)
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    vllm = [p for p in saved["points"] if p.get("engine") == "vllm"]
+    assert [(p["method"], p["concurrency"]) for p in vllm] == [("vllm_peagle", 1), ("vllm_peagle", 2)]
+    assert all(p["tokens_per_s"] > 0 for p in vllm) and saved["vllm"]["rows"][0]["points"] == 2
+
+
 def test_vllm_absent_is_refused_by_name_before_anything_is_measured(tmp_path):
     broken = tmp_path / "site" / "vllm"
     broken.mkdir(parents=True)

@@ -39,7 +39,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from peagle.bench.engine_runner import EngineRunner
 from peagle.bench.measurement import SpecCounts
@@ -167,18 +167,27 @@ def run_vllm_baselines(config, prompts: dict[str, list], token_ids: dict[str, li
         name = row_name(method, k)
         row = {"method": method, "k": k, "llm": llm_arguments(config, method, k), "log": f"vllm/{name}.log"}
         record["rows"].append(row)
-        speed = run_row(config, method, k, prompts, token_ids, out, row, name, stats=False)
-        for p in speed:
-            writer.add(p)
-        writer.flush()
-        if method != "none" and speed:
-            row["acceptance"] = {"llm": llm_arguments(config, method, k, stats=True),
-                                 "log": f"vllm/{name}.acceptance.log"}
-            counted = run_row(config, method, k, prompts, token_ids, out, row["acceptance"], f"{name}.acceptance",
-                              stats=True, requests=peagle_requests(writer.results["points"], method, k))
-            row["acceptance"]["tokens_per_s"] = join_acceptance(speed, counted)
+        speed: list[dict] = []
+
+        def keep_speed(got: list[dict]) -> None:
+            speed.extend(got)
+            for p in got:
+                writer.add(p)
             writer.flush()
+
+        run_row(config, method, k, prompts, token_ids, out, row, name, keep_speed, stats=False)
+        if method != "none" and speed:
+            acceptance = row["acceptance"] = {"llm": llm_arguments(config, method, k, stats=True),
+                                              "log": f"vllm/{name}.acceptance.log"}
+
+            def keep_counted(got: list[dict]) -> None:
+                acceptance["tokens_per_s"] = join_acceptance(speed, got)
+                writer.flush()
+
+            run_row(config, method, k, prompts, token_ids, out, acceptance, f"{name}.acceptance", keep_counted,
+                    stats=True, requests=peagle_requests(writer.results["points"], method, k))
         points += speed
+    writer.flush()  # the rows' errors, set once their children have ended
     return points
 
 
@@ -209,10 +218,11 @@ def join_acceptance(speed: list[dict], counted: list[dict]) -> dict[str, float]:
 
 
 def run_row(config, method: str, k: int | None, prompts: dict[str, list], token_ids: dict[str, list[int]], out: Path,
-            row: dict, name: str, stats: bool, requests: dict[str, int] | None = None) -> list[dict]:
-    """One pass of a row in its child process, named NAME in OUT: its points, as far as it got (also when
-    interrupted); its start-up seconds, point count, duration and error in `row`. `requests`: by point key, how
-    many requests each point runs (peagle's counts), instead of the time rule."""
+            row: dict, name: str, keep: Callable[[list[dict]], None], stats: bool,
+            requests: dict[str, int] | None = None) -> None:
+    """One pass of a row in its child process, named NAME in OUT: its points, as far as it got, go to `keep` (also
+    when interrupted); its start-up seconds, point count, duration and error to `row`. `requests`: by point key,
+    how many requests each point runs (peagle's counts), instead of the time rule."""
     request_path, result_path = out / f"{name}.request.json", out / f"{name}.json"
     request = {"method": method, "k": k, "llm": row["llm"], "stats": stats, "requests": requests or {},
                "sampling": {"ignore_eos": config.ignore_eos},
@@ -231,14 +241,13 @@ def run_row(config, method: str, k: int | None, prompts: dict[str, list], token_
             status = child.wait()
         finally:
             end_group(child)
-            points = take_result(result_path, row, out / f"{name}.log")
             row["seconds"] = round(time.perf_counter() - start, 1)
             request_path.unlink(missing_ok=True)  # the prompts' token ids, large for long prompts
+            keep(take_result(result_path, row, out / f"{name}.log"))
     if status and not row.get("error"):
         row["error"] = f"the child exited with status {status}"
     if row.get("error"):
         logger.warning("vLLM %s K=%s: %s (log: %s)", method, k, row["error"], out / f"{name}.log")
-    return points
 
 
 def grid_of(config) -> dict[str, Any]:

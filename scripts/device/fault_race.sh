@@ -59,10 +59,8 @@ for core in $W/core-*; do
     timeout 60 cuda-gdb -batch -ex "target cudacore $core" -ex "$cmd" 2>&1 | tail -25
   done | tee -a $W/cores.txt
 done
-{ echo "== dmesg: NVRM / Xid (a fault that hit every process on the GPU is an Xid here)"
-  dmesg 2>&1 | grep -iE "xid|nvrm" | tail -40
-  echo "== nvidia-smi: ECC and row remapper"
-  nvidia-smi -q -d ECC,ROW_REMAPPER 2>&1 | grep -iE "uncorr|pending|failure|remap" | head -20; } > $W/gpu_errors.txt
+python3 -c 'import sys; sys.path.insert(0, "scripts/device"); import stages, pathlib
+stages.gpu_errors(pathlib.Path(sys.argv[1]))' $W/gpu_errors.txt  # the driver's Xid lines, ECC: as testbed_wait's
 cat $W/gpu_errors.txt
 cd $W && tar -czf "$OUT/race.tar.gz" --exclude='*.safetensors' --exclude='*.pt' --exclude='core-*' \
   *.log cores.txt gpu_errors.txt run-*/train_log.jsonl run-*/faults 2>/dev/null

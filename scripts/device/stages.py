@@ -480,20 +480,23 @@ def tb_model(scale: str) -> Path:
     return model if model.is_dir() else W / "tb/tiny-model"
 
 
-GPU_ERROR_LINES = r"xid|nvrm|uncorr|pending|failure|remap"  # what the driver logs of a GPU fault, and ECC's state
+GPU_ERROR_SOURCES = (  # what the driver logs of a GPU fault, and the GPU's ECC and row-remapper state
+    (["dmesg"], r"\bxid\b|nvrm"),
+    (["nvidia-smi", "-q", "-d", "ECC,ROW_REMAPPER"], r"uncorr|pending|failure|remap"),
+)
 
 
 def gpu_errors(dest: Path) -> None:
     """What the driver and the GPU say of faults into DEST: the kernel log's NVRM / Xid lines (a fault that hit
     every process on the GPU is an Xid there) and nvidia-smi's ECC and row-remapper state. Never fails a stage."""
     lines = []
-    for cmd in (["dmesg"], ["nvidia-smi", "-q", "-d", "ECC,ROW_REMAPPER"]):
+    for cmd, pattern in GPU_ERROR_SOURCES:
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
             text = done.stdout + done.stderr
         except (OSError, subprocess.TimeoutExpired) as e:
             text = f"{cmd[0]}: {e}"
-        kept = [line for line in text.splitlines() if re.search(GPU_ERROR_LINES, line, re.I)]
+        kept = [line for line in text.splitlines() if re.search(pattern, line, re.I)]
         lines += [f"== {' '.join(cmd)}: {len(kept)} line(s)", *kept[-40:]]
     dest.write_text("\n".join(lines) + "\n")
 

@@ -539,3 +539,15 @@ def test_a_testbeds_fault_records_and_the_drivers_word_come_home(tmp_path):
     stages.gpu_errors(out / "gpu_errors.txt")  # no GPU here: it says what it could read, and does not fail
     headers = [line for line in (out / "gpu_errors.txt").read_text().splitlines() if line.startswith("== ")]
     assert [h.split(":")[0] for h in headers] == ["== dmesg", "== nvidia-smi -q -d ECC,ROW_REMAPPER"]
+
+
+def test_gpu_errors_keeps_the_drivers_fault_lines_only(tmp_path, monkeypatch):
+    said = {"dmesg": "[1.0] Node 0 DMA32 free:87392kB writepending:0kB\n"
+                     "[2.0] NVRM: Xid (PCI:0000:00:05): 13, pid=4242, Graphics Exception\n",
+            "nvidia-smi": "    Volatile\n        SRAM Uncorrectable    : 0\n    Pending Page Blacklist : No\n"}
+    monkeypatch.setattr(stages.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, said[cmd[0]], ""))
+    stages.gpu_errors(tmp_path / "gpu_errors.txt")
+    assert (tmp_path / "gpu_errors.txt").read_text().splitlines() == [
+        "== dmesg: 1 line(s)", "[2.0] NVRM: Xid (PCI:0000:00:05): 13, pid=4242, Graphics Exception",
+        "== nvidia-smi -q -d ECC,ROW_REMAPPER: 2 line(s)", "        SRAM Uncorrectable    : 0",
+        "    Pending Page Blacklist : No"]

@@ -418,7 +418,7 @@ class Testbed:
     def _head_failure(self, command: Command) -> str:
         """What a user needs of a head that could not be trained: its name, its last error, its log, the restarts it
         had and where the trainer recorded a device fault's steps."""
-        from peagle.training.config import FAULTS, GPU_CORE
+        from peagle.training.config import FAULTS, GPU_CORE, read_core_command
 
         error = _last_error(command.log)
         fault_dir = self.paths[f"{command.name}_run"] / FAULTS
@@ -429,8 +429,8 @@ class Testbed:
                 f"{restarts} restart{'s' * (restarts != 1)} from its checkpoints); its log: {command.log}"
                 + (f"; the steps in flight at its device fault: {faults[-1]} (`peagle train-replay {faults[-1]}` "
                    "runs them alone)" if faults else "")
-                + (f"; CUDA's core dump of the fault, which names the kernel: {cores[-1]} (`cuda-gdb -batch -ex "
-                   f"\"target cudacore {cores[-1]}\" -ex \"info cuda kernels\"`)" if cores else ""))
+                + (f"; CUDA's core dump of the fault, which names the kernel: {cores[-1]} "
+                   f"(`{read_core_command(cores[-1])}`)" if cores else ""))
 
     def _resume_head(self, command: Command, code: int, left_s: float) -> Command | None:
         """A trainer that died before the step's limit (a CUDA fault, say) goes on from its

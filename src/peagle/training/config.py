@@ -10,6 +10,11 @@ from peagle.drafters.config import DEFAULT_NUM_LAYERS, METHODS
 FAULTS = "faults"  # under --out: the steps in flight when the device faulted, and CUDA's core dump of the fault
 GPU_CORE = "gpu-core"  # FAULTS/gpu-core.PID: CUDA's lightweight core dump of a device exception in process PID
 
+
+def read_core_command(core: Path | str) -> str:
+    """The command that names the faulting kernel from a GPU core dump, and where it stopped."""
+    return f'cuda-gdb -batch -ex "target cudacore {core}" -ex "info cuda kernels" -ex bt'
+
 OPTIMIZERS = ("adamw", "muon")  # --optimizer (optimizers.py)
 
 SCHEDULES = ("linear", "cosine")

@@ -32,7 +32,8 @@ from peagle.models.llama import LlamaModel
 from peagle.models.loader import load_model, load_tokenizer, random_model
 from peagle.models.tokenizer import Tokenizer
 from peagle.training.cod import Layout
-from peagle.training.config import DEFAULT_DRAFT_VOCAB, FAULTS, GPU_CORE, TIME_LIMITED_WARMUP, TrainConfig
+from peagle.training.config import (DEFAULT_DRAFT_VOCAB, FAULTS, GPU_CORE, TIME_LIMITED_WARMUP, TrainConfig,
+                                    read_core_command)
 from peagle.training.data import (Document, Manifest, PackedSequence, TrainingData, pack, read_documents,
                                   split_documents)
 from peagle.training.distributed import DistContext
@@ -518,7 +519,7 @@ class Trainer:
         core = gpu_core_file(self.cfg.out)
         if core is not None:  # written by CUDA at the exception (`peagle train` arms it): it names the kernel
             record["gpu_core"] = str(core)
-            record["read_core"] = f'cuda-gdb -batch -ex "target cudacore {core}" -ex "info cuda kernels" -ex bt'
+            record["read_core"] = read_core_command(core)
 
         if not self._unsynced:  # every step had finished: an evaluation or a save faulted; the next step is kept
             record["note"] = "no training step was in flight: the fault arose in an evaluation or a checkpoint save"

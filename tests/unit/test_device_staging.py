@@ -545,7 +545,8 @@ def test_gpu_errors_keeps_the_drivers_fault_lines_only(tmp_path, monkeypatch):
     said = {"dmesg": "[1.0] Node 0 DMA32 free:87392kB writepending:0kB\n"
                      "[2.0] NVRM: Xid (PCI:0000:00:05): 13, pid=4242, Graphics Exception\n",
             "nvidia-smi": "    Volatile\n        SRAM Uncorrectable    : 0\n    Pending Page Blacklist : No\n"}
-    monkeypatch.setattr(stages.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, said[cmd[0]], ""))
+    monkeypatch.setattr(stages.subprocess, "run",
+                        lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, said[cmd[0]], ""))
     stages.gpu_errors(tmp_path / "gpu_errors.txt")
     assert (tmp_path / "gpu_errors.txt").read_text().splitlines() == [
         "== dmesg: 1 line(s)", "[2.0] NVRM: Xid (PCI:0000:00:05): 13, pid=4242, Graphics Exception",

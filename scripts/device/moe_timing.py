@@ -69,6 +69,17 @@ def grid(tokens: int, experts: int, k: int):
         yield moe.MoeConfig(bm, bn, bk, 8 if bm >= 32 else 1, warps, stages)
 
 
+def write_configs(rows: list[dict], folder: str) -> list[Path]:
+    """Each shape's best tiling per token count measured so far, as the kernel's tuned table on this GPU."""
+    gpu, paths = torch.cuda.get_device_name(), []
+    for name, (hidden, inter, experts, _, _) in SHAPES.items():
+        table = {str(r["tokens"]): r["best_config"] for r in rows if r["shape"] == name}
+        if table:
+            paths.append(Path(folder) / moe.config_file(experts, inter, hidden, gpu).name)
+            paths[-1].write_text(json.dumps(table, indent=1) + "\n")
+    return paths
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out")
@@ -100,12 +111,10 @@ def main() -> int:
                              "TFLOPs": 2 * tokens * k * 3 * hidden * inter / us / 1e6, "best_us": best_us,
                              "best_config": list(best)})
                 Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+                if args.write_configs:  # after every row, so a sweep cut short keeps the tilings it found
+                    write_configs(rows, args.write_configs)
     if args.write_configs:
-        gpu = torch.cuda.get_device_name()
-        for name, (hidden, inter, experts, k, _) in SHAPES.items():
-            table = {str(r["tokens"]): r["best_config"] for r in rows if r["shape"] == name}
-            path = Path(args.write_configs) / moe.config_file(experts, inter, hidden, gpu).name
-            path.write_text(json.dumps(table, indent=1) + "\n")
+        for path in write_configs(rows, args.write_configs):
             print(f"wrote {path}")
     print(f"{'shape':<15}{'T':>6}{'touched':>8}{'us':>9}{'GB/s':>8}{'TFLOP/s':>9}{'best us':>9}  best config")
     for r in rows:

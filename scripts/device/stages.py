@@ -1507,16 +1507,17 @@ def httpserve() -> None:
     concurrencies; HTTP_METHOD (peagle: P-EAGLE K=7 with the trained head, from the testbed or heads_in; none: plain
     decoding, no head needed, one token per chunk); HTTP_SERVERS ("1"): the --api-server-count values served; HTTP_SI
     ("1 8"): the stream intervals. HTTP_MODEL=random: the testbed's shape from .cfg on random weights (no stage_a),
-    P-EAGLE with a random head whose drafts are accepted at HTTP_RATES (the default head's on MT-Bench, run 30). Leaves $OUT/server-overhead-cC.json (old tree against this one, the engine thread),
-    $OUT/server-modes-cC.json (this tree: engine thread, engine process, two API servers), $OUT/http-inproc/ and
-    $OUT/http-si{SI}[-n{N}]/ (N > 1 API servers).
+    P-EAGLE with a random head whose drafts are accepted at HTTP_RATES (the default head's on MT-Bench, run 30);
+    HTTP_STANDIN=0: no stand-in engine (the target's rows only). Leaves $OUT/server-overhead-cC.json (old tree against
+    this one, the engine thread), $OUT/server-modes-cC.json (this tree: engine thread, engine process, two API
+    servers), $OUT/http-inproc/ and $OUT/http-si{SI}[-n{N}]/ (N > 1 API servers).
     """
     random_weights = env("HTTP_MODEL", "trained") == "random"
     model = Path(".cfg").resolve() if random_weights else W / "smollm2"
     if not random_weights:
         need_model()
     concurrencies = words(env("HTTP_C", "1 64"))
-    for c in concurrencies:
+    for c in concurrencies if env("HTTP_STANDIN", "1") != "0" else []:
         if os.path.isdir(".old/src"):
             shown(["timeout", "150", *py(), "scripts/server_overhead.py", "--tokenizer", model, "--src",
                    "old=.old/src", "--src", "new=src", "--concurrency", c, "--seconds", "10", "--repeat", "2",

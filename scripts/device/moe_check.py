@@ -110,6 +110,26 @@ def experts_touched(model, vocab: int) -> dict[int, float]:
     return counts
 
 
+def profile_decode(llm, prompt: list[int], path: str, steps: int = 16) -> dict:
+    """Where a batch-1 decode step's GPU time goes: the kernels of STEPS steps (after the prefill), as a table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    llm.generate([prompt], params, use_tqdm=False)  # warm
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate([prompt], params, use_tqdm=False)
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: -e.device_time_total)
+    total_us = sum(e.device_time_total for e in kernels)
+    lines = [f"{steps} decode steps and one prefill, batch 1: {sum(e.count for e in kernels)} kernel launches, "
+             f"{total_us / 1e3:.2f} ms of kernel time", f"{'us total':>10}{'calls':>7}{'us each':>9}  kernel"]
+    lines += [f"{e.device_time_total:>10.0f}{e.count:>7}{e.device_time_total / e.count:>9.1f}  {e.key[:110]}"
+              for e in kernels[:40]]
+    Path(path).write_text("\n".join(lines) + "\n")
+    return {"steps": steps, "kernel_launches": sum(e.count for e in kernels), "kernel_ms": total_us / 1e3,
+            "top": [{"kernel": e.key[:200], "us": e.device_time_total, "calls": e.count} for e in kernels[:15]]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("shape", choices=sorted(SHAPES))
@@ -118,6 +138,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"of {', '.join(RUNS)}")
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--profile", metavar="FILE", help="with the none run: the GPU kernels of 16 batch-1 decode steps "
+                    "(CUDA graphs replayed), by total time, written to FILE")
     args = ap.parse_args()
     unknown = [r for r in args.runs.split(",") if r not in RUNS]
     if unknown:
@@ -154,6 +176,8 @@ def main() -> int:
                           floor_ms=1e3 * active / result["copy_bandwidth_Bps"], decode_ms_batch1=step,
                           experts_touched=experts_touched(model, SHAPES[args.shape]["vocab_size"]))
             result["decode_vs_floor"] = step / result["floor_ms"]
+            if args.profile:
+                result["profile"] = profile_decode(llm, prompts[0], args.profile)
             print(json.dumps({k: v for k, v in result.items() if k != "rows"}), flush=True)
         for b in batches:
             k_here = llm.engine.config.speculative.adaptive.k_for(b, k) if adaptive else k  # the load's K

@@ -1785,8 +1785,8 @@ def vllm_bench() -> None:
     their lengths), BENCH_N (24) prompts, >= BENCH_WAVES (3) waves and BENCH_MIN_S (5) s a point, max model length
     4096, each bench cut after VB_SECS (420: one method a call). vLLM's rows follow peagle's in the same bench, a
     child process each (two for EAGLE-3 and P-EAGLE: timed with vLLM's statistics off, then its acceptance over
-    peagle's requests with them on), at VB_VLLM_UTIL (0.8) of the GPU's memory (it wants that much free at its start, beside the
-    bench's own CUDA context). VB_HEADS=random: no trained heads needed; both engines run random weights
+    peagle's requests with them on), at VB_VLLM_UTIL (0.8) of the GPU's memory (it wants that much free at its start,
+    beside the bench's own CUDA context). VB_HEADS=random: no trained heads needed; both engines run random weights
     (load_format dummy) of the target's shape (vllm_target: the testbed's, or from .cfg carried) with random heads,
     and accept drafts by dice at the per-position rates VB_SYNTHETIC (0.75,0.55,0.42,0.33,0.26,0.2,0.15): equal
     acceptance by construction, so tokens/s compares the engines alone. Leaves $OUT/vllm-METHOD/ (results, table,

@@ -540,5 +540,7 @@ def test_cutoff_rows_are_measured_beside_fixed_k_and_calibrated_with_it(tmp_path
     assert [r[2] for r in rows[:4]] == [g[2] for g in config.groups()]  # the cutoff rows came before calibrating
     cut_points = [p for p in results["points"] if (p["adaptive"] or {}).get("cutoff_above") == 0.5]
     assert cut_points and all(p["verified_per_round"] is not None for p in cut_points)
+    table_md = (tmp_path / "out" / "results.md").read_text()
+    assert "P-EAGLE K=5 cutoff 0.5 tok/s" in table_md and "cutoff above" not in table_md  # a fixed K, named so
     with pytest.raises(ValueError, match="cutoffs in"):
         SweepConfig(model="m", draft_peagle="p", methods=("peagle",), cutoffs=(0.0,))

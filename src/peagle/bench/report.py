@@ -35,14 +35,14 @@ The file is rewritten after every point, so an interrupted run keeps what it mea
 
 from __future__ import annotations
 
-import shlex
-import sys
-
 import datetime as dt
 import json
 import os
 import platform
+import re
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -91,8 +91,15 @@ def variant(p: dict) -> str:
 
 
 def variant_label(v: str) -> str:
+    """A row's label: "P-EAGLE", "P-EAGLE adaptive (8:7,above:3)", or for a --draft-confidence-cutoff row (one K,
+    one cutoff) "P-EAGLE K=7 cutoff 0.1"."""
     method, _, policy = v.partition("@")
-    return f"{METHOD_LABELS[method]} adaptive ({policy})" if policy else METHOD_LABELS[method]
+    if not policy:
+        return METHOD_LABELS[method]
+    fixed = re.fullmatch(r"above:(\d+) cutoff above:([0-9.e-]+)", policy)
+    if fixed:
+        return f"{METHOD_LABELS[method]} K={fixed[1]} cutoff {fixed[2]}"
+    return f"{METHOD_LABELS[method]} adaptive ({policy})"
 
 
 def variants_of(points: Iterable[dict]) -> list[str]:

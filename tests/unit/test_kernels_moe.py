@@ -247,6 +247,29 @@ def test_fused_moe(interpreted, num_tokens, num_experts, top_k, hidden, inter, k
     interpreted(check_fused_moe, num_tokens, num_experts, top_k, hidden, inter, kwargs, config)
 
 
+def shipped_tilings() -> list[tuple[int, ...]]:
+    """Every distinct tiling of the tuned tables shipped in kernels/moe_configs, each file read as choose_config
+    reads it (its name gives its shape)."""
+    tilings = set()
+    for path in sorted(moe.CONFIG_DIR.glob("*.json")):
+        experts, inter, hidden = (int(x[1:]) for x in path.stem.split("-")[:3])
+        gpu = path.stem.split("-", 3)[3]
+        assert moe.config_file(experts, inter, hidden, gpu).name == path.name
+        moe.tuned_configs.cache_clear()
+        table = moe.tuned_configs(experts, inter, hidden, gpu)
+        assert table and all(t >= 1 for t in table), path
+        tilings |= {tuple(c) for c in table.values()}
+    moe.tuned_configs.cache_clear()
+    return sorted(tilings)
+
+
+def test_shipped_tilings_run(interpreted):
+    tilings = shipped_tilings()
+    assert tilings  # the H100 tables measured in run 35
+    for tiling in tilings:  # tiles wider than the shape are masked, as at a decode step's few pairs
+        interpreted(check_fused_moe, 5, 4, 2, 64, 32, {"dtype": torch.bfloat16}, tiling)
+
+
 def check_strided_input_and_dispatch():
     case = make_case(3, 6, 4, 2, 32, 16, bias=True)
     wide = torch.randn(6, 48)

@@ -542,5 +542,6 @@ def test_cutoff_rows_are_measured_beside_fixed_k_and_calibrated_with_it(tmp_path
     assert cut_points and all(p["verified_per_round"] is not None for p in cut_points)
     table_md = (tmp_path / "out" / "results.md").read_text()
     assert "P-EAGLE K=5 cutoff 0.5 tok/s" in table_md and "cutoff above" not in table_md  # a fixed K, named so
+    assert "| P-EAGLE K=5 cutoff 0.5 |" in table_md and "cutoff 0.5 K=5" not in table_md  # its K said once
     with pytest.raises(ValueError, match="cutoffs in"):
         SweepConfig(model="m", draft_peagle="p", methods=("peagle",), cutoffs=(0.0,))

@@ -539,13 +539,18 @@ def _verification_table(points: list[dict], dataset: str) -> list[str]:
             _row(["row", *(f"c={c}" for c in cs)]), _row(["---"] * (len(cs) + 1))]
     for v, k in dict.fromkeys((variant(p), p["k"]) for p in spec):
         cell = {p["concurrency"]: p["verified_per_accepted"] for p in spec if (variant(p), p["k"]) == (v, k)}
-        rows.append(_row([f"{variant_label(v)} K={k}", *(f"{cell[c]:.2f}" if c in cell else "-" for c in cs)]))
+        rows.append(_row([label_with_k(v, k), *(f"{cell[c]:.2f}" if c in cell else "-" for c in cs)]))
     return rows + [""]
 
 
+def label_with_k(v: str, k: int | None) -> str:
+    """A row's label with its K, unless it names its K already (a cutoff row) or has none."""
+    label = variant_label(v)
+    return label if k is None or f"K={k}" in label else f"{label} K={k}"
+
+
 def _point_name(p: dict) -> str:
-    k = f" K={p['k']}" if p["k"] is not None else ""
-    return f"{variant_label(variant(p))}{k}, {p['dataset']}, {temperature_title(p.get('temperature', 0.0))}, " \
+    return f"{label_with_k(variant(p), p['k'])}, {p['dataset']}, {temperature_title(p.get('temperature', 0.0))}, " \
            f"c={p['concurrency']}"
 
 

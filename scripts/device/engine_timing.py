@@ -108,6 +108,18 @@ def split_variant(variant: str) -> tuple[str, set[str]]:
     return variant, mods
 
 
+def split_cutoff(variant: str) -> tuple[str, float | None]:
+    """A variant without its "+cutoff=C" (the draft confidence cutoff its speculative engines run with), and C."""
+    rest, sep, cutoff = variant.partition("+cutoff=")
+    if not sep:
+        return variant, None
+    try:
+        value = float(cutoff)
+    except ValueError:
+        raise SystemExit(f"{variant}: +cutoff=C needs a number C in [0, 1]") from None
+    return rest, value
+
+
 def engine_switches(mods: set[str]) -> dict[str, bool]:
     """The LLM options of a variant's modifiers, each off without its modifier. A tree from before they were options
     (an earlier tree timed beside this one) reads them as module switches: set there, and no options returned."""
@@ -514,7 +526,9 @@ def main(argv=None) -> int:
                     "+coarse-buckets (general graphs padded to powers of two of tokens, the ladder before run 14) and "
                     "+admit-ahead (a step that admits prompts launched before the answer in flight) and "
                     "+mixed-tiles (a mixed step's short and long requests tiled apart in its attention) and "
-                    "+pdl (the Triton kernels launched with programmatic dependent launch)")
+                    "+pdl (the Triton kernels launched with programmatic dependent launch); a last "
+                    "+cutoff=C runs the speculative methods with draft confidence cutoff C (e.g. "
+                    "async+prefill-graphs+cutoff=0.1)")
     ap.add_argument("--stall", type=int, metavar="N", help="also time the stall a new N-token prompt causes")
     ap.add_argument("--arrivals", action="store_true", help="also time inter-token latencies as requests arrive")
     ap.add_argument("--ttft-prompts", type=int, default=16, metavar="N",
@@ -575,7 +589,7 @@ def main(argv=None) -> int:
         if not loop_prompts:
             ap.error(f"--loop-dataset {args.loop_dataset!r}: no prompt fits --max-model-len {args.max_model_len} "
                      "beside its answer")
-    unknown = [v for v in args.variants.split(",") if split_variant(v)[0] not in VARIANTS]
+    unknown = [v for v in args.variants.split(",") if split_variant(split_cutoff(v)[0])[0] not in VARIANTS]
     unknown += [m for m in args.methods.split(",") if m not in CONFIGS]
     if unknown:
         ap.error(f"unknown method(s) or variant(s) {unknown}")
@@ -599,8 +613,11 @@ def main(argv=None) -> int:
             # inside its kernel), "+mixed-tiles" and "+admit-ahead" (async scheduling launches a step that admits
             # prompts before the answer in flight); module switches "+coarse-buckets" (general graphs padded to
             # powers of two, as before run 14), "+pdl" and "+gemv-wide"
-            base, mods = split_variant(variant)
+            base, mods = split_variant(split_cutoff(variant)[0])
+            cutoff = split_cutoff(variant)[1] if head is not None else None
             switches = engine_switches(mods)
+            if cutoff is not None:
+                switches["draft_confidence_cutoff"] = cutoff
             cuda_graph.TOKEN_BUCKET_STEPS = 1 if "coarse-buckets" in mods else TOKEN_BUCKET_STEPS
             if pdl is not None:
                 pdl.ENABLED = "pdl" in mods
@@ -617,7 +634,7 @@ def main(argv=None) -> int:
             if args.ttft_prompts:
                 keep({"method": name, "variant": variant, "k": k, **measure_ttft(llm, prompts, args.ttft_prompts)})
             for b in map(int, filter(None, args.batches.split(","))):
-                tag = "" if variant == "sync" else f"-{variant}"
+                tag = "" if variant == "sync" else "-" + variant.replace("+", "_").replace("=", "")
                 path = f"{args.profile}/profile-{name}-k{k}-b{b}{tag}.txt" if args.profile else None
                 row = {"method": name, "variant": variant, **measure(llm, prompts, b, k, profile_path=path)}
                 keep(row)

@@ -41,6 +41,15 @@ def test_split_variant(timing):
         "async+prefill-graphs+gemv", {"admit-ahead", "pdl", "gemv-wide"})
 
 
+def test_split_cutoff(timing):
+    assert timing.split_cutoff("async+prefill-graphs") == ("async+prefill-graphs", None)
+    assert timing.split_cutoff("async+prefill-graphs+fused-merge+cutoff=0.1") == (
+        "async+prefill-graphs+fused-merge", 0.1)
+    assert timing.split_variant(timing.split_cutoff("sync+admit-ahead+cutoff=0")[0]) == ("sync", {"admit-ahead"})
+    with pytest.raises(SystemExit, match=r"\+cutoff=C needs a number"):
+        timing.split_cutoff("sync+cutoff=high")
+
+
 def test_engine_switches_are_llm_options(timing, target_dir):
     # each off without its modifier; LLM takes them (a tree from before took them as module switches)
     switches = timing.engine_switches(timing.split_variant("async+prefill-graphs+admit-ahead+pdl")[1])

@@ -45,7 +45,10 @@ def test_graphed_general_steps_keep_greedy_output(model_dir, method, variant):
         general = llm.engine.runner.general_graphs
         if graphs:
             assert general.captured and not general.failed, (general.captured, general.failed)
-            assert all(("draft", *key) in general.graphs for key in general.captured) == (method != "none")
+            # greedy steps replay one graph per key: target, verification and (with a drafter) drafting
+            kind = "greedy" if method != "none" else "greedy_plain"
+            assert all((kind, *key) in general.graphs for key in general.captured)
+            assert not any(("target", *key) in general.graphs for key in general.captured)
         else:
             assert general is None
         del llm
@@ -126,7 +129,9 @@ def test_pdl_keeps_greedy_output(model_dir, method, graphs, gemv, monkeypatch):
 @pytest.mark.parametrize("method", ["none", "peagle"])
 def test_replay_equals_an_eager_call_on_the_static_buffers(model_dir, method):
     llm = make_llm(model_dir, method, True)
-    llm.generate(PROMPTS, params(), use_tqdm=False)
+    # seeded sampling: its steps replay the target graph (greedy steps replay one fused graph instead)
+    llm.generate(PROMPTS, [SamplingParams(temperature=1.0, seed=i, max_tokens=6 + 3 * i, ignore_eos=True)
+                           for i in range(len(PROMPTS))], use_tqdm=False)
     general = llm.engine.runner.general_graphs
     key = general.current  # the static buffers still hold this key's last inputs
     graph, (logits, aux) = general.graphs[("target", *key)]
@@ -143,6 +148,25 @@ def test_replay_equals_an_eager_call_on_the_static_buffers(model_dir, method):
         real = int(general._views(key)["query_start_loc"][-1])
         assert 0 < real <= key[0], (real, key)
         torch.testing.assert_close(replayed[1][:real], eager_aux[:real], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["none", "peagle"])
+def test_greedy_replay_equals_an_eager_call_on_the_static_buffers(model_dir, method):
+    """The fused greedy graph of general steps (target, verification, drafting in one replay) answers as
+    `ModelRunner.general_greedy_step` does eagerly on the same static buffers."""
+    llm = make_llm(model_dir, method, True)
+    llm.generate(PROMPTS, params(), use_tqdm=False)
+    general = llm.engine.runner.general_graphs
+    key = general.current  # the static buffers still hold this key's last inputs
+    draft = method != "none"
+    graph, packed = general.graphs[("greedy" if draft else "greedy_plain", *key)]
+    graph.replay()  # rewrites the KV it wrote, with the same values
+    torch.cuda.synchronize()
+    replayed = packed.clone()
+    with torch.inference_mode():
+        eager = llm.engine.runner.general_greedy_step(general._views(key), key[0], key[2], draft)
+    real = int((general._views(key).query_start_loc.diff() > 0).sum())  # padding requests are empty
+    assert real > 0 and torch.equal(replayed[:real], eager[:real])
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

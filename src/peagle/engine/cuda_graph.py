@@ -237,16 +237,17 @@ class GeneralGraphs:
     from query_start_loc (tiles past a request's rows do nothing), so one graph captured at max_query_len = T serves
     every step of at most T fed tokens and B requests, whatever their split between prefills and decodes.
     `ModelRunner.pad_inputs` pads a step to its bucket: padding tokens belong to no request and write only the
-    scratch KV block; padding requests are empty. Per key there is a "target" graph (the target forward, logits at
-    the verified rows) and, with a drafter, a "draft" graph; verification runs eagerly between them, as for sampled
-    decode steps. Both write their outputs into static buffers shared by all keys, so a key costs its graphs and no
-    memory of its own beyond the shared pool.
+    scratch KV block; padding requests are empty. A greedy step (no logits processing, logprobs or synthetic
+    acceptance) replays one "greedy" graph per key: target, verification and drafter, as a greedy decode round does.
+    Other steps replay a "target" graph (the target forward, logits at the verified rows) and, with a drafter, a
+    "draft" graph, verification running eagerly between them. They write their outputs into static buffers shared by
+    all keys, so a key costs its graphs and no memory of its own beyond the shared pool.
 
     Graphs are captured on a key's first use (a one-time cost of a few captures, logged), at most MAX_GENERAL_KEYS
     keys. `capture=False` (the CPU, tests) runs the same functions eagerly over the same padded static buffers.
     """
 
-    fused_greedy = False
+    fused_greedy = True  # a greedy step replays as one graph per key ("greedy"; "greedy_plain" without drafting)
 
     def __init__(self, runner, max_num_batched_tokens: int, max_num_seqs: int, *, pool=None, capture: bool = True):
         self.runner = runner
@@ -326,6 +327,11 @@ class GeneralGraphs:
         self.next_rows[:2 * len(src)].copy_(s64[n64:n64 + 2 * len(src)], non_blocking=True)
         self.i32[:n32].copy_(s32[:n32], non_blocking=True)
         return self._views(key), self.next_rows[:len(src)], self.next_rows[len(src):2 * len(src)]
+
+    def run_greedy(self, num_real: int, draft: bool) -> torch.Tensor:
+        """The packed answer of a greedy step (`ModelRunner.general_greedy_step`) for its num_real requests."""
+        return self._replay("greedy" if draft else "greedy_plain", lambda t, b, k: lambda: (
+            self.runner.general_greedy_step(self._views((t, b, k)), t, k, draft)))[:num_real]
 
     def run_target(self):
         return self._replay("target", self._target_fn)

@@ -396,6 +396,25 @@ class ModelRunner:
                                   num_drafts=self.draft_count(k))
         return _pack(v, drafts, b, _num_verified(x.drafts, x.num_drafts))
 
+    def general_greedy_step(self, x: DeviceInputs, t: int, k: int, draft: bool) -> torch.Tensor:
+        """A whole general step for greedy requests on the device (captured per key as one CUDA graph): the target
+        over the step's t fed tokens, verification of every request's k + 1 rows, then drafting. Padding requests
+        (empty spans) are verified too and their answers dropped by the caller; they feed the drafter zeros, as in
+        `_run`. Returns the packed answer of all B requests, as `greedy_step` does."""
+        b = x.query_start_loc.shape[0] - 1
+        logits, aux = self.target_forward(x, t, small_query_len=k + 1)
+        v = verify_greedy(logits.argmax(-1).view(b, k + 1), x.drafts, x.num_drafts)
+        drafts = None
+        if draft:
+            live = x.query_start_loc[1:] > x.query_start_loc[:-1]  # a real request feeds at least one token
+            next_tokens = v.next_tokens if x.chunk_next is None else torch.where(x.chunk_next >= 0, x.chunk_next,
+                                                                                 v.next_tokens)
+            zero = torch.zeros_like(next_tokens)
+            drafts = self.propose(x, aux, torch.where(live, x.num_drafts - v.num_accepted, zero),
+                                  torch.where(live, next_tokens, zero), t, small_query_len=k + 1,
+                                  num_drafts=self.draft_count(k))
+        return _pack(v, drafts, b, _num_verified(x.drafts, x.num_drafts))
+
     def execute(self, seqs, drafts: list[list[int]], st: SamplingTensors, plan: DraftPlan,
                 chunks: list[int] | None = None) -> StepResult:
         """One step, answered on the host (`launch` and wait)."""

@@ -240,8 +240,9 @@ class GeneralGraphs:
     scratch KV block; padding requests are empty. A greedy step (no logits processing, logprobs or synthetic
     acceptance) replays one "greedy" graph per key: target, verification and drafter, as a greedy decode round does.
     Other steps replay a "target" graph (the target forward, logits at the verified rows) and, with a drafter, a
-    "draft" graph, verification running eagerly between them. They write their outputs into static buffers shared by
-    all keys, so a key costs its graphs and no memory of its own beyond the shared pool.
+    "draft" graph, verification running eagerly between them. Those two write their outputs into static buffers
+    shared by all keys; a greedy graph keeps its own packed answer (a few int64 a request). A key costs its graphs
+    and, beyond that answer, no memory of its own outside the shared pool.
 
     Graphs are captured on a key's first use (a one-time cost of a few captures, logged), at most MAX_GENERAL_KEYS
     keys. `capture=False` (the CPU, tests) runs the same functions eagerly over the same padded static buffers.
@@ -330,8 +331,7 @@ class GeneralGraphs:
 
     def run_greedy(self, num_real: int, draft: bool) -> torch.Tensor:
         """The packed answer of a greedy step (`ModelRunner.general_greedy_step`) for its num_real requests."""
-        return self._replay("greedy" if draft else "greedy_plain", lambda t, b, k: lambda: (
-            self.runner.general_greedy_step(self._views((t, b, k)), t, k, draft)))[:num_real]
+        return self._replay("greedy" if draft else "greedy_plain", self._greedy_fn(draft))[:num_real]
 
     def run_target(self):
         return self._replay("target", self._target_fn)
@@ -354,6 +354,12 @@ class GeneralGraphs:
                 aux_out.copy_(aux)
             return logits_out, aux_out
         return fn
+
+    def _greedy_fn(self, draft: bool):
+        def make(t: int, b: int, k: int):
+            x = self._views((t, b, k))
+            return lambda: self.runner.general_greedy_step(x, t, k, draft)
+        return make
 
     def _draft_fn(self, t: int, b: int, k: int):
         x = self._views((t, b, k))

@@ -613,10 +613,10 @@ def main(argv=None) -> int:
             # inside its kernel), "+mixed-tiles" and "+admit-ahead" (async scheduling launches a step that admits
             # prompts before the answer in flight); module switches "+coarse-buckets" (general graphs padded to
             # powers of two, as before run 14), "+pdl" and "+gemv-wide"
-            base, mods = split_variant(split_cutoff(variant)[0])
-            cutoff = split_cutoff(variant)[1] if head is not None else None
+            rest, cutoff = split_cutoff(variant)
+            base, mods = split_variant(rest)
             switches = engine_switches(mods)
-            if cutoff is not None:
+            if cutoff is not None and head is not None:  # a cutoff cuts drafts: the speculative methods only
                 switches["draft_confidence_cutoff"] = cutoff
             cuda_graph.TOKEN_BUCKET_STEPS = 1 if "coarse-buckets" in mods else TOKEN_BUCKET_STEPS
             if pdl is not None:

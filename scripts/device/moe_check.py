@@ -144,6 +144,8 @@ def main() -> int:
     unknown = [r for r in args.runs.split(",") if r not in RUNS]
     if unknown:
         ap.error(f"unknown run(s) {unknown}; choose from {sorted(RUNS)}")
+    if args.profile and "none" not in args.runs.split(","):
+        ap.error("--profile profiles the none run's decode steps: add none to --runs")
     batches = [int(b) for b in args.batches.split(",")]
     d = Path(tempfile.mkdtemp())
     (d / "config.json").write_text(json.dumps(SHAPES[args.shape]))

@@ -5,10 +5,13 @@
 # instruction); after them one short run of each recipe under compute-sanitizer memcheck with PyTorch's caching
 # allocator off (every tensor its own allocation, so an access past a tensor is seen), then the engine's.
 # Everything but weights lands in $OUT/fault_hunt.tar.gz; a summary is printed.
-#   FH_MINUTES   the side-by-side trainers' --time-limit (default 5)
+#   FH_MINUTES   every trainer's --time-limit, the sanitized ones' too (default 5)
 #   FH_SAN_STEPS the sanitized runs' steps (default 100: the time limit may end them first); FH_SAN=0: no sanitized runs
 #   FH_EXTRA     more `peagle train` arguments for every run (e.g. a candidate fix's switch)
 #   FH_ENGINE=0  no engine pass (scripts/device/engine_sanitize.py under memcheck, after the trainers)
+#   FH_RACE=0    no side-by-side trainers (the sanitized runs only)
+#   FH_SAN_PARALLEL=1  the sanitized runs side by side, the engine's first (it sizes its KV cache from what is free),
+#                the trainers once it has printed its first point or after 120 s; each cut after FH_MINUTES + 140 s
 set -u
 W=${FH_WORK:-/tmp/fault-hunt}
 OUT=${OUT:-$W/out}
@@ -36,7 +39,9 @@ eagle3=(--method eagle3 --num-layers 1 --k-train 3 --batch-size 1)
 peagle=(--method peagle --num-layers 4 --k-train 8 --batch-size 1)
 minutes=${FH_MINUTES:-5}
 pids=()
-for seed in 0 1; do
+seeds="0 1"
+[ "${FH_RACE:-1}" = 0 ] && seeds=""
+for seed in $seeds; do
   for m in eagle3 peagle; do
     name=$m-$seed
     args=("${common[@]}")
@@ -48,26 +53,33 @@ for seed in 0 1; do
   done
 done
 for p in "${pids[@]}"; do wait $p; echo "pid $p exit $?"; done
-# The sanitized runs after the trainers, one at a time: run 32 found that beside them they ran out of memory.
-if [ "${FH_SAN:-1}" != 0 ]; then
-  for m in eagle3 peagle; do
-    args=("${common[@]}")
-    [ $m = eagle3 ] && args+=("${eagle3[@]}") || args+=("${peagle[@]}")
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout $(( minutes * 60 + 140 )) compute-sanitizer --tool memcheck \
-      --print-limit 20 --log-file "$W/memcheck-$m.log" $py -m peagle train "${args[@]}" --steps ${FH_SAN_STEPS:-100} \
-      --eval-every 1000 --log-every 5 --out "$W/san-$m" > "$W/san-$m.log" 2>&1
-    echo "san-$m exit $?"
-  done
-fi
-if [ "${FH_ENGINE:-1}" != 0 ]; then  # the engine's serving path under memcheck
+san_train() {  # one recipe under memcheck with PyTorch's caching allocator off
+  local m=$1 args=("${common[@]}")
+  [ $m = eagle3 ] && args+=("${eagle3[@]}") || args+=("${peagle[@]}")
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout $(( minutes * 60 + 140 )) compute-sanitizer --tool memcheck \
+    --print-limit 20 --log-file "$W/memcheck-$m.log" $py -m peagle train "${args[@]}" --steps ${FH_SAN_STEPS:-100} \
+    --eval-every 1000 --log-every 5 --time-limit $minutes --out "$W/san-$m" > "$W/san-$m.log" 2>&1
+  echo "san-$m exit $?"
+}
+san_engine() {  # the engine's serving path under memcheck
   for m in eagle3 peagle; do
     l=$([ $m = eagle3 ] && echo 1 || echo 4)
     $py -m peagle drafter init --target "$W/target" --method $m --num-layers $l --out "$W/heads/$m" > /dev/null
   done
-  timeout $(( ${FH_MINUTES:-5} * 60 + 140 )) compute-sanitizer --tool memcheck --print-limit 20 \
+  timeout $(( minutes * 60 + 140 )) compute-sanitizer --tool memcheck --print-limit 20 \
     --log-file "$W/memcheck-engine.log" $py scripts/device/engine_sanitize.py "$W/target" "$W/heads" \
     > "$W/engine.log" 2>&1
   echo "engine exit $?"
+}
+if [ "${FH_SAN_PARALLEL:-0}" = 1 ]; then
+  san=()
+  [ "${FH_ENGINE:-1}" != 0 ] && { san_engine & san+=($!); }
+  for _ in $(seq 120); do grep -q '^{' "$W/engine.log" 2> /dev/null && break; [ ${#san[@]} -eq 0 ] && break; sleep 1; done
+  if [ "${FH_SAN:-1}" != 0 ]; then for m in eagle3 peagle; do san_train $m & san+=($!); done; fi
+  for p in "${san[@]}"; do wait $p; done
+else  # one at a time, after the trainers: run 32 found that beside them they ran out of memory
+  if [ "${FH_SAN:-1}" != 0 ]; then for m in eagle3 peagle; do san_train $m; done; fi
+  [ "${FH_ENGINE:-1}" != 0 ] && san_engine
 fi
 
 grep '^{' "$W/engine.log" 2>/dev/null

@@ -35,6 +35,10 @@ def params():
     return [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(len(PROMPTS))]
 
 
+def sampled():
+    return [SamplingParams(temperature=1.0, seed=i, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("method", sorted(SPECS))
 def test_graphed_general_steps_keep_greedy_output(model_dir, method, variant):
@@ -130,8 +134,7 @@ def test_pdl_keeps_greedy_output(model_dir, method, graphs, gemv, monkeypatch):
 def test_replay_equals_an_eager_call_on_the_static_buffers(model_dir, method):
     llm = make_llm(model_dir, method, True)
     # seeded sampling: its steps replay the target graph (greedy steps replay one fused graph instead)
-    llm.generate(PROMPTS, [SamplingParams(temperature=1.0, seed=i, max_tokens=6 + 3 * i, ignore_eos=True)
-                           for i in range(len(PROMPTS))], use_tqdm=False)
+    llm.generate(PROMPTS, sampled(), use_tqdm=False)
     general = llm.engine.runner.general_graphs
     key = general.current  # the static buffers still hold this key's last inputs
     graph, (logits, aux) = general.graphs[("target", *key)]
@@ -224,3 +227,24 @@ def test_adaptive_rise_beside_an_admitted_prompt_replays_graphs(model_dir, metho
     assert all(d == runner.draft_count(v) for v, d, _ in steps), steps  # what a graph of its K proposes
     assert {2, k} <= {v for v, _, _ in steps}
     assert any(g for v, _, g in steps if v)  # graphs ran the decodes (a general step may run eagerly at its cap)
+
+
+@pytest.mark.parametrize("method", ["none", "peagle"])
+def test_target_graphs_write_one_shared_output(model_dir, method):
+    """Every decode and general target graph copies its logits (and aux) into the runner's one pair of buffers
+    (outputs kept per graph would hold GiBs over a large vocabulary's buckets), and seeded sampling, whose steps
+    replay those graphs, samples what eager steps sample."""
+    llm = make_llm(model_dir, method, True)
+    out = [o.token_ids for o in llm.generate(PROMPTS, sampled(), use_tqdm=False)]
+    runner = llm.engine.runner
+    logits0, aux0 = runner.graph_outputs(0, 0)
+    targets = [o for (kind, *_), (_, o) in [*runner.graphs.graphs.items(), *runner.general_graphs.graphs.items()]
+               if kind == "target"]
+    assert len(targets) > len(runner.graphs.buckets)
+    for logits, aux in targets:
+        assert logits.untyped_storage().data_ptr() == logits0.untyped_storage().data_ptr()
+        assert (aux is None) == (aux0 is None) == (method == "none")
+        assert aux is None or aux.untyped_storage().data_ptr() == aux0.untyped_storage().data_ptr()
+    del llm
+    eager = make_llm(model_dir, method, False, enforce_eager=True)
+    assert [o.token_ids for o in eager.generate(PROMPTS, sampled(), use_tqdm=False)] == out

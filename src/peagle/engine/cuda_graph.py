@@ -80,6 +80,7 @@ class CudaGraphs:
         self._flip = 0
         self.num_rejected = torch.zeros(bmax, dtype=torch.long, device=dev)
         self.next_tokens = torch.zeros(bmax, dtype=torch.long, device=dev)
+        self.logits, self.aux = runner.graph_outputs(tmax, tmax)  # shared by every key's target graph
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, object]] = {}
         self.current: tuple[int, int] = (bmax, kmax)
@@ -158,14 +159,29 @@ class CudaGraphs:
         self.graphs[key] = capture_graph(fn, self.pool)
         return self.graphs[key][1]
 
+    def _target_fn(self, b: int, k: int):
+        x, t = self._views(b, k), b * (k + 1)
+        logits_out = self.logits[:t]
+        aux_out = None if self.aux is None else self.aux[:t]
+
+        def fn():
+            logits, aux = self.runner.target_forward(x, k + 1, all_rows=True)
+            logits_out.copy_(logits)
+            if aux_out is not None:
+                aux_out.copy_(aux)
+            return logits_out, aux_out
+        return fn
+
     def _capture_all(self):
         r = self.runner
-        todo = [(b, k) for k in self.ks for b in reversed(self.buckets)]
+        # Largest first: a capture reuses the pool's blocks that the graphs before it freed.
+        todo = [(b, k) for k in sorted(self.ks, reverse=True) for b in reversed(self.buckets)]
+        before = torch.cuda.memory_reserved(r.device)
         for b, k in tqdm(todo, desc="capturing CUDA graphs", leave=False, disable=None):
             self._fill_dummy(b, k)
             x = self._views(b, k)
             self._capture(("greedy", b, k), lambda: r.greedy_step(x, k))
-            logits, aux = self._capture(("target", b, k), lambda: r.target_forward(x, k + 1, all_rows=True))
+            logits, aux = self._capture(("target", b, k), self._target_fn(b, k))
             if r.proposer is not None and k > 0:
                 nrej, nxt = self.num_rejected[:b], self.next_tokens[:b]
                 self._capture(("draft", b, k), lambda: r.propose(x, aux, nrej, nxt, k + 1,
@@ -173,7 +189,9 @@ class CudaGraphs:
         if r.proposer is not None and 0 in self.ks:
             self.resume = self._capture_resume()
         torch.cuda.synchronize()
-        logger.info("captured %d CUDA graphs (buckets %s, K %s)", len(self.graphs), self.buckets, self.ks)
+        self.memory = torch.cuda.memory_reserved(r.device) - before  # bytes the captures took from the device
+        logger.info("captured %d CUDA graphs (buckets %s, K %s; %.2f GiB)", len(self.graphs), self.buckets, self.ks,
+                    self.memory / 2**30)
 
     def _capture_resume(self) -> bool:
         """Graphs for the step that turns drafting back on at K = 0 (no drafts yet, the drafter runs). Without them
@@ -225,6 +243,11 @@ def token_buckets(max_num_batched_tokens: int, steps_per_doubling: int | None = 
     return out + [cap]
 
 
+def general_output_rows(max_num_batched_tokens: int, max_num_seqs: int, k: int) -> tuple[int, int]:
+    """The logits rows and aux rows (tokens) that GeneralGraphs' largest key writes."""
+    return request_buckets(max_num_seqs)[-1] * (k + 1), token_buckets(max_num_batched_tokens)[-1]
+
+
 def request_buckets(max_num_seqs: int) -> list[int]:
     cap = min(max_num_seqs, REQUEST_BUCKETS[-1])
     return [b for b in REQUEST_BUCKETS if b < cap] + [cap]
@@ -261,11 +284,7 @@ class GeneralGraphs:
         self.i32 = torch.zeros(bmax + 1 + bmax * self.width, dtype=torch.int32, device=dev)
         self.num_rejected = torch.zeros(bmax, dtype=torch.long, device=dev)
         self.next_tokens = torch.zeros(bmax, dtype=torch.long, device=dev)
-        cfg = runner.target.config
-        self.logits = torch.zeros(bmax * (kmax + 1), cfg.vocab_size, dtype=torch.float32, device=dev)
-        num_aux = len(runner.aux_layer_ids or ())
-        self.aux = (torch.zeros(tmax, num_aux * cfg.hidden_size, dtype=runner.dtype, device=dev) if num_aux
-                    else None)
+        self.logits, self.aux = runner.graph_outputs(*general_output_rows(max_num_batched_tokens, max_num_seqs, kmax))
         self.next_rows = torch.zeros(2 * bmax, dtype=torch.long, device=dev)  # load_inputs(..., next_rows): src, base
         pinned = dev.type == "cuda"  # staged loads: launched while a step is in flight (a pageable copy would wait)
         self._stage64 = [torch.empty(len(self.i64) + 2 * bmax, dtype=torch.long, pin_memory=pinned) for _ in range(2)]

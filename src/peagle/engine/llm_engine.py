@@ -77,6 +77,11 @@ class LLMEngine:
             synthetic_acceptance=config.synthetic_acceptance, cuda_graphs=not config.enforce_eager,
             prefill_cuda_graphs=config.prefill_cuda_graphs, async_copies=config.async_scheduling,
         )
+        graphs, reserve = self.runner.graphs, self.activation_reserve()
+        if graphs is not None and graphs.memory > reserve // 2:
+            logger.warning("the decode CUDA graphs took %.1f GiB of the %.1f GiB kept free beside the KV cache; if "
+                           "steps run out of GPU memory, lower gpu_memory_utilization", graphs.memory / 2**30,
+                           reserve / 2**30)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=self.max_model_len,
             block_size=block_size, num_blocks=num_blocks, num_lookahead_slots=2 * self.k,
@@ -126,6 +131,13 @@ class LLMEngine:
             )
         return drafter, (ParallelDraftingProposer if parallel else Eagle3Proposer)
 
+    def activation_reserve(self) -> int:
+        """Bytes kept free beside the KV cache: _ACTIVATION_RESERVE, plus, as the vocabulary and the decode batch
+        grow, three fp32 logits tensors of the largest decode step (the graphs' shared output, and that step's
+        logits and probabilities while it runs)."""
+        rows = self.config.max_num_seqs * (self.k + 1)
+        return _ACTIVATION_RESERVE + 3 * 4 * rows * self.model_config.vocab_size
+
     def _num_blocks(self, drafter) -> int:
         cfg = self.config
         per_block = ModelRunner.kv_block_bytes(self.target, drafter, cfg.block_size, self.dtype)
@@ -140,7 +152,7 @@ class LLMEngine:
         gc.collect()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = total * cfg.gpu_memory_utilization - (total - free) - _ACTIVATION_RESERVE
+        budget = total * cfg.gpu_memory_utilization - (total - free) - self.activation_reserve()
         blocks = int(budget // per_block)
         if blocks < per_seq:
             raise ValueError(

@@ -140,14 +140,37 @@ class ModelRunner:
         self._pinned: list[torch.Tensor] | None = None  # async answers: two pinned buffers and their events
         self._events: list[torch.cuda.Event] = []
         self._flip = 0
+        self._graph_outputs: tuple[torch.Tensor, torch.Tensor | None] | None = None
         if cuda_graphs and device.type == "cuda":  # captured last: their functions read everything set above
-            from peagle.engine.cuda_graph import CudaGraphs
+            from peagle.engine.cuda_graph import CudaGraphs, general_output_rows
 
+            kmax = max(planner.graph_ks())
+            rows, tokens = max_num_seqs * (kmax + 1), max_num_seqs * (kmax + 1)
+            if prefill_cuda_graphs:  # sized once for both kinds of graphs, so the buffers never grow
+                g_rows, g_tokens = general_output_rows(max_num_batched_tokens, max_num_seqs, self.k)
+                rows, tokens = max(rows, g_rows), max(tokens, g_tokens)
+            self.graph_outputs(rows, tokens)
             self.graphs = CudaGraphs(self, max_num_seqs, planner.graph_ks())
             if prefill_cuda_graphs:
                 self.general_graphs = self.build_general_graphs()
         if async_copies:
             self._enable_async_copies()
+
+    def graph_outputs(self, logit_rows: int, aux_rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The static logits [>= logit_rows, V] (fp32) and aux [>= aux_rows, F] (None without aux layers) that every
+        graph of this runner copies its target outputs into. Outputs that each graph kept would stay allocated as
+        long as the graph: over the decode buckets of a 152K-token vocabulary, several GiB beyond the KV budget.
+        A request for more rows than the buffers hold replaces them (graphs captured before keep the old ones)."""
+        have = self._graph_outputs
+        aux_width = len(self.aux_layer_ids or ()) * self.target.config.hidden_size
+        if have is None or have[0].shape[0] < logit_rows or (have[1] is not None and have[1].shape[0] < aux_rows):
+            if have is not None:
+                logit_rows = max(logit_rows, have[0].shape[0])
+                aux_rows = max(aux_rows, 0 if have[1] is None else have[1].shape[0])
+            logits = torch.zeros(logit_rows, self.target.config.vocab_size, dtype=torch.float32, device=self.device)
+            aux = (torch.zeros(aux_rows, aux_width, dtype=self.dtype, device=self.device) if aux_width else None)
+            self._graph_outputs = have = (logits, aux)
+        return have
 
     def build_general_graphs(self, capture: bool = True):
         """Graphs for general steps, sharing the decode graphs' memory pool. capture=False runs their functions

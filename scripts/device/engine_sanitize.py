@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,64")
     args = parser.parse_args()
     # Random weights: what a prompt says does not matter, its length does (short chat turns to long requests).
-    prompts = [" ".join(f"word{j}" for j in range(8 + 37 * i % 700)) for i in range(64)]
+    prompts = [" ".join(f"word{j}" for j in range(8 + 37 * i % 400)) for i in range(64)]
     for method, (k, parallel, rates) in POINTS.items():
         llm = LLM(args.target, {"method": "eagle3", "model": f"{args.heads}/{method}", "num_speculative_tokens": k,
                                 "parallel_drafting": parallel},

@@ -56,7 +56,9 @@ for p in "${pids[@]}"; do wait $p; echo "pid $p exit $?"; done
 san_train() {  # one recipe under memcheck with PyTorch's caching allocator off
   local m=$1 args=("${common[@]}")
   [ $m = eagle3 ] && args+=("${eagle3[@]}") || args+=("${peagle[@]}")
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout $(( minutes * 60 + 140 )) compute-sanitizer --tool memcheck \
+  local nc=(PYTORCH_NO_CUDA_MEMORY_CACHING=1)
+  [ "${FH_SAN_CACHING:-0}" = 1 ] && nc=()  # PyTorch's caching allocator on: checks whole segments only
+  env "${nc[@]}" timeout $(( minutes * 60 + 140 )) compute-sanitizer --tool memcheck \
     --print-limit 20 --log-file "$W/memcheck-$m.log" $py -m peagle train "${args[@]}" --steps ${FH_SAN_STEPS:-100} \
     --eval-every 1000 --log-every 5 --time-limit $minutes --out "$W/san-$m" > "$W/san-$m.log" 2>&1
   echo "san-$m exit $?"
@@ -75,10 +77,10 @@ if [ "${FH_SAN_PARALLEL:-0}" = 1 ]; then
   san=()
   [ "${FH_ENGINE:-1}" != 0 ] && { san_engine & san+=($!); }
   for _ in $(seq 120); do grep -q '^{' "$W/engine.log" 2> /dev/null && break; [ ${#san[@]} -eq 0 ] && break; sleep 1; done
-  if [ "${FH_SAN:-1}" != 0 ]; then for m in eagle3 peagle; do san_train $m & san+=($!); done; fi
+  if [ "${FH_SAN:-1}" != 0 ]; then for m in ${FH_SAN_METHODS:-eagle3 peagle}; do san_train $m & san+=($!); done; fi
   for p in "${san[@]}"; do wait $p; done
 else  # one at a time, after the trainers: run 32 found that beside them they ran out of memory
-  if [ "${FH_SAN:-1}" != 0 ]; then for m in eagle3 peagle; do san_train $m; done; fi
+  if [ "${FH_SAN:-1}" != 0 ]; then for m in ${FH_SAN_METHODS:-eagle3 peagle}; do san_train $m; done; fi
   [ "${FH_ENGINE:-1}" != 0 ] && san_engine
 fi
 

@@ -45,9 +45,22 @@ REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MAX_GENERAL_KEYS = 96  # (T, B, K) keys with graphs; steps of further keys run eagerly
 
 
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream() -> torch.cuda.Stream:
+    """The one side stream of every capture on the current device. The caching allocator reuses a freed block only
+    on the stream it was allocated on: with a stream of its own per capture (from a pool of 32), each warm-up's
+    activations would stay cached apart."""
+    device = torch.cuda.current_device()
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream()
+    return _CAPTURE_STREAMS[device]
+
+
 def capture_graph(fn, pool, error_mode: str = "global") -> tuple[torch.cuda.CUDAGraph, object]:
     """Capture `fn` after one warm-up call (it compiles kernels and settles the allocator) on a side stream."""
-    stream = torch.cuda.Stream()
+    stream = capture_stream()
     stream.wait_stream(torch.cuda.current_stream())
     try:
         with torch.cuda.stream(stream), torch.inference_mode():
@@ -189,6 +202,7 @@ class CudaGraphs:
         if r.proposer is not None and 0 in self.ks:
             self.resume = self._capture_resume()
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the warm-ups' blocks, cached for the capture stream that no step runs on
         self.memory = torch.cuda.memory_reserved(r.device) - before  # bytes the captures took from the device
         logger.info("captured %d CUDA graphs (buckets %s, K %s; %.2f GiB)", len(self.graphs), self.buckets, self.ks,
                     self.memory / 2**30)

@@ -138,6 +138,9 @@ def main() -> int:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"of {', '.join(RUNS)}")
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--decode-gemv", action="store_true",
+                    help="the engine's decode_gemv option: the target's linear layers (attention projections, "
+                         "routers) called with at most 8 rows go through the Triton GEMV kernel, not cuBLAS")
     ap.add_argument("--profile", metavar="FILE", help="with the none run: the GPU kernels of 16 batch-1 decode steps "
                     "(CUDA graphs replayed), by total time, written to FILE")
     args = ap.parse_args()
@@ -153,7 +156,8 @@ def main() -> int:
         shutil.copy(f, d)
     tok = load_tokenizer(d)
     prompts = [tok.encode_chat(p.messages) for p in load_prompts("mtbench")]
-    result = {"shape": args.shape, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+    result = {"shape": args.shape, "decode_gemv": args.decode_gemv, "gpu": torch.cuda.get_device_name(),
+              "torch": torch.__version__,
               "copy_bandwidth_Bps": copy_bandwidth(), "rows": []}
 
     def save():
@@ -166,7 +170,7 @@ def main() -> int:
         start = time.perf_counter()
         llm = LLM(model=str(d), load_format="dummy", dtype="bfloat16", max_model_len=args.max_model_len,
                   max_num_seqs=max(batches), speculative_config=spec,
-                  synthetic_acceptance=rates[:k] if rates else None)
+                  synthetic_acceptance=rates[:k] if rates else None, decode_gemv=args.decode_gemv)
         built_s = time.perf_counter() - start
         model = llm.engine.target
         if label == "none":

@@ -101,3 +101,27 @@ def test_triton_path_with_fused_qk_norm_equals_the_reference_path(tiny_hf_checkp
     plain = [o.token_ids for o in make_llm(target, enforce_eager=True).generate(PROMPTS[:2], greedy(12),
                                                                                   use_tqdm=False)]
     interpreted(check_fused_qk_norm_path, target, PROMPTS[:2], plain)
+
+
+def check_gemv_path(target, prompts, plain):
+    # In the interpreter process: the Triton path with decode_gemv (the target's linear layers of decode-sized calls
+    # through the GEMV kernel).
+    import os
+
+    from peagle import kernels
+
+    os.environ["PEAGLE_KERNELS"] = "triton"
+    llm = make_llm(target, enforce_eager=True, decode_gemv=True)
+    assert any(isinstance(m, kernels.GemvLinear) for m in llm.engine.target.modules())
+    outs = llm.generate(prompts, greedy(12), use_tqdm=False)
+    assert [o.token_ids for o in outs] == [p[:12] for p in plain]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_triton_path_with_gemv_linears_equals_the_reference_path(tiny_hf_checkpoint, interpreted, family):
+    """decode_gemv on the mixture-of-experts families (routers, biased and sink-carrying attention projections)
+    gives the torch path's greedy output."""
+    target = tiny_hf_checkpoint(family, num_layers=2)
+    plain = [o.token_ids for o in make_llm(target, enforce_eager=True).generate(PROMPTS[:2], greedy(12),
+                                                                                  use_tqdm=False)]
+    interpreted(check_gemv_path, target, PROMPTS[:2], plain)

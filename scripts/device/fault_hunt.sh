@@ -12,10 +12,17 @@
 #   FH_RACE=0    no side-by-side trainers (the sanitized runs only)
 #   FH_SAN_PARALLEL=1  the sanitized runs side by side, the engine's first (it sizes its KV cache from what is free),
 #                the trainers once it has printed its first point or after 120 s; each cut after FH_MINUTES + 140 s
+#   FH_SAN_METHODS  the sanitized trainers (default "eagle3 peagle")
+#   FH_SAN_CACHING=1  PyTorch's caching allocator on under memcheck (it then checks whole segments only)
+#   FH_KEEP=1    keep the work folder of an earlier call on this machine: the sanitized trainers resume from their
+#                last checkpoint (saved every FH_SAN_SAVE steps, default 5), so that a memcheck run of more steps
+#                than one call holds (about 7 s a step) goes on over calls, a memcheck log per call
 set -u
 W=${FH_WORK:-/tmp/fault-hunt}
 OUT=${OUT:-$W/out}
-rm -rf "$W" && mkdir -p "$W" "$OUT"
+[ "${FH_KEEP:-0}" = 1 ] || rm -rf "$W"
+mkdir -p "$W" "$OUT"
+call=$(date +%s)
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:/tmp/site"
 py=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -56,11 +63,13 @@ for p in "${pids[@]}"; do wait $p; echo "pid $p exit $?"; done
 san_train() {  # one recipe under memcheck with PyTorch's caching allocator off
   local m=$1 args=("${common[@]}")
   [ $m = eagle3 ] && args+=("${eagle3[@]}") || args+=("${peagle[@]}")
+  ls "$W/san-$m"/checkpoints/step-*/trainer_state.pt > /dev/null 2>&1 && args+=(--resume)  # a complete checkpoint
   local nc=(PYTORCH_NO_CUDA_MEMORY_CACHING=1)
   [ "${FH_SAN_CACHING:-0}" = 1 ] && nc=()  # PyTorch's caching allocator on: checks whole segments only
   env "${nc[@]}" timeout $(( minutes * 60 + 140 )) compute-sanitizer --tool memcheck \
-    --print-limit 20 --log-file "$W/memcheck-$m.log" $py -m peagle train "${args[@]}" --steps ${FH_SAN_STEPS:-100} \
-    --eval-every 1000 --log-every 5 --time-limit $minutes --out "$W/san-$m" > "$W/san-$m.log" 2>&1
+    --print-limit 20 --log-file "$W/memcheck-$m-$call.log" $py -m peagle train "${args[@]}" --steps ${FH_SAN_STEPS:-100} \
+    --eval-fraction 0 --log-every 5 --save-every ${FH_SAN_SAVE:-5} --time-limit $minutes --out "$W/san-$m" \
+    >> "$W/san-$m.log" 2>&1
   echo "san-$m exit $?"
 }
 san_engine() {  # the engine's serving path under memcheck

@@ -370,3 +370,33 @@ def test_a_server_that_is_behind_gets_the_steps_outputs_joined(tokenizer_dir):
     ours.close()
     loop.join(10)
     assert not loop.is_alive()  # the engine loop ends when its last server's socket closes
+
+
+def test_decoded_engine_messages_are_not_tracked_by_the_garbage_collector():
+    """A server decodes thousands of engine messages a second: none of their structs counts toward (or is walked by)
+    Python's cyclic collections."""
+    import gc
+
+    from peagle.engine.stats import EngineStats
+    from peagle.server import engine_wire as wire
+
+    step = wire.Step([wire.Output("r1", [1, 2, 3]), wire.Output("r2", [4], True, "length", None, wire.Metrics(1, 7))],
+                     EngineStats(2, 0, 3, 10))
+    frames = wire.FrameBuffer().feed(wire.engine_frame(step))
+    decoded = wire.decode_engine_message(frames[0])
+    assert decoded == step
+    assert not any(gc.is_tracked(s) for s in (decoded, *decoded.outputs, decoded.outputs[1].metrics))
+
+
+def test_serving_processes_freeze_their_startup_heap_and_thaw_it_at_exit():
+    """After start-up a serving process's objects are out of the cyclic collector's reach; at exit they are back in
+    it, so the interpreter's last collection frees them (no extension module reports leaks)."""
+    code = ("import atexit, gc\n"
+            "from peagle.server.engine_process import freeze_startup_heap\n"
+            "atexit.register(lambda: print('frozen at exit', gc.get_freeze_count()))  # runs after the thaw\n"
+            "held = [[i] for i in range(1000)]\n"
+            "freeze_startup_heap()\n"
+            "assert gc.get_freeze_count() >= 1000, gc.get_freeze_count()\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "frozen at exit 0", done.stdout

@@ -21,6 +21,7 @@ again for its own tokenizer.
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import multiprocessing
 import select
@@ -170,7 +171,17 @@ def _child_main(socks: list[socket.socket], config, tokenizer: str | None, engin
                                                        isinstance(e, (ValueError, FileNotFoundError))))))
         return
     socks[0].sendall(wire.command_frame(("ready", info)))
+    freeze_startup_heap()
     EngineLoop(engine, socks).run()
+
+
+def freeze_startup_heap():
+    """Moves every object alive now (the model, the tokenizer, the web stack) out of the cyclic garbage collector's
+    reach, so that the collections that serving's allocations trigger do not walk them again and again. Undone at
+    exit, so that the interpreter's last collection still frees them (extension modules check for leaks then)."""
+    gc.collect()
+    gc.freeze()
+    atexit.register(gc.unfreeze)
 
 
 class _Client:

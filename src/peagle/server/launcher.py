@@ -101,6 +101,9 @@ def run_api_server(args: argparse.Namespace, engine, template, defaults, listene
 
     if hasattr(app.state.async_engine, "on_engine_dead"):
         app.state.async_engine.on_engine_dead.append(engine_dead)
+    from peagle.server.engine_process import freeze_startup_heap
+
+    freeze_startup_heap()
     with _signals_end_cleanly():
         server.run(sockets=[listener])
     return status[0]

@@ -201,7 +201,7 @@ def measure(src: str, tokenizer: str, interval: int, impl: str, engine: str, arg
         pids = [server.pid, *kids]
         cpu0 = {pid: _cpu_seconds(pid) for pid in pids}
         spies = [] if not args.py_spy else [
-            _py_spy(pid, Path(args.py_spy) / f"{label or 'tree'}-{engine}-i{interval}-"
+            _py_spy(pid, Path(args.py_spy) / f"{(label or 'tree').replace(' ', '-')}-{engine}-i{interval}-"
                                               f"{'engine' if pid == engine_pid else 'server'}-{pid}.txt",
                     args.seconds) for pid in pids]
         got = run_clients(port, args.concurrency, args.seconds, args.max_tokens, args.client_processes)

@@ -545,3 +545,19 @@ def test_cutoff_rows_are_measured_beside_fixed_k_and_calibrated_with_it(tmp_path
     assert "| P-EAGLE K=5 cutoff 0.5 |" in table_md and "cutoff 0.5 K=5" not in table_md  # its K said once
     with pytest.raises(ValueError, match="cutoffs in"):
         SweepConfig(model="m", draft_peagle="p", methods=("peagle",), cutoffs=(0.0,))
+
+
+def test_an_in_process_row_runs_with_the_engine_frozen_out_of_the_collector(tiny_hf_checkpoint):
+    """While a row's engine serves, its objects are out of the cyclic collector's walks (as in `peagle serve`'s engine
+    process, so that in-process and served rows pay alike); after the row they are back, so that freeing the engine
+    frees its cycles too."""
+    import gc
+
+    from peagle.bench.sweep import open_engine_runner
+
+    config = SweepConfig(model=str(tiny_hf_checkpoint("llama", num_layers=2)), methods=("none",), concurrency=(1,),
+                         dtype="float32", device="cpu", max_model_len=128)
+    with open_engine_runner(config, "none", None) as runner:
+        assert runner.engine is not None
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0

@@ -396,10 +396,15 @@ def open_engine_runner(config: SweepConfig, method: str, k: int | None,
 
     runner = EngineRunner(llm.engine, prompt_encoder(tokenizer, config.completions), params, config.max_tokens)
     del llm
+    # The engine's objects out of the cyclic collector's walks while it serves, as `peagle serve`'s engine process
+    # has them, so that in-process and served rows pay the same; thawed before the engine is freed.
+    gc.collect()
+    gc.freeze()
     try:
         yield runner
     finally:
         runner.close()
+        gc.unfreeze()
         free_accelerator_memory()
 
 

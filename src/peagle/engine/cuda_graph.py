@@ -178,8 +178,7 @@ class CudaGraphs:
         aux_out = None if self.aux is None else self.aux[:t]
 
         def fn():
-            logits, aux = self.runner.target_forward(x, k + 1, all_rows=True)
-            logits_out.copy_(logits)
+            _, aux = self.runner.target_forward(x, k + 1, all_rows=True, logits_out=logits_out)
             if aux_out is not None:
                 aux_out.copy_(aux)
             return logits_out, aux_out
@@ -381,8 +380,7 @@ class GeneralGraphs:
         aux_out = None if self.aux is None else self.aux[:t]
 
         def fn():
-            logits, aux = self.runner.target_forward(x, t, small_query_len=k + 1)
-            logits_out.copy_(logits)
+            _, aux = self.runner.target_forward(x, t, small_query_len=k + 1, logits_out=logits_out)
             if aux_out is not None:
                 aux_out.copy_(aux)
             return logits_out, aux_out

@@ -342,15 +342,16 @@ class ModelRunner:
     # ---- device side --------------------------------------------------------------------------------------------
 
     def target_forward(self, x: DeviceInputs, max_query_len: int, all_rows: bool = False,
-                       small_query_len: int | None = None):
+                       small_query_len: int | None = None, logits_out: torch.Tensor | None = None):
         """`small_query_len`: the most rows a decoding request feeds (K + 1), for a step that may mix decodes with
-        longer prompts or chunks (AttentionMetadata)."""
+        longer prompts or chunks (AttentionMetadata). `logits_out`: the fp32 tensor the logits are written into (a
+        graph's shared output)."""
         meta = AttentionMetadata(x.positions, x.slot_mapping, x.block_tables, x.query_start_loc,
                                  max_query_len, small_query_len)
         attention = PagedAttention(self.target_kv, meta, None, self.attention)
         out = self.target(x.input_ids, x.positions, attention, self.aux_layer_ids)
         hidden = out.hidden if all_rows else out.hidden.index_select(0, x.logit_rows)
-        return self.target.compute_logits(hidden), out.aux  # [B*(k+1), V], [T, F]
+        return self.target.compute_logits(hidden, logits_out), out.aux  # [B*(k+1), V], [T, F]
 
     @torch.inference_mode()
     def prompt_logprobs(self, token_ids: list[int], num_top: int, rows: int = 512) -> list:

@@ -136,11 +136,11 @@ class Gemma3Model(LlamaModel):
         self.local_rope.max_positions = self.rope.max_positions  # the engine lengthens self.rope only
         return super().forward(input_ids, positions, attn, aux_layer_ids)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [num_tokens, hidden] -> [num_tokens, vocab] in fp32
-        return softcap(super().compute_logits(hidden), self.config.final_logit_softcapping)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        # hidden: [num_tokens, hidden] -> [num_tokens, vocab] in fp32 (into `out` when given)
+        return softcap_(super().compute_logits(hidden, out), self.config.final_logit_softcapping)  # a tensor of its own
 
 
-def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
-    """cap * tanh(logits / cap); cap 0: the logits unchanged."""
-    return torch.tanh(logits / cap) * cap if cap else logits
+def softcap_(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(logits / cap), in place; cap 0: the logits unchanged."""
+    return logits.div_(cap).tanh_().mul_(cap) if cap else logits

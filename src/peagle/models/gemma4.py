@@ -31,7 +31,7 @@ from torch import nn
 from peagle.kernels.moe import fused_moe, route_topk
 from peagle.models.attention import AttentionBackend, LayerKV
 from peagle.models.config import ModelConfig, UnsupportedModelError
-from peagle.models.gemma3 import GemmaRMSNorm, ScaledEmbedding, softcap
+from peagle.models.gemma3 import GemmaRMSNorm, ScaledEmbedding, softcap_
 from peagle.models.layers import RMSNorm, RotaryEmbedding
 from peagle.models.llama import LlamaModel, ModelOutput
 
@@ -294,6 +294,6 @@ class Gemma4Model(LlamaModel):
         aux = torch.cat([captured[i] for i in wanted], dim=-1) if wanted else None
         return ModelOutput(hidden=self.norm(x), aux=aux)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [num_tokens, hidden] -> [num_tokens, vocab] in fp32
-        return softcap(super().compute_logits(hidden), self.config.final_logit_softcapping)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        # hidden: [num_tokens, hidden] -> [num_tokens, vocab] in fp32 (into `out` when given)
+        return softcap_(super().compute_logits(hidden, out), self.config.final_logit_softcapping)  # a tensor of its own

@@ -81,6 +81,8 @@ class LlamaModel(nn.Module):
         aux = torch.cat([captured[i] for i in wanted], dim=-1) if wanted else None
         return ModelOutput(hidden=hidden, aux=aux)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [num_tokens, hidden] -> [num_tokens, vocab] in fp32
-        return torch.nn.functional.linear(hidden, self.output_weight).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        # hidden: [num_tokens, hidden] -> [num_tokens, vocab] in fp32 (written into `out` when given: the copy is the
+        # conversion to fp32)
+        logits = torch.nn.functional.linear(hidden, self.output_weight)
+        return logits.float() if out is None else out.copy_(logits)

@@ -35,6 +35,22 @@ def params():
     return [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(len(PROMPTS))]
 
 
+_REFERENCE: dict[tuple, list[list[int]]] = {}
+
+
+def reference(model_dir, method, **kw):
+    """The greedy tokens of eager general steps with `kw`'s options, built once per method and options: a variant
+    with or without graphs for general steps gives exactly these in fp32 (the graphs' own test holds graphed and
+    eager steps equal), so a test builds one engine fewer."""
+    key = (model_dir, method, tuple(sorted(kw.items())))
+    if key not in _REFERENCE:
+        llm = make_llm(model_dir, method, False, **kw)
+        _REFERENCE[key] = [o.token_ids for o in llm.generate(PROMPTS, params(), use_tqdm=False)]
+        del llm
+        torch.cuda.empty_cache()
+    return _REFERENCE[key]
+
+
 def sampled():
     return [SamplingParams(temperature=1.0, seed=i, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(len(PROMPTS))]
 
@@ -66,7 +82,7 @@ def test_admit_ahead_keeps_greedy_output(model_dir, method, graphs):
     """Prompts admitted in a step launched before the answer in flight (admit_ahead: staged pinned inputs, the
     decodes' rows written by the Triton kernel into the general graph's buffers) give the output of the engine
     without async scheduling, and the path did run."""
-    ref = [o.token_ids for o in make_llm(model_dir, method, False).generate(PROMPTS, params(), use_tqdm=False)]
+    ref = reference(model_dir, method)
     llm = make_llm(model_dir, method, graphs, async_scheduling=True, admit_ahead=True)
     calls, real = [], llm.engine.runner.launch_admit_next
     llm.engine.runner.launch_admit_next = lambda *a: calls.append(len(a[3])) or real(*a)
@@ -80,8 +96,7 @@ def test_mixed_tiles_keep_greedy_output(model_dir, method, graphs, monkeypatch):
     """Mixed steps' attention in two launches (mixed_tiles: short requests in small tiles, long ones by a tile map
     made on the device inside the graph) gives the output of one launch, token for token in fp32, and it ran."""
     module = importlib.import_module("peagle.kernels.paged_attention")  # the package exports a function of that name
-    ref = [o.token_ids for o in make_llm(model_dir, method, graphs, mixed_tiles=False).generate(  # one launch
-        PROMPTS, params(), use_tqdm=False)]
+    ref = reference(model_dir, method, mixed_tiles=False)  # one launch
     maps, real = [], module._launch
     monkeypatch.setattr(module, "_launch", lambda *a, **kw: maps.append(kw.get("map_mode", 0)) or real(*a, **kw))
     llm = make_llm(model_dir, method, graphs, mixed_tiles=True)
@@ -97,8 +112,7 @@ def test_fused_merge_keeps_greedy_output(model_dir, method, graphs, monkeypatch)
     default) and with or without graphs for general steps; fused split calls did run, and every arrival counter is
     back at zero afterwards (a counter left behind would merge a later call's splits early)."""
     module = importlib.import_module("peagle.kernels.paged_attention")
-    ref = [o.token_ids for o in make_llm(model_dir, method, graphs, async_scheduling=True, fused_merge=False).generate(
-        PROMPTS, params(), use_tqdm=False)]
+    ref = reference(model_dir, method, async_scheduling=True, fused_merge=False)
     fused, real = [], module._arrivals  # called by split calls that merge inside the kernel only
     monkeypatch.setattr(module, "_arrivals", lambda *a: fused.append(real(*a)) or fused[-1])
     llm = make_llm(model_dir, method, graphs, async_scheduling=True, fused_merge=True)
@@ -120,8 +134,8 @@ def test_pdl_keeps_greedy_output(model_dir, method, graphs, gemv, monkeypatch):
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9.0 or newer")
-    ref = [o.token_ids for o in make_llm(model_dir, method, graphs, decode_gemv=gemv).generate(
-        PROMPTS, params(), use_tqdm=False)]
+    ref = reference(model_dir, method) if not gemv else [o.token_ids for o in make_llm(
+        model_dir, method, graphs, decode_gemv=gemv).generate(PROMPTS, params(), use_tqdm=False)]
     monkeypatch.setattr(pdl, "ENABLED", True)
     launched, real = [], pdl.options
     monkeypatch.setattr(pdl, "options", lambda device: launched.append(real(device)) or launched[-1])

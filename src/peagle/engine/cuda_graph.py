@@ -73,6 +73,20 @@ def capture_graph(fn, pool, error_mode: str = "global") -> tuple[torch.cuda.CUDA
     return graph, out
 
 
+def target_into(runner, x: DeviceInputs, max_query_len: int, logits_out: torch.Tensor, aux: torch.Tensor | None,
+                tokens: int, **kw):
+    """A target graph's function: the forward over `x` writing its logits into `logits_out` and its aux rows into
+    `aux[:tokens]` (the runner's shared outputs; None without aux layers); returns those two views."""
+    aux_out = None if aux is None else aux[:tokens]
+
+    def fn():
+        _, new_aux = runner.target_forward(x, max_query_len, logits_out=logits_out, **kw)
+        if aux_out is not None:
+            aux_out.copy_(new_aux)
+        return logits_out, aux_out
+    return fn
+
+
 class CudaGraphs:
     fused_greedy = True  # a greedy round replays as one graph ("greedy")
 
@@ -173,16 +187,8 @@ class CudaGraphs:
         return self.graphs[key][1]
 
     def _target_fn(self, b: int, k: int):
-        x, t = self._views(b, k), b * (k + 1)
-        logits_out = self.logits[:t]
-        aux_out = None if self.aux is None else self.aux[:t]
-
-        def fn():
-            _, aux = self.runner.target_forward(x, k + 1, all_rows=True, logits_out=logits_out)
-            if aux_out is not None:
-                aux_out.copy_(aux)
-            return logits_out, aux_out
-        return fn
+        t = b * (k + 1)
+        return target_into(self.runner, self._views(b, k), k + 1, self.logits[:t], self.aux, t, all_rows=True)
 
     def _capture_all(self):
         r = self.runner
@@ -375,16 +381,8 @@ class GeneralGraphs:
         return self._replay("draft", self._draft_fn)
 
     def _target_fn(self, t: int, b: int, k: int):
-        x, rows = self._views((t, b, k)), b * (k + 1)
-        logits_out = self.logits[:rows]
-        aux_out = None if self.aux is None else self.aux[:t]
-
-        def fn():
-            _, aux = self.runner.target_forward(x, t, small_query_len=k + 1, logits_out=logits_out)
-            if aux_out is not None:
-                aux_out.copy_(aux)
-            return logits_out, aux_out
-        return fn
+        return target_into(self.runner, self._views((t, b, k)), t, self.logits[:b * (k + 1)], self.aux, t,
+                           small_query_len=k + 1)
 
     def _greedy_fn(self, draft: bool):
         def make(t: int, b: int, k: int):

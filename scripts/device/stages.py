@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -1508,9 +1509,12 @@ def httpserve() -> None:
     decoding, no head needed, one token per chunk); HTTP_SERVERS ("1"): the --api-server-count values served; HTTP_SI
     ("1 8"): the stream intervals. HTTP_MODEL=random: the testbed's shape from .cfg on random weights (no stage_a),
     P-EAGLE with a random head whose drafts are accepted at HTTP_RATES (the default head's on MT-Bench, run 30);
-    HTTP_STANDIN=0: no stand-in engine (the target's rows only). Leaves $OUT/server-overhead-cC.json (old tree against
-    this one, the engine thread), $OUT/server-modes-cC.json (this tree: engine thread, engine process, two API
-    servers), $OUT/http-inproc/ and $OUT/http-si{SI}[-n{N}]/ (N > 1 API servers).
+    HTTP_STANDIN=0: no stand-in engine (the target's rows only). HTTP_PROFILE=1: after each served pass, one more pass
+    at the last concurrency with py-spy (from .whl) sampling the server and every process it spawned. HTTP_SOAK=SECS:
+    then server_soak.py, 64 streaming clients for SECS with 10% disconnects, the engine process killed a third of
+    the way in. Leaves $OUT/server-overhead-cC.json (old tree against this one, the engine thread),
+    $OUT/server-modes-cC.json (this tree: engine thread, engine process, two API servers), $OUT/http-inproc/,
+    $OUT/http-si{SI}[-n{N}]/ (N > 1 API servers), $OUT/http-profile-si{SI}[-n{N}]/ and $OUT/server_soak.json.
     """
     random_weights = env("HTTP_MODEL", "trained") == "random"
     model = Path(".cfg").resolve() if random_weights else W / "smollm2"
@@ -1529,17 +1533,17 @@ def httpserve() -> None:
               "mtbench", "--concurrency", ",".join(concurrencies)]
     method = env("HTTP_METHOD", "peagle")
     dummy = ["--load-format", "dummy"] if random_weights else []
+    synthetic = ["--synthetic-acceptance", env("HTTP_RATES", "0.60,0.33,0.22,0.16,0.11,0.09,0.07")]
     if method == "none":
         inproc, spec = ["--methods", "none"], []
     else:
         head = "dummy" if random_weights else W / "heads/peagle"
         if not random_weights:
             link_heads()
-        synthetic = ["--synthetic-acceptance", env("HTTP_RATES", "0.60,0.33,0.22,0.16,0.11,0.09,0.07")
-                     ] if random_weights else []
-        inproc = ["--draft-peagle", head, "--methods", "peagle", "--k", "7", *synthetic]
+        rates = synthetic if random_weights else []
+        inproc = ["--draft-peagle", head, "--methods", "peagle", "--k", "7", *rates]
         spec = ["--speculative-config", f'{{"method": "eagle3", "model": "{head}", '
-                                        f'"num_speculative_tokens": 7, "parallel_drafting": true}}', *synthetic]
+                                        f'"num_speculative_tokens": 7, "parallel_drafting": true}}', *rates]
     shown(["timeout", "120", *py(), "-m", "peagle", "bench", "--model", model, *dummy, *inproc, *common, "--out",
            OUT / "http-inproc"], tail=6)
     for n, si in itertools.product(words(env("HTTP_SERVERS", "1")), words(env("HTTP_SI", "1 8"))):
@@ -1553,9 +1557,45 @@ def httpserve() -> None:
             time.sleep(1)
         shown(["timeout", "120", *py(), "-m", "peagle", "bench", "--url", "http://127.0.0.1:8011", "--methods",
                *words(method), *(["--k", "7"] if spec else []), *common, "--out", OUT / f"http-{name}"], tail=6)
+        if env("HTTP_PROFILE"):
+            profiled(server.pid, OUT / f"http-profile-{name}",
+                     [*py(), "-m", "peagle", "bench", "--url", "http://127.0.0.1:8011", "--methods", *words(method),
+                      *(["--k", "7"] if spec else []), *common[:-1], concurrencies[-1], "--out",
+                      W / f"http-profiled-{name}"])
         server.terminate()
         server.wait()
         run(["tail", "-3", W / f"serve-{name}.log"])
+    if env("HTTP_SOAK"):
+        secs = float(env("HTTP_SOAK"))
+        head = [] if method == "none" else ["--head", "dummy" if random_weights else W / "heads/peagle", "--k", "7"]
+        shown(["timeout", str(int(secs) + 240), *py(), "scripts/device/server_soak.py", model, OUT / "server_soak.json",
+               *head, "--clients", "64", "--seconds", str(secs), "--kill-engine-at", str(round(secs / 3)),
+               *[f"--serve-arg={a}" for a in dummy + (synthetic if head and random_weights else [])]],
+              drop=" INFO ", tail=20)
+
+
+def profiled(server_pid: int, out: Path, cmd: list) -> None:
+    """CMD run while py-spy samples SERVER_PID and every process it spawned, one raw profile each in OUT (collapsed
+    stacks; `python scripts/server_overhead.py --summarize FILE` prints the top functions)."""
+    spy = Path(SITE, "bin/py-spy")
+    if not spy.is_file():
+        say(f"no py-spy in {SITE}/bin (carry its wheel in .whl): the pass runs unprofiled", err=True)
+    out.mkdir(parents=True, exist_ok=True)
+    pids = [server_pid]
+    with open(f"/proc/{server_pid}/task/{server_pid}/children") as f:
+        pids += [int(k) for k in f.read().split()]
+    spies = [subprocess.Popen([spy, "record", "--format", "raw", "--nonblocking", "-r", "200", "-p", str(pid),
+                               "-o", out / f"pid{pid}-{Path(f'/proc/{pid}/comm').read_text().strip()}.txt"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT) for pid in pids] if spy.is_file() else []
+    time.sleep(1)
+    shown(["timeout", "120", *cmd], tail=4)
+    for s in spies:
+        s.send_signal(signal.SIGINT)
+    for s in spies:
+        try:
+            s.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            s.kill()
 
 
 @stage

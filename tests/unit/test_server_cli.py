@@ -435,3 +435,33 @@ def test_process_options_are_checked_before_anything_loads(target_dir, served, c
         assert main(_argv(target_dir, *options)) == 1
         assert message in capsys.readouterr().err
     assert not served
+
+
+def test_the_listeners_connections_send_each_chunk_at_once():
+    """The socket `peagle serve` listens on hands asyncio connections with TCP_NODELAY set: with Nagle on, a streamed
+    chunk waits for the client's delayed ACK (40 ms) once a response has begun."""
+    import asyncio
+
+    listener = launcher.bind_socket("127.0.0.1", 0)
+    listener.listen()
+    port = listener.getsockname()[1]
+    seen = []
+
+    class Probe(asyncio.Protocol):
+        def connection_made(self, transport):
+            sock = transport.get_extra_info("socket")
+            seen.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            transport.close()
+
+    async def accept_one():
+        server = await asyncio.get_running_loop().create_server(Probe, sock=listener)
+        async with server:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            for _ in range(200):
+                if seen:
+                    break
+                await asyncio.sleep(0.01)
+            writer.close()
+
+    asyncio.run(accept_one())
+    assert seen and seen[0] != 0

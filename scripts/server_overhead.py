@@ -7,6 +7,7 @@ process and of the clients (a warning when the clients neared their cores: then 
     python scripts/server_overhead.py --tokenizer TOKENIZER_DIR --concurrency 64 --seconds 15
     python scripts/server_overhead.py --tokenizer DIR --src old=OLD_TREE/src --src new=src   # side by side
     python scripts/server_overhead.py --tokenizer DIR --engine thread,process,process2 --client-processes 2
+    python scripts/server_overhead.py --tokenizer DIR --engine process --concurrency 1 --latency 300   # TTFT too
 
 Each --src ([LABEL=]a source tree's `src` folder, default this checkout's) runs the server in a subprocess of its
 own, one after the other, --repeat times in alternation; each --stream-interval value and --engine mode is a row
@@ -127,6 +128,32 @@ async def _clients(port: int, concurrency: int, seconds: float, max_tokens: int)
     return totals[0], totals[1], time.monotonic() - start
 
 
+async def _latency(port: int, n: int, max_tokens: int) -> dict:
+    """`n` streamed requests one after another on one kept-alive connection, as a chat client sends them: the time to
+    the first chunk with text and to the response's end, medians in ms (the first tenth left out as warm-up)."""
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": max_tokens,
+                       "stream": True}).encode()
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+               b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    firsts, ends = [], []
+    for i in range(n):
+        start, first, data = time.perf_counter(), None, bytearray()
+        writer.write(request)
+        while not data.endswith(b"0\r\n\r\n"):  # the chunked body's last chunk
+            chunk = await reader.read(1 << 16)
+            if not chunk:
+                raise RuntimeError("the server closed a kept-alive connection")
+            data += chunk
+            if first is None and _CONTENT.search(data):
+                first = time.perf_counter()
+        if i >= n // 10:
+            firsts.append(1e3 * (first - start))
+            ends.append(1e3 * (time.perf_counter() - start))
+    writer.close()
+    return {"ttft_p50_ms": statistics.median(firsts), "request_p50_ms": statistics.median(ends)}
+
+
 def _spawned(pid: int) -> list[int]:
     """The processes `multiprocessing` spawned from `pid` (the engine, API servers), oldest first."""
     kids = []
@@ -208,6 +235,7 @@ def measure(src: str, tokenizer: str, interval: int, impl: str, engine: str, arg
         cpu = {pid: _cpu_seconds(pid) - cpu0[pid] for pid in pids}
         for spy in spies:
             spy.wait(60)
+        latency = asyncio.run(_latency(port, args.latency, args.max_tokens)) if args.latency else {}
     finally:
         server.terminate()
         server.wait(60)
@@ -218,7 +246,7 @@ def measure(src: str, tokenizer: str, interval: int, impl: str, engine: str, arg
             "concurrency": args.concurrency, "tokens_per_s": tokens / wall, "chunks_per_s": got["chunks"] / wall,
             "server_cpu_per_s": server_cpu / wall, "server_cpu_us_per_token": 1e6 * server_cpu / max(tokens, 1),
             "engine_cpu_per_s": engine_cpu / wall, "client_cpu_per_s": got["client_cpu"] / wall,
-            "client_processes": args.client_processes, "seconds": wall}
+            "client_processes": args.client_processes, "seconds": wall, **latency}
 
 
 def main(argv=None) -> int:
@@ -247,6 +275,9 @@ def main(argv=None) -> int:
                    help="sample every server and engine process with py-spy over each measured window into DIR "
                         "(collapsed stacks; `python scripts/server_overhead.py --summarize FILE` ranks them)")
     p.add_argument("--summarize", metavar="FILE", help="print a py-spy profile's top functions and exit")
+    p.add_argument("--latency", type=int, default=0, metavar="N",
+                   help="after each row, N streamed requests one at a time on one kept-alive connection: TTFT and "
+                        "request time medians (default 0: none)")
     p.add_argument("--repeat", type=int, default=1, help="passes over the sources, alternating (default 1)")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
@@ -272,7 +303,9 @@ def main(argv=None) -> int:
             print(f"{r['src']:<16} {engine:<8} {impl:<18} interval {interval:>3}: {r['tokens_per_s']:>9,.0f} tok/s "
                   f"{r['chunks_per_s']:>8,.0f} chunks/s  server CPU {r['server_cpu_per_s']:.2f} s/s "
                   f"({r['server_cpu_us_per_token']:.1f} us/token), engine process {r['engine_cpu_per_s']:.2f} s/s, "
-                  f"clients {r['client_cpu_per_s']:.2f} s/s", flush=True)
+                  f"clients {r['client_cpu_per_s']:.2f} s/s" + (
+                      f"; alone: TTFT p50 {r['ttft_p50_ms']:.2f} ms, request {r['request_p50_ms']:.2f} ms"
+                      if args.latency else ""), flush=True)
             if r["client_cpu_per_s"] > 0.9 * args.client_processes:
                 print(f"  warning: the clients used {r['client_cpu_per_s']:.2f} CPU-s/s over "
                       f"{args.client_processes} process(es): they, not the server, may have set this rate "
@@ -286,7 +319,7 @@ def main(argv=None) -> int:
             summary[f"{label}|{interval}|{impl}|{engine}"] = {
                 k: statistics.median(r[k] for r in mine) for k in
                 ("tokens_per_s", "chunks_per_s", "server_cpu_us_per_token", "server_cpu_per_s", "engine_cpu_per_s",
-                 "client_cpu_per_s")}
+                 "client_cpu_per_s", *(("ttft_p50_ms", "request_p50_ms") if args.latency else ()))}
     result = {"config": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows, "median": summary}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

@@ -1512,7 +1512,9 @@ def httpserve() -> None:
     HTTP_STANDIN=0: no stand-in engine (the target's rows only). HTTP_PROFILE=1: after each served pass, one more pass
     at the last concurrency with py-spy (from .whl) sampling the server and every process it spawned. HTTP_SOAK=SECS:
     then server_soak.py, 64 streaming clients for SECS with 10% disconnects, the engine process killed a third of
-    the way in. Leaves $OUT/server-overhead-cC.json (old tree against this one, the engine thread),
+    the way in. HTTP_PASSES (1): served passes a server, the later ones after the first has warmed it. Leaves
+    $OUT/compiles-si{SI}[-n{N}].txt (the server's log lines of Triton kernels compiled while serving),
+    $OUT/server-overhead-cC.json (old tree against this one, the engine thread),
     $OUT/server-modes-cC.json (this tree: engine thread, engine process, two API servers), $OUT/http-inproc/,
     $OUT/http-si{SI}[-n{N}]/ (N > 1 API servers), $OUT/http-profile-si{SI}[-n{N}]/ and $OUT/server_soak.json.
     """
@@ -1555,8 +1557,10 @@ def httpserve() -> None:
             if run(["curl", "-sf", "localhost:8011/health"], stdout=subprocess.DEVNULL, check=False) == 0:
                 break
             time.sleep(1)
-        shown(["timeout", "120", *py(), "-m", "peagle", "bench", "--url", "http://127.0.0.1:8011", "--methods",
-               *words(method), *(["--k", "7"] if spec else []), *common, "--out", OUT / f"http-{name}"], tail=6)
+        for n_pass in range(1, int(env("HTTP_PASSES", "1")) + 1):
+            shown(["timeout", "120", *py(), "-m", "peagle", "bench", "--url", "http://127.0.0.1:8011", "--methods",
+                   *words(method), *(["--k", "7"] if spec else []), *common, "--out",
+                   OUT / f"http-{name}{f'-pass{n_pass}' if n_pass > 1 else ''}"], tail=6)
         if env("HTTP_PROFILE"):
             profiled(server.pid, OUT / f"http-profile-{name}",
                      [*py(), "-m", "peagle", "bench", "--url", "http://127.0.0.1:8011", "--methods", *words(method),
@@ -1565,6 +1569,8 @@ def httpserve() -> None:
         server.terminate()
         server.wait()
         run(["tail", "-3", W / f"serve-{name}.log"])
+        with open(W / f"serve-{name}.log", errors="replace") as log, open(OUT / f"compiles-{name}.txt", "w") as out:
+            out.writelines(line for line in log if "Triton compiled" in line)
     if env("HTTP_SOAK"):
         secs = float(env("HTTP_SOAK"))
         head = [] if method == "none" else ["--head", "dummy" if random_weights else W / "heads/peagle", "--k", "7"]

@@ -21,6 +21,7 @@ from peagle.engine.scheduler import Scheduler, SchedulerConfig
 from peagle.engine.sequence import Sequence
 from peagle.engine.spec.proposer import Eagle3Proposer, ParallelDraftingProposer
 from peagle.engine.stats import EngineStats
+from peagle.kernels import compile_watch
 from peagle.models.config import ModelConfig
 from peagle.models.loader import random_model
 
@@ -35,6 +36,8 @@ class LLMEngine:
 
         self.config = config
         self.device = _device(config.device)
+        if self.device.type == "cuda":
+            compile_watch.WATCH.install()
         self.dtype = getattr(torch, config.dtype)
         torch.manual_seed(config.seed)
         self.model_config = ModelConfig.from_dir(config.model)
@@ -92,6 +95,9 @@ class LLMEngine:
         self._generators: dict[str, torch.Generator] = {}
         self._inflight: _Launched | None = None  # async scheduling: the step whose answer is on its way
         logger.info("engine ready: %s, %d KV blocks of %d, K=%d", config.model, num_blocks, block_size, self.k)
+        if self.device.type == "cuda":
+            logger.info("Triton compiled %d kernels while the engine started (%.1f s)", compile_watch.WATCH.count,
+                        compile_watch.WATCH.seconds)
 
     def use_tokenizer(self, tokenizer) -> None:
         """Tokenize, detokenize and stop with `tokenizer` (another directory's, as vLLM's --tokenizer): requests end

@@ -106,6 +106,9 @@ class AsyncEngine:
         if self._thread is not None:
             raise RuntimeError("AsyncEngine.start() was called twice")
         self._loop = asyncio.get_running_loop()
+        from peagle.kernels.compile_watch import WATCH
+
+        WATCH.serving()  # a kernel compiled from here on stalls the requests in its step: each is logged
         self._thread = threading.Thread(target=self._run, name="peagle-engine", daemon=True)
         self._thread.start()
 

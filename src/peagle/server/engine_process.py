@@ -172,6 +172,9 @@ def _child_main(socks: list[socket.socket], config, tokenizer: str | None, engin
         return
     socks[0].sendall(wire.command_frame(("ready", info)))
     freeze_startup_heap()
+    from peagle.kernels.compile_watch import WATCH
+
+    WATCH.serving()  # a kernel compiled from here on stalls the requests in its step: each is logged
     EngineLoop(engine, socks).run()
 
 

@@ -28,7 +28,7 @@ def test_compiles_before_serving_are_counted_quietly_and_after_it_logged_by_name
         _compile(watch, fn, {(2,): 64, (3,): 4})
     assert (watch.count, watch.serving_count) == (2, 1)
     [record] = caplog.records
-    assert "_paged_attention_kernel while serving" in record.getMessage()
+    assert "variant while serving: _paged_attention_kernel" in record.getMessage()
     assert "BLOCK_M=64, NUM_SPLITS=4" in record.getMessage()
 
 

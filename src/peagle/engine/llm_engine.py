@@ -96,7 +96,7 @@ class LLMEngine:
         self._inflight: _Launched | None = None  # async scheduling: the step whose answer is on its way
         logger.info("engine ready: %s, %d KV blocks of %d, K=%d", config.model, num_blocks, block_size, self.k)
         if self.device.type == "cuda":
-            logger.info("Triton compiled %d kernels while the engine started (%.1f s)", compile_watch.WATCH.count,
+            logger.info("Triton built %d kernel variants while the engine started (%.1f s)", compile_watch.WATCH.count,
                         compile_watch.WATCH.seconds)
 
     def use_tokenizer(self, tokenizer) -> None:

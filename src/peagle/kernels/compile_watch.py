@@ -1,6 +1,6 @@
-"""Triton's just-in-time compiles counted, and logged once the engine serves: a kernel compiled while serving stalls
-every request in the step that needed it (hundreds of ms), so each one is a warning with the kernel's name and the
-constants it was compiled for (what a start-up warm-up would have to cover)."""
+"""Triton's just-in-time kernel variants counted, and logged once the engine serves: a variant built while serving
+(compiled: hundreds of ms; or read from Triton's disk cache) stalls every request in the step that needed it, so
+each one is a warning with the kernel's name and its constants (what a start-up warm-up would have to cover)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ logger = logging.getLogger(__name__)
 
 
 class CompileWatch:
-    """Counts the compiles of the process's Triton kernels (`count`, `seconds`); after `serving()`, logs each."""
+    """Counts the kernel variants Triton builds in this process (`count`, `seconds`); after `serving()`, logs each."""
 
     def __init__(self):
         self.count = 0
@@ -56,8 +56,8 @@ class CompileWatch:
             params = getattr(getattr(fn, "jit_function", None), "params", [])
             shown = ", ".join(f"{_param_name(k, params)}={v}" for k, v in constants.items() if not callable(v))
             name = getattr(fn, "name", "?")
-            logger.warning("Triton compiled %s while serving (%.0f ms; %d so far): %s", name, 1e3 * took,
-                           self.serving_count, shown)
+            logger.warning("a new Triton kernel variant while serving: %s in %.0f ms (compiled, or read from "
+                           "Triton's disk cache; %d so far): %s", name, 1e3 * took, self.serving_count, shown)
         return self._chained[1](**kwargs) if self._chained[1] else None
 
 

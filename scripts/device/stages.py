@@ -1513,7 +1513,8 @@ def httpserve() -> None:
     at the last concurrency with py-spy (from .whl) sampling the server and every process it spawned. HTTP_SOAK=SECS:
     then server_soak.py, 64 streaming clients for SECS with 10% disconnects, the engine process killed a third of
     the way in. HTTP_PASSES (1): served passes a server, the later ones after the first has warmed it. Leaves
-    $OUT/compiles-si{SI}[-n{N}].txt (the server's log lines of Triton kernel variants built while serving),
+    $OUT/compiles-si{SI}[-n{N}].txt (the server's log lines of general-step graphs captured and Triton kernel
+    variants built while serving),
     $OUT/server-overhead-cC.json (old tree against this one, the engine thread),
     $OUT/server-modes-cC.json (this tree: engine thread, engine process, two API servers), $OUT/http-inproc/,
     $OUT/http-si{SI}[-n{N}]/ (N > 1 API servers), $OUT/http-profile-si{SI}[-n{N}]/ and $OUT/server_soak.json.
@@ -1570,7 +1571,8 @@ def httpserve() -> None:
         server.wait()
         run(["tail", "-3", W / f"serve-{name}.log"])
         with open(W / f"serve-{name}.log", errors="replace") as log, open(OUT / f"compiles-{name}.txt", "w") as out:
-            out.writelines(line for line in log if "Triton kernel variant while serving" in line)
+            out.writelines(line for line in log
+                           if "Triton kernel variant while serving" in line or "CUDA graph of general steps" in line)
     if env("HTTP_SOAK"):
         secs = float(env("HTTP_SOAK"))
         head = [] if method == "none" else ["--head", "dummy" if random_weights else W / "heads/peagle", "--k", "7"]

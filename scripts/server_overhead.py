@@ -154,7 +154,7 @@ async def _latency(port: int, n: int, max_tokens: int) -> dict:
     return {"ttft_p50_ms": statistics.median(firsts), "request_p50_ms": statistics.median(ends)}
 
 
-def _spawned(pid: int) -> list[int]:
+def spawned(pid: int) -> list[int]:
     """The processes `multiprocessing` spawned from `pid` (the engine, API servers), oldest first."""
     kids = []
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -186,12 +186,13 @@ def run_clients(port: int, concurrency: int, seconds: float, max_tokens: int, pr
     return {"tokens": tokens, "chunks": chunks, "wall": wall, "client_cpu": cpu}
 
 
-def _py_spy(pid: int, out: Path, seconds: float) -> subprocess.Popen:
-    """py-spy sampling `pid` for `seconds` into `out` (collapsed stacks: "frame;frame;... count" lines)."""
+def py_spy(pid: int, out: Path, seconds: float | None = None, exe: str = "py-spy") -> subprocess.Popen:
+    """py-spy sampling `pid` for `seconds` (None: until it is sent SIGINT) into `out` (collapsed stacks:
+    "frame;frame;... count" lines)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(["py-spy", "record", "--format", "raw", "--nonblocking", "-r", "200", "-d",
-                             str(max(1, int(seconds) - 1)), "-o", str(out), "-p", str(pid)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    duration = [] if seconds is None else ["-d", str(max(1, int(seconds) - 1))]
+    return subprocess.Popen([exe, "record", "--format", "raw", "--nonblocking", "-r", "200", *duration, "-o",
+                             str(out), "-p", str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def profile_summary(path: Path, top: int = 25) -> list[tuple[str, float, float]]:
@@ -223,12 +224,12 @@ def measure(src: str, tokenizer: str, interval: int, impl: str, engine: str, arg
                                  str(args.tokens_per_step), str(interval), impl, engine, _STAND_IN_SOURCE], path, 120)
     try:
         run_clients(port, args.concurrency, 1.0, args.max_tokens)  # warm-up
-        kids = _spawned(server.pid)
+        kids = spawned(server.pid)
         engine_pid = kids[0] if kids else None  # spawned before the API servers
         pids = [server.pid, *kids]
         cpu0 = {pid: _cpu_seconds(pid) for pid in pids}
         spies = [] if not args.py_spy else [
-            _py_spy(pid, Path(args.py_spy) / f"{(label or 'tree').replace(' ', '-')}-{engine}-i{interval}-"
+            py_spy(pid, Path(args.py_spy) / f"{(label or 'tree').replace(' ', '-')}-{engine}-i{interval}-"
                                               f"{'engine' if pid == engine_pid else 'server'}-{pid}.txt",
                     args.seconds) for pid in pids]
         got = run_clients(port, args.concurrency, args.seconds, args.max_tokens, args.client_processes)

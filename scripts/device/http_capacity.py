@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from server_overhead import _cpu_seconds, _spawned, run_clients, start_server  # noqa: E402
+from server_overhead import _cpu_seconds, run_clients, spawned, start_server  # noqa: E402
 
 
 def measure(model: str, src: str, interval: int, concurrency: int, seconds: float, dummy: bool,
@@ -40,7 +40,7 @@ def measure(model: str, src: str, interval: int, concurrency: int, seconds: floa
     server, port = start_server(argv, path, 300)
     try:
         run_clients(port, concurrency, 3.0, max_tokens)  # warm-up: CUDA graphs for this batch
-        kids = _spawned(server.pid)  # the engine process first, then any API server processes
+        kids = spawned(server.pid)  # the engine process first, then any API server processes
         engine_pid = kids[0] if kids else None
         pids = [server.pid, *kids]
         cpu0 = {pid: _cpu_seconds(pid) for pid in pids}

@@ -1558,15 +1558,14 @@ def httpserve() -> None:
             if run(["curl", "-sf", "localhost:8011/health"], stdout=subprocess.DEVNULL, check=False) == 0:
                 break
             time.sleep(1)
+        served = [*py(), "-m", "peagle", "bench", "--url", "http://127.0.0.1:8011", "--methods", *words(method),
+                  *(["--k", "7"] if spec else []), *common]
         for n_pass in range(1, int(env("HTTP_PASSES", "1")) + 1):
-            shown(["timeout", "120", *py(), "-m", "peagle", "bench", "--url", "http://127.0.0.1:8011", "--methods",
-                   *words(method), *(["--k", "7"] if spec else []), *common, "--out",
-                   OUT / f"http-{name}{f'-pass{n_pass}' if n_pass > 1 else ''}"], tail=6)
-        if env("HTTP_PROFILE"):
+            shown(["timeout", "120", *served, "--out", OUT / f"http-{name}{f'-pass{n_pass}' if n_pass > 1 else ''}"],
+                  tail=6)
+        if env("HTTP_PROFILE"):  # the last concurrency only: argparse takes the later --concurrency
             profiled(server.pid, OUT / f"http-profile-{name}",
-                     [*py(), "-m", "peagle", "bench", "--url", "http://127.0.0.1:8011", "--methods", *words(method),
-                      *(["--k", "7"] if spec else []), *common[:-1], concurrencies[-1], "--out",
-                      W / f"http-profiled-{name}"])
+                     [*served, "--concurrency", concurrencies[-1], "--out", W / f"http-profiled-{name}"])
         server.terminate()
         server.wait()
         run(["tail", "-3", W / f"serve-{name}.log"])
@@ -1585,16 +1584,14 @@ def httpserve() -> None:
 def profiled(server_pid: int, out: Path, cmd: list) -> None:
     """CMD run while py-spy samples SERVER_PID and every process it spawned, one raw profile each in OUT (collapsed
     stacks; `python scripts/server_overhead.py --summarize FILE` prints the top functions)."""
-    spy = Path(SITE, "bin/py-spy")
-    if not spy.is_file():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from server_overhead import py_spy, spawned  # standard library only, as this file
+
+    exe = Path(SITE, "bin/py-spy")
+    if not exe.is_file():
         say(f"no py-spy in {SITE}/bin (carry its wheel in .whl): the pass runs unprofiled", err=True)
-    out.mkdir(parents=True, exist_ok=True)
-    pids = [server_pid]
-    with open(f"/proc/{server_pid}/task/{server_pid}/children") as f:
-        pids += [int(k) for k in f.read().split()]
-    spies = [subprocess.Popen([spy, "record", "--format", "raw", "--nonblocking", "-r", "200", "-p", str(pid),
-                               "-o", out / f"pid{pid}-{Path(f'/proc/{pid}/comm').read_text().strip()}.txt"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT) for pid in pids] if spy.is_file() else []
+    spies = [py_spy(pid, out / f"pid{pid}.txt", exe=str(exe)) for pid in [server_pid, *spawned(server_pid)]
+             ] if exe.is_file() else []
     time.sleep(1)
     shown(["timeout", "120", *cmd], tail=4)
     for s in spies:

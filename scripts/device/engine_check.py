@@ -3,6 +3,7 @@
 Usage: python scripts/device/engine_check.py TARGET_DIR OUT.json --head eagle3=DIR --head peagle=DIR
        [--num-prompts 32] [--max-tokens 128] [--dtypes float32,bfloat16] [--sampling] [--async-scheduling]
        [--prefill-cuda-graphs] [--k 7,11] [--draft-confidence-cutoff C] [--dataset longcode] [--max-model-len N]
+       [--completions]
 fp32: outputs must be identical. bf16: verifying several tokens in one pass may flip a near-tie, so the report gives
 the identical count and, for every divergence, the target's top-2 logit gap at the first differing position
 (recomputed from scratch in fp32 over the plain-greedy prefix).
@@ -15,7 +16,8 @@ With --prefill-cuda-graphs the checked engines (plain and speculative) replay CU
 (captured on first use) and are compared with plain greedy output of an engine that runs those steps eagerly; it
 combines with --async-scheduling. With --sampling it turns them on in the graphed engine.
 With --dataset longcode the prompts are 2K-8K tokens (past every sliding window of the supported families); give
---max-model-len room for them and the answers.
+--max-model-len room for them and the answers. --completions encodes each prompt's text as it is, for a base model
+without a chat template (Gemma 3 270M).
 With --draft-confidence-cutoff C the speculative engines verify only their confident drafts (issue 52); the reference
 is plain greedy, as always.
 """
@@ -30,6 +32,7 @@ import sys
 import torch
 
 from peagle import LLM, SamplingParams
+from peagle.bench.sweep import prompt_encoder
 from peagle.datasets import BUILTIN_DATASETS, load_prompts
 from peagle.models.attention import DenseAttention
 from peagle.models.loader import load_model, load_tokenizer
@@ -85,6 +88,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--dataset", default="mtbench", choices=BUILTIN_DATASETS,
                     help="the prompts (mtbench; longcode: 2K-8K tokens, past the sliding windows)")
+    ap.add_argument("--completions", action="store_true",
+                    help="the prompts' text as it is, no chat template (a base model)")
     ap.add_argument("--draft-confidence-cutoff", type=float, default=None, metavar="C",
                     help="the speculative engines verify only drafts whose confidence reaches C (issue 52)")
     ap.add_argument("--k", default=None,
@@ -101,12 +106,15 @@ def main(argv=None) -> int:
         ap.error(f"--dtypes takes float32 and/or bfloat16, got {args.dtypes!r}")
     heads = dict(h.split("=", 1) for h in args.head)
     tok = load_tokenizer(args.target)
-    prompts = [tok.encode_chat(p.messages) for p in load_prompts(args.dataset, limit=args.num_prompts)]
+    if not args.completions and not tok.chat_template:
+        ap.error(f"{args.target} has no chat template (a base model): give --completions")
+    encode = prompt_encoder(tok, args.completions)
+    prompts = [encode(p) for p in load_prompts(args.dataset, limit=args.num_prompts, completions=args.completions)]
     longest = max(len(p) for p in prompts)
     if longest + args.max_tokens > args.max_model_len:
         ap.error(f"a {args.dataset} prompt has {longest} tokens: --max-model-len {args.max_model_len} leaves no room "
                  f"for {args.max_tokens} more")
-    report = {"dataset": args.dataset, "num_prompts": len(prompts), "max_tokens": args.max_tokens,
+    report = {"dataset": args.dataset, "completions": args.completions, "num_prompts": len(prompts), "max_tokens": args.max_tokens,
               "prompt_tokens": {"min": min(len(p) for p in prompts), "max": longest},
               "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "checks": []}
     if args.sampling:

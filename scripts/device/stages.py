@@ -1284,7 +1284,8 @@ def check() -> None:
     no async scheduling), async and prefill (CUDA graphs of prefill steps); an unknown part exits 2. The heads there are
     (eagle3, and CHECK_PEAGLE: peagle); CHECK_DTYPES (float32), CHECK_K, CHECK_SECS (120), CKPT_WAIT (0);
     CHECK_DATASET (mtbench; longcode: 2K-8K-token prompts, past sliding windows) and CHECK_MAX_MODEL_LEN (2048; 8448
-    for longcode). Leaves $OUT/engine_check-MODE.json.
+    for longcode); CHECK_COMPLETIONS=1: the prompts as text, no chat template (a base model: the Gemma testbed's).
+    Leaves $OUT/engine_check-MODE.json.
     """
     await_checkpoints()
     link_heads()
@@ -1302,7 +1303,8 @@ def check() -> None:
         shown(["timeout", env("CHECK_SECS", "120"), *py(), "scripts/device/engine_check.py", W / "smollm2",
                OUT / f"engine_check-{mode.replace(',', '-')}.json", "--dtypes", env("CHECK_DTYPES", "float32"),
                *heads, *flags, *(["--k", env("CHECK_K")] if env("CHECK_K") else []),
-               "--dataset", env("CHECK_DATASET", "mtbench"), "--max-model-len", env("CHECK_MAX_MODEL_LEN", "2048")],
+               "--dataset", env("CHECK_DATASET", "mtbench"), "--max-model-len", env("CHECK_MAX_MODEL_LEN", "2048"),
+               *(["--completions"] if env("CHECK_COMPLETIONS", "0") == "1" else [])],
               keep="identical|Error")
 
 

@@ -3,9 +3,9 @@ of tests/unit/fake_vllm (no model, a millisecond a step) and peagle's rows as fi
 
 import contextlib
 import json
+import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -272,15 +272,33 @@ def test_counters_are_summed_over_engines_and_taken_as_changes():
     assert fields(counts_since(now, SpecCounts(4, 12, 5, [3, 2]))) == (6, 18, 7, [4, 2, 1])
 
 
-def test_a_child_and_what_it_started_are_ended_together():
-    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
-            "time.sleep(60)")
-    child = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
-    time.sleep(0.5)
-    start = time.monotonic()
+def test_a_child_and_what_it_started_are_ended_together(monkeypatch):
+    # Both processes ignore nothing: a parent run under nohup hands SIGINT ignored to its children, and the real
+    # child restores it (vllm_baseline.main) as these do. Ended by SIGINT, not by the SIGKILL after the grace.
+    monkeypatch.setattr(vllm_baseline, "GRACE_S", 600.0)
+    restore = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    code = (f"{restore}import subprocess, sys, time; "
+            f"subprocess.Popen([sys.executable, '-c', {restore + 'import time; time.sleep(600)'!r}]); "
+            "print('ready', flush=True); time.sleep(600)")
+    child = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "ready\n"
     end_group(child)
-    assert not group_alive(child) and child.returncode is not None
-    assert time.monotonic() - start < 10
+    assert not group_alive(child)
+    assert child.returncode == -signal.SIGINT  # KeyboardInterrupt uncaught: the interpreter ends by the signal
+
+
+def test_the_vllm_child_restores_sigint_that_a_background_parent_ignores(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(vllm_baseline, "measure_in_child",
+                        lambda request, result: seen.append(signal.getsignal(signal.SIGINT)))
+    request = tmp_path / "request.json"
+    request.write_text("{}")
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as nohup or a background job leaves it
+    try:
+        assert vllm_baseline.main([str(request), str(tmp_path / "result.json")]) == 0
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert seen == [signal.default_int_handler]
 
 
 def test_merged_runs_keep_every_runs_vllm_rows():

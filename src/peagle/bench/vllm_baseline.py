@@ -465,6 +465,9 @@ def measure_in_child(request: dict, result: ResultFile) -> None:
 
 
 def main(argv: list[str]) -> int:
+    # A parent started under nohup or as a background job hands its children SIGINT ignored; end_group's SIGINT
+    # must still end this child gracefully (its result file written), not after GRACE_S by SIGKILL.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     request = json.loads(Path(argv[0]).read_text())
     result = ResultFile(Path(argv[1]))

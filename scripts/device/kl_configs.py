@@ -8,7 +8,7 @@ and at edge sizes, and compares loss and gradients with the eager chunk. With --
 compute-sanitizer memcheck (where the machine allows it): a config that reads or writes out of bounds is named.
 
 Usage: python scripts/device/kl_configs.py OUT.json [--configs 6] [--sanitize] [--vocab 32768] [--hidden 576]
-The JSON holds, per forced index, each multi-config kernel's candidate count, each shape's result (ok, a mismatch
+The JSON holds, per forced index, every compiled kernel's candidate count and the config it ran, each shape's result (ok, a mismatch
 with its size, or the error) and the sanitizer's summary.
 """
 
@@ -37,9 +37,9 @@ def child(index: int, vocab: int, hidden: int) -> dict:
     original = th.cached_autotune
 
     def forced(size_hints, configs, *args, **kwargs):
+        kernels.append({"file": Path(str(kwargs.get("filename") or "")).name, "configs": len(configs),
+                        "forced": str(configs[index % len(configs)])})
         if len(configs) > 1:
-            kernels.append({"file": Path(str(kwargs.get("filename") or "")).name, "configs": len(configs),
-                            "forced": str(configs[index % len(configs)])})
             configs = [configs[index % len(configs)]]
         return original(size_hints, configs, *args, **kwargs)
 
@@ -117,7 +117,7 @@ def main() -> int:
             run["sanitizer"] = [x for x in san if "ERROR SUMMARY" in x or "Invalid" in x or "Error" in x][:12]
         report["runs"].append(run)
         bad = [s for s in run.get("shapes", []) if not s["ok"]]
-        print(f"config index {i}: exit {p.returncode}, {len(run.get('kernels', []))} multi-config kernels, "
+        print(f"config index {i}: exit {p.returncode}, kernels' candidates {[k['configs'] for k in run.get('kernels', [])]}, "
               f"{len(run.get('shapes', []))} shapes, {len(bad)} bad; sanitizer {run.get('sanitizer', '-')}",
               flush=True)
     Path(args.out).write_text(json.dumps(report, indent=1))

@@ -8,8 +8,8 @@ and at edge sizes, and compares loss and gradients with the eager chunk. With --
 compute-sanitizer memcheck (where the machine allows it): a config that reads or writes out of bounds is named.
 
 Usage: python scripts/device/kl_configs.py OUT.json [--configs 6] [--sanitize] [--vocab 32768] [--hidden 576]
-The JSON holds, per forced index, every compiled kernel's candidate count and the config it ran, each shape's result (ok, a mismatch
-with its size, or the error) and the sanitizer's summary.
+The JSON holds, per forced index, every compiled kernel's candidate count and the config it ran, each shape's result
+(ok, a mismatch with its size, or the error) and the sanitizer's summary.
 """
 
 from __future__ import annotations

@@ -243,10 +243,9 @@ def test_a_killed_engine_process_ends_every_stream_with_an_error_and_the_server_
         threads, out = _streams(url, 4, max_tokens=60_000)
         engine, = _children(proc.pid)
         os.kill(engine, signal.SIGKILL)
-        t0 = time.monotonic()
-        for t in threads:
+        for t in threads:  # 60,000 tokens a stream: only the kill ends them within these joins
             t.join(10)
-        assert time.monotonic() - t0 < 10 and not any(t.is_alive() for t in threads)
+        assert not any(t.is_alive() for t in threads)
         for lines in out:
             assert lines[0] == 200 and lines[-1] == "data: [DONE]"
             error = json.loads(lines[-2][len("data: "):])["error"]
@@ -272,9 +271,8 @@ def test_sigterm_drains_the_requests_in_flight_then_exits_0(tokenizer_dir):
 def test_sigterm_cuts_what_outlasts_the_shutdown_timeout(tokenizer_dir):
     with launched(tokenizer_dir, "--shutdown-timeout", "1") as (proc, url):
         threads, out = _streams(url, 2, max_tokens=60_000)
-        t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0 and time.monotonic() - t0 < 15
+        assert proc.wait(30) == 0  # the streams would run for minutes: only the cut lets it exit within the wait
         for t in threads:
             t.join(10)
         assert all("data: [DONE]" not in lines for lines in out)  # cut off, not finished

@@ -775,6 +775,17 @@ def test_a_device_fault_records_the_unfinished_steps_and_replay_runs_them_alone(
     assert [r["loss"] for r in rows] == [clean[3], clean[4]]
     assert "step 4 (epoch 0, sequence" in out and "ran clean" in out
 
+    # With the run's first two steps before them (kernels meet the shapes in the run's order), the recorded steps
+    # start from the same restored state: the same losses; the history's rows are its steps from the start.
+    assert main(["train-replay", str(fault), "--history", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = json.loads(out.strip().splitlines()[-1])["steps"]
+    assert [(r["step"], r.get("history", False), r["error"]) for r in rows] == [
+        (1, True, None), (2, True, None), (3, False, None), (4, False, None)]
+    assert [(r["epoch"], r["index"]) for r in rows[:2]] == positions[:2]
+    assert [r["loss"] for r in rows[2:]] == [clean[3], clean[4]]  # the history's updates were undone
+    assert "history step 2 (epoch 0, sequence" in out
+
     # A step that faults again is named, and the ones after it are not run.
     calls.update(n=0, fault_at=1)
     monkeypatch.setattr(objectives.Objective, "backward", faulting)

@@ -216,6 +216,11 @@ def register(subparsers) -> None:
         epilog="example:\n  peagle train-replay runs/peagle/faults/step-00006251",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     replay.add_argument("fault_dir", type=Path, metavar="FAULT_DIR", help="a directory under <--out>/faults/")
+    replay.add_argument("--history", type=int, default=0, metavar="N",
+                        help="first run the run's first N steps from the start of its data, so that the compiled "
+                             "kernels meet the shapes in the order the run met them (a fault that needs a kernel "
+                             "compiled for an earlier shape); the drafter and optimizer state are restored after "
+                             "them (default 0)")
     replay.set_defaults(func=_train_replay)
 
     report = subparsers.add_parser(
@@ -333,12 +338,13 @@ def _train_replay(args: argparse.Namespace) -> int:
 
     dist = init_distributed()
     try:
-        rows = replay_fault(args.fault_dir, dist)
+        rows = replay_fault(args.fault_dir, dist, args.history)
     finally:
         shutdown_distributed()
     for row in rows:
         state = "ran clean" if row["error"] is None else f"FAULTED: {row['error']}"
-        print(f"step {row['step']} (epoch {row['epoch']}, sequence {row['index']}): {state}")
+        what = "history step" if row.get("history") else "step"
+        print(f"{what} {row['step']} (epoch {row['epoch']}, sequence {row['index']}): {state}")
     faulted = any(row["error"] is not None for row in rows)
     print(json.dumps({"steps": rows, "faulted": faulted}))
     return 1 if faulted else 0

@@ -8,6 +8,7 @@ the uninterrupted one would have done.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -528,15 +529,25 @@ class Trainer:
                      steps[0][0], steps[-1][0], out, out)
         return out
 
-    def replay(self, fault_dir: Path) -> list[dict]:
+    def replay(self, fault_dir: Path, history: int = 0) -> list[dict]:
         """Runs each step recorded in `fault_dir` alone, waiting for the device after each: one row per step, with
-        its loss, or the error of the step that faulted (the steps after it are not run)."""
+        its loss, or the error of the step that faulted (the steps after it are not run).
+
+        `history`: first the run's first `history` steps from the start of its data, so that the compiled kernels
+        meet the shapes in the order the run met them (a kernel compiled for an early shape, reused later); their
+        rows say "history". The drafter and optimizers are restored after them: the recorded steps start from the
+        same state either way."""
         record = torch.load(Path(fault_dir) / FAULT_PLANS, map_location="cpu", weights_only=False)
-        rows = []
-        for entry in record["steps"]:
-            row = {"step": entry["step"], "epoch": entry["epoch"], "index": entry["index"]}
+        saved = copy.deepcopy({"drafter": self.drafter.state_dict(), "optimizers": self.optimizer.state_dict()}
+                              ) if history else None
+        rows, position = [], (0, 0)
+        steps = [(i + 1, None, True) for i in range(history)] + [(e["step"], e, False) for e in record["steps"]]
+        for number, entry, early in steps:
+            prepared = self.prepare(*position) if early else entry["prepared"]
+            at = position if early else (entry["epoch"], entry["index"])
+            row = {"step": number, "epoch": at[0], "index": at[1], **({"history": True} if early else {})}
             try:
-                self.run_step(entry["prepared"])
+                self.run_step(prepared)
                 if self.dist.device.type == "cuda":
                     torch.cuda.synchronize(self.dist.device)
                 loss = float(self._pending.pop()[1][0])
@@ -544,6 +555,11 @@ class Trainer:
                 rows.append({**row, "error": f"{type(e).__name__}: {e}".strip()})
                 break
             rows.append({**row, "error": None, "loss": loss})
+            if early:
+                position = (prepared.epoch, prepared.index)
+                if number == history:
+                    self.drafter.load_state_dict(saved["drafter"])
+                    self.optimizer.load_state_dict(saved["optimizers"])
         return rows
 
     # ---- signals and logs ----
@@ -733,9 +749,12 @@ def config_from_record(record: dict) -> TrainConfig:
     return TrainConfig(**value)
 
 
-def replay_fault(fault_dir: Path, dist: DistContext) -> list[dict]:
+def replay_fault(fault_dir: Path, dist: DistContext, history: int = 0) -> list[dict]:
     """Each step recorded in `fault_dir` (`Trainer.record_fault`) run alone on `dist`'s device, from the run's
-    newest checkpoint (else the drafter the run started from): one row per step run (`Trainer.replay`)."""
+    newest checkpoint (else the drafter the run started from), after `history` of the run's first steps: one row per
+    step run (`Trainer.replay`)."""
+    if history < 0:
+        raise ValueError(f"history must be >= 0 steps, got {history}")
     fault_dir = Path(fault_dir)
     if not (fault_dir / FAULT_PLANS).is_file():
         raise FileNotFoundError(f"{fault_dir} holds no {FAULT_PLANS}: give a directory the trainer wrote under "
@@ -749,7 +768,7 @@ def replay_fault(fault_dir: Path, dist: DistContext) -> list[dict]:
     trainer = build_trainer(replace(cfg, out=run, resume=resumed), dist, write_config=False)
     if resumed:
         trainer._load_latest()
-    return trainer.replay(fault_dir)
+    return trainer.replay(fault_dir, history)
 
 
 def split_sources(data_dirs, tokenizer: Tokenizer, vocab_size: int, eval_fraction: float, max_eval: int,

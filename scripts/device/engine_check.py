@@ -114,8 +114,8 @@ def main(argv=None) -> int:
     if longest + args.max_tokens > args.max_model_len:
         ap.error(f"a {args.dataset} prompt has {longest} tokens: --max-model-len {args.max_model_len} leaves no room "
                  f"for {args.max_tokens} more")
-    report = {"dataset": args.dataset, "completions": args.completions, "num_prompts": len(prompts), "max_tokens": args.max_tokens,
-              "prompt_tokens": {"min": min(len(p) for p in prompts), "max": longest},
+    report = {"dataset": args.dataset, "completions": args.completions, "num_prompts": len(prompts),
+              "max_tokens": args.max_tokens, "prompt_tokens": {"min": min(len(p) for p in prompts), "max": longest},
               "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "checks": []}
     if args.sampling:
         return sampling_check(args, heads, prompts, report)

@@ -117,7 +117,8 @@ def main() -> int:
             run["sanitizer"] = [x for x in san if "ERROR SUMMARY" in x or "Invalid" in x or "Error" in x][:12]
         report["runs"].append(run)
         bad = [s for s in run.get("shapes", []) if not s["ok"]]
-        print(f"config index {i}: exit {p.returncode}, kernels' candidates {[k['configs'] for k in run.get('kernels', [])]}, "
+        candidates = [k["configs"] for k in run.get("kernels", [])]
+        print(f"config index {i}: exit {p.returncode}, kernels' candidates {candidates}, "
               f"{len(run.get('shapes', []))} shapes, {len(bad)} bad; sanitizer {run.get('sanitizer', '-')}",
               flush=True)
     Path(args.out).write_text(json.dumps(report, indent=1))

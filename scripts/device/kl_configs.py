@@ -87,6 +87,9 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=576, help="the drafter's width (the testbed target's)")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    for name in ("configs", "vocab", "hidden"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.child is not None:
         print("KL_CONFIGS " + json.dumps(child(args.child, args.vocab, args.hidden)), flush=True)
         return 0
